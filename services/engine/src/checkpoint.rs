@@ -1,0 +1,207 @@
+//! Reading Hugging Face safetensors checkpoints, memory-mapped, one tensor at a time.
+//!
+//! Single files (`model.safetensors`) and sharded ones (`model.safetensors.index.json`
+//! mapping tensor names to shard files) are both supported. Every error names the file
+//! and, where it can be known, the tensor.
+
+use crate::error::{EngineError, Result};
+use candle_core::{DType, Device, Tensor};
+use memmap2::Mmap;
+use safetensors::SafeTensors;
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+/// One memory-mapped safetensors file whose header has been validated.
+struct Shard {
+    path: PathBuf,
+    mmap: Mmap,
+}
+
+impl Shard {
+    fn open(path: &Path) -> Result<Self> {
+        let file = File::open(path).map_err(|e| EngineError::io(format!("opening {}", path.display()), e))?;
+        // SAFETY: the checkpoint is mapped read-only; quantmesh never writes to a file it has
+        // mapped, and a concurrent writer from outside is documented as unsupported (write
+        // new checkpoints to a new directory).
+        #[allow(unsafe_code)]
+        let mmap = unsafe { Mmap::map(&file) }
+            .map_err(|e| EngineError::io(format!("mapping {}", path.display()), e))?;
+        let shard = Shard { path: path.to_path_buf(), mmap };
+        shard.check()?;
+        Ok(shard)
+    }
+
+    /// Validate the header; on failure, find the tensor the damage hits.
+    fn check(&self) -> Result<()> {
+        match SafeTensors::deserialize(&self.mmap) {
+            Ok(_) => Ok(()),
+            Err(err) => Err(self.diagnose(err)),
+        }
+    }
+
+    fn diagnose(&self, err: safetensors::SafeTensorError) -> EngineError {
+        let bytes = &self.mmap[..];
+        if bytes.len() < 8 {
+            return EngineError::checkpoint(&self.path, None, format!("file is {} bytes, too short for a safetensors header", bytes.len()));
+        }
+        let mut n = [0u8; 8];
+        n.copy_from_slice(&bytes[..8]);
+        let header_len = u64::from_le_bytes(n) as usize;
+        let Some(header) = bytes.get(8..8usize.saturating_add(header_len)) else {
+            return EngineError::checkpoint(&self.path, None, format!("header claims {header_len} bytes but the file has {}: truncated or not a safetensors file ({err})", bytes.len()));
+        };
+        let Ok(meta) = serde_json::from_slice::<BTreeMap<String, serde_json::Value>>(header) else {
+            return EngineError::checkpoint(&self.path, None, format!("header is not valid JSON ({err})"));
+        };
+        let data_len = bytes.len() - 8 - header_len;
+        // The first tensor (in file order) whose bytes are not all there.
+        let mut spans: Vec<(String, usize)> = meta
+            .iter()
+            .filter(|(k, _)| k.as_str() != "__metadata__")
+            .filter_map(|(k, v)| {
+                let end = v.get("data_offsets")?.get(1)?.as_u64()? as usize;
+                Some((k.clone(), end))
+            })
+            .collect();
+        spans.sort_by_key(|(_, end)| *end);
+        if let Some((name, end)) = spans.iter().find(|(_, end)| *end > data_len) {
+            return EngineError::checkpoint(&self.path, Some(name), format!("data ends at byte {end} of the data section but the file holds only {data_len}: the file is truncated ({err})"));
+        }
+        EngineError::checkpoint(&self.path, None, format!("invalid safetensors file: {err}"))
+    }
+
+    fn tensors(&self) -> Result<SafeTensors<'_>> {
+        SafeTensors::deserialize(&self.mmap).map_err(|e| self.diagnose(e))
+    }
+}
+
+/// A checkpoint: one or more shards and the index of which tensor lives where.
+pub struct Checkpoint {
+    shards: Vec<Shard>,
+    index: HashMap<String, usize>,
+}
+
+impl Checkpoint {
+    /// Open `dir/model.safetensors.index.json` if present, else every `*.safetensors` in `dir`.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let index_path = dir.join("model.safetensors.index.json");
+        let files: Vec<PathBuf> = if index_path.exists() {
+            let text = std::fs::read_to_string(&index_path)
+                .map_err(|e| EngineError::io(format!("reading {}", index_path.display()), e))?;
+            #[derive(serde::Deserialize)]
+            struct Index {
+                weight_map: BTreeMap<String, String>,
+            }
+            let idx: Index = serde_json::from_str(&text).map_err(|e| {
+                EngineError::checkpoint(&index_path, None, format!("invalid index: {e}"))
+            })?;
+            let mut files: Vec<String> = idx.weight_map.values().cloned().collect();
+            files.sort();
+            files.dedup();
+            files.into_iter().map(|f| dir.join(f)).collect()
+        } else {
+            let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+                .map_err(|e| EngineError::io(format!("listing {}", dir.display()), e))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+                .collect();
+            files.sort();
+            files
+        };
+        if files.is_empty() {
+            return Err(EngineError::checkpoint(dir, None, "no .safetensors files found"));
+        }
+        let mut shards = Vec::with_capacity(files.len());
+        let mut index = HashMap::new();
+        for (i, path) in files.iter().enumerate() {
+            let shard = Shard::open(path)?;
+            for name in shard.tensors()?.names() {
+                if index.insert(name.to_string(), i).is_some() {
+                    return Err(EngineError::checkpoint(path, Some(name), "tensor appears in more than one shard"));
+                }
+            }
+            shards.push(shard);
+        }
+        Ok(Self { shards, index })
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.index.keys().map(String::as_str)
+    }
+
+    /// Load one tensor as f32 on the CPU (bf16/f16/f32 accepted). Non-finite values are
+    /// reported as corruption, naming the tensor.
+    pub fn load_f32(&self, name: &str) -> Result<Tensor> {
+        let &i = self.index.get(name).ok_or_else(|| {
+            let file = self.shards.first().map(|s| s.path.clone()).unwrap_or_default();
+            EngineError::checkpoint(file, Some(name), "tensor is missing from the checkpoint")
+        })?;
+        let shard = &self.shards[i];
+        let st = shard.tensors()?;
+        let view = st.tensor(name).map_err(|e| EngineError::checkpoint(&shard.path, Some(name), e.to_string()))?;
+        let dtype = match view.dtype() {
+            safetensors::Dtype::F32 => DType::F32,
+            safetensors::Dtype::F16 => DType::F16,
+            safetensors::Dtype::BF16 => DType::BF16,
+            other => {
+                return Err(EngineError::checkpoint(&shard.path, Some(name), format!("unsupported dtype {other:?} (expected F32, F16 or BF16)")))
+            }
+        };
+        let t = Tensor::from_raw_buffer(view.data(), dtype, view.shape(), &Device::Cpu)
+            .and_then(|t| t.to_dtype(DType::F32))
+            .map_err(|e| EngineError::checkpoint(&shard.path, Some(name), e.to_string()))?;
+        let finite = t
+            .flatten_all()
+            .and_then(|f| f.to_vec1::<f32>())
+            .map_err(|e| EngineError::checkpoint(&shard.path, Some(name), e.to_string()))?
+            .iter()
+            .all(|x| x.is_finite());
+        if !finite {
+            return Err(EngineError::checkpoint(&shard.path, Some(name), "contains NaN or infinite values: the file is corrupt"));
+        }
+        Ok(t)
+    }
+
+    /// Load a tensor and check its shape.
+    pub fn load_f32_shaped(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let t = self.load_f32(name)?;
+        if t.dims() != shape {
+            let i = self.index[name];
+            return Err(EngineError::checkpoint(&self.shards[i].path, Some(name), format!("shape {:?} does not match the config's {:?}", t.dims(), shape)));
+        }
+        Ok(t)
+    }
+
+    /// Total bytes of all shards (as stored).
+    pub fn file_bytes(&self) -> u64 {
+        self.shards.iter().map(|s| s.mmap.len() as u64).sum()
+    }
+}
+
+/// Write tensors (f32 data, stored in the given dtype) to one safetensors file.
+pub fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)], dtype: safetensors::Dtype) -> Result<()> {
+    use safetensors::tensor::TensorView;
+    let bufs: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, _, data)| match dtype {
+            safetensors::Dtype::F16 => data.iter().flat_map(|x| half::f16::from_f32(*x).to_le_bytes()).collect(),
+            safetensors::Dtype::BF16 => data.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect(),
+            _ => data.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        })
+        .collect();
+    let mut views = Vec::with_capacity(tensors.len());
+    for ((name, shape, _), buf) in tensors.iter().zip(&bufs) {
+        let view = TensorView::new(dtype, shape.clone(), buf)
+            .map_err(|e| EngineError::checkpoint(path, Some(name), e.to_string()))?;
+        views.push((name.clone(), view));
+    }
+    let mut meta = HashMap::new();
+    meta.insert("format".to_string(), "pt".to_string());
+    safetensors::serialize_to_file(views, Some(meta), path)
+        .map_err(|e| EngineError::checkpoint(path, None, format!("writing: {e}")))
+}

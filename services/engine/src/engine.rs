@@ -1,0 +1,337 @@
+//! The `Engine` handle: what the gateway (and tests, and benchmarks) call.
+
+use crate::actors::{ExecutorActor, ExecutorState, SchedulerActor, TokenizerActor};
+use crate::block_manager::{BlockManager, SeqId};
+use crate::config::{EngineConfig, ModelConfig};
+use crate::error::{EngineError, Result};
+use crate::kv_cache::KvCache;
+use crate::mask::MaskHandle;
+use crate::messages::{ApplyChatTemplate, Cancel, Drain, Encode, Submit};
+use crate::model::LlamaModel;
+use crate::scheduler::{Scheduler, SchedulerLimits, SeqEvent, Sequence, SubmitError};
+use crate::stats::{EngineStats, StatsCell};
+use crate::tokenizer::{ChatMessage, IncrementalDecoder, TextTokenizer};
+use actix::prelude::*;
+use quantmesh_shared::{FinishReason, GroupId, Residency, SamplingParams, Usage};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+use tokio::sync::mpsc;
+
+/// Static facts about the loaded model.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    pub name: String,
+    pub dir: PathBuf,
+    pub config: ModelConfig,
+    /// Longest prompt + completion the engine accepts.
+    pub max_model_len: usize,
+    pub load_seconds: f64,
+}
+
+struct Inner {
+    scheduler: Addr<SchedulerActor>,
+    tokenizer_actor: Addr<TokenizerActor>,
+    tokenizer: Arc<TextTokenizer>,
+    info: ModelInfo,
+    stats: StatsCell,
+    mask: MaskHandle,
+    next_id: AtomicU64,
+    eos: Vec<u32>,
+}
+
+#[derive(Clone)]
+pub struct Engine {
+    inner: Arc<Inner>,
+}
+
+/// Load the model and tokenizer (blocking; call off the async reactor).
+pub fn load_parts(model_dir: &Path, cfg: &EngineConfig) -> Result<(LlamaModel, TextTokenizer, ModelConfig)> {
+    cfg.validate()?;
+    let mcfg = ModelConfig::from_file(&model_dir.join("config.json"))?;
+    let overrides: Vec<(GroupId, Residency)> = cfg
+        .group_residency
+        .iter()
+        .map(|(k, v)| k.parse::<GroupId>().map(|g| (g, *v)).map_err(EngineError::Config))
+        .collect::<Result<_>>()?;
+    for (g, _) in &overrides {
+        if g.layer >= mcfg.num_hidden_layers {
+            return Err(EngineError::Config(format!("group_residency names {g} but the model has {} layers", mcfg.num_hidden_layers)));
+        }
+    }
+    let default = cfg.default_residency;
+    let residency = move |g: GroupId| overrides.iter().find(|(o, _)| *o == g).map_or(default, |(_, r)| *r);
+    let model = LlamaModel::load(model_dir, &mcfg, &residency)?;
+    let tok = TextTokenizer::load(model_dir)?;
+    Ok((model, tok, mcfg))
+}
+
+impl Engine {
+    /// Load the model from `model_dir` and start the actors. Must run inside an actix
+    /// system (the gateway's, or `actix_rt::System`).
+    pub async fn start(model_dir: &Path, cfg: EngineConfig, name: &str) -> Result<Engine> {
+        let t0 = Instant::now();
+        let dir = model_dir.to_path_buf();
+        let cfg2 = cfg.clone();
+        let (model, tok, mcfg) = tokio::task::spawn_blocking(move || load_parts(&dir, &cfg2))
+            .await
+            .map_err(|e| EngineError::Config(format!("model loading task failed: {e}")))??;
+        let load_seconds = t0.elapsed().as_secs_f64();
+        tracing::info!(model = name, seconds = load_seconds, layers = mcfg.num_hidden_layers, weight_mib = model.resident_bytes() / (1 << 20), "model loaded");
+        Ok(Self::from_parts(model, tok, mcfg, cfg, name, model_dir, load_seconds))
+    }
+
+    pub fn from_parts(model: LlamaModel, tok: TextTokenizer, mcfg: ModelConfig, cfg: EngineConfig, name: &str, dir: &Path, load_seconds: f64) -> Engine {
+        let kv = KvCache::new(mcfg.num_hidden_layers, cfg.num_pages, cfg.page_size, mcfg.kv_dim(), cfg.kv_float_dtype);
+        let stats = StatsCell::new(EngineStats {
+            kv_pages_total: cfg.num_pages,
+            kv_pages_free: cfg.num_pages,
+            resident_weight_bytes: model.resident_bytes(),
+            linear_weight_bytes: model.linear_bytes(),
+            kv_bytes_per_token_int8: kv.bytes_per_token_layer(true) * mcfg.num_hidden_layers,
+            kv_bytes_per_token_float: kv.bytes_per_token_layer(false) * mcfg.num_hidden_layers,
+            ..Default::default()
+        });
+        let mask = MaskHandle::default();
+        let state = Arc::new(Mutex::new(ExecutorState { model, kv, mask: mask.clone(), kv_int8: cfg.kv_int8 }));
+        let executor = SyncArbiter::start(1, move || ExecutorActor { state: state.clone() });
+        let tokenizer = Arc::new(tok);
+        let t2 = tokenizer.clone();
+        let tokenizer_actor = SyncArbiter::start(2, move || TokenizerActor { tokenizer: t2.clone() });
+        let core = Scheduler::new(
+            BlockManager::new(cfg.num_pages, cfg.page_size, cfg.prefix_caching),
+            SchedulerLimits { max_num_seqs: cfg.max_num_seqs, max_num_batched_tokens: cfg.max_num_batched_tokens, max_waiting: cfg.max_waiting },
+        );
+        let scheduler = SchedulerActor::new(core, executor, mask.clone(), stats.clone(), cfg.max_waiting.max(16)).start();
+        let max_model_len = mcfg.max_position_embeddings.min(cfg.num_pages * cfg.page_size);
+        let eos = mcfg.eos_ids();
+        Engine {
+            inner: Arc::new(Inner {
+                scheduler,
+                tokenizer_actor,
+                tokenizer,
+                info: ModelInfo { name: name.to_string(), dir: dir.to_path_buf(), config: mcfg, max_model_len, load_seconds },
+                stats,
+                mask,
+                next_id: AtomicU64::new(1),
+                eos,
+            }),
+        }
+    }
+
+    pub fn info(&self) -> &ModelInfo {
+        &self.inner.info
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        self.inner.stats.get()
+    }
+
+    /// The live fallback mask (the activation monitor and admin routes publish here).
+    pub fn mask(&self) -> &MaskHandle {
+        &self.inner.mask
+    }
+
+    pub fn tokenizer(&self) -> &Arc<TextTokenizer> {
+        &self.inner.tokenizer
+    }
+
+    pub async fn encode(&self, text: String, add_bos: bool) -> Result<Vec<u32>> {
+        self.inner.tokenizer_actor.send(Encode { text, add_bos }).await.map_err(|_| EngineError::Stopped)?
+    }
+
+    pub async fn apply_chat_template(&self, messages: Vec<ChatMessage>) -> Result<String> {
+        self.inner.tokenizer_actor.send(ApplyChatTemplate(messages)).await.map_err(|_| EngineError::Stopped)?
+    }
+
+    /// Queue a tokenized prompt. The returned [`Generation`] yields text as it is produced;
+    /// dropping it cancels the request and frees its KV pages.
+    pub async fn generate(&self, prompt: Vec<u32>, params: SamplingParams) -> Result<Generation> {
+        params.validate().map_err(|e| EngineError::InvalidRequest(e.to_string()))?;
+        if prompt.is_empty() {
+            return Err(EngineError::InvalidRequest("the prompt is empty".into()));
+        }
+        let vocab = self.inner.info.config.vocab_size as u32;
+        if let Some(bad) = prompt.iter().find(|&&t| t >= vocab) {
+            return Err(EngineError::InvalidRequest(format!("token id {bad} is outside the vocabulary (size {vocab})")));
+        }
+        let max_len = self.inner.info.max_model_len;
+        if prompt.len() + params.max_tokens > max_len {
+            return Err(EngineError::InvalidRequest(format!(
+                "prompt ({} tokens) + max_tokens ({}) exceeds the model's maximum length {max_len}",
+                prompt.len(),
+                params.max_tokens
+            )));
+        }
+        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = mpsc::unbounded_channel();
+        let prompt_len = prompt.len();
+        let stop = params.stop.clone();
+        let seq = Sequence::new(id, prompt, params, self.inner.eos.clone());
+        self.inner.scheduler.send(Submit { seq, events: tx }).await.map_err(|_| EngineError::Stopped)?.map_err(|e| match e {
+            SubmitError::QueueFull { .. } | SubmitError::ShuttingDown => EngineError::Overloaded(e.to_string()),
+            SubmitError::NeverFits { .. } => EngineError::InvalidRequest(e.to_string()),
+        })?;
+        Ok(Generation {
+            id,
+            rx,
+            decoder: IncrementalDecoder::default(),
+            tokenizer: self.inner.tokenizer.clone(),
+            scheduler: self.inner.scheduler.clone(),
+            stop,
+            text: String::new(),
+            emitted: 0,
+            prompt_tokens: prompt_len,
+            completion_tokens: 0,
+            finish: None,
+            released: false,
+            done: false,
+        })
+    }
+
+    /// Stop admitting new requests and wait until running ones have finished.
+    pub async fn drain(&self) {
+        let _ = self.inner.scheduler.send(Drain).await;
+    }
+}
+
+/// One item of a generation stream.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GenerationEvent {
+    /// New text; may be empty while a multi-byte character or a possible stop string is
+    /// held back. `token` is the sampled token, `None` for text flushed at the end.
+    Text { text: String, token: Option<u32> },
+    Done { reason: FinishReason, usage: Usage, cached_tokens: usize },
+}
+
+/// A running request. Yields text deltas, then one `Done`. Dropping it before `Done`
+/// cancels the request and frees its KV pages.
+pub struct Generation {
+    id: SeqId,
+    rx: mpsc::UnboundedReceiver<SeqEvent>,
+    decoder: IncrementalDecoder,
+    tokenizer: Arc<TextTokenizer>,
+    scheduler: Addr<SchedulerActor>,
+    stop: Vec<String>,
+    /// All text decoded so far; `text[..emitted]` has been handed out.
+    text: String,
+    emitted: usize,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    /// Set once the end is known; the next call reports it.
+    finish: Option<(FinishReason, usize)>,
+    /// The engine no longer holds the request (finished, or cancelled by us).
+    released: bool,
+    done: bool,
+}
+
+impl Generation {
+    pub fn id(&self) -> SeqId {
+        self.id
+    }
+
+    /// Longest suffix of `text[emitted..]` that could still grow into a stop string.
+    fn holdback(&self) -> usize {
+        let pending = &self.text[self.emitted..];
+        let mut hold = 0;
+        for s in &self.stop {
+            if let Some((i, _)) = pending.char_indices().find(|(i, _)| {
+                let tail = &pending[*i..];
+                tail.len() < s.len() && s.starts_with(tail)
+            }) {
+                hold = hold.max(pending.len() - i);
+            }
+        }
+        hold
+    }
+
+    fn find_stop(&self) -> Option<usize> {
+        let pending = &self.text[self.emitted..];
+        self.stop.iter().filter_map(|s| pending.find(s.as_str())).min().map(|p| self.emitted + p)
+    }
+
+    fn usage(&self) -> Usage {
+        Usage { prompt_tokens: self.prompt_tokens, completion_tokens: self.completion_tokens, total_tokens: self.prompt_tokens + self.completion_tokens }
+    }
+
+    fn release(&mut self) {
+        if !self.released {
+            self.released = true;
+            self.scheduler.do_send(Cancel(self.id));
+        }
+    }
+
+    /// The next event, or `None` after `Done`.
+    pub async fn next(&mut self) -> Option<GenerationEvent> {
+        if self.done {
+            return None;
+        }
+        if let Some((reason, cached_tokens)) = self.finish.take() {
+            self.done = true;
+            return Some(GenerationEvent::Done { reason, usage: self.usage(), cached_tokens });
+        }
+        match self.rx.recv().await {
+            Some(SeqEvent::Token { token, .. }) => {
+                self.completion_tokens += 1;
+                let delta = self.decoder.push(&self.tokenizer, token).unwrap_or_else(|e| {
+                    tracing::warn!(error = %e, "detokenization failed");
+                    None
+                });
+                self.text.push_str(&delta.unwrap_or_default());
+                let upto = match self.find_stop() {
+                    Some(at) => {
+                        // A stop string: end here, free the engine's pages now.
+                        self.release();
+                        self.finish = Some((FinishReason::Stop, 0));
+                        at
+                    }
+                    None => self.text.len() - self.holdback(),
+                };
+                let text = self.text[self.emitted..upto].to_string();
+                self.emitted = upto;
+                Some(GenerationEvent::Text { text, token: Some(token) })
+            }
+            Some(SeqEvent::Finished { reason, cached_tokens, .. }) => {
+                self.released = true;
+                let tail = self.decoder.flush(&self.tokenizer).unwrap_or_default();
+                self.text.push_str(&tail);
+                let (end, reason) = match self.find_stop() {
+                    Some(at) => (at, FinishReason::Stop),
+                    None => (self.text.len(), reason),
+                };
+                let text = self.text[self.emitted..end].to_string();
+                self.emitted = end;
+                if text.is_empty() {
+                    self.done = true;
+                    return Some(GenerationEvent::Done { reason, usage: self.usage(), cached_tokens });
+                }
+                self.finish = Some((reason, cached_tokens));
+                Some(GenerationEvent::Text { text, token: None })
+            }
+            None => {
+                self.done = true;
+                self.released = true;
+                Some(GenerationEvent::Done { reason: FinishReason::Error, usage: self.usage(), cached_tokens: 0 })
+            }
+        }
+    }
+
+    /// Run to the end and collect the text (non-streaming use).
+    pub async fn collect(mut self) -> (String, FinishReason, Usage, usize) {
+        let mut text = String::new();
+        while let Some(ev) = self.next().await {
+            match ev {
+                GenerationEvent::Text { text: t, .. } => text.push_str(&t),
+                GenerationEvent::Done { reason, usage, cached_tokens } => return (text, reason, usage, cached_tokens),
+            }
+        }
+        (text, FinishReason::Error, self.usage(), 0)
+    }
+}
+
+impl Drop for Generation {
+    fn drop(&mut self) {
+        self.release();
+    }
+}

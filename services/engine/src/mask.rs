@@ -1,0 +1,78 @@
+//! The fallback mask: which path every layer group, token, request and batch takes.
+//!
+//! Published as an immutable snapshot through `arc-swap`: writers (the activation monitor,
+//! admin routes, tests) build a new snapshot and swap it in; the executor loads it once
+//! per step, so a decision takes effect at the next step and a step never sees a
+//! half-applied mask.
+
+use crate::block_manager::SeqId;
+use arc_swap::ArcSwap;
+use quantmesh_shared::GroupId;
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::Arc;
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PathMask {
+    /// Per-layer granularity: groups that run their float path for every row.
+    pub float_groups: BTreeSet<GroupId>,
+    /// Layers whose KV cache takes new tokens in float.
+    pub kv_float_layers: BTreeSet<usize>,
+    /// Per-token granularity: (sequence, absolute position) rows computed in float in a group.
+    pub float_tokens: HashMap<GroupId, HashSet<(SeqId, usize)>>,
+    /// Per-request granularity: every remaining token of these sequences runs in float.
+    pub float_requests: HashSet<SeqId>,
+    /// Per-batch granularity (last resort): the whole step runs in float.
+    pub float_batch: bool,
+    /// Bumped by every publish; reported with step results.
+    pub version: u64,
+}
+
+impl PathMask {
+    pub fn is_all_int8(&self) -> bool {
+        self.float_groups.is_empty()
+            && self.float_tokens.values().all(HashSet::is_empty)
+            && self.float_requests.is_empty()
+            && !self.float_batch
+    }
+}
+
+/// Shared handle to the current mask.
+#[derive(Debug, Clone, Default)]
+pub struct MaskHandle {
+    inner: Arc<ArcSwap<PathMask>>,
+}
+
+impl MaskHandle {
+    pub fn load(&self) -> Arc<PathMask> {
+        self.inner.load_full()
+    }
+
+    /// Apply `f` to a copy of the current mask and publish it atomically.
+    pub fn update(&self, f: impl Fn(&mut PathMask)) -> Arc<PathMask> {
+        let mut published = None;
+        self.inner.rcu(|cur| {
+            let mut next = PathMask::clone(cur);
+            f(&mut next);
+            next.version = cur.version + 1;
+            let next = Arc::new(next);
+            published = Some(next.clone());
+            next
+        });
+        published.unwrap_or_else(|| self.load())
+    }
+
+    /// Forget a finished request everywhere it appears.
+    pub fn forget_request(&self, seq: SeqId) {
+        let cur = self.load();
+        let mentioned = cur.float_requests.contains(&seq)
+            || cur.float_tokens.values().any(|s| s.iter().any(|(q, _)| *q == seq));
+        if mentioned {
+            self.update(|m| {
+                m.float_requests.remove(&seq);
+                for rows in m.float_tokens.values_mut() {
+                    rows.retain(|(q, _)| *q != seq);
+                }
+            });
+        }
+    }
+}

@@ -1,0 +1,307 @@
+//! A Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU; Qwen2-style
+//! q/k/v biases) over a flattened batch of tokens from many sequences, reading and
+//! writing the paged KV cache.
+//!
+//! A step is a list of sequence chunks (prefill chunks and single decode tokens). Linear
+//! groups run once over all rows of the step; attention runs per sequence over that
+//! sequence's cached K/V.
+
+use crate::block_manager::{PageId, SeqId, Slot};
+use crate::checkpoint::Checkpoint;
+use crate::config::ModelConfig;
+use crate::error::{EngineError, Result};
+use crate::kv_cache::KvCache;
+use crate::linear::{DualLinear, GroupOutcome, RowPath};
+use crate::mask::PathMask;
+use candle_core::{DType, Device, Tensor, D};
+use quantmesh_shared::{GroupId, GroupKind, Residency};
+use std::path::Path;
+
+/// One sequence's part of a step.
+#[derive(Debug, Clone)]
+pub struct SeqChunk {
+    pub seq: SeqId,
+    pub tokens: Vec<u32>,
+    /// Absolute position of `tokens[0]`.
+    pub start_pos: usize,
+    /// KV slots for `tokens`, one each.
+    pub slots: Vec<Slot>,
+    pub block_table: Vec<PageId>,
+    /// Compute logits for the last token of the chunk.
+    pub want_logits: bool,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct StepInput {
+    pub chunks: Vec<SeqChunk>,
+    /// Copy-on-write page copies to do before the step.
+    pub copies: Vec<(PageId, PageId)>,
+}
+
+impl StepInput {
+    pub fn num_tokens(&self) -> usize {
+        self.chunks.iter().map(|c| c.tokens.len()).sum()
+    }
+}
+
+/// What a step produced.
+#[derive(Debug, Clone, Default)]
+pub struct StepOutput {
+    /// Logits of the last token of each chunk that asked for them.
+    pub logits: Vec<(SeqId, Vec<f32>)>,
+    /// Row counts per group and path.
+    pub outcomes: Vec<(GroupId, GroupOutcome)>,
+    /// The mask version this step ran under.
+    pub mask_version: u64,
+    pub num_tokens: usize,
+}
+
+struct Layer {
+    input_norm: Tensor,
+    post_norm: Tensor,
+    groups: [DualLinear; 4],
+}
+
+pub struct LlamaModel {
+    cfg: ModelConfig,
+    embed: Tensor,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    lm_head: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+}
+
+fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+    Ok(x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(w)?)
+}
+
+fn softmax_last(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?;
+    let e = x.broadcast_sub(&max)?.exp()?;
+    Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
+}
+
+/// `x` is `[rows, heads, head_dim]`; cos/sin are `[rows, head_dim/2]`. HF's rotate-half.
+fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let half = x.dim(D::Minus1)? / 2;
+    let x1 = x.narrow(D::Minus1, 0, half)?;
+    let x2 = x.narrow(D::Minus1, half, half)?;
+    let c = cos.unsqueeze(1)?;
+    let s = sin.unsqueeze(1)?;
+    let a = (x1.broadcast_mul(&c)? - x2.broadcast_mul(&s)?)?;
+    let b = (x2.broadcast_mul(&c)? + x1.broadcast_mul(&s)?)?;
+    Ok(Tensor::cat(&[a, b], D::Minus1)?)
+}
+
+impl LlamaModel {
+    /// Load from a Hugging Face directory; `residency` decides each group's resident forms.
+    pub fn load(dir: &Path, cfg: &ModelConfig, residency: &dyn Fn(GroupId) -> Residency) -> Result<Self> {
+        let ck = Checkpoint::open(dir)?;
+        let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+        let (hd, nh, nkv) = (cfg.head_dim(), cfg.num_attention_heads, cfg.num_kv_heads());
+        let embed = ck.load_f32_shaped("model.embed_tokens.weight", &[v, h])?;
+        let norm = ck.load_f32_shaped("model.norm.weight", &[h])?;
+        let lm_head = if ck.contains("lm_head.weight") && !cfg.tie_word_embeddings {
+            ck.load_f32_shaped("lm_head.weight", &[v, h])?
+        } else {
+            embed.clone()
+        };
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for l in 0..cfg.num_hidden_layers {
+            let p = format!("model.layers.{l}.");
+            let load_group = |kind: GroupKind, shapes: &[[usize; 2]]| -> Result<DualLinear> {
+                let mut ws = Vec::new();
+                let mut bs = Vec::new();
+                for (member, shape) in kind.members().iter().zip(shapes) {
+                    ws.push(ck.load_f32_shaped(&format!("{p}{member}.weight"), shape)?);
+                    let bname = format!("{p}{member}.bias");
+                    if kind == GroupKind::Qkv && cfg.has_qkv_bias() {
+                        bs.push(ck.load_f32_shaped(&bname, &[shape[0]])?);
+                    } else if ck.contains(&bname) {
+                        bs.push(ck.load_f32_shaped(&bname, &[shape[0]])?);
+                    }
+                }
+                let w = if ws.len() == 1 { ws.remove(0) } else { Tensor::cat(&ws, 0)? };
+                let b = match bs.len() {
+                    0 => None,
+                    n if n == ws.len().max(1) || (ws.is_empty() && n == 1) => Some(if n == 1 { bs.remove(0) } else { Tensor::cat(&bs, 0)? }),
+                    _ => return Err(EngineError::checkpoint(dir, Some(&format!("{p}{}", kind.members()[0])), "only some members of the fused group have a bias")),
+                };
+                DualLinear::new(w, b, residency(GroupId::new(l, kind)))
+            };
+            let qkv = load_group(GroupKind::Qkv, &[[nh * hd, h], [nkv * hd, h], [nkv * hd, h]])?;
+            let o = load_group(GroupKind::O, &[[h, nh * hd]])?;
+            let gate_up = load_group(GroupKind::GateUp, &[[i, h], [i, h]])?;
+            let down = load_group(GroupKind::Down, &[[h, i]])?;
+            layers.push(Layer {
+                input_norm: ck.load_f32_shaped(&format!("{p}input_layernorm.weight"), &[h])?,
+                post_norm: ck.load_f32_shaped(&format!("{p}post_attention_layernorm.weight"), &[h])?,
+                groups: [qkv, o, gate_up, down],
+            });
+        }
+        let half = hd / 2;
+        let inv: Vec<f32> = (0..half).map(|j| 1.0 / (cfg.rope_theta as f32).powf(2.0 * j as f32 / hd as f32)).collect();
+        let max_pos = cfg.max_position_embeddings;
+        let mut angles = Vec::with_capacity(max_pos * half);
+        for pos in 0..max_pos {
+            angles.extend(inv.iter().map(|f| pos as f32 * f));
+        }
+        let angles = Tensor::from_vec(angles, (max_pos, half), &Device::Cpu)?;
+        Ok(Self { cfg: cfg.clone(), embed, layers, norm, lm_head, cos: angles.cos()?, sin: angles.sin()? })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    pub fn residency(&self, g: GroupId) -> Residency {
+        self.layers[g.layer].groups[g.kind.index()].residency()
+    }
+
+    /// Bytes of resident linear-group weights (the part the precision plan changes).
+    pub fn linear_bytes(&self) -> usize {
+        self.layers.iter().flat_map(|l| l.groups.iter()).map(DualLinear::resident_bytes).sum()
+    }
+
+    /// All resident weight bytes (linear groups + float embeddings, norms, lm_head).
+    pub fn resident_bytes(&self) -> usize {
+        let float = self.embed.elem_count() + self.norm.elem_count()
+            + if self.cfg.tie_word_embeddings { 0 } else { self.lm_head.elem_count() }
+            + self.layers.iter().map(|l| l.input_norm.elem_count() + l.post_norm.elem_count()).sum::<usize>();
+        self.linear_bytes() + float * 4
+    }
+
+    /// Which rows of the step take the float path through group `g`.
+    fn row_path(g: GroupId, mask: &PathMask, rows: &[(SeqId, usize)]) -> RowPath {
+        if mask.float_batch || mask.float_groups.contains(&g) {
+            return RowPath::AllFloat;
+        }
+        let tokens = mask.float_tokens.get(&g);
+        if mask.float_requests.is_empty() && tokens.is_none_or(|t| t.is_empty()) {
+            return RowPath::AllInt8;
+        }
+        let float: Vec<usize> = rows
+            .iter()
+            .enumerate()
+            .filter(|(_, (s, p))| mask.float_requests.contains(s) || tokens.is_some_and(|t| t.contains(&(*s, *p))))
+            .map(|(i, _)| i)
+            .collect();
+        if float.is_empty() { RowPath::AllInt8 } else { RowPath::FloatRows(float) }
+    }
+
+    /// Run one step. `kv_int8` says, per layer, whether new KV entries are stored in INT8.
+    pub fn forward(&self, step: &StepInput, mask: &PathMask, kv: &mut KvCache, kv_int8: bool) -> Result<StepOutput> {
+        for &(src, dst) in &step.copies {
+            kv.copy_page(src, dst);
+        }
+        let dev = Device::Cpu;
+        let cfg = &self.cfg;
+        let (hd, nh, nkv) = (cfg.head_dim(), cfg.num_attention_heads, cfg.num_kv_heads());
+        let rep = nh / nkv;
+        let kv_dim = nkv * hd;
+        let ids: Vec<u32> = step.chunks.iter().flat_map(|c| c.tokens.iter().copied()).collect();
+        let rows: Vec<(SeqId, usize)> = step
+            .chunks
+            .iter()
+            .flat_map(|c| (0..c.tokens.len()).map(move |i| (c.seq, c.start_pos + i)))
+            .collect();
+        let n = ids.len();
+        let mut out = StepOutput { mask_version: mask.version, num_tokens: n, ..Default::default() };
+        if n == 0 {
+            return Ok(out);
+        }
+        if let Some(&(_, p)) = rows.iter().find(|(_, p)| *p >= cfg.max_position_embeddings) {
+            return Err(EngineError::InvalidRequest(format!("position {p} exceeds max_position_embeddings {}", cfg.max_position_embeddings)));
+        }
+        let pos: Vec<u32> = rows.iter().map(|(_, p)| *p as u32).collect();
+        let pos = Tensor::new(pos.as_slice(), &dev)?;
+        let cos = self.cos.index_select(&pos, 0)?;
+        let sin = self.sin.index_select(&pos, 0)?;
+        let mut x = self.embed.index_select(&Tensor::new(ids.as_slice(), &dev)?, 0)?;
+        let scale = 1.0 / (hd as f64).sqrt();
+
+        for (l, layer) in self.layers.iter().enumerate() {
+            let mut run = |kind: GroupKind, input: &Tensor| -> Result<Tensor> {
+                let g = GroupId::new(l, kind);
+                let path = Self::row_path(g, mask, &rows);
+                let (y, o) = layer.groups[kind.index()].forward(input, &path)?;
+                out.outcomes.push((g, o));
+                Ok(y)
+            };
+            // --- attention ---
+            let h = rms_norm(&x, &layer.input_norm, cfg.rms_norm_eps)?;
+            let qkv = run(GroupKind::Qkv, &h)?;
+            let q = qkv.narrow(1, 0, nh * hd)?.reshape((n, nh, hd))?;
+            let k = qkv.narrow(1, nh * hd, kv_dim)?.reshape((n, nkv, hd))?;
+            let v = qkv.narrow(1, nh * hd + kv_dim, kv_dim)?;
+            let q = rope(&q, &cos, &sin)?;
+            let k = rope(&k, &cos, &sin)?.reshape((n, kv_dim))?;
+            let k_rows = k.to_vec2::<f32>()?;
+            let v_rows = v.to_vec2::<f32>()?;
+            let layer_int8 = kv_int8 && !mask.kv_float_layers.contains(&l);
+            let mut row = 0;
+            for c in &step.chunks {
+                for (i, slot) in c.slots.iter().enumerate() {
+                    kv.write(l, *slot, &k_rows[row + i], &v_rows[row + i], layer_int8);
+                }
+                row += c.tokens.len();
+            }
+            let mut attn_out = Vec::with_capacity(step.chunks.len());
+            let mut row = 0;
+            for c in &step.chunks {
+                let m = c.tokens.len();
+                let ctx = c.start_pos + m;
+                let (kc, vc) = kv.gather(l, &c.block_table, ctx);
+                let kc = Tensor::from_vec(kc, (ctx, nkv, hd), &dev)?.transpose(0, 1)?.contiguous()?;
+                let vc = Tensor::from_vec(vc, (ctx, nkv, hd), &dev)?.transpose(0, 1)?.contiguous()?;
+                // q: [m, nh, hd] -> [nkv, rep*m, hd] (head = kv_head * rep + r, as HF's repeat_kv)
+                let qs = q
+                    .narrow(0, row, m)?
+                    .reshape((m, nkv, rep, hd))?
+                    .permute((1, 2, 0, 3))?
+                    .contiguous()?
+                    .reshape((nkv, rep * m, hd))?;
+                let scores = (qs.matmul(&kc.t()?)? * scale)?;
+                let mut bias = vec![0f32; m * ctx];
+                for i in 0..m {
+                    for j in (c.start_pos + i + 1)..ctx {
+                        bias[i * ctx + j] = f32::NEG_INFINITY;
+                    }
+                }
+                let bias = Tensor::from_vec(bias, (1, m, ctx), &dev)?.repeat((1, rep, 1))?;
+                let probs = softmax_last(&scores.broadcast_add(&bias)?)?;
+                let o = probs.matmul(&vc)?; // [nkv, rep*m, hd]
+                let o = o.reshape((nkv, rep, m, hd))?.permute((2, 0, 1, 3))?.contiguous()?.reshape((m, nh * hd))?;
+                attn_out.push(o);
+                row += m;
+            }
+            let attn = Tensor::cat(&attn_out, 0)?;
+            x = (x + run(GroupKind::O, &attn)?)?;
+            // --- MLP ---
+            let h = rms_norm(&x, &layer.post_norm, cfg.rms_norm_eps)?;
+            let gu = run(GroupKind::GateUp, &h)?;
+            let inter = cfg.intermediate_size;
+            let act = (gu.narrow(1, 0, inter)?.silu()? * gu.narrow(1, inter, inter)?)?;
+            x = (x + run(GroupKind::Down, &act)?)?;
+        }
+
+        let mut want = Vec::new();
+        let mut row = 0;
+        for c in &step.chunks {
+            row += c.tokens.len();
+            if c.want_logits {
+                want.push((c.seq, (row - 1) as u32));
+            }
+        }
+        if !want.is_empty() {
+            let idx: Vec<u32> = want.iter().map(|(_, r)| *r).collect();
+            let last = x.index_select(&Tensor::new(idx.as_slice(), &dev)?, 0)?;
+            let last = rms_norm(&last, &self.norm, cfg.rms_norm_eps)?;
+            let logits = last.matmul(&self.lm_head.t()?)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+            out.logits = want.into_iter().map(|(s, _)| s).zip(logits).collect();
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,51 @@
+//! A snapshot of the engine's state for metrics and health endpoints.
+
+use std::sync::{Arc, Mutex};
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineStats {
+    pub running: usize,
+    pub waiting: usize,
+    pub kv_pages_used: usize,
+    pub kv_pages_free: usize,
+    pub kv_pages_total: usize,
+    pub kv_fragmentation: f64,
+    pub prefix_cache_hit_pages: u64,
+    pub steps: u64,
+    pub tokens_processed: u64,
+    /// Linear-group rows computed in float / INT8 since start.
+    pub float_rows: u64,
+    pub int8_rows: u64,
+    /// Rows that asked for float in a group holding only INT8 ("wanted fallback, unavailable").
+    pub fallback_unavailable_rows: u64,
+    pub mask_version: u64,
+    pub resident_weight_bytes: usize,
+    pub linear_weight_bytes: usize,
+    pub kv_bytes_per_token_int8: usize,
+    pub kv_bytes_per_token_float: usize,
+}
+
+/// Shared, cheaply readable stats cell (written by the scheduler after every step).
+#[derive(Debug, Clone, Default)]
+pub struct StatsCell(Arc<Mutex<EngineStats>>);
+
+impl StatsCell {
+    pub fn new(initial: EngineStats) -> Self {
+        Self(Arc::new(Mutex::new(initial)))
+    }
+
+    pub fn get(&self) -> EngineStats {
+        match self.0.lock() {
+            Ok(g) => g.clone(),
+            Err(p) => p.into_inner().clone(),
+        }
+    }
+
+    pub fn update(&self, f: impl FnOnce(&mut EngineStats)) {
+        let mut g = match self.0.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        f(&mut g);
+    }
+}
