@@ -225,7 +225,16 @@ pub fn init_model(dir: &Path, opts: &InitOptions) -> Result<Planted> {
         tensors.push((format!("{p}mlp.down_proj.weight"), vec![h, inter], down));
     }
     tensors.push(("model.norm.weight".into(), vec![h], vec![1.0; h]));
-    tensors.push(("lm_head.weight".into(), vec![v, h], normal(&mut rng, v * h, 1.0 / (h as f32).sqrt())));
+    // The every-token massive channel doubles as a bias (as in real models): it pushes
+    // printable ASCII up and everything else down, so sampled text is readable noise
+    // rather than control bytes.
+    let mut lm_head = normal(&mut rng, v * h, 1.0 / (h as f32).sqrt());
+    let mc = planted.massive_channels[0];
+    for t in 0..v {
+        let printable = (0x20..0x7f).contains(&t) || t == b'\n' as usize;
+        lm_head[t * h + mc] = if printable { 0.05 } else { -0.5 };
+    }
+    tensors.push(("lm_head.weight".into(), vec![v, h], lm_head));
 
     let (dtype, dtype_name) = match opts.dtype {
         StoreDtype::Bf16 => (safetensors::Dtype::BF16, "bfloat16"),

@@ -1,1 +1,13 @@
+//! quantmesh gateway: the OpenAI-compatible HTTP API in front of the engine.
 
+pub mod error;
+pub mod metrics;
+pub mod openai;
+pub mod routes;
+pub mod server;
+pub mod settings;
+pub mod state;
+pub mod telemetry;
+
+pub use server::{run_embedded, shutdown_signal};
+pub use settings::Settings;

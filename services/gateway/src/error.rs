@@ -1,0 +1,104 @@
+//! The gateway's error boundary: every failure becomes an OpenAI-shaped JSON body with
+//! the right status, through one exhaustive match.
+
+use actix_web::http::StatusCode;
+use actix_web::{HttpResponse, ResponseError};
+use quantmesh_engine::EngineError;
+use serde_json::json;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("{0}")]
+    Unprocessable(String),
+    #[error("request body is larger than the limit of {limit} bytes")]
+    PayloadTooLarge { limit: usize },
+    #[error("{0}")]
+    Unauthorized(String),
+    #[error("{0}")]
+    Forbidden(String),
+    #[error("the model {0:?} does not exist; see GET /v1/models")]
+    ModelNotFound(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("server overloaded: {0}; retry later")]
+    Overloaded(String),
+    #[error("the model is still loading")]
+    NotReady,
+    #[error("the server is shutting down")]
+    ShuttingDown,
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl ApiError {
+    /// Stable machine-readable (type, code).
+    fn kind(&self) -> (&'static str, &'static str) {
+        match self {
+            ApiError::BadRequest(_) => ("invalid_request_error", "invalid_request"),
+            ApiError::Unprocessable(_) => ("invalid_request_error", "invalid_type"),
+            ApiError::PayloadTooLarge { .. } => ("invalid_request_error", "payload_too_large"),
+            ApiError::Unauthorized(_) => ("authentication_error", "invalid_api_key"),
+            ApiError::Forbidden(_) => ("permission_error", "forbidden"),
+            ApiError::ModelNotFound(_) => ("invalid_request_error", "model_not_found"),
+            ApiError::NotFound(_) => ("invalid_request_error", "not_found"),
+            ApiError::Overloaded(_) => ("rate_limit_error", "overloaded"),
+            ApiError::NotReady => ("service_unavailable", "model_loading"),
+            ApiError::ShuttingDown => ("service_unavailable", "shutting_down"),
+            ApiError::Internal(_) => ("server_error", "internal_error"),
+        }
+    }
+}
+
+impl ResponseError for ApiError {
+    fn status_code(&self) -> StatusCode {
+        match self {
+            ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ApiError::Unprocessable(_) => StatusCode::UNPROCESSABLE_ENTITY,
+            ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
+            ApiError::ModelNotFound(_) | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::NotReady | ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    fn error_response(&self) -> HttpResponse {
+        let (ty, code) = self.kind();
+        HttpResponse::build(self.status_code()).json(json!({
+            "error": { "message": self.to_string(), "type": ty, "code": code, "param": null }
+        }))
+    }
+}
+
+impl From<EngineError> for ApiError {
+    fn from(e: EngineError) -> Self {
+        match e {
+            EngineError::InvalidRequest(m) => ApiError::BadRequest(m),
+            EngineError::Overloaded(m) => ApiError::Overloaded(m),
+            EngineError::Stopped => ApiError::ShuttingDown,
+            EngineError::Tokenizer(m) => ApiError::BadRequest(format!("tokenization failed: {m}")),
+            e @ (EngineError::Io { .. } | EngineError::Config(_) | EngineError::Checkpoint { .. } | EngineError::Tensor(_)) => {
+                ApiError::Internal(e.to_string())
+            }
+        }
+    }
+}
+
+/// Parse a JSON body with precise errors: invalid UTF-8 and syntax errors → 400, wrong
+/// types or missing fields → 422.
+pub fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    let text = std::str::from_utf8(body).map_err(|e| ApiError::BadRequest(format!("request body is not valid UTF-8: {e}")))?;
+    if text.trim().is_empty() {
+        return Err(ApiError::BadRequest("request body is empty; expected a JSON object".into()));
+    }
+    serde_json::from_str(text).map_err(|e| match e.classify() {
+        serde_json::error::Category::Data => ApiError::Unprocessable(format!("invalid request: {e}")),
+        serde_json::error::Category::Syntax | serde_json::error::Category::Eof | serde_json::error::Category::Io => {
+            ApiError::BadRequest(format!("malformed JSON: {e}"))
+        }
+    })
+}

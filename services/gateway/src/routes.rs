@@ -1,0 +1,440 @@
+//! HTTP routes. `configure` is used by the server and by tests alike.
+
+use crate::error::{parse_json, ApiError};
+use crate::openai::{ChatRequest, CompletionRequest, SamplingFields, UsageBody};
+use crate::state::AppState;
+use actix_web::{web, HttpRequest, HttpResponse};
+use bytes::Bytes;
+use futures::StreamExt;
+use quantmesh_engine::{Generation, GenerationEvent, PathMask};
+use quantmesh_shared::{FinishReason, GroupId, SamplingParams};
+use serde_json::json;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::OwnedSemaphorePermit;
+
+pub fn configure(cfg: &mut web::ServiceConfig) {
+    cfg.route("/health", web::get().to(health))
+        .route("/ready", web::get().to(ready))
+        .route("/metrics", web::get().to(metrics))
+        .route("/v1/models", web::get().to(models))
+        .route("/v1/completions", web::post().to(completions))
+        .route("/v1/chat/completions", web::post().to(chat_completions))
+        .route("/admin/mask", web::get().to(get_mask))
+        .route("/admin/mask", web::post().to(set_mask))
+        .default_service(web::to(not_found));
+}
+
+async fn not_found(req: HttpRequest) -> Result<HttpResponse, ApiError> {
+    Err(ApiError::NotFound(format!("no route for {} {}", req.method(), req.path())))
+}
+
+async fn health() -> HttpResponse {
+    HttpResponse::Ok().json(json!({"status": "ok"}))
+}
+
+async fn ready(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    let e = state.engine()?;
+    Ok(HttpResponse::Ok().json(json!({"status": "ready", "model": state.model_name, "load_seconds": e.info().load_seconds})))
+}
+
+async fn metrics(state: web::Data<AppState>) -> HttpResponse {
+    let stats = state.engine_if_loaded().map(|e| e.stats());
+    HttpResponse::Ok().content_type("text/plain; version=0.0.4; charset=utf-8").body(state.metrics.render(stats.as_ref()))
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+async fn models(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    check_api_key(&req, &state)?;
+    let max_len = state.engine_if_loaded().map(|e| e.info().max_model_len);
+    Ok(HttpResponse::Ok().json(json!({
+        "object": "list",
+        "data": [{"id": state.model_name, "object": "model", "created": now_secs(), "owned_by": "quantmesh", "max_model_len": max_len}]
+    })))
+}
+
+fn bearer(req: &HttpRequest) -> Option<&str> {
+    req.headers().get("authorization")?.to_str().ok()?.strip_prefix("Bearer ").map(str::trim)
+}
+
+fn check_api_key(req: &HttpRequest, state: &AppState) -> Result<(), ApiError> {
+    if state.server.api_keys.is_empty() {
+        return Ok(());
+    }
+    match bearer(req) {
+        Some(k) if state.server.api_keys.iter().any(|a| a == k) => Ok(()),
+        Some(_) => Err(ApiError::Unauthorized("invalid API key".into())),
+        None => Err(ApiError::Unauthorized("missing API key: send Authorization: Bearer <key>".into())),
+    }
+}
+
+fn check_admin(req: &HttpRequest, state: &AppState) -> Result<(), ApiError> {
+    let Some(token) = &state.admin_token else {
+        return Err(ApiError::Forbidden("admin routes are disabled: set QUANTMESH_ADMIN_TOKEN to enable them".into()));
+    };
+    match bearer(req) {
+        Some(t) if t == token => Ok(()),
+        _ => Err(ApiError::Unauthorized("admin routes need Authorization: Bearer <QUANTMESH_ADMIN_TOKEN>".into())),
+    }
+}
+
+/// Read the body with the configured limit (413 beyond it).
+async fn read_body(mut payload: web::Payload, limit: usize) -> Result<Bytes, ApiError> {
+    let mut buf = bytes::BytesMut::new();
+    while let Some(chunk) = payload.next().await {
+        let chunk = chunk.map_err(|e| ApiError::BadRequest(format!("reading request body: {e}")))?;
+        if buf.len() + chunk.len() > limit {
+            return Err(ApiError::PayloadTooLarge { limit });
+        }
+        buf.extend_from_slice(&chunk);
+    }
+    Ok(buf.freeze())
+}
+
+/// Everything a generation request needs once validated.
+struct Prepared {
+    generation: Generation,
+    permit: OwnedSemaphorePermit,
+    arrived: Instant,
+    stream: bool,
+    include_usage: bool,
+}
+
+const DEFAULT_COMPLETION_MAX_TOKENS: u32 = 16;
+const DEFAULT_CHAT_MAX_TOKENS: u32 = 256;
+
+fn sampling_params(f: &SamplingFields, default_max: u32) -> Result<SamplingParams, ApiError> {
+    if let Some(n) = f.n {
+        if n != 1 {
+            return Err(ApiError::BadRequest(format!("n = {n} is not supported; only n = 1")));
+        }
+    }
+    let top_k = match f.top_k {
+        None | Some(0) | Some(-1) => 0,
+        Some(k) if k > 0 => k as usize,
+        Some(k) => return Err(ApiError::BadRequest(format!("top_k must be -1, 0 or positive, got {k}"))),
+    };
+    let max_tokens = f.max_completion_tokens.or(f.max_tokens).unwrap_or(default_max);
+    let p = SamplingParams {
+        temperature: f.temperature.unwrap_or(1.0),
+        top_p: f.top_p.unwrap_or(1.0),
+        top_k,
+        max_tokens: max_tokens as usize,
+        stop: f.stop.clone().map(|s| s.into_vec()).unwrap_or_default(),
+        seed: f.seed,
+        stop_at_eos: !f.ignore_eos,
+    };
+    p.validate().map_err(|e| ApiError::BadRequest(e.to_string()))?;
+    Ok(p)
+}
+
+async fn prepare(state: &AppState, f: &SamplingFields, prompt: String, add_bos: bool, default_max: u32) -> Result<Prepared, ApiError> {
+    let arrived = Instant::now();
+    let engine = state.engine()?;
+    if let Some(m) = &f.model {
+        if m != &state.model_name {
+            return Err(ApiError::ModelNotFound(m.clone()));
+        }
+    }
+    let params = sampling_params(f, default_max)?;
+    if prompt.is_empty() {
+        return Err(ApiError::BadRequest("the prompt is empty".into()));
+    }
+    let permit = state.admission.clone().try_acquire_owned().map_err(|_| {
+        ApiError::Overloaded(format!("{} requests in flight (max_concurrent_requests)", state.server.max_concurrent_requests))
+    })?;
+    let ids = engine.encode(prompt, add_bos).await?;
+    let limits = &state.server;
+    if ids.len() > limits.max_input_tokens {
+        return Err(ApiError::BadRequest(format!("the prompt has {} tokens; max_input_tokens is {}", ids.len(), limits.max_input_tokens)));
+    }
+    if ids.len() + params.max_tokens > limits.max_total_tokens {
+        return Err(ApiError::BadRequest(format!(
+            "prompt ({} tokens) + max_tokens ({}) exceeds max_total_tokens {}",
+            ids.len(),
+            params.max_tokens,
+            limits.max_total_tokens
+        )));
+    }
+    state.metrics.prompt_tokens.inc_by(ids.len() as u64);
+    let stream = f.stream;
+    let include_usage = f.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(true);
+    let generation = engine.generate(ids, params).await?;
+    Ok(Prepared { generation, permit, arrived, stream, include_usage })
+}
+
+#[derive(Clone, Copy)]
+enum Endpoint {
+    Completions,
+    Chat,
+}
+
+impl Endpoint {
+    fn label(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "completions",
+            Endpoint::Chat => "chat_completions",
+        }
+    }
+    fn id_prefix(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "cmpl-",
+            Endpoint::Chat => "chatcmpl-",
+        }
+    }
+}
+
+/// Per-request latency bookkeeping.
+struct Timing {
+    arrived: Instant,
+    last: Option<Instant>,
+    endpoint: Endpoint,
+}
+
+impl Timing {
+    fn token(&mut self, state: &AppState) {
+        let now = Instant::now();
+        let ep = self.endpoint.label();
+        match self.last {
+            None => state.metrics.ttft.with_label_values(&[ep]).observe((now - self.arrived).as_secs_f64()),
+            Some(prev) => state.metrics.itl.with_label_values(&[ep]).observe((now - prev).as_secs_f64()),
+        }
+        state.metrics.generation_tokens.inc();
+        self.last = Some(now);
+    }
+    fn done(&self, state: &AppState) {
+        state.metrics.e2e.with_label_values(&[self.endpoint.label()]).observe(self.arrived.elapsed().as_secs_f64());
+    }
+}
+
+async fn completions(req: HttpRequest, payload: web::Payload, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    check_api_key(&req, &state)?;
+    let body = read_body(payload, state.server.max_body_bytes).await?;
+    let r: CompletionRequest = parse_json(&body)?;
+    let mut prompts = r.prompt.into_vec();
+    if prompts.len() != 1 {
+        return Err(ApiError::BadRequest(format!("exactly one prompt per request is supported, got {}", prompts.len())));
+    }
+    let prompt = prompts.remove(0);
+    let p = prepare(&state, &r.sampling, prompt, true, DEFAULT_COMPLETION_MAX_TOKENS).await?;
+    respond(state, p, Endpoint::Completions).await
+}
+
+async fn chat_completions(req: HttpRequest, payload: web::Payload, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    check_api_key(&req, &state)?;
+    let body = read_body(payload, state.server.max_body_bytes).await?;
+    let r: ChatRequest = parse_json(&body)?;
+    if r.messages.is_empty() {
+        return Err(ApiError::BadRequest("messages must not be empty".into()));
+    }
+    if let Some(m) = r.messages.iter().find(|m| !matches!(m.role.as_str(), "system" | "user" | "assistant")) {
+        return Err(ApiError::BadRequest(format!("unknown role {:?}: expected system, user or assistant", m.role)));
+    }
+    let prompt = state.engine()?.apply_chat_template(r.messages).await?;
+    let p = prepare(&state, &r.sampling, prompt, false, DEFAULT_CHAT_MAX_TOKENS).await?;
+    respond(state, p, Endpoint::Chat).await
+}
+
+fn finish_str(r: FinishReason) -> &'static str {
+    match r {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+        FinishReason::Cancelled => "abort",
+        FinishReason::Error => "error",
+    }
+}
+
+async fn respond(state: web::Data<AppState>, p: Prepared, endpoint: Endpoint) -> Result<HttpResponse, ApiError> {
+    let id = format!("{}{}", endpoint.id_prefix(), uuid::Uuid::new_v4().simple());
+    let created = now_secs();
+    let model = state.model_name.clone();
+    let timing = Timing { arrived: p.arrived, last: None, endpoint };
+    if !p.stream {
+        let mut g = p.generation;
+        let mut timing = timing;
+        let mut text = String::new();
+        let (reason, usage) = loop {
+            match g.next().await {
+                Some(GenerationEvent::Text { text: t, token }) => {
+                    if token.is_some() {
+                        timing.token(&state);
+                    }
+                    text.push_str(&t);
+                }
+                Some(GenerationEvent::Done { reason, usage, .. }) => break (reason, usage),
+                None => break (FinishReason::Error, Default::default()),
+            }
+        };
+        timing.done(&state);
+        drop(p.permit);
+        if reason == FinishReason::Error {
+            return Err(ApiError::Internal("generation failed; see server logs".into()));
+        }
+        let usage = UsageBody::from(usage);
+        let body = match endpoint {
+            Endpoint::Completions => json!({
+                "id": id, "object": "text_completion", "created": created, "model": model,
+                "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish_str(reason)}],
+                "usage": usage,
+            }),
+            Endpoint::Chat => json!({
+                "id": id, "object": "chat.completion", "created": created, "model": model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish_str(reason)}],
+                "usage": usage,
+            }),
+        };
+        return Ok(HttpResponse::Ok().json(body));
+    }
+
+    struct StreamState {
+        g: Generation,
+        _permit: OwnedSemaphorePermit,
+        timing: Timing,
+        state: web::Data<AppState>,
+        id: String,
+        model: String,
+        created: u64,
+        endpoint: Endpoint,
+        include_usage: bool,
+        sent_role: bool,
+        finished: bool,
+    }
+    fn sse(v: &serde_json::Value) -> Bytes {
+        Bytes::from(format!("data: {v}\n\n"))
+    }
+    impl StreamState {
+        fn chunk(&self, text: Option<&str>, finish: Option<FinishReason>) -> serde_json::Value {
+            let fr = finish.map(finish_str);
+            match self.endpoint {
+                Endpoint::Completions => json!({
+                    "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                    "choices": [{"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": fr}],
+                }),
+                Endpoint::Chat => {
+                    let delta = match (text, self.sent_role) {
+                        (Some(t), false) => json!({"role": "assistant", "content": t}),
+                        (Some(t), true) => json!({"content": t}),
+                        (None, false) => json!({"role": "assistant"}),
+                        (None, true) => json!({}),
+                    };
+                    json!({
+                        "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                        "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": fr}],
+                    })
+                }
+            }
+        }
+    }
+    let st = StreamState {
+        g: p.generation,
+        _permit: p.permit,
+        timing,
+        state: state.clone(),
+        id,
+        model,
+        created,
+        endpoint,
+        include_usage: p.include_usage,
+        sent_role: false,
+        finished: false,
+    };
+    let body = futures::stream::unfold(st, |mut st| async move {
+        if st.finished {
+            return None;
+        }
+        loop {
+            match st.g.next().await {
+                Some(GenerationEvent::Text { text, token }) => {
+                    if token.is_some() {
+                        st.timing.token(&st.state);
+                    }
+                    if text.is_empty() {
+                        continue;
+                    }
+                    let c = st.chunk(Some(&text), None);
+                    st.sent_role = true;
+                    return Some((Ok::<Bytes, actix_web::Error>(sse(&c)), st));
+                }
+                Some(GenerationEvent::Done { reason, usage, .. }) => {
+                    st.timing.done(&st.state);
+                    let mut out = Vec::new();
+                    out.extend_from_slice(&sse(&st.chunk(None, Some(reason))));
+                    if st.include_usage {
+                        let obj = match st.endpoint {
+                            Endpoint::Completions => "text_completion",
+                            Endpoint::Chat => "chat.completion.chunk",
+                        };
+                        out.extend_from_slice(&sse(&json!({
+                            "id": st.id, "object": obj, "created": st.created, "model": st.model,
+                            "choices": [], "usage": UsageBody::from(usage),
+                        })));
+                    }
+                    out.extend_from_slice(b"data: [DONE]\n\n");
+                    st.finished = true;
+                    return Some((Ok(Bytes::from(out)), st));
+                }
+                None => return None,
+            }
+        }
+    });
+    Ok(HttpResponse::Ok()
+        .content_type("text/event-stream")
+        .insert_header(("Cache-Control", "no-cache"))
+        .insert_header(("X-Accel-Buffering", "no"))
+        .streaming(body))
+}
+
+// ---------------------------------------------------------------- admin
+
+#[derive(serde::Serialize, serde::Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct MaskBody {
+    #[serde(default)]
+    float_groups: Vec<String>,
+    #[serde(default)]
+    kv_float_layers: Vec<usize>,
+    #[serde(default)]
+    float_batch: bool,
+}
+
+async fn get_mask(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    check_admin(&req, &state)?;
+    let m = state.engine()?.mask().load();
+    Ok(HttpResponse::Ok().json(json!({
+        "version": m.version,
+        "float_groups": m.float_groups.iter().map(|g| g.to_string()).collect::<Vec<_>>(),
+        "kv_float_layers": m.kv_float_layers,
+        "float_requests": m.float_requests.len(),
+        "float_batch": m.float_batch,
+    })))
+}
+
+/// Replace the per-layer and per-batch parts of the mask (per-token and per-request parts
+/// belong to the activation monitor and are kept).
+async fn set_mask(req: HttpRequest, payload: web::Payload, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    check_admin(&req, &state)?;
+    let body = read_body(payload, state.server.max_body_bytes).await?;
+    let b: MaskBody = parse_json(&body)?;
+    let engine = state.engine()?;
+    let layers = engine.info().config.num_hidden_layers;
+    let groups = b
+        .float_groups
+        .iter()
+        .map(|s| s.parse::<GroupId>().map_err(ApiError::BadRequest))
+        .collect::<Result<Vec<_>, _>>()?;
+    if let Some(g) = groups.iter().find(|g| g.layer >= layers) {
+        return Err(ApiError::BadRequest(format!("{g}: the model has {layers} layers")));
+    }
+    if let Some(l) = b.kv_float_layers.iter().find(|l| **l >= layers) {
+        return Err(ApiError::BadRequest(format!("kv layer {l}: the model has {layers} layers")));
+    }
+    let m = engine.mask().update(|m: &mut PathMask| {
+        m.float_groups = groups.iter().copied().collect();
+        m.kv_float_layers = b.kv_float_layers.iter().copied().collect();
+        m.float_batch = b.float_batch;
+    });
+    tracing::info!(version = m.version, groups = ?b.float_groups, "fallback mask replaced by admin");
+    Ok(HttpResponse::Ok().json(json!({"version": m.version})))
+}

@@ -1,0 +1,160 @@
+//! The HTTP server as a library function: it takes its listener and a shutdown future, so
+//! tests start it in-process on port 0.
+
+use crate::routes;
+use crate::settings::Settings;
+use crate::state::AppState;
+use actix_web::body::MessageBody;
+use actix_web::dev::{ServerHandle, ServiceRequest, ServiceResponse};
+use actix_web::http::header::{HeaderName, HeaderValue};
+use actix_web::middleware::Next;
+use actix_web::{web, App, HttpMessage, HttpServer};
+use anyhow::Context;
+use quantmesh_engine::bundled::{init_model, model_present, InitOptions};
+use quantmesh_engine::Engine;
+use std::future::Future;
+use std::net::TcpListener;
+use std::time::Duration;
+use tracing::Instrument;
+
+/// The request id of the current request (from `X-Request-Id`, else a new UUID).
+#[derive(Clone, Debug)]
+pub struct RequestId(pub String);
+
+async fn request_context(req: ServiceRequest, next: Next<impl MessageBody>) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
+    let id = req
+        .headers()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 128)
+        .map(String::from)
+        .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+    req.extensions_mut().insert(RequestId(id.clone()));
+    let span = tracing::info_span!("request", request_id = %id, method = %req.method(), path = %req.path());
+    let state = req.app_data::<web::Data<AppState>>().cloned();
+    let started = std::time::Instant::now();
+    let mut res = next.call(req).instrument(span.clone()).await?;
+    let status = res.status();
+    let pattern = res.request().match_pattern().unwrap_or_else(|| "unmatched".into());
+    if let Some(state) = state {
+        state.metrics.requests.with_label_values(&[pattern.as_str(), status.as_str()]).inc();
+    }
+    span.in_scope(|| tracing::info!(status = status.as_u16(), ms = started.elapsed().as_millis() as u64, "response"));
+    if let Ok(v) = HeaderValue::from_str(&id) {
+        res.headers_mut().insert(HeaderName::from_static("x-request-id"), v);
+    }
+    Ok(res)
+}
+
+/// Build and start the HTTP server on `listener`. Signals are left to the caller.
+pub fn start_http(listener: TcpListener, state: web::Data<AppState>) -> std::io::Result<actix_web::dev::Server> {
+    let workers = match state.server.workers {
+        0 => std::thread::available_parallelism().map(|n| n.get().min(4)).unwrap_or(2),
+        n => n,
+    };
+    let timeout = state.server.shutdown_timeout_secs;
+    Ok(HttpServer::new(move || {
+        App::new()
+            .app_data(state.clone())
+            .wrap(actix_web::middleware::from_fn(request_context))
+            .configure(routes::configure)
+    })
+    .listen(listener)?
+    .workers(workers)
+    .shutdown_timeout(timeout)
+    .disable_signals()
+    .run())
+}
+
+/// Load (creating it first if allowed) the model and start the engine.
+pub async fn load_engine(settings: &Settings) -> anyhow::Result<Engine> {
+    let dir = settings.model.dir.clone();
+    if !model_present(&dir) {
+        anyhow::ensure!(
+            settings.model.create_if_missing,
+            "no model at {} (config.json, *.safetensors, tokenizer.json) and model.create_if_missing is false",
+            dir.display()
+        );
+        tracing::info!(dir = %dir.display(), size = ?settings.model.bundled_size, "no model found: writing the bundled model");
+        let opts = InitOptions { size: settings.model.bundled_size, ..Default::default() };
+        let d = dir.clone();
+        tokio::task::spawn_blocking(move || init_model(&d, &opts)).await.context("model init task")??;
+    }
+    tracing::info!(dir = %dir.display(), "loading model");
+    Engine::start(&dir, settings.engine.clone(), &settings.model.name)
+        .await
+        .with_context(|| format!("loading the model from {}", dir.display()))
+}
+
+/// The embedded all-in-one stack: HTTP gateway and engine actors in one process. The
+/// server listens at once (`/health` 200, `/ready` 503 while loading); returns after
+/// `shutdown` resolves and in-flight requests have drained (bounded by the timeout).
+pub async fn run_embedded(settings: Settings, listener: TcpListener, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+    settings.validate()?;
+    let admin = settings.server.admin_token.clone();
+    if admin.is_none() {
+        tracing::info!("QUANTMESH_ADMIN_TOKEN is unset: admin routes are disabled");
+    }
+    let state = web::Data::new(AppState::new(settings.server.clone(), settings.model.name.clone(), admin));
+    let addr = listener.local_addr()?;
+    let server = start_http(listener, state.clone())?;
+    let handle: ServerHandle = server.handle();
+    let server_task = actix_rt::spawn(server);
+    tracing::info!(%addr, "listening");
+
+    let timeout = Duration::from_secs(settings.server.shutdown_timeout_secs);
+    tokio::pin!(shutdown);
+    let engine = tokio::select! {
+        e = load_engine(&settings) => match e {
+            Ok(e) => e,
+            Err(err) => {
+                handle.stop(false).await;
+                return Err(err);
+            }
+        },
+        _ = &mut shutdown => {
+            tracing::info!("shutdown requested while loading");
+            handle.stop(false).await;
+            return Ok(());
+        }
+    };
+    state.set_engine(engine.clone());
+    tracing::info!(model = %settings.model.name, "ready: POST http://{addr}/v1/completions");
+
+    shutdown.await;
+    tracing::info!(timeout_secs = timeout.as_secs(), "shutting down: no new requests, draining in-flight ones");
+    state.begin_shutdown();
+    // Stop accepting; actix waits for in-flight requests (streams included) up to the timeout.
+    handle.stop(true).await;
+    if tokio::time::timeout(timeout, engine.drain()).await.is_err() {
+        tracing::warn!("engine did not drain within the timeout");
+    }
+    let _ = server_task.await;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// Resolves on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => tracing::info!("SIGINT received"),
+        _ = term => tracing::info!("SIGTERM received"),
+    }
+}

@@ -1,0 +1,217 @@
+//! Layered configuration: built-in defaults → TOML file → `QUANTMESH_*` environment →
+//! command-line flags (applied by the binary). Validated once at start-up.
+
+use quantmesh_engine::bundled::ModelSize;
+use quantmesh_engine::EngineConfig;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Settings {
+    pub server: ServerSettings,
+    pub model: ModelSettings,
+    pub engine: EngineConfig,
+    pub log: LogSettings,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServerSettings {
+    pub host: String,
+    pub port: u16,
+    /// Largest accepted request body.
+    pub max_body_bytes: usize,
+    /// Longest accepted prompt, in tokens.
+    pub max_input_tokens: usize,
+    /// Longest prompt + max_tokens, in tokens.
+    pub max_total_tokens: usize,
+    /// Requests in flight at once (running + waiting in the engine); beyond → 429.
+    pub max_concurrent_requests: usize,
+    /// Bearer tokens accepted on /v1 routes; empty = no auth.
+    pub api_keys: Vec<String>,
+    /// Seconds to let in-flight requests finish on SIGINT/SIGTERM.
+    pub shutdown_timeout_secs: u64,
+    /// HTTP worker threads (0 = one per core, at most 4).
+    pub workers: usize,
+    /// Bearer token for /admin routes. Only from the environment (`QUANTMESH_ADMIN_TOKEN`),
+    /// never from a file; unset disables admin routes.
+    #[serde(skip)]
+    pub admin_token: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelSettings {
+    /// Hugging Face layout directory. Created with the bundled model if absent and
+    /// `create_if_missing` is set.
+    pub dir: PathBuf,
+    /// Name served in /v1/models and expected in requests' `model` field.
+    pub name: String,
+    pub create_if_missing: bool,
+    /// Size of the bundled model written on first run.
+    pub bundled_size: ModelSize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LogSettings {
+    pub format: LogFormat,
+    /// `tracing` filter, e.g. `info` or `quantmesh_engine=debug,info`. `RUST_LOG` wins.
+    pub level: String,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self { server: ServerSettings::default(), model: ModelSettings::default(), engine: EngineConfig::default(), log: LogSettings::default() }
+    }
+}
+
+impl Default for ServerSettings {
+    fn default() -> Self {
+        Self {
+            host: "127.0.0.1".into(),
+            port: 8080,
+            max_body_bytes: 1 << 20,
+            max_input_tokens: 1536,
+            max_total_tokens: 2048,
+            max_concurrent_requests: 128,
+            api_keys: Vec::new(),
+            shutdown_timeout_secs: 30,
+            workers: 0,
+            admin_token: None,
+        }
+    }
+}
+
+impl Default for ModelSettings {
+    fn default() -> Self {
+        Self { dir: PathBuf::from("models/quantmesh-tiny"), name: "quantmesh-tiny".into(), create_if_missing: true, bundled_size: ModelSize::Tiny }
+    }
+}
+
+impl Default for LogSettings {
+    fn default() -> Self {
+        Self { format: LogFormat::Text, level: "info".into() }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SettingsError {
+    #[error("reading config file {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("config file {path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("environment variable {var}: {message}")]
+    Env { var: String, message: String },
+    #[error("invalid setting: {0}")]
+    Invalid(String),
+}
+
+impl Settings {
+    /// Defaults, then `file` (if given), then the environment.
+    pub fn load(file: Option<&Path>) -> Result<Self, SettingsError> {
+        let mut s = match file {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|source| SettingsError::Read { path: path.into(), source })?;
+                toml::from_str(&text).map_err(|e| SettingsError::Parse { path: path.into(), message: e.to_string() })?
+            }
+            None => Settings::default(),
+        };
+        s.apply_env(|k| std::env::var(k).ok())?;
+        Ok(s)
+    }
+
+    /// Apply `QUANTMESH_*` overrides read through `get` (injectable for tests).
+    pub fn apply_env(&mut self, get: impl Fn(&str) -> Option<String>) -> Result<(), SettingsError> {
+        fn parse<T: std::str::FromStr>(var: &str, v: String) -> Result<T, SettingsError>
+        where
+            T::Err: std::fmt::Display,
+        {
+            v.parse().map_err(|e: T::Err| SettingsError::Env { var: var.into(), message: e.to_string() })
+        }
+        if let Some(v) = get("QUANTMESH_HOST") {
+            self.server.host = v;
+        }
+        if let Some(v) = get("QUANTMESH_PORT") {
+            self.server.port = parse("QUANTMESH_PORT", v)?;
+        }
+        if let Some(v) = get("QUANTMESH_MODEL_DIR") {
+            self.model.dir = v.into();
+        }
+        if let Some(v) = get("QUANTMESH_MODEL_NAME") {
+            self.model.name = v;
+        }
+        if let Some(v) = get("QUANTMESH_API_KEYS") {
+            self.server.api_keys = v.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect();
+        }
+        if let Some(v) = get("QUANTMESH_MAX_CONCURRENT_REQUESTS") {
+            self.server.max_concurrent_requests = parse("QUANTMESH_MAX_CONCURRENT_REQUESTS", v)?;
+        }
+        if let Some(v) = get("QUANTMESH_KV_PAGES") {
+            self.engine.num_pages = parse("QUANTMESH_KV_PAGES", v)?;
+        }
+        if let Some(v) = get("QUANTMESH_LOG_FORMAT") {
+            self.log.format = match v.as_str() {
+                "json" => LogFormat::Json,
+                "text" => LogFormat::Text,
+                other => return Err(SettingsError::Env { var: "QUANTMESH_LOG_FORMAT".into(), message: format!("{other:?} is not text or json") }),
+            };
+        }
+        if let Some(v) = get("QUANTMESH_ADMIN_TOKEN") {
+            self.server.admin_token = Some(v).filter(|t| !t.is_empty());
+        }
+        if let Some(v) = get("QUANTMESH_LOG_LEVEL") {
+            self.log.level = v;
+        }
+        Ok(())
+    }
+
+    pub fn validate(&self) -> Result<(), SettingsError> {
+        let s = &self.server;
+        if s.max_input_tokens == 0 || s.max_total_tokens <= s.max_input_tokens {
+            return Err(SettingsError::Invalid("server.max_total_tokens must exceed server.max_input_tokens > 0".into()));
+        }
+        if s.max_concurrent_requests == 0 {
+            return Err(SettingsError::Invalid("server.max_concurrent_requests must be > 0".into()));
+        }
+        if s.max_body_bytes < 64 {
+            return Err(SettingsError::Invalid("server.max_body_bytes must be at least 64".into()));
+        }
+        self.engine.validate().map_err(|e| SettingsError::Invalid(e.to_string()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn file_then_env() {
+        let dir = tempfile_dir();
+        let path = dir.join("q.toml");
+        std::fs::write(&path, "[server]\nport = 9000\nmax_concurrent_requests = 3\n[engine]\nnum_pages = 64\n").unwrap();
+        let mut s: Settings = toml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(s.server.port, 9000);
+        assert_eq!(s.engine.num_pages, 64);
+        s.apply_env(|k| (k == "QUANTMESH_PORT").then(|| "9100".to_string())).unwrap();
+        assert_eq!(s.server.port, 9100);
+        assert!(s.apply_env(|k| (k == "QUANTMESH_PORT").then(|| "x".to_string())).is_err());
+        assert!(toml::from_str::<Settings>("[server]\nprot = 1\n").is_err(), "unknown keys are rejected");
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    fn tempfile_dir() -> PathBuf {
+        let d = std::env::temp_dir().join(format!("qm-settings-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+}

@@ -1,0 +1,117 @@
+//! Start the real embedded stack on a free port.
+
+#![allow(dead_code)]
+
+use quantmesh_gateway::Settings;
+use std::time::Duration;
+
+pub struct Server {
+    pub base: String,
+    pub client: reqwest::Client,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    pub task: Option<actix_rt::task::JoinHandle<anyhow::Result<()>>>,
+    _dir: Option<tempfile::TempDir>,
+}
+
+/// A model directory shared by all tests of one binary (written once).
+pub fn model_dir() -> std::path::PathBuf {
+    static DIR: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
+        let d = std::env::temp_dir().join(format!("quantmesh-e2e-model-{}", std::process::id()));
+        quantmesh_engine::bundled::init_model(&d, &Default::default()).expect("init model");
+        d
+    })
+    .clone()
+}
+
+pub fn settings() -> Settings {
+    let mut s = Settings::default();
+    s.model.dir = model_dir();
+    s.model.create_if_missing = false;
+    s.engine.num_pages = 256;
+    s.server.workers = 2;
+    s.server.shutdown_timeout_secs = 10;
+    s
+}
+
+impl Server {
+    pub async fn start(settings: Settings) -> Server {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let base = format!("http://{}", listener.local_addr().expect("addr"));
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = actix_rt::spawn(quantmesh_gateway::run_embedded(settings, listener, async move {
+            let _ = rx.await;
+        }));
+        let client = reqwest::Client::new();
+        for _ in 0..200 {
+            if let Ok(r) = client.get(format!("{base}/ready")).send().await {
+                if r.status() == 200 {
+                    return Server { base, client, shutdown: Some(tx), task: Some(task), _dir: None };
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("server did not become ready");
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{}", self.base, path)
+    }
+
+    pub async fn post(&self, path: &str, body: serde_json::Value) -> reqwest::Response {
+        self.client.post(self.url(path)).json(&body).send().await.expect("request")
+    }
+
+    pub async fn post_raw(&self, path: &str, body: Vec<u8>) -> reqwest::Response {
+        self.client.post(self.url(path)).header("content-type", "application/json").body(body).send().await.expect("request")
+    }
+
+    /// Begin graceful shutdown.
+    pub fn shutdown(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+    }
+
+    pub async fn metrics(&self) -> prometheus_parse::Scrape {
+        let text = self.client.get(self.url("/metrics")).send().await.expect("metrics").text().await.expect("text");
+        let lines = text.lines().map(|l| Ok(l.to_string()));
+        prometheus_parse::Scrape::parse(lines).expect("valid exposition format")
+    }
+
+    pub async fn gauge(&self, name: &str) -> f64 {
+        let scrape = self.metrics().await;
+        scrape
+            .samples
+            .iter()
+            .find(|s| s.metric == name)
+            .map(|s| match s.value {
+                prometheus_parse::Value::Gauge(v) | prometheus_parse::Value::Counter(v) | prometheus_parse::Value::Untyped(v) => v,
+                _ => f64::NAN,
+            })
+            .unwrap_or_else(|| panic!("metric {name} missing"))
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// Parse an SSE body into the JSON payloads of its `data:` lines (without `[DONE]`),
+/// and whether `[DONE]` was seen.
+pub fn parse_sse(body: &str) -> (Vec<serde_json::Value>, bool) {
+    let mut out = Vec::new();
+    let mut done = false;
+    for line in body.lines() {
+        if let Some(d) = line.strip_prefix("data: ") {
+            if d == "[DONE]" {
+                done = true;
+            } else {
+                out.push(serde_json::from_str(d).expect("chunk is JSON"));
+            }
+        }
+    }
+    (out, done)
+}
