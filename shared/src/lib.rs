@@ -6,5 +6,5 @@
 pub mod generation;
 pub mod precision;
 
-pub use generation::{FinishReason, SamplingParams, SamplingError, Usage};
-pub use precision::{GroupKind, GroupId, PrecisionClass, Residency};
+pub use generation::{FinishReason, SamplingError, SamplingParams, Usage};
+pub use precision::{GroupId, GroupKind, PrecisionClass, Residency};

@@ -68,7 +68,9 @@ impl FromStr for Residency {
             "int8" => Ok(Residency::Int8),
             "dual" => Ok(Residency::Dual),
             "float" => Ok(Residency::Float),
-            other => Err(format!("unknown residency {other:?}: expected int8, dual or float")),
+            other => Err(format!(
+                "unknown residency {other:?}: expected int8, dual or float"
+            )),
         }
     }
 }
@@ -88,7 +90,12 @@ pub enum GroupKind {
 }
 
 impl GroupKind {
-    pub const ALL: [GroupKind; 4] = [GroupKind::Qkv, GroupKind::O, GroupKind::GateUp, GroupKind::Down];
+    pub const ALL: [GroupKind; 4] = [
+        GroupKind::Qkv,
+        GroupKind::O,
+        GroupKind::GateUp,
+        GroupKind::Down,
+    ];
 
     /// Position of the group inside a layer (used to index per-group arrays).
     pub fn index(self) -> usize {
@@ -146,7 +153,10 @@ impl FromStr for GroupId {
         let rest = s.strip_prefix("layers.").ok_or_else(err)?;
         let (layer, kind) = rest.split_once('.').ok_or_else(err)?;
         let layer = layer.parse().map_err(|_| err())?;
-        let kind = GroupKind::ALL.into_iter().find(|k| k.name() == kind).ok_or_else(err)?;
+        let kind = GroupKind::ALL
+            .into_iter()
+            .find(|k| k.name() == kind)
+            .ok_or_else(err)?;
         Ok(GroupId { layer, kind })
     }
 }
@@ -168,7 +178,10 @@ mod tests {
     #[test]
     fn default_mapping_follows_spec() {
         assert_eq!(PrecisionClass::Fp16.default_residency(), Residency::Float);
-        assert_eq!(PrecisionClass::W8a8PerChannel.default_residency(), Residency::Dual);
+        assert_eq!(
+            PrecisionClass::W8a8PerChannel.default_residency(),
+            Residency::Dual
+        );
         assert_eq!(PrecisionClass::W8a8.default_residency(), Residency::Int8);
         assert_eq!(PrecisionClass::W4a16.default_residency(), Residency::Int8);
     }

@@ -1,5 +1,7 @@
 //! The real embedded server on a free port, real HTTP.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use common::{parse_sse, settings, Server};
@@ -17,17 +19,38 @@ async fn completion_chat_and_models() {
     assert_eq!(b["object"], "text_completion");
     assert_eq!(b["choices"][0]["finish_reason"], "length");
     assert_eq!(b["usage"]["completion_tokens"], 8);
-    assert!(b["choices"][0]["text"].as_str().unwrap().len() >= 1);
+    assert!(!b["choices"][0]["text"].as_str().unwrap().is_empty());
 
-    let r = s.post("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})).await;
+    let r = s
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
+        )
+        .await;
     assert_eq!(r.status(), 200);
     let b: serde_json::Value = r.json().await.unwrap();
     assert_eq!(b["object"], "chat.completion");
     assert_eq!(b["choices"][0]["message"]["role"], "assistant");
 
-    let b: serde_json::Value = s.client.get(s.url("/v1/models")).send().await.unwrap().json().await.unwrap();
+    let b: serde_json::Value = s
+        .client
+        .get(s.url("/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(b["data"][0]["id"], "quantmesh-tiny");
-    assert_eq!(s.client.get(s.url("/health")).send().await.unwrap().status(), 200);
+    assert_eq!(
+        s.client
+            .get(s.url("/health"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
 }
 
 #[actix_rt::test]
@@ -43,7 +66,10 @@ async fn streaming_is_incremental_and_matches_non_streaming() {
         body["stream"] = json!(true);
         let r = s.post(path, body).await;
         assert_eq!(r.status(), 200);
-        assert!(r.headers()["content-type"].to_str().unwrap().starts_with("text/event-stream"));
+        assert!(r.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/event-stream"));
         let mut stream = r.bytes_stream();
         let mut reads = 0;
         let mut text = String::new();
@@ -51,7 +77,10 @@ async fn streaming_is_incremental_and_matches_non_streaming() {
             reads += 1;
             text.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
         }
-        assert!(reads > 2, "{path}: expected incremental delivery, got {reads} network reads");
+        assert!(
+            reads > 2,
+            "{path}: expected incremental delivery, got {reads} network reads"
+        );
         let (chunks, done) = parse_sse(&text);
         assert!(done, "[DONE] terminator");
         let usage = chunks.last().unwrap()["usage"].clone();
@@ -60,12 +89,24 @@ async fn streaming_is_incremental_and_matches_non_streaming() {
             .iter()
             .filter_map(|c| {
                 let ch = &c["choices"][0];
-                ch["text"].as_str().or(ch["delta"]["content"].as_str()).map(String::from)
+                ch["text"]
+                    .as_str()
+                    .or(ch["delta"]["content"].as_str())
+                    .map(String::from)
             })
             .collect();
-        let want = plain["choices"][0]["text"].as_str().or(plain["choices"][0]["message"]["content"].as_str()).unwrap();
+        let want = plain["choices"][0]["text"]
+            .as_str()
+            .or(plain["choices"][0]["message"]["content"].as_str())
+            .unwrap();
         assert_eq!(streamed, want, "{path}");
-        let finals: Vec<_> = chunks.iter().filter(|c| !c["choices"][0]["finish_reason"].is_null() && c["choices"].as_array().is_some_and(|a| !a.is_empty())).collect();
+        let finals: Vec<_> = chunks
+            .iter()
+            .filter(|c| {
+                !c["choices"][0]["finish_reason"].is_null()
+                    && c["choices"].as_array().is_some_and(|a| !a.is_empty())
+            })
+            .collect();
         assert_eq!(finals.len(), 1);
         assert_eq!(finals[0]["choices"][0]["finish_reason"], "length");
     }
@@ -85,37 +126,110 @@ async fn bad_input_gets_clear_4xx_and_server_stays_healthy() {
         ("invalid UTF-8", b"{\"prompt\": \"\xff\xfe\"}".to_vec(), 400),
         ("wrong type", br#"{"prompt": 5}"#.to_vec(), 422),
         ("missing prompt", br#"{"max_tokens": 5}"#.to_vec(), 422),
-        ("negative max_tokens", br#"{"prompt": "a", "max_tokens": -1}"#.to_vec(), 422),
-        ("zero max_tokens", br#"{"prompt": "a", "max_tokens": 0}"#.to_vec(), 400),
-        ("absurd max_tokens", br#"{"prompt": "a", "max_tokens": 4000000000}"#.to_vec(), 400),
-        ("temperature out of range", br#"{"prompt": "a", "temperature": 7}"#.to_vec(), 400),
-        ("top_p zero", br#"{"prompt": "a", "top_p": 0}"#.to_vec(), 400),
-        ("negative top_k", br#"{"prompt": "a", "top_k": -5}"#.to_vec(), 400),
+        (
+            "negative max_tokens",
+            br#"{"prompt": "a", "max_tokens": -1}"#.to_vec(),
+            422,
+        ),
+        (
+            "zero max_tokens",
+            br#"{"prompt": "a", "max_tokens": 0}"#.to_vec(),
+            400,
+        ),
+        (
+            "absurd max_tokens",
+            br#"{"prompt": "a", "max_tokens": 4000000000}"#.to_vec(),
+            400,
+        ),
+        (
+            "temperature out of range",
+            br#"{"prompt": "a", "temperature": 7}"#.to_vec(),
+            400,
+        ),
+        (
+            "top_p zero",
+            br#"{"prompt": "a", "top_p": 0}"#.to_vec(),
+            400,
+        ),
+        (
+            "negative top_k",
+            br#"{"prompt": "a", "top_k": -5}"#.to_vec(),
+            400,
+        ),
         ("empty prompt", br#"{"prompt": ""}"#.to_vec(), 400),
         ("n > 1", br#"{"prompt": "a", "n": 3}"#.to_vec(), 400),
-        ("unknown model", br#"{"prompt": "a", "model": "gpt-17"}"#.to_vec(), 404),
-        ("prompt too long", format!(r#"{{"prompt": "{}"}}"#, "x".repeat(150)).into_bytes(), 400),
-        ("too large", format!(r#"{{"prompt": "{}"}}"#, "x".repeat(5000)).into_bytes(), 413),
+        (
+            "unknown model",
+            br#"{"prompt": "a", "model": "gpt-17"}"#.to_vec(),
+            404,
+        ),
+        (
+            "prompt too long",
+            format!(r#"{{"prompt": "{}"}}"#, "x".repeat(150)).into_bytes(),
+            400,
+        ),
+        (
+            "too large",
+            format!(r#"{{"prompt": "{}"}}"#, "x".repeat(5000)).into_bytes(),
+            413,
+        ),
     ];
     for (name, body, want) in cases {
         let r = s.post_raw("/v1/completions", body).await;
         assert_eq!(r.status().as_u16(), want, "{name}");
-        let b: serde_json::Value = r.json().await.unwrap_or_else(|e| panic!("{name}: body is not JSON: {e}"));
-        assert!(b["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{name}: {b}");
-        assert!(b["error"]["type"].is_string() && b["error"]["code"].is_string(), "{name}: {b}");
+        let b: serde_json::Value = r
+            .json()
+            .await
+            .unwrap_or_else(|e| panic!("{name}: body is not JSON: {e}"));
+        assert!(
+            b["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{name}: {b}"
+        );
+        assert!(
+            b["error"]["type"].is_string() && b["error"]["code"].is_string(),
+            "{name}: {b}"
+        );
     }
     let chat_cases = vec![
         (json!({"messages": []}), 400),
-        (json!({"messages": [{"role": "wizard", "content": "x"}]}), 400),
+        (
+            json!({"messages": [{"role": "wizard", "content": "x"}]}),
+            400,
+        ),
         (json!({"messages": "hi"}), 422),
     ];
     for (body, want) in chat_cases {
-        assert_eq!(s.post("/v1/chat/completions", body.clone()).await.status().as_u16(), want, "{body}");
+        assert_eq!(
+            s.post("/v1/chat/completions", body.clone())
+                .await
+                .status()
+                .as_u16(),
+            want,
+            "{body}"
+        );
     }
-    assert_eq!(s.client.get(s.url("/nope")).send().await.unwrap().status(), 404);
+    assert_eq!(
+        s.client.get(s.url("/nope")).send().await.unwrap().status(),
+        404
+    );
     // still healthy and serving
-    assert_eq!(s.client.get(s.url("/health")).send().await.unwrap().status(), 200);
-    assert_eq!(s.post("/v1/completions", json!({"prompt": "ok", "max_tokens": 2})).await.status(), 200);
+    assert_eq!(
+        s.client
+            .get(s.url("/health"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    assert_eq!(
+        s.post("/v1/completions", json!({"prompt": "ok", "max_tokens": 2}))
+            .await
+            .status(),
+        200
+    );
 }
 
 #[actix_rt::test]
@@ -123,7 +237,8 @@ async fn overload_gets_429_and_disconnect_frees_pages() {
     let mut st = settings();
     st.server.max_concurrent_requests = 2;
     let s = Server::start(st).await;
-    let long = json!({"prompt": "Count with me", "max_tokens": 1500, "stream": true, "ignore_eos": true});
+    let long =
+        json!({"prompt": "Count with me", "max_tokens": 1500, "stream": true, "ignore_eos": true});
     let a = s.post("/v1/completions", long.clone()).await;
     let b = s.post("/v1/completions", long.clone()).await;
     assert_eq!(a.status(), 200);
@@ -132,7 +247,9 @@ async fn overload_gets_429_and_disconnect_frees_pages() {
     sa.next().await.unwrap().unwrap();
     // Two in flight: the third is refused at once, with a JSON body.
     for _ in 0..5 {
-        let c = s.post("/v1/completions", json!({"prompt": "x", "max_tokens": 2})).await;
+        let c = s
+            .post("/v1/completions", json!({"prompt": "x", "max_tokens": 2}))
+            .await;
         assert_eq!(c.status(), 429);
         let e: serde_json::Value = c.json().await.unwrap();
         assert_eq!(e["error"]["code"], "overloaded");
@@ -143,23 +260,35 @@ async fn overload_gets_429_and_disconnect_frees_pages() {
     drop(b);
     let mut freed = false;
     for _ in 0..100 {
-        if s.gauge("quantmesh_kv_cache_pages_used").await == 0.0 && s.gauge("quantmesh_num_requests_running").await == 0.0 {
+        if s.gauge("quantmesh_kv_cache_pages_used").await == 0.0
+            && s.gauge("quantmesh_num_requests_running").await == 0.0
+        {
             freed = true;
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(freed, "pages not freed after disconnect");
-    assert_eq!(s.post("/v1/completions", json!({"prompt": "x", "max_tokens": 2})).await.status(), 200);
+    assert_eq!(
+        s.post("/v1/completions", json!({"prompt": "x", "max_tokens": 2}))
+            .await
+            .status(),
+        200
+    );
 }
 
 #[actix_rt::test]
 async fn metrics_parse_as_prometheus_exposition() {
     let s = Server::start(settings()).await;
-    s.post("/v1/completions", json!({"prompt": "Hello", "max_tokens": 4})).await;
+    s.post(
+        "/v1/completions",
+        json!({"prompt": "Hello", "max_tokens": 4}),
+    )
+    .await;
     s.post_raw("/v1/completions", b"{".to_vec()).await;
     let scrape = s.metrics().await;
-    let names: std::collections::HashSet<&str> = scrape.samples.iter().map(|x| x.metric.as_str()).collect();
+    let names: std::collections::HashSet<&str> =
+        scrape.samples.iter().map(|x| x.metric.as_str()).collect();
     for want in [
         "quantmesh_requests_total",
         "quantmesh_time_to_first_token_seconds",
@@ -175,9 +304,16 @@ async fn metrics_parse_as_prometheus_exposition() {
     ] {
         assert!(names.contains(want), "missing {want}; have {names:?}");
     }
-    let ok = scrape.samples.iter().find(|x| x.metric == "quantmesh_requests_total" && x.labels.get("status") == Some("200") && x.labels.get("endpoint") == Some("/v1/completions"));
+    let ok = scrape.samples.iter().find(|x| {
+        x.metric == "quantmesh_requests_total"
+            && x.labels.get("status") == Some("200")
+            && x.labels.get("endpoint") == Some("/v1/completions")
+    });
     assert!(ok.is_some());
-    let bad = scrape.samples.iter().find(|x| x.metric == "quantmesh_requests_total" && x.labels.get("status") == Some("400"));
+    let bad = scrape
+        .samples
+        .iter()
+        .find(|x| x.metric == "quantmesh_requests_total" && x.labels.get("status") == Some("400"));
     assert!(bad.is_some());
     assert_eq!(s.gauge("quantmesh_generation_tokens_total").await, 4.0);
 }
@@ -189,30 +325,89 @@ async fn api_keys_and_admin_routes() {
     let s = Server::start(st).await;
     let body = json!({"prompt": "a", "max_tokens": 1});
     assert_eq!(s.post("/v1/completions", body.clone()).await.status(), 401);
-    let r = s.client.post(s.url("/v1/completions")).bearer_auth("wrong").json(&body).send().await.unwrap();
+    let r = s
+        .client
+        .post(s.url("/v1/completions"))
+        .bearer_auth("wrong")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 401);
-    let r = s.client.post(s.url("/v1/completions")).bearer_auth("k1").json(&body).send().await.unwrap();
+    let r = s
+        .client
+        .post(s.url("/v1/completions"))
+        .bearer_auth("k1")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
     // no admin token configured: admin routes are disabled and say so
     let r = s.client.get(s.url("/admin/mask")).send().await.unwrap();
     assert_eq!(r.status(), 403);
     let e: serde_json::Value = r.json().await.unwrap();
-    assert!(e["error"]["message"].as_str().unwrap().contains("QUANTMESH_ADMIN_TOKEN"));
+    assert!(e["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("QUANTMESH_ADMIN_TOKEN"));
 
     let mut st = settings();
     st.server.admin_token = Some("secret".into());
     let s = Server::start(st).await;
-    assert_eq!(s.client.get(s.url("/admin/mask")).send().await.unwrap().status(), 401);
-    let r = s.client.post(s.url("/admin/mask")).bearer_auth("secret").json(&json!({"float_groups": ["layers.1.down"], "kv_float_layers": [1]})).send().await.unwrap();
+    assert_eq!(
+        s.client
+            .get(s.url("/admin/mask"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        401
+    );
+    let r = s
+        .client
+        .post(s.url("/admin/mask"))
+        .bearer_auth("secret")
+        .json(&json!({"float_groups": ["layers.1.down"], "kv_float_layers": [1]}))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
-    let m: serde_json::Value = s.client.get(s.url("/admin/mask")).bearer_auth("secret").send().await.unwrap().json().await.unwrap();
+    let m: serde_json::Value = s
+        .client
+        .get(s.url("/admin/mask"))
+        .bearer_auth("secret")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(m["float_groups"], json!(["layers.1.down"]));
-    let r = s.client.post(s.url("/admin/mask")).bearer_auth("secret").json(&json!({"float_groups": ["layers.99.down"]})).send().await.unwrap();
+    let r = s
+        .client
+        .post(s.url("/admin/mask"))
+        .bearer_auth("secret")
+        .json(&json!({"float_groups": ["layers.99.down"]}))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 400);
     // generation continues under the new mask, and float rows are counted
-    assert_eq!(s.post("/v1/completions", json!({"prompt": "abc", "max_tokens": 3})).await.status(), 200);
+    assert_eq!(
+        s.post("/v1/completions", json!({"prompt": "abc", "max_tokens": 3}))
+            .await
+            .status(),
+        200
+    );
     let scrape = s.metrics().await;
-    let float_rows = scrape.samples.iter().find(|x| x.metric == "quantmesh_linear_rows_total" && x.labels.get("path") == Some("float")).unwrap();
+    let float_rows = scrape
+        .samples
+        .iter()
+        .find(|x| {
+            x.metric == "quantmesh_linear_rows_total" && x.labels.get("path") == Some("float")
+        })
+        .unwrap();
     assert!(matches!(float_rows.value, prometheus_parse::Value::Counter(v) if v > 0.0));
 }
 
@@ -231,6 +426,13 @@ async fn graceful_shutdown_finishes_in_flight_streams() {
     assert!(done, "the in-flight stream ran to its end");
     assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 200);
     let task = s.task.take().unwrap();
-    tokio::time::timeout(Duration::from_secs(15), task).await.expect("server stopped in time").unwrap().unwrap();
-    assert!(s.client.get(s.url("/health")).send().await.is_err(), "no longer accepting");
+    tokio::time::timeout(Duration::from_secs(15), task)
+        .await
+        .expect("server stopped in time")
+        .unwrap()
+        .unwrap();
+    assert!(
+        s.client.get(s.url("/health")).send().await.is_err(),
+        "no longer accepting"
+    );
 }

@@ -86,8 +86,24 @@ pub struct SchedulerActor {
 }
 
 impl SchedulerActor {
-    pub fn new(core: Scheduler, executor: Addr<ExecutorActor>, mask: MaskHandle, stats: StatsCell, mailbox_capacity: usize) -> Self {
-        Self { core, executor, streams: HashMap::new(), mask, stats, mailbox_capacity, busy: false, draining: false, drain_waiters: Vec::new() }
+    pub fn new(
+        core: Scheduler,
+        executor: Addr<ExecutorActor>,
+        mask: MaskHandle,
+        stats: StatsCell,
+        mailbox_capacity: usize,
+    ) -> Self {
+        Self {
+            core,
+            executor,
+            streams: HashMap::new(),
+            mask,
+            stats,
+            mailbox_capacity,
+            busy: false,
+            draining: false,
+            drain_waiters: Vec::new(),
+        }
     }
 
     fn dispatch(&mut self, events: Vec<SeqEvent>) {
@@ -95,7 +111,10 @@ impl SchedulerActor {
         for ev in events {
             match ev {
                 SeqEvent::Token { seq, .. } => {
-                    let delivered = self.streams.get(&seq).is_some_and(|tx| tx.send(ev.clone()).is_ok());
+                    let delivered = self
+                        .streams
+                        .get(&seq)
+                        .is_some_and(|tx| tx.send(ev.clone()).is_ok());
                     if !delivered {
                         gone.push(seq);
                     }

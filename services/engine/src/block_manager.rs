@@ -38,12 +38,16 @@ pub struct PageBitmap {
 impl PageBitmap {
     pub fn new_all_free(len: usize) -> Self {
         let mut words = vec![u64::MAX; len.div_ceil(64)];
-        if len % 64 != 0 {
+        if !len.is_multiple_of(64) {
             if let Some(last) = words.last_mut() {
                 *last = (1u64 << (len % 64)) - 1;
             }
         }
-        Self { words, len, free: len }
+        Self {
+            words,
+            len,
+            free: len,
+        }
     }
 
     pub fn free_count(&self) -> usize {
@@ -254,7 +258,10 @@ impl BlockManager {
         let hits = self.prefix_hits(prompt);
         let total = self.pages_for(prompt.len() + max_new_tokens);
         let need = total - hits.len();
-        let evictable_hits = hits.iter().filter(|(p, _)| self.refcount[*p as usize] == 0).count();
+        let evictable_hits = hits
+            .iter()
+            .filter(|(p, _)| self.refcount[*p as usize] == 0)
+            .count();
         let available = (self.bitmap.free_count() + self.evictable.len() - evictable_hits)
             .saturating_sub(self.reserved_total);
         (need, available)
@@ -262,7 +269,12 @@ impl BlockManager {
 
     /// Reserve the worst case for a new sequence and attach cached prefix pages.
     /// Returns how many prompt tokens are already in the cache (need no compute).
-    pub fn admit(&mut self, seq: SeqId, prompt: &[u32], max_new_tokens: usize) -> Result<usize, BlockError> {
+    pub fn admit(
+        &mut self,
+        seq: SeqId,
+        prompt: &[u32],
+        max_new_tokens: usize,
+    ) -> Result<usize, BlockError> {
         if self.seqs.contains_key(&seq) {
             return Err(BlockError::DuplicateSeq(seq));
         }
@@ -284,7 +296,15 @@ impl BlockManager {
         self.stats.prefix_hits += hits.len() as u64;
         self.reserved_total += need;
         let cached_tokens = hits.len() * self.page_size;
-        self.seqs.insert(seq, SeqBlocks { table, num_tokens: cached_tokens, reserved_pages: need, hashes });
+        self.seqs.insert(
+            seq,
+            SeqBlocks {
+                table,
+                num_tokens: cached_tokens,
+                reserved_pages: need,
+                hashes,
+            },
+        );
         Ok(cached_tokens)
     }
 
@@ -293,7 +313,10 @@ impl BlockManager {
             Some(p) => p,
             None => {
                 // The reservation guarantees a page exists: reuse the oldest cached one.
-                let p = self.evictable.pop_front().expect("reservation guarantees a page");
+                let p = self
+                    .evictable
+                    .pop_front()
+                    .expect("reservation guarantees a page");
                 if let Some(h) = self.page_hash[p as usize].take() {
                     self.cached.remove(&h);
                 }
@@ -316,9 +339,14 @@ impl BlockManager {
         let start = s.num_tokens;
         let new_pages = self.pages_for(start + n).saturating_sub(s.table.len());
         let needs_cow = start % page_size != 0
-            && s.table.last().is_some_and(|&p| self.refcount[p as usize] > 1);
+            && s.table
+                .last()
+                .is_some_and(|&p| self.refcount[p as usize] > 1);
         if new_pages + usize::from(needs_cow) > s.reserved_pages {
-            return Err(BlockError::OverReservation { seq, reserved: s.reserved_pages });
+            return Err(BlockError::OverReservation {
+                seq,
+                reserved: s.reserved_pages,
+            });
         }
         if needs_cow {
             let old = *s.table.last().expect("checked non-empty");
@@ -342,7 +370,10 @@ impl BlockManager {
         let s = self.seqs.get_mut(&seq).expect("present");
         for pos in start..start + n {
             let page = s.table[pos / page_size];
-            out.slots.push(Slot { page, offset: pos % page_size });
+            out.slots.push(Slot {
+                page,
+                offset: pos % page_size,
+            });
             self.fill[page as usize] = self.fill[page as usize].max((pos % page_size + 1) as u32);
         }
         s.num_tokens = start + n;
@@ -355,7 +386,9 @@ impl BlockManager {
         if !self.prefix_caching {
             return;
         }
-        let Some(s) = self.seqs.get_mut(&seq) else { return };
+        let Some(s) = self.seqs.get_mut(&seq) else {
+            return;
+        };
         let full = tokens.len().min(s.num_tokens) / self.page_size;
         while s.hashes.len() < full {
             let i = s.hashes.len();
@@ -372,11 +405,20 @@ impl BlockManager {
 
     /// Share all of `parent`'s pages with a new sequence `child` (parallel sampling); the
     /// child reserves room for `max_new_tokens` more tokens. Writes copy on demand.
-    pub fn fork(&mut self, parent: SeqId, child: SeqId, max_new_tokens: usize) -> Result<(), BlockError> {
+    pub fn fork(
+        &mut self,
+        parent: SeqId,
+        child: SeqId,
+        max_new_tokens: usize,
+    ) -> Result<(), BlockError> {
         if self.seqs.contains_key(&child) {
             return Err(BlockError::DuplicateSeq(child));
         }
-        let p = self.seqs.get(&parent).ok_or(BlockError::UnknownSeq(parent))?.clone();
+        let p = self
+            .seqs
+            .get(&parent)
+            .ok_or(BlockError::UnknownSeq(parent))?
+            .clone();
         // A shared, partially filled last page is copied by whichever sequence writes to
         // it first: both get one extra page of reservation for that copy.
         let partial = usize::from(p.num_tokens % self.page_size != 0);
@@ -393,14 +435,24 @@ impl BlockManager {
         if let Some(ps) = self.seqs.get_mut(&parent) {
             ps.reserved_pages += partial;
         }
-        self.seqs.insert(child, SeqBlocks { table: p.table, num_tokens: p.num_tokens, reserved_pages: child_need, hashes: p.hashes });
+        self.seqs.insert(
+            child,
+            SeqBlocks {
+                table: p.table,
+                num_tokens: p.num_tokens,
+                reserved_pages: child_need,
+                hashes: p.hashes,
+            },
+        );
         Ok(())
     }
 
     /// Release everything `seq` holds: pages drop a reference (cached ones become
     /// evictable, others free) and the unused reservation returns to the pool.
     pub fn free(&mut self, seq: SeqId) -> bool {
-        let Some(s) = self.seqs.remove(&seq) else { return false };
+        let Some(s) = self.seqs.remove(&seq) else {
+            return false;
+        };
         self.reserved_total -= s.reserved_pages;
         for &page in s.table.iter().rev() {
             let rc = &mut self.refcount[page as usize];
@@ -427,21 +479,26 @@ impl BlockManager {
                 counted[p as usize] += 1;
             }
         }
-        for p in 0..self.num_pages() {
+        for (p, &held) in counted.iter().enumerate() {
             let free = self.bitmap.is_free(p as PageId);
             let evictable = self.evictable.contains(&(p as PageId));
             let rc = self.refcount[p];
-            if rc != counted[p] {
-                return Err(format!("page {p}: refcount {rc} but {} tables hold it", counted[p]));
+            if rc != held {
+                return Err(format!("page {p}: refcount {rc} but {held} tables hold it"));
             }
             let states = usize::from(free) + usize::from(evictable) + usize::from(rc > 0);
             if states != 1 {
-                return Err(format!("page {p}: free={free} evictable={evictable} rc={rc}"));
+                return Err(format!(
+                    "page {p}: free={free} evictable={evictable} rc={rc}"
+                ));
             }
         }
         let reserved: usize = self.seqs.values().map(|s| s.reserved_pages).sum();
         if reserved != self.reserved_total {
-            return Err(format!("reserved {reserved} != total {}", self.reserved_total));
+            return Err(format!(
+                "reserved {reserved} != total {}",
+                self.reserved_total
+            ));
         }
         if self.reserved_total > self.bitmap.free_count() + self.evictable.len() {
             return Err("over-committed: reservations exceed free pages".into());
@@ -515,7 +572,13 @@ mod tests {
         let mut bm = BlockManager::new(4, 16, false);
         bm.admit(1, &[0; 30], 2).unwrap(); // 2 pages
         assert!(!bm.can_admit(&[0; 40], 0)); // needs 3
-        assert!(matches!(bm.admit(2, &[0; 40], 0), Err(BlockError::NoCapacity { need: 3, available: 2 })));
+        assert!(matches!(
+            bm.admit(2, &[0; 40], 0),
+            Err(BlockError::NoCapacity {
+                need: 3,
+                available: 2
+            })
+        ));
         bm.admit(2, &[0; 20], 10).unwrap();
         assert_eq!(bm.available(), 0);
         bm.free(1);
@@ -524,14 +587,22 @@ mod tests {
 
     #[derive(Debug, Clone)]
     enum Op {
-        Admit { len: usize, max_new: usize, prefix: bool },
+        Admit {
+            len: usize,
+            max_new: usize,
+            prefix: bool,
+        },
         Step(usize),
         Free(usize),
     }
 
     fn op() -> impl Strategy<Value = Op> {
         prop_oneof![
-            (1usize..60, 1usize..30, any::<bool>()).prop_map(|(len, max_new, prefix)| Op::Admit { len, max_new, prefix }),
+            (1usize..60, 1usize..30, any::<bool>()).prop_map(|(len, max_new, prefix)| Op::Admit {
+                len,
+                max_new,
+                prefix
+            }),
             (0usize..8).prop_map(Op::Step),
             (0usize..8).prop_map(Op::Free),
         ]

@@ -76,7 +76,13 @@ pub struct InitOptions {
 
 impl Default for InitOptions {
     fn default() -> Self {
-        Self { size: ModelSize::Tiny, dtype: StoreDtype::Bf16, shards: 1, seed: 0x5eed, qkv_bias: false }
+        Self {
+            size: ModelSize::Tiny,
+            dtype: StoreDtype::Bf16,
+            shards: 1,
+            seed: 0x5eed,
+            qkv_bias: false,
+        }
     }
 }
 
@@ -94,12 +100,21 @@ pub struct Planted {
     pub sensitive_groups: Vec<String>,
 }
 
-pub const SPECIAL_TOKENS: [&str; 6] = ["<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"];
+pub const SPECIAL_TOKENS: [&str; 6] = [
+    "<s>",
+    "</s>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|end|>",
+];
 const CHAT_TEMPLATE: &str = "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}<|end|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}";
 
 /// GPT-2's byte → printable character map, so token id = byte value.
 fn byte_char(b: u8) -> char {
-    let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+    let printable = |b: u8| {
+        (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b)
+    };
     if printable(b) {
         b as char
     } else {
@@ -121,14 +136,17 @@ pub const VOCAB_SIZE: usize = 320;
 
 fn write_json(path: &Path, v: &impl Serialize) -> Result<()> {
     let text = serde_json::to_string_pretty(v).map_err(|e| EngineError::Config(e.to_string()))?;
-    std::fs::write(path, text + "\n").map_err(|e| EngineError::io(format!("writing {}", path.display()), e))
+    std::fs::write(path, text + "\n")
+        .map_err(|e| EngineError::io(format!("writing {}", path.display()), e))
 }
 
 fn write_tokenizer(dir: &Path) -> Result<()> {
     use tokenizers::models::bpe::BPE;
     use tokenizers::pre_tokenizers::byte_level::ByteLevel;
     use tokenizers::{AddedToken, Tokenizer};
-    let vocab: tokenizers::models::bpe::Vocab = (0..=255u8).map(|b| (byte_char(b).to_string(), b as u32)).collect();
+    let vocab: tokenizers::models::bpe::Vocab = (0..=255u8)
+        .map(|b| (byte_char(b).to_string(), b as u32))
+        .collect();
     let bpe = BPE::builder()
         .vocab_and_merges(vocab, Vec::new())
         .build()
@@ -136,10 +154,14 @@ fn write_tokenizer(dir: &Path) -> Result<()> {
     let mut tok = Tokenizer::new(bpe);
     tok.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
     tok.with_decoder(Some(ByteLevel::new(false, true, true)));
-    let specials: Vec<AddedToken> = SPECIAL_TOKENS.iter().map(|t| AddedToken::from(*t, true)).collect();
+    let specials: Vec<AddedToken> = SPECIAL_TOKENS
+        .iter()
+        .map(|t| AddedToken::from(*t, true))
+        .collect();
     let _added = tok.add_special_tokens(specials);
     let path = dir.join("tokenizer.json");
-    tok.save(&path, true).map_err(|e| EngineError::Tokenizer(format!("{}: {e}", path.display())))?;
+    tok.save(&path, true)
+        .map_err(|e| EngineError::Tokenizer(format!("{}: {e}", path.display())))?;
     write_json(
         &dir.join("tokenizer_config.json"),
         &serde_json::json!({
@@ -156,7 +178,8 @@ fn write_tokenizer(dir: &Path) -> Result<()> {
 /// Write the bundled model into `dir` (created if missing). Deterministic: the same options
 /// give byte-identical files.
 pub fn init_model(dir: &Path, opts: &InitOptions) -> Result<Planted> {
-    std::fs::create_dir_all(dir).map_err(|e| EngineError::io(format!("creating {}", dir.display()), e))?;
+    std::fs::create_dir_all(dir)
+        .map_err(|e| EngineError::io(format!("creating {}", dir.display()), e))?;
     let (h, inter, layers, nh, nkv) = dims(opts.size);
     let hd = h / nh;
     let v = VOCAB_SIZE;
@@ -191,21 +214,50 @@ pub fn init_model(dir: &Path, opts: &InitOptions) -> Result<Planted> {
         // Real models learn small norm gains on massive channels; keep them at 1 so the
         // monitor sees the massive values, but damp them a little in later layers.
         let mut norm_w = vec![1.0f32; h];
-        norm_w.iter_mut().enumerate().for_each(|(i, w)| *w += 0.05 * ((i * 7 + l) % 5) as f32 / 5.0);
-        tensors.push((format!("{p}input_layernorm.weight"), vec![h], norm_w.clone()));
-        tensors.push((format!("{p}post_attention_layernorm.weight"), vec![h], norm_w));
+        norm_w
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, w)| *w += 0.05 * ((i * 7 + l) % 5) as f32 / 5.0);
+        tensors.push((
+            format!("{p}input_layernorm.weight"),
+            vec![h],
+            norm_w.clone(),
+        ));
+        tensors.push((
+            format!("{p}post_attention_layernorm.weight"),
+            vec![h],
+            norm_w,
+        ));
         let std_in = |fan_in: usize| 1.0 / (fan_in as f32).sqrt();
-        for (name, out, inp) in [("self_attn.q_proj", nh * hd, h), ("self_attn.k_proj", nkv * hd, h), ("self_attn.v_proj", nkv * hd, h)] {
-            tensors.push((format!("{p}{name}.weight"), vec![out, inp], normal(&mut rng, out * inp, std_in(inp))));
+        for (name, out, inp) in [
+            ("self_attn.q_proj", nh * hd, h),
+            ("self_attn.k_proj", nkv * hd, h),
+            ("self_attn.v_proj", nkv * hd, h),
+        ] {
+            tensors.push((
+                format!("{p}{name}.weight"),
+                vec![out, inp],
+                normal(&mut rng, out * inp, std_in(inp)),
+            ));
             if opts.qkv_bias {
-                tensors.push((format!("{p}{name}.bias"), vec![out], normal(&mut rng, out, 0.02)));
+                tensors.push((
+                    format!("{p}{name}.bias"),
+                    vec![out],
+                    normal(&mut rng, out, 0.02),
+                ));
             }
         }
-        tensors.push((format!("{p}self_attn.o_proj.weight"), vec![h, nh * hd], normal(&mut rng, h * nh * hd, std_in(nh * hd) * 0.5)));
+        tensors.push((
+            format!("{p}self_attn.o_proj.weight"),
+            vec![h, nh * hd],
+            normal(&mut rng, h * nh * hd, std_in(nh * hd) * 0.5),
+        ));
         for name in ["mlp.gate_proj", "mlp.up_proj"] {
             let w = if l == mid {
                 let t = StudentT::new(2.5f32).map_err(|e| EngineError::Config(e.to_string()))?;
-                (0..inter * h).map(|_| t.sample(&mut rng) * std_in(h) * 0.5).collect()
+                (0..inter * h)
+                    .map(|_| t.sample(&mut rng) * std_in(h) * 0.5)
+                    .collect()
             } else {
                 normal(&mut rng, inter * h, std_in(h))
             };
@@ -261,11 +313,19 @@ pub fn init_model(dir: &Path, opts: &InitOptions) -> Result<Planted> {
             let name = format!("model-{:05}-of-{:05}.safetensors", i + 1, shards);
             for (t, _, d) in chunk {
                 weight_map.insert(t.clone(), serde_json::Value::String(name.clone()));
-                total += d.len() * if dtype == safetensors::Dtype::F32 { 4 } else { 2 };
+                total += d.len()
+                    * if dtype == safetensors::Dtype::F32 {
+                        4
+                    } else {
+                        2
+                    };
             }
             write_safetensors(&dir.join(&name), chunk, dtype)?;
         }
-        write_json(&dir.join("model.safetensors.index.json"), &serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map}))?;
+        write_json(
+            &dir.join("model.safetensors.index.json"),
+            &serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map}),
+        )?;
     }
 
     let model_type = if opts.qkv_bias { "qwen2" } else { "llama" };
@@ -309,14 +369,16 @@ pub fn init_model(dir: &Path, opts: &InitOptions) -> Result<Planted> {
         bc = planted.bos_massive_channel,
         seed = opts.seed,
     );
-    std::fs::write(dir.join("README.md"), card).map_err(|e| EngineError::io("writing model card", e))?;
+    std::fs::write(dir.join("README.md"), card)
+        .map_err(|e| EngineError::io("writing model card", e))?;
     Ok(planted)
 }
 
 /// Whether `dir` already holds a model (config and weights).
 pub fn model_present(dir: &Path) -> bool {
     dir.join("config.json").exists()
-        && (dir.join("model.safetensors").exists() || dir.join("model.safetensors.index.json").exists())
+        && (dir.join("model.safetensors").exists()
+            || dir.join("model.safetensors.index.json").exists())
         && dir.join("tokenizer.json").exists()
 }
 

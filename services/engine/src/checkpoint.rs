@@ -20,14 +20,18 @@ struct Shard {
 
 impl Shard {
     fn open(path: &Path) -> Result<Self> {
-        let file = File::open(path).map_err(|e| EngineError::io(format!("opening {}", path.display()), e))?;
+        let file = File::open(path)
+            .map_err(|e| EngineError::io(format!("opening {}", path.display()), e))?;
         // SAFETY: the checkpoint is mapped read-only; quantmesh never writes to a file it has
         // mapped, and a concurrent writer from outside is documented as unsupported (write
         // new checkpoints to a new directory).
         #[allow(unsafe_code)]
         let mmap = unsafe { Mmap::map(&file) }
             .map_err(|e| EngineError::io(format!("mapping {}", path.display()), e))?;
-        let shard = Shard { path: path.to_path_buf(), mmap };
+        let shard = Shard {
+            path: path.to_path_buf(),
+            mmap,
+        };
         shard.check()?;
         Ok(shard)
     }
@@ -43,7 +47,14 @@ impl Shard {
     fn diagnose(&self, err: safetensors::SafeTensorError) -> EngineError {
         let bytes = &self.mmap[..];
         if bytes.len() < 8 {
-            return EngineError::checkpoint(&self.path, None, format!("file is {} bytes, too short for a safetensors header", bytes.len()));
+            return EngineError::checkpoint(
+                &self.path,
+                None,
+                format!(
+                    "file is {} bytes, too short for a safetensors header",
+                    bytes.len()
+                ),
+            );
         }
         let mut n = [0u8; 8];
         n.copy_from_slice(&bytes[..8]);
@@ -52,7 +63,11 @@ impl Shard {
             return EngineError::checkpoint(&self.path, None, format!("header claims {header_len} bytes but the file has {}: truncated or not a safetensors file ({err})", bytes.len()));
         };
         let Ok(meta) = serde_json::from_slice::<BTreeMap<String, serde_json::Value>>(header) else {
-            return EngineError::checkpoint(&self.path, None, format!("header is not valid JSON ({err})"));
+            return EngineError::checkpoint(
+                &self.path,
+                None,
+                format!("header is not valid JSON ({err})"),
+            );
         };
         let data_len = bytes.len() - 8 - header_len;
         // The first tensor (in file order) whose bytes are not all there.
@@ -110,7 +125,11 @@ impl Checkpoint {
             files
         };
         if files.is_empty() {
-            return Err(EngineError::checkpoint(dir, None, "no .safetensors files found"));
+            return Err(EngineError::checkpoint(
+                dir,
+                None,
+                "no .safetensors files found",
+            ));
         }
         let mut shards = Vec::with_capacity(files.len());
         let mut index = HashMap::new();
@@ -118,7 +137,11 @@ impl Checkpoint {
             let shard = Shard::open(path)?;
             for name in shard.tensors()?.names() {
                 if index.insert(name.to_string(), i).is_some() {
-                    return Err(EngineError::checkpoint(path, Some(name), "tensor appears in more than one shard"));
+                    return Err(EngineError::checkpoint(
+                        path,
+                        Some(name),
+                        "tensor appears in more than one shard",
+                    ));
                 }
             }
             shards.push(shard);
@@ -138,18 +161,28 @@ impl Checkpoint {
     /// reported as corruption, naming the tensor.
     pub fn load_f32(&self, name: &str) -> Result<Tensor> {
         let &i = self.index.get(name).ok_or_else(|| {
-            let file = self.shards.first().map(|s| s.path.clone()).unwrap_or_default();
+            let file = self
+                .shards
+                .first()
+                .map(|s| s.path.clone())
+                .unwrap_or_default();
             EngineError::checkpoint(file, Some(name), "tensor is missing from the checkpoint")
         })?;
         let shard = &self.shards[i];
         let st = shard.tensors()?;
-        let view = st.tensor(name).map_err(|e| EngineError::checkpoint(&shard.path, Some(name), e.to_string()))?;
+        let view = st
+            .tensor(name)
+            .map_err(|e| EngineError::checkpoint(&shard.path, Some(name), e.to_string()))?;
         let dtype = match view.dtype() {
             safetensors::Dtype::F32 => DType::F32,
             safetensors::Dtype::F16 => DType::F16,
             safetensors::Dtype::BF16 => DType::BF16,
             other => {
-                return Err(EngineError::checkpoint(&shard.path, Some(name), format!("unsupported dtype {other:?} (expected F32, F16 or BF16)")))
+                return Err(EngineError::checkpoint(
+                    &shard.path,
+                    Some(name),
+                    format!("unsupported dtype {other:?} (expected F32, F16 or BF16)"),
+                ))
             }
         };
         let t = Tensor::from_raw_buffer(view.data(), dtype, view.shape(), &Device::Cpu)
@@ -162,7 +195,11 @@ impl Checkpoint {
             .iter()
             .all(|x| x.is_finite());
         if !finite {
-            return Err(EngineError::checkpoint(&shard.path, Some(name), "contains NaN or infinite values: the file is corrupt"));
+            return Err(EngineError::checkpoint(
+                &shard.path,
+                Some(name),
+                "contains NaN or infinite values: the file is corrupt",
+            ));
         }
         Ok(t)
     }
@@ -172,7 +209,15 @@ impl Checkpoint {
         let t = self.load_f32(name)?;
         if t.dims() != shape {
             let i = self.index[name];
-            return Err(EngineError::checkpoint(&self.shards[i].path, Some(name), format!("shape {:?} does not match the config's {:?}", t.dims(), shape)));
+            return Err(EngineError::checkpoint(
+                &self.shards[i].path,
+                Some(name),
+                format!(
+                    "shape {:?} does not match the config's {:?}",
+                    t.dims(),
+                    shape
+                ),
+            ));
         }
         Ok(t)
     }
@@ -184,13 +229,23 @@ impl Checkpoint {
 }
 
 /// Write tensors (f32 data, stored in the given dtype) to one safetensors file.
-pub fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)], dtype: safetensors::Dtype) -> Result<()> {
+pub fn write_safetensors(
+    path: &Path,
+    tensors: &[(String, Vec<usize>, Vec<f32>)],
+    dtype: safetensors::Dtype,
+) -> Result<()> {
     use safetensors::tensor::TensorView;
     let bufs: Vec<Vec<u8>> = tensors
         .iter()
         .map(|(_, _, data)| match dtype {
-            safetensors::Dtype::F16 => data.iter().flat_map(|x| half::f16::from_f32(*x).to_le_bytes()).collect(),
-            safetensors::Dtype::BF16 => data.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect(),
+            safetensors::Dtype::F16 => data
+                .iter()
+                .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
+                .collect(),
+            safetensors::Dtype::BF16 => data
+                .iter()
+                .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+                .collect(),
             _ => data.iter().flat_map(|x| x.to_le_bytes()).collect(),
         })
         .collect();

@@ -66,7 +66,8 @@ impl ModelConfig {
         let cfg: ModelConfig = serde_json::from_str(&text).map_err(|e| {
             EngineError::Config(format!("{}: not a valid model config: {e}", path.display()))
         })?;
-        cfg.validate().map_err(|m| EngineError::Config(format!("{}: {m}", path.display())))?;
+        cfg.validate()
+            .map_err(|m| EngineError::Config(format!("{}: {m}", path.display())))?;
         Ok(cfg)
     }
 
@@ -77,13 +78,20 @@ impl ModelConfig {
                 self.model_type
             ));
         }
-        if self.num_attention_heads == 0 || self.hidden_size == 0 || self.num_hidden_layers == 0 {
-            return Err("hidden_size, num_attention_heads and num_hidden_layers must be > 0".into());
+        if [
+            self.num_attention_heads,
+            self.num_kv_heads(),
+            self.hidden_size,
+            self.num_hidden_layers,
+        ]
+        .contains(&0)
+        {
+            return Err("hidden_size, num_attention_heads, num_key_value_heads and num_hidden_layers must be > 0".into());
         }
-        if self.num_attention_heads % self.num_kv_heads() != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.num_kv_heads()) {
             return Err("num_attention_heads must be a multiple of num_key_value_heads".into());
         }
-        if self.head_dim() % 2 != 0 {
+        if !self.head_dim().is_multiple_of(2) {
             return Err("head_dim must be even for RoPE".into());
         }
         Ok(())
@@ -94,7 +102,8 @@ impl ModelConfig {
     }
 
     pub fn head_dim(&self) -> usize {
-        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads)
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads)
     }
 
     /// Width of one token's K (or V) in one layer.
@@ -178,7 +187,8 @@ impl EngineConfig {
             return bad("max_num_seqs and max_num_batched_tokens must be > 0");
         }
         for key in self.group_residency.keys() {
-            key.parse::<quantmesh_shared::GroupId>().map_err(EngineError::Config)?;
+            key.parse::<quantmesh_shared::GroupId>()
+                .map_err(EngineError::Config)?;
         }
         Ok(())
     }

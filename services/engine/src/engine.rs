@@ -47,21 +47,36 @@ pub struct Engine {
 }
 
 /// Load the model and tokenizer (blocking; call off the async reactor).
-pub fn load_parts(model_dir: &Path, cfg: &EngineConfig) -> Result<(LlamaModel, TextTokenizer, ModelConfig)> {
+pub fn load_parts(
+    model_dir: &Path,
+    cfg: &EngineConfig,
+) -> Result<(LlamaModel, TextTokenizer, ModelConfig)> {
     cfg.validate()?;
     let mcfg = ModelConfig::from_file(&model_dir.join("config.json"))?;
     let overrides: Vec<(GroupId, Residency)> = cfg
         .group_residency
         .iter()
-        .map(|(k, v)| k.parse::<GroupId>().map(|g| (g, *v)).map_err(EngineError::Config))
+        .map(|(k, v)| {
+            k.parse::<GroupId>()
+                .map(|g| (g, *v))
+                .map_err(EngineError::Config)
+        })
         .collect::<Result<_>>()?;
     for (g, _) in &overrides {
         if g.layer >= mcfg.num_hidden_layers {
-            return Err(EngineError::Config(format!("group_residency names {g} but the model has {} layers", mcfg.num_hidden_layers)));
+            return Err(EngineError::Config(format!(
+                "group_residency names {g} but the model has {} layers",
+                mcfg.num_hidden_layers
+            )));
         }
     }
     let default = cfg.default_residency;
-    let residency = move |g: GroupId| overrides.iter().find(|(o, _)| *o == g).map_or(default, |(_, r)| *r);
+    let residency = move |g: GroupId| {
+        overrides
+            .iter()
+            .find(|(o, _)| *o == g)
+            .map_or(default, |(_, r)| *r)
+    };
     let model = LlamaModel::load(model_dir, &mcfg, &residency)?;
     let tok = TextTokenizer::load(model_dir)?;
     Ok((model, tok, mcfg))
@@ -78,12 +93,40 @@ impl Engine {
             .await
             .map_err(|e| EngineError::Config(format!("model loading task failed: {e}")))??;
         let load_seconds = t0.elapsed().as_secs_f64();
-        tracing::info!(model = name, seconds = load_seconds, layers = mcfg.num_hidden_layers, weight_mib = model.resident_bytes() / (1 << 20), "model loaded");
-        Ok(Self::from_parts(model, tok, mcfg, cfg, name, model_dir, load_seconds))
+        tracing::info!(
+            model = name,
+            seconds = load_seconds,
+            layers = mcfg.num_hidden_layers,
+            weight_mib = model.resident_bytes() / (1 << 20),
+            "model loaded"
+        );
+        Ok(Self::from_parts(
+            model,
+            tok,
+            mcfg,
+            cfg,
+            name,
+            model_dir,
+            load_seconds,
+        ))
     }
 
-    pub fn from_parts(model: LlamaModel, tok: TextTokenizer, mcfg: ModelConfig, cfg: EngineConfig, name: &str, dir: &Path, load_seconds: f64) -> Engine {
-        let kv = KvCache::new(mcfg.num_hidden_layers, cfg.num_pages, cfg.page_size, mcfg.kv_dim(), cfg.kv_float_dtype);
+    pub fn from_parts(
+        model: LlamaModel,
+        tok: TextTokenizer,
+        mcfg: ModelConfig,
+        cfg: EngineConfig,
+        name: &str,
+        dir: &Path,
+        load_seconds: f64,
+    ) -> Engine {
+        let kv = KvCache::new(
+            mcfg.num_hidden_layers,
+            cfg.num_pages,
+            cfg.page_size,
+            mcfg.kv_dim(),
+            cfg.kv_float_dtype,
+        );
         let stats = StatsCell::new(EngineStats {
             kv_pages_total: cfg.num_pages,
             kv_pages_free: cfg.num_pages,
@@ -94,24 +137,52 @@ impl Engine {
             ..Default::default()
         });
         let mask = MaskHandle::default();
-        let state = Arc::new(Mutex::new(ExecutorState { model, kv, mask: mask.clone(), kv_int8: cfg.kv_int8 }));
-        let executor = SyncArbiter::start(1, move || ExecutorActor { state: state.clone() });
+        let state = Arc::new(Mutex::new(ExecutorState {
+            model,
+            kv,
+            mask: mask.clone(),
+            kv_int8: cfg.kv_int8,
+        }));
+        let executor = SyncArbiter::start(1, move || ExecutorActor {
+            state: state.clone(),
+        });
         let tokenizer = Arc::new(tok);
         let t2 = tokenizer.clone();
-        let tokenizer_actor = SyncArbiter::start(2, move || TokenizerActor { tokenizer: t2.clone() });
+        let tokenizer_actor = SyncArbiter::start(2, move || TokenizerActor {
+            tokenizer: t2.clone(),
+        });
         let core = Scheduler::new(
             BlockManager::new(cfg.num_pages, cfg.page_size, cfg.prefix_caching),
-            SchedulerLimits { max_num_seqs: cfg.max_num_seqs, max_num_batched_tokens: cfg.max_num_batched_tokens, max_waiting: cfg.max_waiting },
+            SchedulerLimits {
+                max_num_seqs: cfg.max_num_seqs,
+                max_num_batched_tokens: cfg.max_num_batched_tokens,
+                max_waiting: cfg.max_waiting,
+            },
         );
-        let scheduler = SchedulerActor::new(core, executor, mask.clone(), stats.clone(), cfg.max_waiting.max(16)).start();
-        let max_model_len = mcfg.max_position_embeddings.min(cfg.num_pages * cfg.page_size);
+        let scheduler = SchedulerActor::new(
+            core,
+            executor,
+            mask.clone(),
+            stats.clone(),
+            cfg.max_waiting.max(16),
+        )
+        .start();
+        let max_model_len = mcfg
+            .max_position_embeddings
+            .min(cfg.num_pages * cfg.page_size);
         let eos = mcfg.eos_ids();
         Engine {
             inner: Arc::new(Inner {
                 scheduler,
                 tokenizer_actor,
                 tokenizer,
-                info: ModelInfo { name: name.to_string(), dir: dir.to_path_buf(), config: mcfg, max_model_len, load_seconds },
+                info: ModelInfo {
+                    name: name.to_string(),
+                    dir: dir.to_path_buf(),
+                    config: mcfg,
+                    max_model_len,
+                    load_seconds,
+                },
                 stats,
                 mask,
                 next_id: AtomicU64::new(1),
@@ -138,23 +209,35 @@ impl Engine {
     }
 
     pub async fn encode(&self, text: String, add_bos: bool) -> Result<Vec<u32>> {
-        self.inner.tokenizer_actor.send(Encode { text, add_bos }).await.map_err(|_| EngineError::Stopped)?
+        self.inner
+            .tokenizer_actor
+            .send(Encode { text, add_bos })
+            .await
+            .map_err(|_| EngineError::Stopped)?
     }
 
     pub async fn apply_chat_template(&self, messages: Vec<ChatMessage>) -> Result<String> {
-        self.inner.tokenizer_actor.send(ApplyChatTemplate(messages)).await.map_err(|_| EngineError::Stopped)?
+        self.inner
+            .tokenizer_actor
+            .send(ApplyChatTemplate(messages))
+            .await
+            .map_err(|_| EngineError::Stopped)?
     }
 
     /// Queue a tokenized prompt. The returned [`Generation`] yields text as it is produced;
     /// dropping it cancels the request and frees its KV pages.
     pub async fn generate(&self, prompt: Vec<u32>, params: SamplingParams) -> Result<Generation> {
-        params.validate().map_err(|e| EngineError::InvalidRequest(e.to_string()))?;
+        params
+            .validate()
+            .map_err(|e| EngineError::InvalidRequest(e.to_string()))?;
         if prompt.is_empty() {
             return Err(EngineError::InvalidRequest("the prompt is empty".into()));
         }
         let vocab = self.inner.info.config.vocab_size as u32;
         if let Some(bad) = prompt.iter().find(|&&t| t >= vocab) {
-            return Err(EngineError::InvalidRequest(format!("token id {bad} is outside the vocabulary (size {vocab})")));
+            return Err(EngineError::InvalidRequest(format!(
+                "token id {bad} is outside the vocabulary (size {vocab})"
+            )));
         }
         let max_len = self.inner.info.max_model_len;
         if prompt.len() + params.max_tokens > max_len {
@@ -169,10 +252,17 @@ impl Engine {
         let prompt_len = prompt.len();
         let stop = params.stop.clone();
         let seq = Sequence::new(id, prompt, params, self.inner.eos.clone());
-        self.inner.scheduler.send(Submit { seq, events: tx }).await.map_err(|_| EngineError::Stopped)?.map_err(|e| match e {
-            SubmitError::QueueFull { .. } | SubmitError::ShuttingDown => EngineError::Overloaded(e.to_string()),
-            SubmitError::NeverFits { .. } => EngineError::InvalidRequest(e.to_string()),
-        })?;
+        self.inner
+            .scheduler
+            .send(Submit { seq, events: tx })
+            .await
+            .map_err(|_| EngineError::Stopped)?
+            .map_err(|e| match e {
+                SubmitError::QueueFull { .. } | SubmitError::ShuttingDown => {
+                    EngineError::Overloaded(e.to_string())
+                }
+                SubmitError::NeverFits { .. } => EngineError::InvalidRequest(e.to_string()),
+            })?;
         Ok(Generation {
             id,
             rx,
@@ -202,7 +292,11 @@ pub enum GenerationEvent {
     /// New text; may be empty while a multi-byte character or a possible stop string is
     /// held back. `token` is the sampled token, `None` for text flushed at the end.
     Text { text: String, token: Option<u32> },
-    Done { reason: FinishReason, usage: Usage, cached_tokens: usize },
+    Done {
+        reason: FinishReason,
+        usage: Usage,
+        cached_tokens: usize,
+    },
 }
 
 /// A running request. Yields text deltas, then one `Done`. Dropping it before `Done`
@@ -248,11 +342,19 @@ impl Generation {
 
     fn find_stop(&self) -> Option<usize> {
         let pending = &self.text[self.emitted..];
-        self.stop.iter().filter_map(|s| pending.find(s.as_str())).min().map(|p| self.emitted + p)
+        self.stop
+            .iter()
+            .filter_map(|s| pending.find(s.as_str()))
+            .min()
+            .map(|p| self.emitted + p)
     }
 
     fn usage(&self) -> Usage {
-        Usage { prompt_tokens: self.prompt_tokens, completion_tokens: self.completion_tokens, total_tokens: self.prompt_tokens + self.completion_tokens }
+        Usage {
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens: self.completion_tokens,
+            total_tokens: self.prompt_tokens + self.completion_tokens,
+        }
     }
 
     fn release(&mut self) {
@@ -269,15 +371,22 @@ impl Generation {
         }
         if let Some((reason, cached_tokens)) = self.finish.take() {
             self.done = true;
-            return Some(GenerationEvent::Done { reason, usage: self.usage(), cached_tokens });
+            return Some(GenerationEvent::Done {
+                reason,
+                usage: self.usage(),
+                cached_tokens,
+            });
         }
         match self.rx.recv().await {
             Some(SeqEvent::Token { token, .. }) => {
                 self.completion_tokens += 1;
-                let delta = self.decoder.push(&self.tokenizer, token).unwrap_or_else(|e| {
-                    tracing::warn!(error = %e, "detokenization failed");
-                    None
-                });
+                let delta = self
+                    .decoder
+                    .push(&self.tokenizer, token)
+                    .unwrap_or_else(|e| {
+                        tracing::warn!(error = %e, "detokenization failed");
+                        None
+                    });
                 self.text.push_str(&delta.unwrap_or_default());
                 let upto = match self.find_stop() {
                     Some(at) => {
@@ -290,9 +399,16 @@ impl Generation {
                 };
                 let text = self.text[self.emitted..upto].to_string();
                 self.emitted = upto;
-                Some(GenerationEvent::Text { text, token: Some(token) })
+                Some(GenerationEvent::Text {
+                    text,
+                    token: Some(token),
+                })
             }
-            Some(SeqEvent::Finished { reason, cached_tokens, .. }) => {
+            Some(SeqEvent::Finished {
+                reason,
+                cached_tokens,
+                ..
+            }) => {
                 self.released = true;
                 let tail = self.decoder.flush(&self.tokenizer).unwrap_or_default();
                 self.text.push_str(&tail);
@@ -304,7 +420,11 @@ impl Generation {
                 self.emitted = end;
                 if text.is_empty() {
                     self.done = true;
-                    return Some(GenerationEvent::Done { reason, usage: self.usage(), cached_tokens });
+                    return Some(GenerationEvent::Done {
+                        reason,
+                        usage: self.usage(),
+                        cached_tokens,
+                    });
                 }
                 self.finish = Some((reason, cached_tokens));
                 Some(GenerationEvent::Text { text, token: None })
@@ -312,7 +432,11 @@ impl Generation {
             None => {
                 self.done = true;
                 self.released = true;
-                Some(GenerationEvent::Done { reason: FinishReason::Error, usage: self.usage(), cached_tokens: 0 })
+                Some(GenerationEvent::Done {
+                    reason: FinishReason::Error,
+                    usage: self.usage(),
+                    cached_tokens: 0,
+                })
             }
         }
     }
@@ -323,7 +447,11 @@ impl Generation {
         while let Some(ev) = self.next().await {
             match ev {
                 GenerationEvent::Text { text: t, .. } => text.push_str(&t),
-                GenerationEvent::Done { reason, usage, cached_tokens } => return (text, reason, usage, cached_tokens),
+                GenerationEvent::Done {
+                    reason,
+                    usage,
+                    cached_tokens,
+                } => return (text, reason, usage, cached_tokens),
             }
         }
         (text, FinishReason::Error, self.usage(), 0)

@@ -33,7 +33,10 @@ pub enum EngineError {
 
 impl EngineError {
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
-        EngineError::Io { context: context.into(), source }
+        EngineError::Io {
+            context: context.into(),
+            source,
+        }
     }
 
     pub fn checkpoint(

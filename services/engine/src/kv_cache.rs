@@ -30,7 +30,10 @@ impl FloatBuf {
     }
     fn write(&mut self, at: usize, x: &[f32]) {
         match self {
-            FloatBuf::F16(b) => b[at..at + x.len()].iter_mut().zip(x).for_each(|(d, s)| *d = f16::from_f32(*s)),
+            FloatBuf::F16(b) => b[at..at + x.len()]
+                .iter_mut()
+                .zip(x)
+                .for_each(|(d, s)| *d = f16::from_f32(*s)),
             FloatBuf::F32(b) => b[at..at + x.len()].copy_from_slice(x),
         }
     }
@@ -38,7 +41,9 @@ impl FloatBuf {
         match self {
             FloatBuf::F16(b) => {
                 let n = out.len();
-                out.iter_mut().zip(&b[at..at + n]).for_each(|(d, s)| *d = s.to_f32())
+                out.iter_mut()
+                    .zip(&b[at..at + n])
+                    .for_each(|(d, s)| *d = s.to_f32())
             }
             FloatBuf::F32(b) => {
                 let n = out.len();
@@ -85,6 +90,25 @@ pub fn quantize_c8(x: &[f32], out: &mut [i8]) -> f32 {
     scale
 }
 
+/// Dot product with 8 independent accumulators, so the compiler can vectorize it.
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for k in 0..8 {
+            lanes[k] += x[k] * y[k];
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
+}
+
 pub struct KvCache {
     page_size: usize,
     kv_dim: usize,
@@ -94,12 +118,20 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    pub fn new(num_layers: usize, num_pages: usize, page_size: usize, kv_dim: usize, float_dtype: KvFloatDtype) -> Self {
+    pub fn new(
+        num_layers: usize,
+        num_pages: usize,
+        page_size: usize,
+        kv_dim: usize,
+        float_dtype: KvFloatDtype,
+    ) -> Self {
         Self {
             page_size,
             kv_dim,
             float_dtype,
-            layers: (0..num_layers).map(|_| vec![PageData::default(); num_pages]).collect(),
+            layers: (0..num_layers)
+                .map(|_| vec![PageData::default(); num_pages])
+                .collect(),
         }
     }
 
@@ -123,7 +155,9 @@ impl KvCache {
             .flatten()
             .map(|p| {
                 p.tag.len()
-                    + p.quant.as_ref().map_or(0, |q| q.k.len() + q.v.len() + 4 * (q.k_scale.len() + q.v_scale.len()))
+                    + p.quant.as_ref().map_or(0, |q| {
+                        q.k.len() + q.v.len() + 4 * (q.k_scale.len() + q.v_scale.len())
+                    })
                     + p.float.as_ref().map_or(0, |(k, v)| k.bytes() + v.bytes())
             })
             .sum()
@@ -148,7 +182,9 @@ impl KvCache {
             q.v_scale[slot.offset] = quantize_c8(v, &mut q.v[at..at + d]);
             page.tag[slot.offset] = INT8;
         } else {
-            let (fk, fv) = page.float.get_or_insert_with(|| (FloatBuf::new(dtype, ps * d), FloatBuf::new(dtype, ps * d)));
+            let (fk, fv) = page.float.get_or_insert_with(|| {
+                (FloatBuf::new(dtype, ps * d), FloatBuf::new(dtype, ps * d))
+            });
             fk.write(at, k);
             fv.write(at, v);
             page.tag[slot.offset] = FLOAT;
@@ -165,13 +201,20 @@ impl KvCache {
             let page = &self.layers[layer][table[pos / self.page_size] as usize];
             let off = pos % self.page_size;
             let at = off * d;
-            let (ko, vo) = (&mut k[pos * d..(pos + 1) * d], &mut v[pos * d..(pos + 1) * d]);
+            let (ko, vo) = (
+                &mut k[pos * d..(pos + 1) * d],
+                &mut v[pos * d..(pos + 1) * d],
+            );
             match page.tag.get(off).copied().unwrap_or(EMPTY) {
                 INT8 => {
                     if let Some(q) = &page.quant {
                         let (ks, vs) = (q.k_scale[off], q.v_scale[off]);
-                        ko.iter_mut().zip(&q.k[at..at + d]).for_each(|(o, x)| *o = *x as f32 * ks);
-                        vo.iter_mut().zip(&q.v[at..at + d]).for_each(|(o, x)| *o = *x as f32 * vs);
+                        ko.iter_mut()
+                            .zip(&q.k[at..at + d])
+                            .for_each(|(o, x)| *o = *x as f32 * ks);
+                        vo.iter_mut()
+                            .zip(&q.v[at..at + d])
+                            .for_each(|(o, x)| *o = *x as f32 * vs);
                     }
                 }
                 FLOAT => {
@@ -184,6 +227,111 @@ impl KvCache {
             }
         }
         (k, v)
+    }
+
+    /// Dequantize token `pos`'s K and V for KV head `g` (`hd` wide) into `k` and `v`.
+    #[inline]
+    fn read_head(
+        &self,
+        layer: usize,
+        table: &[PageId],
+        pos: usize,
+        g: usize,
+        k: &mut [f32],
+        v: &mut [f32],
+    ) {
+        let hd = k.len();
+        let page = &self.layers[layer][table[pos / self.page_size] as usize];
+        let off = pos % self.page_size;
+        let at = off * self.kv_dim + g * hd;
+        match page.tag.get(off).copied().unwrap_or(EMPTY) {
+            INT8 => {
+                if let Some(q) = &page.quant {
+                    let (ks, vs) = (q.k_scale[off], q.v_scale[off]);
+                    k.iter_mut()
+                        .zip(&q.k[at..at + hd])
+                        .for_each(|(o, x)| *o = *x as f32 * ks);
+                    v.iter_mut()
+                        .zip(&q.v[at..at + hd])
+                        .for_each(|(o, x)| *o = *x as f32 * vs);
+                }
+            }
+            FLOAT => {
+                if let Some((fk, fv)) = &page.float {
+                    fk.read(at, k);
+                    fv.read(at, v);
+                }
+            }
+            _ => {
+                k.fill(0.0);
+                v.fill(0.0);
+            }
+        }
+    }
+
+    /// Paged causal attention for one sequence, straight from the pages.
+    ///
+    /// `q` holds `m` query tokens at absolute positions `start..start + m`, laid out
+    /// `[m, num_heads, head_dim]`; the result goes to `out` in the same layout. Query head
+    /// `h` reads KV head `h / (num_heads / num_kv_heads)` (grouped-query attention, HF's
+    /// `repeat_kv` order). Each query attends to positions `0..=its own`. Per KV head, the
+    /// sequence's K/V rows are dequantized once into a contiguous scratch buffer; then one
+    /// pass with an online softmax per query head. Every query row is computed the same way
+    /// whatever the chunking, so a token's result does not depend on how its sequence was
+    /// split into steps.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend(
+        &self,
+        layer: usize,
+        table: &[PageId],
+        start: usize,
+        q: &[f32],
+        m: usize,
+        num_heads: usize,
+        head_dim: usize,
+        out: &mut [f32],
+    ) {
+        let hd = head_dim;
+        let nkv = self.kv_dim / hd;
+        let rep = num_heads / nkv;
+        let total = start + m;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut kb = vec![0f32; total * hd];
+        let mut vb = vec![0f32; total * hd];
+        let mut acc = vec![0f32; hd];
+        for g in 0..nkv {
+            for j in 0..total {
+                let (k, v) = (&mut kb[j * hd..(j + 1) * hd], &mut vb[j * hd..(j + 1) * hd]);
+                self.read_head(layer, table, j, g, k, v);
+            }
+            for i in 0..m {
+                let ctx = start + i + 1;
+                for r in 0..rep {
+                    let h = g * rep + r;
+                    let qh = &q[(i * num_heads + h) * hd..(i * num_heads + h + 1) * hd];
+                    let mut mx = f32::NEG_INFINITY;
+                    let mut l = 0f32;
+                    acc.fill(0.0);
+                    for j in 0..ctx {
+                        let s = dot(qh, &kb[j * hd..(j + 1) * hd]) * scale;
+                        if s > mx {
+                            let corr = (mx - s).exp();
+                            l *= corr;
+                            acc.iter_mut().for_each(|x| *x *= corr);
+                            mx = s;
+                        }
+                        let p = (s - mx).exp();
+                        l += p;
+                        acc.iter_mut()
+                            .zip(&vb[j * hd..(j + 1) * hd])
+                            .for_each(|(x, v)| *x += p * v);
+                    }
+                    let inv = if l > 0.0 { 1.0 / l } else { 0.0 };
+                    let o = &mut out[(i * num_heads + h) * hd..(i * num_heads + h + 1) * hd];
+                    o.iter_mut().zip(&acc).for_each(|(o, a)| *o = a * inv);
+                }
+            }
+        }
     }
 
     /// Precision tags of the first `len` tokens (`Some(true)` = INT8), for tests and metrics.
@@ -229,10 +377,14 @@ mod tests {
     fn switching_precision_keeps_old_tokens_readable() {
         let mut kv = KvCache::new(1, 2, 4, 8, KvFloatDtype::F32);
         let table = [1u32, 0];
-        let tok = |i: usize| -> Vec<f32> { (0..8).map(|j| (i * 8 + j) as f32 / 10.0 - 2.0).collect() };
+        let tok =
+            |i: usize| -> Vec<f32> { (0..8).map(|j| (i * 8 + j) as f32 / 10.0 - 2.0).collect() };
         for pos in 0..6 {
             let int8 = pos < 3; // switch to float after 3 tokens, mid-page
-            let slot = Slot { page: table[pos / 4], offset: pos % 4 };
+            let slot = Slot {
+                page: table[pos / 4],
+                offset: pos % 4,
+            };
             kv.write(0, slot, &tok(pos), &tok(pos + 100), int8);
         }
         let (k, v) = kv.gather(0, &table, 6);
@@ -244,7 +396,68 @@ mod tests {
             }
             assert!((v[pos * 8] - tok(pos + 100)[0]).abs() <= tol.max(1e-6) * 30.0);
         }
-        assert_eq!(kv.slot_precisions(0, &table, 6), vec![Some(true), Some(true), Some(true), Some(false), Some(false), Some(false)]);
+        assert_eq!(
+            kv.slot_precisions(0, &table, 6),
+            vec![
+                Some(true),
+                Some(true),
+                Some(true),
+                Some(false),
+                Some(false),
+                Some(false)
+            ]
+        );
         assert!(kv.bytes_per_token_layer(true) < kv.bytes_per_token_layer(false));
+    }
+
+    #[test]
+    fn paged_attention_matches_naive_softmax() {
+        // 2 KV heads, 4 query heads (GQA rep 2), head_dim 4, 7 tokens over pages of 3.
+        let (nkv, nh, hd, n) = (2, 4, 4, 7);
+        let mut kv = KvCache::new(1, 4, 3, nkv * hd, KvFloatDtype::F32);
+        let table = [2u32, 0, 3];
+        let val = |t: usize, c: usize, salt: f32| ((t * 13 + c * 7) as f32 * 0.37 + salt).sin();
+        for t in 0..n {
+            let k: Vec<f32> = (0..nkv * hd).map(|c| val(t, c, 0.1)).collect();
+            let v: Vec<f32> = (0..nkv * hd).map(|c| val(t, c, 0.9)).collect();
+            kv.write(
+                0,
+                Slot {
+                    page: table[t / 3],
+                    offset: t % 3,
+                },
+                &k,
+                &v,
+                false,
+            );
+        }
+        let start = 4;
+        let m = n - start;
+        let q: Vec<f32> = (0..m * nh * hd).map(|i| (i as f32 * 0.21).cos()).collect();
+        let mut out = vec![0f32; m * nh * hd];
+        kv.attend(0, &table, start, &q, m, nh, hd, &mut out);
+        for i in 0..m {
+            for h in 0..nh {
+                let g = h / (nh / nkv);
+                let qh = &q[(i * nh + h) * hd..][..hd];
+                let ctx = start + i + 1;
+                let scores: Vec<f32> = (0..ctx)
+                    .map(|j| {
+                        (0..hd)
+                            .map(|d| qh[d] * val(j, g * hd + d, 0.1))
+                            .sum::<f32>()
+                            / (hd as f32).sqrt()
+                    })
+                    .collect();
+                let mx = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                let e: Vec<f32> = scores.iter().map(|s| (s - mx).exp()).collect();
+                let z: f32 = e.iter().sum();
+                for d in 0..hd {
+                    let want: f32 = (0..ctx).map(|j| e[j] / z * val(j, g * hd + d, 0.9)).sum();
+                    let got = out[(i * nh + h) * hd + d];
+                    assert!((want - got).abs() < 1e-5, "q{i} h{h} d{d}: {got} vs {want}");
+                }
+            }
+        }
     }
 }

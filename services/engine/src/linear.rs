@@ -48,12 +48,21 @@ impl DualLinear {
     pub fn new(weight: Tensor, bias: Option<Tensor>, residency: Residency) -> Result<Self> {
         let (out_dim, in_dim) = weight.dims2()?;
         let int8 = if residency.has_int8() {
-            Some(QMatMul::from_qtensor(QTensor::quantize(&weight, GgmlDType::Q8_0)?)?)
+            Some(QMatMul::from_qtensor(QTensor::quantize(
+                &weight,
+                GgmlDType::Q8_0,
+            )?)?)
         } else {
             None
         };
         let float = residency.has_float().then_some(weight);
-        Ok(Self { int8, float, bias, out_dim, in_dim })
+        Ok(Self {
+            int8,
+            float,
+            bias,
+            out_dim,
+            in_dim,
+        })
     }
 
     pub fn residency(&self) -> Residency {
@@ -97,12 +106,22 @@ impl DualLinear {
 
     /// The preferred path, falling back to whichever form is resident.
     fn whole(&self, x: &Tensor, want_float: bool) -> Result<Tensor> {
-        let first = if want_float { self.float_mm(x)? } else { self.int8_mm(x)? };
+        let first = if want_float {
+            self.float_mm(x)?
+        } else {
+            self.int8_mm(x)?
+        };
         match first {
             Some(y) => Ok(y),
             None => {
-                let other = if want_float { self.int8_mm(x)? } else { self.float_mm(x)? };
-                other.ok_or_else(|| candle_core::Error::Msg("linear group has no resident weights".into()).into())
+                let other = if want_float {
+                    self.int8_mm(x)?
+                } else {
+                    self.float_mm(x)?
+                };
+                other.ok_or_else(|| {
+                    candle_core::Error::Msg("linear group has no resident weights".into()).into()
+                })
             }
         }
     }
@@ -115,7 +134,11 @@ impl DualLinear {
         let mut outcome = GroupOutcome::default();
         let y = match path {
             RowPath::AllInt8 => {
-                if has_int8 { outcome.int8_rows = rows } else { outcome.float_rows = rows }
+                if has_int8 {
+                    outcome.int8_rows = rows
+                } else {
+                    outcome.float_rows = rows
+                }
                 self.whole(x, false)?
             }
             RowPath::AllFloat => {
@@ -165,7 +188,9 @@ impl DualLinear {
         for &r in float_rows {
             is_float[r] = true;
         }
-        let int_rows: Vec<u32> = (0..rows as u32).filter(|&r| !is_float[r as usize]).collect();
+        let int_rows: Vec<u32> = (0..rows as u32)
+            .filter(|&r| !is_float[r as usize])
+            .collect();
         let flt_rows: Vec<u32> = float_rows.iter().map(|&r| r as u32).collect();
         let dev = x.device();
         let xi = x.index_select(&Tensor::new(int_rows.as_slice(), dev)?, 0)?;
@@ -207,24 +232,41 @@ mod tests {
     fn row_mask_gives_exactly_float_or_int8_per_row() {
         let w = rand(64, 128, 1);
         let x = rand(9, 128, 2);
-        let lin = DualLinear::new(w, Some(rand(1, 64, 3).squeeze(0).unwrap()), Residency::Dual).unwrap();
+        let lin =
+            DualLinear::new(w, Some(rand(1, 64, 3).squeeze(0).unwrap()), Residency::Dual).unwrap();
         let (all_f, _) = lin.forward(&x, &RowPath::AllFloat).unwrap();
         let (all_i, _) = lin.forward(&x, &RowPath::AllInt8).unwrap();
         let float_rows = vec![0, 3, 8];
-        let (mixed, outcome) = lin.forward(&x, &RowPath::FloatRows(float_rows.clone())).unwrap();
+        let (mixed, outcome) = lin
+            .forward(&x, &RowPath::FloatRows(float_rows.clone()))
+            .unwrap();
         assert_eq!(outcome.float_rows, 3);
         assert_eq!(outcome.int8_rows, 6);
         // Compare row by row against the row computed on its own path.
         for r in 0..9 {
-            let want = if float_rows.contains(&r) { &all_f } else { &all_i };
+            let want = if float_rows.contains(&r) {
+                &all_f
+            } else {
+                &all_i
+            };
             let a = mixed.get(r).unwrap().to_vec1::<f32>().unwrap();
             let b = want.get(r).unwrap().to_vec1::<f32>().unwrap();
             for (p, q) in a.iter().zip(&b) {
-                assert!((p - q).abs() <= 1e-5 * (1.0 + q.abs()), "row {r}: {p} vs {q}");
+                assert!(
+                    (p - q).abs() <= 1e-5 * (1.0 + q.abs()),
+                    "row {r}: {p} vs {q}"
+                );
             }
         }
         // and the two paths really differ (quantization error is not zero)
-        let diff = (all_f - all_i).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        let diff = (all_f - all_i)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
         assert!(diff > 0.0);
     }
 
@@ -246,7 +288,16 @@ mod tests {
         let lin = DualLinear::new(w.clone(), None, Residency::Float).unwrap();
         let (y, _) = lin.forward(&x, &RowPath::AllInt8).unwrap();
         let want = x.matmul(&w.t().unwrap()).unwrap();
-        let d = (y - want).unwrap().abs().unwrap().max_all().unwrap().to_dtype(DType::F32).unwrap().to_scalar::<f32>().unwrap();
+        let d = (y - want)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
         assert_eq!(d, 0.0);
     }
 }

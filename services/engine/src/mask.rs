@@ -65,7 +65,10 @@ impl MaskHandle {
     pub fn forget_request(&self, seq: SeqId) {
         let cur = self.load();
         let mentioned = cur.float_requests.contains(&seq)
-            || cur.float_tokens.values().any(|s| s.iter().any(|(q, _)| *q == seq));
+            || cur
+                .float_tokens
+                .values()
+                .any(|s| s.iter().any(|(q, _)| *q == seq));
         if mentioned {
             self.update(|m| {
                 m.float_requests.remove(&seq);

@@ -77,12 +77,6 @@ fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     Ok(x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(w)?)
 }
 
-fn softmax_last(x: &Tensor) -> Result<Tensor> {
-    let max = x.max_keepdim(D::Minus1)?;
-    let e = x.broadcast_sub(&max)?.exp()?;
-    Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
-}
-
 /// `x` is `[rows, heads, head_dim]`; cos/sin are `[rows, head_dim/2]`. HF's rotate-half.
 fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let half = x.dim(D::Minus1)? / 2;
@@ -97,7 +91,11 @@ fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 
 impl LlamaModel {
     /// Load from a Hugging Face directory; `residency` decides each group's resident forms.
-    pub fn load(dir: &Path, cfg: &ModelConfig, residency: &dyn Fn(GroupId) -> Residency) -> Result<Self> {
+    pub fn load(
+        dir: &Path,
+        cfg: &ModelConfig,
+        residency: &dyn Fn(GroupId) -> Residency,
+    ) -> Result<Self> {
         let ck = Checkpoint::open(dir)?;
         let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
         let (hd, nh, nkv) = (cfg.head_dim(), cfg.num_attention_heads, cfg.num_kv_heads());
@@ -112,44 +110,61 @@ impl LlamaModel {
         for l in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{l}.");
             let load_group = |kind: GroupKind, shapes: &[[usize; 2]]| -> Result<DualLinear> {
-                let mut ws = Vec::new();
+                let members = kind.members();
+                let bias_name = |m: &str| format!("{p}{m}.bias");
+                let with_bias = (kind == GroupKind::Qkv && cfg.has_qkv_bias())
+                    || members.iter().any(|m| ck.contains(&bias_name(m)));
+                let mut ws = Vec::with_capacity(members.len());
                 let mut bs = Vec::new();
-                for (member, shape) in kind.members().iter().zip(shapes) {
+                for (member, shape) in members.iter().zip(shapes) {
                     ws.push(ck.load_f32_shaped(&format!("{p}{member}.weight"), shape)?);
-                    let bname = format!("{p}{member}.bias");
-                    if kind == GroupKind::Qkv && cfg.has_qkv_bias() {
-                        bs.push(ck.load_f32_shaped(&bname, &[shape[0]])?);
-                    } else if ck.contains(&bname) {
-                        bs.push(ck.load_f32_shaped(&bname, &[shape[0]])?);
+                    if with_bias {
+                        // Engines cannot mix biased and unbiased members in a fused group:
+                        // a missing member bias is reported as a checkpoint error.
+                        bs.push(ck.load_f32_shaped(&bias_name(member), &[shape[0]])?);
                     }
                 }
-                let w = if ws.len() == 1 { ws.remove(0) } else { Tensor::cat(&ws, 0)? };
-                let b = match bs.len() {
-                    0 => None,
-                    n if n == ws.len().max(1) || (ws.is_empty() && n == 1) => Some(if n == 1 { bs.remove(0) } else { Tensor::cat(&bs, 0)? }),
-                    _ => return Err(EngineError::checkpoint(dir, Some(&format!("{p}{}", kind.members()[0])), "only some members of the fused group have a bias")),
+                let w = Tensor::cat(&ws, 0)?;
+                let b = if bs.is_empty() {
+                    None
+                } else {
+                    Some(Tensor::cat(&bs, 0)?)
                 };
                 DualLinear::new(w, b, residency(GroupId::new(l, kind)))
             };
-            let qkv = load_group(GroupKind::Qkv, &[[nh * hd, h], [nkv * hd, h], [nkv * hd, h]])?;
+            let qkv = load_group(
+                GroupKind::Qkv,
+                &[[nh * hd, h], [nkv * hd, h], [nkv * hd, h]],
+            )?;
             let o = load_group(GroupKind::O, &[[h, nh * hd]])?;
             let gate_up = load_group(GroupKind::GateUp, &[[i, h], [i, h]])?;
             let down = load_group(GroupKind::Down, &[[h, i]])?;
             layers.push(Layer {
                 input_norm: ck.load_f32_shaped(&format!("{p}input_layernorm.weight"), &[h])?,
-                post_norm: ck.load_f32_shaped(&format!("{p}post_attention_layernorm.weight"), &[h])?,
+                post_norm: ck
+                    .load_f32_shaped(&format!("{p}post_attention_layernorm.weight"), &[h])?,
                 groups: [qkv, o, gate_up, down],
             });
         }
         let half = hd / 2;
-        let inv: Vec<f32> = (0..half).map(|j| 1.0 / (cfg.rope_theta as f32).powf(2.0 * j as f32 / hd as f32)).collect();
+        let inv: Vec<f32> = (0..half)
+            .map(|j| 1.0 / (cfg.rope_theta as f32).powf(2.0 * j as f32 / hd as f32))
+            .collect();
         let max_pos = cfg.max_position_embeddings;
         let mut angles = Vec::with_capacity(max_pos * half);
         for pos in 0..max_pos {
             angles.extend(inv.iter().map(|f| pos as f32 * f));
         }
         let angles = Tensor::from_vec(angles, (max_pos, half), &Device::Cpu)?;
-        Ok(Self { cfg: cfg.clone(), embed, layers, norm, lm_head, cos: angles.cos()?, sin: angles.sin()? })
+        Ok(Self {
+            cfg: cfg.clone(),
+            embed,
+            layers,
+            norm,
+            lm_head,
+            cos: angles.cos()?,
+            sin: angles.sin()?,
+        })
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -162,14 +177,27 @@ impl LlamaModel {
 
     /// Bytes of resident linear-group weights (the part the precision plan changes).
     pub fn linear_bytes(&self) -> usize {
-        self.layers.iter().flat_map(|l| l.groups.iter()).map(DualLinear::resident_bytes).sum()
+        self.layers
+            .iter()
+            .flat_map(|l| l.groups.iter())
+            .map(DualLinear::resident_bytes)
+            .sum()
     }
 
     /// All resident weight bytes (linear groups + float embeddings, norms, lm_head).
     pub fn resident_bytes(&self) -> usize {
-        let float = self.embed.elem_count() + self.norm.elem_count()
-            + if self.cfg.tie_word_embeddings { 0 } else { self.lm_head.elem_count() }
-            + self.layers.iter().map(|l| l.input_norm.elem_count() + l.post_norm.elem_count()).sum::<usize>();
+        let float = self.embed.elem_count()
+            + self.norm.elem_count()
+            + if self.cfg.tie_word_embeddings {
+                0
+            } else {
+                self.lm_head.elem_count()
+            }
+            + self
+                .layers
+                .iter()
+                .map(|l| l.input_norm.elem_count() + l.post_norm.elem_count())
+                .sum::<usize>();
         self.linear_bytes() + float * 4
     }
 
@@ -185,42 +213,65 @@ impl LlamaModel {
         let float: Vec<usize> = rows
             .iter()
             .enumerate()
-            .filter(|(_, (s, p))| mask.float_requests.contains(s) || tokens.is_some_and(|t| t.contains(&(*s, *p))))
+            .filter(|(_, (s, p))| {
+                mask.float_requests.contains(s) || tokens.is_some_and(|t| t.contains(&(*s, *p)))
+            })
             .map(|(i, _)| i)
             .collect();
-        if float.is_empty() { RowPath::AllInt8 } else { RowPath::FloatRows(float) }
+        if float.is_empty() {
+            RowPath::AllInt8
+        } else {
+            RowPath::FloatRows(float)
+        }
     }
 
     /// Run one step. `kv_int8` says, per layer, whether new KV entries are stored in INT8.
-    pub fn forward(&self, step: &StepInput, mask: &PathMask, kv: &mut KvCache, kv_int8: bool) -> Result<StepOutput> {
+    pub fn forward(
+        &self,
+        step: &StepInput,
+        mask: &PathMask,
+        kv: &mut KvCache,
+        kv_int8: bool,
+    ) -> Result<StepOutput> {
         for &(src, dst) in &step.copies {
             kv.copy_page(src, dst);
         }
         let dev = Device::Cpu;
         let cfg = &self.cfg;
         let (hd, nh, nkv) = (cfg.head_dim(), cfg.num_attention_heads, cfg.num_kv_heads());
-        let rep = nh / nkv;
         let kv_dim = nkv * hd;
-        let ids: Vec<u32> = step.chunks.iter().flat_map(|c| c.tokens.iter().copied()).collect();
+        let ids: Vec<u32> = step
+            .chunks
+            .iter()
+            .flat_map(|c| c.tokens.iter().copied())
+            .collect();
         let rows: Vec<(SeqId, usize)> = step
             .chunks
             .iter()
             .flat_map(|c| (0..c.tokens.len()).map(move |i| (c.seq, c.start_pos + i)))
             .collect();
         let n = ids.len();
-        let mut out = StepOutput { mask_version: mask.version, num_tokens: n, ..Default::default() };
+        let mut out = StepOutput {
+            mask_version: mask.version,
+            num_tokens: n,
+            ..Default::default()
+        };
         if n == 0 {
             return Ok(out);
         }
         if let Some(&(_, p)) = rows.iter().find(|(_, p)| *p >= cfg.max_position_embeddings) {
-            return Err(EngineError::InvalidRequest(format!("position {p} exceeds max_position_embeddings {}", cfg.max_position_embeddings)));
+            return Err(EngineError::InvalidRequest(format!(
+                "position {p} exceeds max_position_embeddings {}",
+                cfg.max_position_embeddings
+            )));
         }
         let pos: Vec<u32> = rows.iter().map(|(_, p)| *p as u32).collect();
         let pos = Tensor::new(pos.as_slice(), &dev)?;
         let cos = self.cos.index_select(&pos, 0)?;
         let sin = self.sin.index_select(&pos, 0)?;
-        let mut x = self.embed.index_select(&Tensor::new(ids.as_slice(), &dev)?, 0)?;
-        let scale = 1.0 / (hd as f64).sqrt();
+        let mut x = self
+            .embed
+            .index_select(&Tensor::new(ids.as_slice(), &dev)?, 0)?;
 
         for (l, layer) in self.layers.iter().enumerate() {
             let mut run = |kind: GroupKind, input: &Tensor| -> Result<Tensor> {
@@ -238,46 +289,38 @@ impl LlamaModel {
             let v = qkv.narrow(1, nh * hd + kv_dim, kv_dim)?;
             let q = rope(&q, &cos, &sin)?;
             let k = rope(&k, &cos, &sin)?.reshape((n, kv_dim))?;
-            let k_rows = k.to_vec2::<f32>()?;
-            let v_rows = v.to_vec2::<f32>()?;
+            let k_rows = k.flatten_all()?.to_vec1::<f32>()?;
+            let v_rows = v.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
             let layer_int8 = kv_int8 && !mask.kv_float_layers.contains(&l);
+            let q_rows = q.flatten_all()?.to_vec1::<f32>()?;
+            let mut attn = vec![0f32; n * nh * hd];
             let mut row = 0;
             for c in &step.chunks {
                 for (i, slot) in c.slots.iter().enumerate() {
-                    kv.write(l, *slot, &k_rows[row + i], &v_rows[row + i], layer_int8);
+                    let r = (row + i) * kv_dim;
+                    kv.write(
+                        l,
+                        *slot,
+                        &k_rows[r..r + kv_dim],
+                        &v_rows[r..r + kv_dim],
+                        layer_int8,
+                    );
                 }
-                row += c.tokens.len();
-            }
-            let mut attn_out = Vec::with_capacity(step.chunks.len());
-            let mut row = 0;
-            for c in &step.chunks {
                 let m = c.tokens.len();
-                let ctx = c.start_pos + m;
-                let (kc, vc) = kv.gather(l, &c.block_table, ctx);
-                let kc = Tensor::from_vec(kc, (ctx, nkv, hd), &dev)?.transpose(0, 1)?.contiguous()?;
-                let vc = Tensor::from_vec(vc, (ctx, nkv, hd), &dev)?.transpose(0, 1)?.contiguous()?;
-                // q: [m, nh, hd] -> [nkv, rep*m, hd] (head = kv_head * rep + r, as HF's repeat_kv)
-                let qs = q
-                    .narrow(0, row, m)?
-                    .reshape((m, nkv, rep, hd))?
-                    .permute((1, 2, 0, 3))?
-                    .contiguous()?
-                    .reshape((nkv, rep * m, hd))?;
-                let scores = (qs.matmul(&kc.t()?)? * scale)?;
-                let mut bias = vec![0f32; m * ctx];
-                for i in 0..m {
-                    for j in (c.start_pos + i + 1)..ctx {
-                        bias[i * ctx + j] = f32::NEG_INFINITY;
-                    }
-                }
-                let bias = Tensor::from_vec(bias, (1, m, ctx), &dev)?.repeat((1, rep, 1))?;
-                let probs = softmax_last(&scores.broadcast_add(&bias)?)?;
-                let o = probs.matmul(&vc)?; // [nkv, rep*m, hd]
-                let o = o.reshape((nkv, rep, m, hd))?.permute((2, 0, 1, 3))?.contiguous()?.reshape((m, nh * hd))?;
-                attn_out.push(o);
+                let span = row * nh * hd..(row + m) * nh * hd;
+                kv.attend(
+                    l,
+                    &c.block_table,
+                    c.start_pos,
+                    &q_rows[span.clone()],
+                    m,
+                    nh,
+                    hd,
+                    &mut attn[span],
+                );
                 row += m;
             }
-            let attn = Tensor::cat(&attn_out, 0)?;
+            let attn = Tensor::from_vec(attn, (n, nh * hd), &dev)?;
             x = (x + run(GroupKind::O, &attn)?)?;
             // --- MLP ---
             let h = rms_norm(&x, &layer.post_norm, cfg.rms_norm_eps)?;
@@ -299,7 +342,10 @@ impl LlamaModel {
             let idx: Vec<u32> = want.iter().map(|(_, r)| *r).collect();
             let last = x.index_select(&Tensor::new(idx.as_slice(), &dev)?, 0)?;
             let last = rms_norm(&last, &self.norm, cfg.rms_norm_eps)?;
-            let logits = last.matmul(&self.lm_head.t()?)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+            let logits = last
+                .matmul(&self.lm_head.t()?)?
+                .to_dtype(DType::F32)?
+                .to_vec2::<f32>()?;
             out.logits = want.into_iter().map(|(s, _)| s).zip(logits).collect();
         }
         Ok(out)

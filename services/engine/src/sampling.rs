@@ -19,7 +19,9 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> u32 {
     if p.temperature <= 0.0 || p.top_k == 1 {
         return argmax(logits);
     }
-    let mut idx: Vec<usize> = (0..logits.len()).filter(|&i| logits[i].is_finite()).collect();
+    let mut idx: Vec<usize> = (0..logits.len())
+        .filter(|&i| logits[i].is_finite())
+        .collect();
     if idx.is_empty() {
         return argmax(logits);
     }
@@ -28,7 +30,10 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> u32 {
         idx.truncate(p.top_k);
     }
     let max = logits[idx[0]];
-    let mut probs: Vec<f32> = idx.iter().map(|&i| ((logits[i] - max) / p.temperature).exp()).collect();
+    let mut probs: Vec<f32> = idx
+        .iter()
+        .map(|&i| ((logits[i] - max) / p.temperature).exp())
+        .collect();
     let sum: f32 = probs.iter().sum();
     probs.iter_mut().for_each(|x| *x /= sum);
     if p.top_p < 1.0 {
@@ -63,13 +68,30 @@ mod tests {
     #[test]
     fn greedy_and_seeded_sampling_are_deterministic() {
         let logits = vec![0.1, 2.0, 1.9, -1.0];
-        let greedy = SamplingParams { temperature: 0.0, ..Default::default() };
+        let greedy = SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        };
         assert_eq!(sample(&logits, &greedy, &mut StdRng::seed_from_u64(0)), 1);
-        let p = SamplingParams { temperature: 1.0, ..Default::default() };
-        let a: Vec<u32> = { let mut r = StdRng::seed_from_u64(7); (0..20).map(|_| sample(&logits, &p, &mut r)).collect() };
-        let b: Vec<u32> = { let mut r = StdRng::seed_from_u64(7); (0..20).map(|_| sample(&logits, &p, &mut r)).collect() };
+        let p = SamplingParams {
+            temperature: 1.0,
+            ..Default::default()
+        };
+        let a: Vec<u32> = {
+            let mut r = StdRng::seed_from_u64(7);
+            (0..20).map(|_| sample(&logits, &p, &mut r)).collect()
+        };
+        let b: Vec<u32> = {
+            let mut r = StdRng::seed_from_u64(7);
+            (0..20).map(|_| sample(&logits, &p, &mut r)).collect()
+        };
         assert_eq!(a, b);
-        let top1 = SamplingParams { temperature: 1.0, top_k: 2, top_p: 0.01, ..Default::default() };
+        let top1 = SamplingParams {
+            temperature: 1.0,
+            top_k: 2,
+            top_p: 0.01,
+            ..Default::default()
+        };
         let mut r = StdRng::seed_from_u64(1);
         assert!((0..50).all(|_| sample(&logits, &top1, &mut r) == 1));
     }

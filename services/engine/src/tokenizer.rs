@@ -45,8 +45,15 @@ impl TextTokenizer {
         } else {
             TokenizerConfig::default()
         };
-        let bos_id = config.bos_token.as_deref().and_then(|t| inner.token_to_id(t));
-        Ok(Self { inner, config, bos_id })
+        let bos_id = config
+            .bos_token
+            .as_deref()
+            .and_then(|t| inner.token_to_id(t));
+        Ok(Self {
+            inner,
+            config,
+            bos_id,
+        })
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -60,7 +67,10 @@ impl TextTokenizer {
     /// Encode a prompt. With `add_bos`, the BOS token is prepended when the model's
     /// tokenizer config asks for it (`add_bos_token`, the Llama default).
     pub fn encode(&self, text: &str, add_bos: bool) -> Result<Vec<u32>> {
-        let enc = self.inner.encode(text, false).map_err(|e| EngineError::Tokenizer(e.to_string()))?;
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
         let mut ids = Vec::with_capacity(enc.len() + 1);
         if add_bos && self.config.add_bos_token.unwrap_or(false) {
             if let Some(b) = self.bos_id {
@@ -72,17 +82,24 @@ impl TextTokenizer {
     }
 
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.inner.decode(ids, true).map_err(|e| EngineError::Tokenizer(e.to_string()))
+        self.inner
+            .decode(ids, true)
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))
     }
 
     /// Render messages with the model's chat template, ending with the assistant prompt.
     pub fn apply_chat_template(&self, messages: &[ChatMessage]) -> Result<String> {
         let tpl = self.config.chat_template.as_deref().ok_or_else(|| {
-            EngineError::InvalidRequest("this model has no chat template; use /v1/completions".into())
+            EngineError::InvalidRequest(
+                "this model has no chat template; use /v1/completions".into(),
+            )
         })?;
         let mut env = minijinja::Environment::new();
-        env.add_template("chat", tpl).map_err(|e| EngineError::Tokenizer(format!("chat template: {e}")))?;
-        let t = env.get_template("chat").map_err(|e| EngineError::Tokenizer(e.to_string()))?;
+        env.add_template("chat", tpl)
+            .map_err(|e| EngineError::Tokenizer(format!("chat template: {e}")))?;
+        let t = env
+            .get_template("chat")
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
         t.render(minijinja::context! {
             messages => messages,
             add_generation_prompt => true,

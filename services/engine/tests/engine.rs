@@ -1,12 +1,19 @@
 //! The engine through its actors: continuous batching, cancellation, streaming.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use quantmesh_engine::bundled::{init_model, InitOptions};
 use quantmesh_engine::{Engine, EngineConfig, GenerationEvent};
 use quantmesh_shared::{FinishReason, Residency, SamplingParams};
 use std::time::Duration;
 
 fn greedy(n: usize) -> SamplingParams {
-    SamplingParams { temperature: 0.0, max_tokens: n, stop_at_eos: false, ..Default::default() }
+    SamplingParams {
+        temperature: 0.0,
+        max_tokens: n,
+        stop_at_eos: false,
+        ..Default::default()
+    }
 }
 
 async fn engine(dir: &std::path::Path, cfg: EngineConfig) -> Engine {
@@ -14,10 +21,17 @@ async fn engine(dir: &std::path::Path, cfg: EngineConfig) -> Engine {
 }
 
 fn prompts() -> Vec<String> {
-    ["Hello there", "Once upon a time in a land far away", "fn main() {", "SELECT * FROM", "a", "The quick brown fox"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect()
+    [
+        "Hello there",
+        "Once upon a time in a land far away",
+        "fn main() {",
+        "SELECT * FROM",
+        "a",
+        "The quick brown fox",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
 }
 
 async fn run_alone(e: &Engine, p: &str, n: usize) -> Vec<u32> {
@@ -37,7 +51,12 @@ async fn batched_greedy_equals_each_alone() {
     let dir = tempfile::tempdir().unwrap();
     init_model(dir.path(), &InitOptions::default()).unwrap();
     // Float plan: the batched path must be bit-for-bit the single path.
-    let cfg = EngineConfig { default_residency: Residency::Float, kv_int8: false, max_num_batched_tokens: 64, ..Default::default() };
+    let cfg = EngineConfig {
+        default_residency: Residency::Float,
+        kv_int8: false,
+        max_num_batched_tokens: 64,
+        ..Default::default()
+    };
     let e = engine(dir.path(), cfg).await;
     let mut alone = Vec::new();
     for p in prompts() {
@@ -54,7 +73,14 @@ async fn batched_greedy_equals_each_alone() {
 async fn int8_batched_greedy_mostly_equals_alone() {
     let dir = tempfile::tempdir().unwrap();
     init_model(dir.path(), &InitOptions::default()).unwrap();
-    let e = engine(dir.path(), EngineConfig { max_num_batched_tokens: 64, ..Default::default() }).await;
+    let e = engine(
+        dir.path(),
+        EngineConfig {
+            max_num_batched_tokens: 64,
+            ..Default::default()
+        },
+    )
+    .await;
     let mut alone = Vec::new();
     for p in prompts() {
         alone.push(run_alone(&e, &p, 12).await);
@@ -95,7 +121,12 @@ async fn stop_strings_length_and_usage() {
     init_model(dir.path(), &InitOptions::default()).unwrap();
     let e = engine(dir.path(), EngineConfig::default()).await;
     let ids = e.encode("abc".into(), true).await.unwrap();
-    let (text, reason, usage, _) = e.generate(ids.clone(), greedy(8)).await.unwrap().collect().await;
+    let (text, reason, usage, _) = e
+        .generate(ids.clone(), greedy(8))
+        .await
+        .unwrap()
+        .collect()
+        .await;
     assert_eq!(reason, FinishReason::Length);
     assert_eq!(usage.completion_tokens, 8);
     assert_eq!(usage.prompt_tokens, ids.len());
@@ -103,7 +134,10 @@ async fn stop_strings_length_and_usage() {
     let chars: Vec<char> = text.chars().collect();
     if chars.len() >= 4 {
         let stop: String = chars[2..4].iter().collect();
-        let p = SamplingParams { stop: vec![stop.clone()], ..greedy(8) };
+        let p = SamplingParams {
+            stop: vec![stop.clone()],
+            ..greedy(8)
+        };
         let (t2, r2, _, _) = e.generate(ids, p).await.unwrap().collect().await;
         assert_eq!(r2, FinishReason::Stop);
         assert!(!t2.contains(&stop));
@@ -118,8 +152,18 @@ async fn prefix_cache_serves_repeated_prompts() {
     let e = engine(dir.path(), EngineConfig::default()).await;
     let long = "You are a helpful assistant. Answer briefly and precisely. ".repeat(2);
     let ids = e.encode(long, true).await.unwrap();
-    let (a, _, _, c1) = e.generate(ids.clone(), greedy(5)).await.unwrap().collect().await;
-    let (b, _, _, c2) = e.generate(ids.clone(), greedy(5)).await.unwrap().collect().await;
+    let (a, _, _, c1) = e
+        .generate(ids.clone(), greedy(5))
+        .await
+        .unwrap()
+        .collect()
+        .await;
+    let (b, _, _, c2) = e
+        .generate(ids.clone(), greedy(5))
+        .await
+        .unwrap()
+        .collect()
+        .await;
     assert_eq!(c1, 0);
     assert_eq!(c2, (ids.len() - 1) / 16 * 16);
     assert_eq!(a, b, "cached prefix gives the same greedy output");
@@ -133,7 +177,16 @@ async fn bad_requests_are_rejected() {
     assert!(e.generate(vec![], greedy(1)).await.is_err());
     assert!(e.generate(vec![100_000], greedy(1)).await.is_err());
     assert!(e.generate(vec![1], greedy(1_000_000)).await.is_err());
-    assert!(e.generate(vec![1], SamplingParams { temperature: -1.0, ..greedy(1) }).await.is_err());
+    assert!(e
+        .generate(
+            vec![1],
+            SamplingParams {
+                temperature: -1.0,
+                ..greedy(1)
+            }
+        )
+        .await
+        .is_err());
 }
 
 #[actix_rt::test]
@@ -142,7 +195,10 @@ async fn chat_template_renders() {
     init_model(dir.path(), &InitOptions::default()).unwrap();
     let e = engine(dir.path(), EngineConfig::default()).await;
     let p = e
-        .apply_chat_template(vec![quantmesh_engine::ChatMessage { role: "user".into(), content: "hi".into() }])
+        .apply_chat_template(vec![quantmesh_engine::ChatMessage {
+            role: "user".into(),
+            content: "hi".into(),
+        }])
         .await
         .unwrap();
     assert_eq!(p, "<s><|user|>\nhi<|end|>\n<|assistant|>\n");

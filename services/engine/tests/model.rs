@@ -1,6 +1,8 @@
 //! Model-level correctness on the bundled checkpoint: INT8 vs float, paged decode vs
 //! recompute, sharded loading, corrupt files, precision switches mid-sequence.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use candle_core::Tensor;
 use quantmesh_engine::block_manager::BlockManager;
 use quantmesh_engine::bundled::{init_model, InitOptions, StoreDtype};
@@ -22,7 +24,11 @@ impl Rig {
         let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
         let model = LlamaModel::load(dir, &cfg, &|_| residency).unwrap();
         let kv = KvCache::new(cfg.num_hidden_layers, 256, 16, cfg.kv_dim(), kv_dtype);
-        Rig { model, kv, bm: BlockManager::new(256, 16, false) }
+        Rig {
+            model,
+            kv,
+            bm: BlockManager::new(256, 16, false),
+        }
     }
 
     /// Feed `tokens` of `seq` (appending to whatever it has) and return the last logits.
@@ -43,7 +49,10 @@ impl Rig {
             }],
             copies: out.copies,
         };
-        let mut o = self.model.forward(&step, mask, &mut self.kv, kv_int8).unwrap();
+        let mut o = self
+            .model
+            .forward(&step, mask, &mut self.kv, kv_int8)
+            .unwrap();
         o.logits.remove(0).1
     }
 }
@@ -65,7 +74,10 @@ fn all_float(cfg_layers: usize) -> PathMask {
 }
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 fn kl(p_logits: &[f32], q_logits: &[f32]) -> f64 {
@@ -76,12 +88,25 @@ fn kl(p_logits: &[f32], q_logits: &[f32]) -> f64 {
         e.into_iter().map(|x| x / s).collect::<Vec<_>>()
     };
     let (p, q) = (sm(p_logits), sm(q_logits));
-    p.iter().zip(&q).map(|(p, q)| if *p > 0.0 { p * (p / q.max(1e-30)).ln() } else { 0.0 }).sum()
+    p.iter()
+        .zip(&q)
+        .map(|(p, q)| {
+            if *p > 0.0 {
+                p * (p / q.max(1e-30)).ln()
+            } else {
+                0.0
+            }
+        })
+        .sum()
 }
 
 fn prompt() -> Vec<u32> {
     let mut t = vec![256u32];
-    t.extend("The quick brown fox jumps over the lazy dog, again and again.".bytes().map(u32::from));
+    t.extend(
+        "The quick brown fox jumps over the lazy dog, again and again."
+            .bytes()
+            .map(u32::from),
+    );
     t
 }
 
@@ -106,7 +131,10 @@ fn int8_path_is_close_to_float_path() {
     let mut m = PathMask::default();
     m.float_groups.insert(GroupId::new(1, GroupKind::Down));
     let s = rig.feed(3, &p, &m, false);
-    assert!(kl(&f, &s) < k, "fixing the planted sensitive group must reduce KL");
+    assert!(
+        kl(&f, &s) < k,
+        "fixing the planted sensitive group must reduce KL"
+    );
 }
 
 #[test]
@@ -115,7 +143,11 @@ fn paged_incremental_decode_equals_full_recompute() {
     for (kv_int8, float) in [(false, true), (false, false), (true, false)] {
         let mut rig = Rig::new(dir.path(), Residency::Dual, KvFloatDtype::F32);
         let p = prompt();
-        let mask = if float { all_float(rig.model.config().num_hidden_layers) } else { PathMask::default() };
+        let mask = if float {
+            all_float(rig.model.config().num_hidden_layers)
+        } else {
+            PathMask::default()
+        };
         // incremental: prefill 5 tokens, then one at a time across page boundaries
         let mut inc = rig.feed(1, &p[..5], &mask, kv_int8);
         let mut last = Vec::new();
@@ -128,13 +160,19 @@ fn paged_incremental_decode_equals_full_recompute() {
         // full: the whole sequence in one prefill, fresh sequence
         let full = rig.feed(2, &p, &mask, kv_int8);
         let d = max_abs_diff(&last, &full);
-        eprintln!("kv_int8={kv_int8} float={float}: {d} (max logit {})", full.iter().fold(0f32, |m, x| m.max(x.abs())));
+        eprintln!(
+            "kv_int8={kv_int8} float={float}: {d} (max logit {})",
+            full.iter().fold(0f32, |m, x| m.max(x.abs()))
+        );
         // Float path: only f32 summation order differs. INT8 path: candle's x86 Q8_0 GEMM
         // picks a repacked kernel by row count (M = 1 vs M > 1), which rounds differently;
         // bound: 1 % of the logit range.
         let scale = full.iter().fold(0f32, |m, x| m.max(x.abs()));
         let bound = if float { 1e-4 } else { 0.01 * scale };
-        assert!(d < bound, "kv_int8={kv_int8} float={float}: incremental vs recompute differ by {d}");
+        assert!(
+            d < bound,
+            "kv_int8={kv_int8} float={float}: incremental vs recompute differ by {d}"
+        );
         assert_eq!(inc.len(), full.len());
     }
 }
@@ -158,9 +196,21 @@ fn precision_switch_mid_sequence_continues() {
     assert!(logits.iter().all(|x| x.is_finite()));
     let table = rig.bm.block_table(1).unwrap().to_vec();
     let precisions = rig.kv.slot_precisions(2, &table, 30);
-    assert!(precisions[..20].iter().all(|p| *p == Some(true)), "old tokens stay INT8");
-    assert!(precisions[20..].iter().all(|p| *p == Some(false)), "new tokens in float");
-    assert!(rig.kv.slot_precisions(1, &table, 30).iter().all(|p| *p == Some(true)), "other layers untouched");
+    assert!(
+        precisions[..20].iter().all(|p| *p == Some(true)),
+        "old tokens stay INT8"
+    );
+    assert!(
+        precisions[20..].iter().all(|p| *p == Some(false)),
+        "new tokens in float"
+    );
+    assert!(
+        rig.kv
+            .slot_precisions(1, &table, 30)
+            .iter()
+            .all(|p| *p == Some(true)),
+        "other layers untouched"
+    );
     // and back to INT8
     let mask = PathMask::default();
     let l = rig.feed(1, &p[30..32], &mask, true);
@@ -169,10 +219,20 @@ fn precision_switch_mid_sequence_continues() {
 
 #[test]
 fn sharded_f32_checkpoint_matches_single_file() {
-    let single = model_dir(InitOptions { dtype: StoreDtype::F32, ..Default::default() });
-    let sharded = model_dir(InitOptions { dtype: StoreDtype::F32, shards: 3, ..Default::default() });
+    let single = model_dir(InitOptions {
+        dtype: StoreDtype::F32,
+        ..Default::default()
+    });
+    let sharded = model_dir(InitOptions {
+        dtype: StoreDtype::F32,
+        shards: 3,
+        ..Default::default()
+    });
     assert!(sharded.path().join("model.safetensors.index.json").exists());
-    assert!(sharded.path().join("model-00003-of-00003.safetensors").exists());
+    assert!(sharded
+        .path()
+        .join("model-00003-of-00003.safetensors")
+        .exists());
     let p = prompt();
     let mut a = Rig::new(single.path(), Residency::Float, KvFloatDtype::F32);
     let mut b = Rig::new(sharded.path(), Residency::Float, KvFloatDtype::F32);
@@ -182,7 +242,11 @@ fn sharded_f32_checkpoint_matches_single_file() {
 
 #[test]
 fn f16_and_qwen2_bias_checkpoints_load_and_run() {
-    let dir = model_dir(InitOptions { dtype: StoreDtype::F16, qkv_bias: true, ..Default::default() });
+    let dir = model_dir(InitOptions {
+        dtype: StoreDtype::F16,
+        qkv_bias: true,
+        ..Default::default()
+    });
     let cfg = ModelConfig::from_file(&dir.path().join("config.json")).unwrap();
     assert!(cfg.has_qkv_bias());
     let mut rig = Rig::new(dir.path(), Residency::Dual, KvFloatDtype::F16);
@@ -194,8 +258,16 @@ fn f16_and_qwen2_bias_checkpoints_load_and_run() {
 fn resident_bytes_follow_the_plan() {
     let dir = model_dir(InitOptions::default());
     let cfg = ModelConfig::from_file(&dir.path().join("config.json")).unwrap();
-    let bytes = |r| LlamaModel::load(dir.path(), &cfg, &|_| r).unwrap().linear_bytes();
-    let (i8b, dual, flt) = (bytes(Residency::Int8), bytes(Residency::Dual), bytes(Residency::Float));
+    let bytes = |r| {
+        LlamaModel::load(dir.path(), &cfg, &|_| r)
+            .unwrap()
+            .linear_bytes()
+    };
+    let (i8b, dual, flt) = (
+        bytes(Residency::Int8),
+        bytes(Residency::Dual),
+        bytes(Residency::Float),
+    );
     assert_eq!(dual, i8b + flt);
     assert!(i8b * 3 < flt, "INT8 form is about a quarter of f32");
 }
@@ -207,15 +279,32 @@ fn truncated_checkpoint_names_file_and_tensor() {
     let bytes = std::fs::read(&path).unwrap();
     std::fs::write(&path, &bytes[..bytes.len() * 2 / 3]).unwrap();
     let cfg = ModelConfig::from_file(&dir.path().join("config.json")).unwrap();
-    let err = LlamaModel::load(dir.path(), &cfg, &|_| Residency::Dual).err().expect("must fail");
+    let err = LlamaModel::load(dir.path(), &cfg, &|_| Residency::Dual)
+        .err()
+        .expect("must fail");
     let msg = err.to_string();
-    assert!(matches!(err, EngineError::Checkpoint { tensor: Some(_), .. }), "{msg}");
-    assert!(msg.contains("model.safetensors") && msg.contains("tensor \"") && msg.contains("truncated"), "{msg}");
+    assert!(
+        matches!(
+            err,
+            EngineError::Checkpoint {
+                tensor: Some(_),
+                ..
+            }
+        ),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("model.safetensors") && msg.contains("tensor \"") && msg.contains("truncated"),
+        "{msg}"
+    );
 }
 
 #[test]
 fn corrupt_tensor_data_names_the_tensor() {
-    let dir = model_dir(InitOptions { dtype: StoreDtype::F32, ..Default::default() });
+    let dir = model_dir(InitOptions {
+        dtype: StoreDtype::F32,
+        ..Default::default()
+    });
     let path = dir.path().join("model.safetensors");
     let mut bytes = std::fs::read(&path).unwrap();
     // Overwrite the last 8 bytes (inside the last tensor in file order) with NaNs.
@@ -223,11 +312,20 @@ fn corrupt_tensor_data_names_the_tensor() {
     bytes[n - 8..].copy_from_slice(&[0xff; 8]);
     std::fs::write(&path, &bytes).unwrap();
     let cfg = ModelConfig::from_file(&dir.path().join("config.json")).unwrap();
-    let msg = LlamaModel::load(dir.path(), &cfg, &|_| Residency::Dual).err().expect("must fail").to_string();
-    assert!(msg.contains("model.safetensors") && msg.contains("NaN"), "{msg}");
+    let msg = LlamaModel::load(dir.path(), &cfg, &|_| Residency::Dual)
+        .err()
+        .expect("must fail")
+        .to_string();
+    assert!(
+        msg.contains("model.safetensors") && msg.contains("NaN"),
+        "{msg}"
+    );
     // Garbage header
     std::fs::write(&path, b"not a safetensors file at all").unwrap();
-    let msg = LlamaModel::load(dir.path(), &cfg, &|_| Residency::Dual).err().expect("must fail").to_string();
+    let msg = LlamaModel::load(dir.path(), &cfg, &|_| Residency::Dual)
+        .err()
+        .expect("must fail")
+        .to_string();
     assert!(msg.contains("model.safetensors"), "{msg}");
 }
 
@@ -235,21 +333,41 @@ fn corrupt_tensor_data_names_the_tensor() {
 fn model_init_is_deterministic() {
     let a = model_dir(InitOptions::default());
     let b = model_dir(InitOptions::default());
-    for f in ["model.safetensors", "config.json", "tokenizer.json", "planted.json", "README.md"] {
-        assert_eq!(std::fs::read(a.path().join(f)).unwrap(), std::fs::read(b.path().join(f)).unwrap(), "{f}");
+    for f in [
+        "model.safetensors",
+        "config.json",
+        "tokenizer.json",
+        "planted.json",
+        "README.md",
+    ] {
+        assert_eq!(
+            std::fs::read(a.path().join(f)).unwrap(),
+            std::fs::read(b.path().join(f)).unwrap(),
+            "{f}"
+        );
     }
 }
 
 #[test]
 fn massive_channels_are_really_massive() {
     // The planted channels dominate the embedding rows, as the model card says.
-    let dir = model_dir(InitOptions { dtype: StoreDtype::F32, ..Default::default() });
-    let planted: quantmesh_engine::bundled::Planted = serde_json::from_str(&std::fs::read_to_string(dir.path().join("planted.json")).unwrap()).unwrap();
+    let dir = model_dir(InitOptions {
+        dtype: StoreDtype::F32,
+        ..Default::default()
+    });
+    let planted: quantmesh_engine::bundled::Planted =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("planted.json")).unwrap())
+            .unwrap();
     let ck = quantmesh_engine::checkpoint::Checkpoint::open(dir.path()).unwrap();
     let emb: Tensor = ck.load_f32("model.embed_tokens.weight").unwrap();
     let row = emb.get(65).unwrap().to_vec1::<f32>().unwrap();
     let c = planted.massive_channels[0];
-    let others = row.iter().enumerate().filter(|(i, _)| *i != c).map(|(_, x)| x.abs()).fold(0.0, f32::max);
+    let others = row
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != c)
+        .map(|(_, x)| x.abs())
+        .fold(0.0, f32::max);
     assert!(row[c] > 4.0 * others);
     let bos = emb.get(256).unwrap().to_vec1::<f32>().unwrap();
     assert!(bos[planted.bos_massive_channel] > 50.0);

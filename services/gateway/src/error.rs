@@ -81,9 +81,10 @@ impl From<EngineError> for ApiError {
             EngineError::Overloaded(m) => ApiError::Overloaded(m),
             EngineError::Stopped => ApiError::ShuttingDown,
             EngineError::Tokenizer(m) => ApiError::BadRequest(format!("tokenization failed: {m}")),
-            e @ (EngineError::Io { .. } | EngineError::Config(_) | EngineError::Checkpoint { .. } | EngineError::Tensor(_)) => {
-                ApiError::Internal(e.to_string())
-            }
+            e @ (EngineError::Io { .. }
+            | EngineError::Config(_)
+            | EngineError::Checkpoint { .. }
+            | EngineError::Tensor(_)) => ApiError::Internal(e.to_string()),
         }
     }
 }
@@ -91,14 +92,19 @@ impl From<EngineError> for ApiError {
 /// Parse a JSON body with precise errors: invalid UTF-8 and syntax errors → 400, wrong
 /// types or missing fields → 422.
 pub fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
-    let text = std::str::from_utf8(body).map_err(|e| ApiError::BadRequest(format!("request body is not valid UTF-8: {e}")))?;
+    let text = std::str::from_utf8(body)
+        .map_err(|e| ApiError::BadRequest(format!("request body is not valid UTF-8: {e}")))?;
     if text.trim().is_empty() {
-        return Err(ApiError::BadRequest("request body is empty; expected a JSON object".into()));
+        return Err(ApiError::BadRequest(
+            "request body is empty; expected a JSON object".into(),
+        ));
     }
     serde_json::from_str(text).map_err(|e| match e.classify() {
-        serde_json::error::Category::Data => ApiError::Unprocessable(format!("invalid request: {e}")),
-        serde_json::error::Category::Syntax | serde_json::error::Category::Eof | serde_json::error::Category::Io => {
-            ApiError::BadRequest(format!("malformed JSON: {e}"))
+        serde_json::error::Category::Data => {
+            ApiError::Unprocessable(format!("invalid request: {e}"))
         }
+        serde_json::error::Category::Syntax
+        | serde_json::error::Category::Eof
+        | serde_json::error::Category::Io => ApiError::BadRequest(format!("malformed JSON: {e}")),
     })
 }

@@ -7,7 +7,10 @@ use quantmesh_gateway::{run_embedded, settings::LogFormat, shutdown_signal, tele
 use std::path::PathBuf;
 
 #[derive(Parser)]
-#[command(version, about = "quantmesh gateway: OpenAI-compatible HTTP API (engine in-process for now)")]
+#[command(
+    version,
+    about = "quantmesh gateway: OpenAI-compatible HTTP API (engine in-process for now)"
+)]
 struct Args {
     /// TOML config file (see infra/quantmesh.example.toml).
     #[arg(long, env = "QUANTMESH_CONFIG")]

@@ -3,17 +3,24 @@
 //! running/waiting requests, KV-cache usage).
 
 use prometheus::{
-    Encoder, Gauge, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
+    Encoder, Gauge, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
+    Registry, TextEncoder,
 };
 use quantmesh_engine::EngineStats;
 use std::sync::Mutex;
 
 /// vLLM's `time_to_first_token_seconds` buckets.
-const TTFT_BUCKETS: &[f64] = &[0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0];
+const TTFT_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+];
 /// vLLM's `time_per_output_token_seconds` buckets.
-const ITL_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5];
+const ITL_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+];
 /// vLLM's `e2e_request_latency_seconds` buckets.
-const E2E_BUCKETS: &[f64] = &[0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0];
+const E2E_BUCKETS: &[f64] = &[
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+];
 
 pub struct Metrics {
     registry: Registry,
@@ -50,28 +57,99 @@ impl Metrics {
         let registry = Registry::new();
         let label = |o: Opts| o.const_label("model_name", model);
         let hist = |name: &str, help: &str, b: &[f64]| {
-            must(HistogramVec::new(HistogramOpts::new(name, help).const_label("model_name", model).buckets(b.to_vec()), &["endpoint"]))
+            must(HistogramVec::new(
+                HistogramOpts::new(name, help)
+                    .const_label("model_name", model)
+                    .buckets(b.to_vec()),
+                &["endpoint"],
+            ))
         };
         let m = Self {
-            requests: must(IntCounterVec::new(label(Opts::new("quantmesh_requests_total", "HTTP requests by endpoint and status code.")), &["endpoint", "status"])),
-            ttft: hist("quantmesh_time_to_first_token_seconds", "Time from request arrival to the first generated token.", TTFT_BUCKETS),
-            itl: hist("quantmesh_inter_token_latency_seconds", "Time between consecutive generated tokens of one request.", ITL_BUCKETS),
-            e2e: hist("quantmesh_e2e_request_latency_seconds", "Time from request arrival to its last token.", E2E_BUCKETS),
-            prompt_tokens: must(IntCounter::with_opts(label(Opts::new("quantmesh_prompt_tokens_total", "Prompt tokens processed.")))),
-            generation_tokens: must(IntCounter::with_opts(label(Opts::new("quantmesh_generation_tokens_total", "Tokens generated.")))),
-            running: must(IntGauge::with_opts(label(Opts::new("quantmesh_num_requests_running", "Sequences in the running batch.")))),
-            waiting: must(IntGauge::with_opts(label(Opts::new("quantmesh_num_requests_waiting", "Sequences waiting for admission (KV pages or batch slots).")))),
-            in_flight: must(IntGauge::with_opts(label(Opts::new("quantmesh_http_requests_in_flight", "Generation requests accepted by the gateway and not finished.")))),
-            kv_used: must(IntGauge::with_opts(label(Opts::new("quantmesh_kv_cache_pages_used", "KV pages referenced by sequences.")))),
-            kv_free: must(IntGauge::with_opts(label(Opts::new("quantmesh_kv_cache_pages_free", "KV pages free or reusable (cached, unreferenced).")))),
-            kv_usage: must(Gauge::with_opts(label(Opts::new("quantmesh_kv_cache_usage_perc", "Fraction of KV pages in use (0-1).")))),
-            kv_frag: must(Gauge::with_opts(label(Opts::new("quantmesh_kv_cache_fragmentation_ratio", "(allocated capacity - tokens stored) / allocated capacity.")))),
-            linear_rows: must(IntCounterVec::new(label(Opts::new("quantmesh_linear_rows_total", "Token rows through linear groups, by path taken.")), &["path"])),
-            fallback_unavailable: must(IntCounter::with_opts(label(Opts::new("quantmesh_fallback_unavailable_rows_total", "Rows that wanted the float path in a group holding only INT8.")))),
-            prefix_hits: must(IntCounter::with_opts(label(Opts::new("quantmesh_prefix_cache_hit_pages_total", "KV pages served from the prefix cache.")))),
-            steps: must(IntCounter::with_opts(label(Opts::new("quantmesh_engine_steps_total", "Batched forward steps executed.")))),
-            resident_bytes: must(IntGauge::with_opts(label(Opts::new("quantmesh_weight_resident_bytes", "Bytes of resident model weights under the current precision plan.")))),
-            ready: must(IntGauge::with_opts(label(Opts::new("quantmesh_ready", "1 when the model is loaded and serving.")))),
+            requests: must(IntCounterVec::new(
+                label(Opts::new(
+                    "quantmesh_requests_total",
+                    "HTTP requests by endpoint and status code.",
+                )),
+                &["endpoint", "status"],
+            )),
+            ttft: hist(
+                "quantmesh_time_to_first_token_seconds",
+                "Time from request arrival to the first generated token.",
+                TTFT_BUCKETS,
+            ),
+            itl: hist(
+                "quantmesh_inter_token_latency_seconds",
+                "Time between consecutive generated tokens of one request.",
+                ITL_BUCKETS,
+            ),
+            e2e: hist(
+                "quantmesh_e2e_request_latency_seconds",
+                "Time from request arrival to its last token.",
+                E2E_BUCKETS,
+            ),
+            prompt_tokens: must(IntCounter::with_opts(label(Opts::new(
+                "quantmesh_prompt_tokens_total",
+                "Prompt tokens processed.",
+            )))),
+            generation_tokens: must(IntCounter::with_opts(label(Opts::new(
+                "quantmesh_generation_tokens_total",
+                "Tokens generated.",
+            )))),
+            running: must(IntGauge::with_opts(label(Opts::new(
+                "quantmesh_num_requests_running",
+                "Sequences in the running batch.",
+            )))),
+            waiting: must(IntGauge::with_opts(label(Opts::new(
+                "quantmesh_num_requests_waiting",
+                "Sequences waiting for admission (KV pages or batch slots).",
+            )))),
+            in_flight: must(IntGauge::with_opts(label(Opts::new(
+                "quantmesh_http_requests_in_flight",
+                "Generation requests accepted by the gateway and not finished.",
+            )))),
+            kv_used: must(IntGauge::with_opts(label(Opts::new(
+                "quantmesh_kv_cache_pages_used",
+                "KV pages referenced by sequences.",
+            )))),
+            kv_free: must(IntGauge::with_opts(label(Opts::new(
+                "quantmesh_kv_cache_pages_free",
+                "KV pages free or reusable (cached, unreferenced).",
+            )))),
+            kv_usage: must(Gauge::with_opts(label(Opts::new(
+                "quantmesh_kv_cache_usage_perc",
+                "Fraction of KV pages in use (0-1).",
+            )))),
+            kv_frag: must(Gauge::with_opts(label(Opts::new(
+                "quantmesh_kv_cache_fragmentation_ratio",
+                "(allocated capacity - tokens stored) / allocated capacity.",
+            )))),
+            linear_rows: must(IntCounterVec::new(
+                label(Opts::new(
+                    "quantmesh_linear_rows_total",
+                    "Token rows through linear groups, by path taken.",
+                )),
+                &["path"],
+            )),
+            fallback_unavailable: must(IntCounter::with_opts(label(Opts::new(
+                "quantmesh_fallback_unavailable_rows_total",
+                "Rows that wanted the float path in a group holding only INT8.",
+            )))),
+            prefix_hits: must(IntCounter::with_opts(label(Opts::new(
+                "quantmesh_prefix_cache_hit_pages_total",
+                "KV pages served from the prefix cache.",
+            )))),
+            steps: must(IntCounter::with_opts(label(Opts::new(
+                "quantmesh_engine_steps_total",
+                "Batched forward steps executed.",
+            )))),
+            resident_bytes: must(IntGauge::with_opts(label(Opts::new(
+                "quantmesh_weight_resident_bytes",
+                "Bytes of resident model weights under the current precision plan.",
+            )))),
+            ready: must(IntGauge::with_opts(label(Opts::new(
+                "quantmesh_ready",
+                "1 when the model is loaded and serving.",
+            )))),
             last: Mutex::new(EngineStats::default()),
             registry,
         };
@@ -80,10 +158,24 @@ impl Metrics {
         for h in [&m.ttft, &m.itl, &m.e2e] {
             must(r.register(Box::new(h.clone())));
         }
-        for c in [&m.prompt_tokens, &m.generation_tokens, &m.fallback_unavailable, &m.prefix_hits, &m.steps] {
+        for c in [
+            &m.prompt_tokens,
+            &m.generation_tokens,
+            &m.fallback_unavailable,
+            &m.prefix_hits,
+            &m.steps,
+        ] {
             must(r.register(Box::new(c.clone())));
         }
-        for g in [&m.running, &m.waiting, &m.in_flight, &m.kv_used, &m.kv_free, &m.resident_bytes, &m.ready] {
+        for g in [
+            &m.running,
+            &m.waiting,
+            &m.in_flight,
+            &m.kv_used,
+            &m.kv_free,
+            &m.resident_bytes,
+            &m.ready,
+        ] {
             must(r.register(Box::new(g.clone())));
         }
         must(r.register(Box::new(m.kv_usage.clone())));
@@ -104,15 +196,27 @@ impl Metrics {
             self.waiting.set(s.waiting as i64);
             self.kv_used.set(s.kv_pages_used as i64);
             self.kv_free.set(s.kv_pages_free as i64);
-            self.kv_usage.set(if s.kv_pages_total == 0 { 0.0 } else { s.kv_pages_used as f64 / s.kv_pages_total as f64 });
+            self.kv_usage.set(if s.kv_pages_total == 0 {
+                0.0
+            } else {
+                s.kv_pages_used as f64 / s.kv_pages_total as f64
+            });
             self.kv_frag.set(s.kv_fragmentation);
             self.resident_bytes.set(s.resident_weight_bytes as i64);
             if let Ok(mut last) = self.last.lock() {
                 let d = |now: u64, before: u64| now.saturating_sub(before);
-                self.linear_rows.with_label_values(&["float"]).inc_by(d(s.float_rows, last.float_rows));
-                self.linear_rows.with_label_values(&["int8"]).inc_by(d(s.int8_rows, last.int8_rows));
-                self.fallback_unavailable.inc_by(d(s.fallback_unavailable_rows, last.fallback_unavailable_rows));
-                self.prefix_hits.inc_by(d(s.prefix_cache_hit_pages, last.prefix_cache_hit_pages));
+                self.linear_rows
+                    .with_label_values(&["float"])
+                    .inc_by(d(s.float_rows, last.float_rows));
+                self.linear_rows
+                    .with_label_values(&["int8"])
+                    .inc_by(d(s.int8_rows, last.int8_rows));
+                self.fallback_unavailable.inc_by(d(
+                    s.fallback_unavailable_rows,
+                    last.fallback_unavailable_rows,
+                ));
+                self.prefix_hits
+                    .inc_by(d(s.prefix_cache_hit_pages, last.prefix_cache_hit_pages));
                 self.steps.inc_by(d(s.steps, last.steps));
                 *last = s.clone();
             }

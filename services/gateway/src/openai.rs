@@ -69,6 +69,10 @@ pub struct UsageBody {
 
 impl From<quantmesh_shared::Usage> for UsageBody {
     fn from(u: quantmesh_shared::Usage) -> Self {
-        Self { prompt_tokens: u.prompt_tokens, completion_tokens: u.completion_tokens, total_tokens: u.total_tokens }
+        Self {
+            prompt_tokens: u.prompt_tokens,
+            completion_tokens: u.completion_tokens,
+            total_tokens: u.total_tokens,
+        }
     }
 }

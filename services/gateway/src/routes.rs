@@ -25,7 +25,11 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
 }
 
 async fn not_found(req: HttpRequest) -> Result<HttpResponse, ApiError> {
-    Err(ApiError::NotFound(format!("no route for {} {}", req.method(), req.path())))
+    Err(ApiError::NotFound(format!(
+        "no route for {} {}",
+        req.method(),
+        req.path()
+    )))
 }
 
 async fn health() -> HttpResponse {
@@ -39,11 +43,16 @@ async fn ready(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
 
 async fn metrics(state: web::Data<AppState>) -> HttpResponse {
     let stats = state.engine_if_loaded().map(|e| e.stats());
-    HttpResponse::Ok().content_type("text/plain; version=0.0.4; charset=utf-8").body(state.metrics.render(stats.as_ref()))
+    HttpResponse::Ok()
+        .content_type("text/plain; version=0.0.4; charset=utf-8")
+        .body(state.metrics.render(stats.as_ref()))
 }
 
 fn now_secs() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 async fn models(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
@@ -56,7 +65,12 @@ async fn models(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResp
 }
 
 fn bearer(req: &HttpRequest) -> Option<&str> {
-    req.headers().get("authorization")?.to_str().ok()?.strip_prefix("Bearer ").map(str::trim)
+    req.headers()
+        .get("authorization")?
+        .to_str()
+        .ok()?
+        .strip_prefix("Bearer ")
+        .map(str::trim)
 }
 
 fn check_api_key(req: &HttpRequest, state: &AppState) -> Result<(), ApiError> {
@@ -66,17 +80,23 @@ fn check_api_key(req: &HttpRequest, state: &AppState) -> Result<(), ApiError> {
     match bearer(req) {
         Some(k) if state.server.api_keys.iter().any(|a| a == k) => Ok(()),
         Some(_) => Err(ApiError::Unauthorized("invalid API key".into())),
-        None => Err(ApiError::Unauthorized("missing API key: send Authorization: Bearer <key>".into())),
+        None => Err(ApiError::Unauthorized(
+            "missing API key: send Authorization: Bearer <key>".into(),
+        )),
     }
 }
 
 fn check_admin(req: &HttpRequest, state: &AppState) -> Result<(), ApiError> {
     let Some(token) = &state.admin_token else {
-        return Err(ApiError::Forbidden("admin routes are disabled: set QUANTMESH_ADMIN_TOKEN to enable them".into()));
+        return Err(ApiError::Forbidden(
+            "admin routes are disabled: set QUANTMESH_ADMIN_TOKEN to enable them".into(),
+        ));
     };
     match bearer(req) {
         Some(t) if t == token => Ok(()),
-        _ => Err(ApiError::Unauthorized("admin routes need Authorization: Bearer <QUANTMESH_ADMIN_TOKEN>".into())),
+        _ => Err(ApiError::Unauthorized(
+            "admin routes need Authorization: Bearer <QUANTMESH_ADMIN_TOKEN>".into(),
+        )),
     }
 }
 
@@ -84,7 +104,8 @@ fn check_admin(req: &HttpRequest, state: &AppState) -> Result<(), ApiError> {
 async fn read_body(mut payload: web::Payload, limit: usize) -> Result<Bytes, ApiError> {
     let mut buf = bytes::BytesMut::new();
     while let Some(chunk) = payload.next().await {
-        let chunk = chunk.map_err(|e| ApiError::BadRequest(format!("reading request body: {e}")))?;
+        let chunk =
+            chunk.map_err(|e| ApiError::BadRequest(format!("reading request body: {e}")))?;
         if buf.len() + chunk.len() > limit {
             return Err(ApiError::PayloadTooLarge { limit });
         }
@@ -108,15 +129,24 @@ const DEFAULT_CHAT_MAX_TOKENS: u32 = 256;
 fn sampling_params(f: &SamplingFields, default_max: u32) -> Result<SamplingParams, ApiError> {
     if let Some(n) = f.n {
         if n != 1 {
-            return Err(ApiError::BadRequest(format!("n = {n} is not supported; only n = 1")));
+            return Err(ApiError::BadRequest(format!(
+                "n = {n} is not supported; only n = 1"
+            )));
         }
     }
     let top_k = match f.top_k {
         None | Some(0) | Some(-1) => 0,
         Some(k) if k > 0 => k as usize,
-        Some(k) => return Err(ApiError::BadRequest(format!("top_k must be -1, 0 or positive, got {k}"))),
+        Some(k) => {
+            return Err(ApiError::BadRequest(format!(
+                "top_k must be -1, 0 or positive, got {k}"
+            )))
+        }
     };
-    let max_tokens = f.max_completion_tokens.or(f.max_tokens).unwrap_or(default_max);
+    let max_tokens = f
+        .max_completion_tokens
+        .or(f.max_tokens)
+        .unwrap_or(default_max);
     let p = SamplingParams {
         temperature: f.temperature.unwrap_or(1.0),
         top_p: f.top_p.unwrap_or(1.0),
@@ -126,11 +156,18 @@ fn sampling_params(f: &SamplingFields, default_max: u32) -> Result<SamplingParam
         seed: f.seed,
         stop_at_eos: !f.ignore_eos,
     };
-    p.validate().map_err(|e| ApiError::BadRequest(e.to_string()))?;
+    p.validate()
+        .map_err(|e| ApiError::BadRequest(e.to_string()))?;
     Ok(p)
 }
 
-async fn prepare(state: &AppState, f: &SamplingFields, prompt: String, add_bos: bool, default_max: u32) -> Result<Prepared, ApiError> {
+async fn prepare(
+    state: &AppState,
+    f: &SamplingFields,
+    prompt: String,
+    add_bos: bool,
+    default_max: u32,
+) -> Result<Prepared, ApiError> {
     let arrived = Instant::now();
     let engine = state.engine()?;
     if let Some(m) = &f.model {
@@ -143,12 +180,19 @@ async fn prepare(state: &AppState, f: &SamplingFields, prompt: String, add_bos: 
         return Err(ApiError::BadRequest("the prompt is empty".into()));
     }
     let permit = state.admission.clone().try_acquire_owned().map_err(|_| {
-        ApiError::Overloaded(format!("{} requests in flight (max_concurrent_requests)", state.server.max_concurrent_requests))
+        ApiError::Overloaded(format!(
+            "{} requests in flight (max_concurrent_requests)",
+            state.server.max_concurrent_requests
+        ))
     })?;
     let ids = engine.encode(prompt, add_bos).await?;
     let limits = &state.server;
     if ids.len() > limits.max_input_tokens {
-        return Err(ApiError::BadRequest(format!("the prompt has {} tokens; max_input_tokens is {}", ids.len(), limits.max_input_tokens)));
+        return Err(ApiError::BadRequest(format!(
+            "the prompt has {} tokens; max_input_tokens is {}",
+            ids.len(),
+            limits.max_input_tokens
+        )));
     }
     if ids.len() + params.max_tokens > limits.max_total_tokens {
         return Err(ApiError::BadRequest(format!(
@@ -160,9 +204,19 @@ async fn prepare(state: &AppState, f: &SamplingFields, prompt: String, add_bos: 
     }
     state.metrics.prompt_tokens.inc_by(ids.len() as u64);
     let stream = f.stream;
-    let include_usage = f.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(true);
+    let include_usage = f
+        .stream_options
+        .as_ref()
+        .and_then(|o| o.include_usage)
+        .unwrap_or(true);
     let generation = engine.generate(ids, params).await?;
-    Ok(Prepared { generation, permit, arrived, stream, include_usage })
+    Ok(Prepared {
+        generation,
+        permit,
+        arrived,
+        stream,
+        include_usage,
+    })
 }
 
 #[derive(Clone, Copy)]
@@ -198,39 +252,76 @@ impl Timing {
         let now = Instant::now();
         let ep = self.endpoint.label();
         match self.last {
-            None => state.metrics.ttft.with_label_values(&[ep]).observe((now - self.arrived).as_secs_f64()),
-            Some(prev) => state.metrics.itl.with_label_values(&[ep]).observe((now - prev).as_secs_f64()),
+            None => state
+                .metrics
+                .ttft
+                .with_label_values(&[ep])
+                .observe((now - self.arrived).as_secs_f64()),
+            Some(prev) => state
+                .metrics
+                .itl
+                .with_label_values(&[ep])
+                .observe((now - prev).as_secs_f64()),
         }
         state.metrics.generation_tokens.inc();
         self.last = Some(now);
     }
     fn done(&self, state: &AppState) {
-        state.metrics.e2e.with_label_values(&[self.endpoint.label()]).observe(self.arrived.elapsed().as_secs_f64());
+        state
+            .metrics
+            .e2e
+            .with_label_values(&[self.endpoint.label()])
+            .observe(self.arrived.elapsed().as_secs_f64());
     }
 }
 
-async fn completions(req: HttpRequest, payload: web::Payload, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+async fn completions(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<AppState>,
+) -> Result<HttpResponse, ApiError> {
     check_api_key(&req, &state)?;
     let body = read_body(payload, state.server.max_body_bytes).await?;
     let r: CompletionRequest = parse_json(&body)?;
     let mut prompts = r.prompt.into_vec();
     if prompts.len() != 1 {
-        return Err(ApiError::BadRequest(format!("exactly one prompt per request is supported, got {}", prompts.len())));
+        return Err(ApiError::BadRequest(format!(
+            "exactly one prompt per request is supported, got {}",
+            prompts.len()
+        )));
     }
     let prompt = prompts.remove(0);
-    let p = prepare(&state, &r.sampling, prompt, true, DEFAULT_COMPLETION_MAX_TOKENS).await?;
+    let p = prepare(
+        &state,
+        &r.sampling,
+        prompt,
+        true,
+        DEFAULT_COMPLETION_MAX_TOKENS,
+    )
+    .await?;
     respond(state, p, Endpoint::Completions).await
 }
 
-async fn chat_completions(req: HttpRequest, payload: web::Payload, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+async fn chat_completions(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<AppState>,
+) -> Result<HttpResponse, ApiError> {
     check_api_key(&req, &state)?;
     let body = read_body(payload, state.server.max_body_bytes).await?;
     let r: ChatRequest = parse_json(&body)?;
     if r.messages.is_empty() {
         return Err(ApiError::BadRequest("messages must not be empty".into()));
     }
-    if let Some(m) = r.messages.iter().find(|m| !matches!(m.role.as_str(), "system" | "user" | "assistant")) {
-        return Err(ApiError::BadRequest(format!("unknown role {:?}: expected system, user or assistant", m.role)));
+    if let Some(m) = r
+        .messages
+        .iter()
+        .find(|m| !matches!(m.role.as_str(), "system" | "user" | "assistant"))
+    {
+        return Err(ApiError::BadRequest(format!(
+            "unknown role {:?}: expected system, user or assistant",
+            m.role
+        )));
     }
     let prompt = state.engine()?.apply_chat_template(r.messages).await?;
     let p = prepare(&state, &r.sampling, prompt, false, DEFAULT_CHAT_MAX_TOKENS).await?;
@@ -246,11 +337,19 @@ fn finish_str(r: FinishReason) -> &'static str {
     }
 }
 
-async fn respond(state: web::Data<AppState>, p: Prepared, endpoint: Endpoint) -> Result<HttpResponse, ApiError> {
+async fn respond(
+    state: web::Data<AppState>,
+    p: Prepared,
+    endpoint: Endpoint,
+) -> Result<HttpResponse, ApiError> {
     let id = format!("{}{}", endpoint.id_prefix(), uuid::Uuid::new_v4().simple());
     let created = now_secs();
     let model = state.model_name.clone();
-    let timing = Timing { arrived: p.arrived, last: None, endpoint };
+    let timing = Timing {
+        arrived: p.arrived,
+        last: None,
+        endpoint,
+    };
     if !p.stream {
         let mut g = p.generation;
         let mut timing = timing;
@@ -270,7 +369,9 @@ async fn respond(state: web::Data<AppState>, p: Prepared, endpoint: Endpoint) ->
         timing.done(&state);
         drop(p.permit);
         if reason == FinishReason::Error {
-            return Err(ApiError::Internal("generation failed; see server logs".into()));
+            return Err(ApiError::Internal(
+                "generation failed; see server logs".into(),
+            ));
         }
         let usage = UsageBody::from(usage);
         let body = match endpoint {
@@ -413,7 +514,11 @@ async fn get_mask(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpRe
 
 /// Replace the per-layer and per-batch parts of the mask (per-token and per-request parts
 /// belong to the activation monitor and are kept).
-async fn set_mask(req: HttpRequest, payload: web::Payload, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+async fn set_mask(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<AppState>,
+) -> Result<HttpResponse, ApiError> {
     check_admin(&req, &state)?;
     let body = read_body(payload, state.server.max_body_bytes).await?;
     let b: MaskBody = parse_json(&body)?;
@@ -425,10 +530,14 @@ async fn set_mask(req: HttpRequest, payload: web::Payload, state: web::Data<AppS
         .map(|s| s.parse::<GroupId>().map_err(ApiError::BadRequest))
         .collect::<Result<Vec<_>, _>>()?;
     if let Some(g) = groups.iter().find(|g| g.layer >= layers) {
-        return Err(ApiError::BadRequest(format!("{g}: the model has {layers} layers")));
+        return Err(ApiError::BadRequest(format!(
+            "{g}: the model has {layers} layers"
+        )));
     }
     if let Some(l) = b.kv_float_layers.iter().find(|l| **l >= layers) {
-        return Err(ApiError::BadRequest(format!("kv layer {l}: the model has {layers} layers")));
+        return Err(ApiError::BadRequest(format!(
+            "kv layer {l}: the model has {layers} layers"
+        )));
     }
     let m = engine.mask().update(|m: &mut PathMask| {
         m.float_groups = groups.iter().copied().collect();

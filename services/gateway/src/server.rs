@@ -21,7 +21,10 @@ use tracing::Instrument;
 #[derive(Clone, Debug)]
 pub struct RequestId(pub String);
 
-async fn request_context(req: ServiceRequest, next: Next<impl MessageBody>) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
+async fn request_context(
+    req: ServiceRequest,
+    next: Next<impl MessageBody>,
+) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
     let id = req
         .headers()
         .get("x-request-id")
@@ -35,21 +38,40 @@ async fn request_context(req: ServiceRequest, next: Next<impl MessageBody>) -> R
     let started = std::time::Instant::now();
     let mut res = next.call(req).instrument(span.clone()).await?;
     let status = res.status();
-    let pattern = res.request().match_pattern().unwrap_or_else(|| "unmatched".into());
+    let pattern = res
+        .request()
+        .match_pattern()
+        .unwrap_or_else(|| "unmatched".into());
     if let Some(state) = state {
-        state.metrics.requests.with_label_values(&[pattern.as_str(), status.as_str()]).inc();
+        state
+            .metrics
+            .requests
+            .with_label_values(&[pattern.as_str(), status.as_str()])
+            .inc();
     }
-    span.in_scope(|| tracing::info!(status = status.as_u16(), ms = started.elapsed().as_millis() as u64, "response"));
+    span.in_scope(|| {
+        tracing::info!(
+            status = status.as_u16(),
+            ms = started.elapsed().as_millis() as u64,
+            "response"
+        )
+    });
     if let Ok(v) = HeaderValue::from_str(&id) {
-        res.headers_mut().insert(HeaderName::from_static("x-request-id"), v);
+        res.headers_mut()
+            .insert(HeaderName::from_static("x-request-id"), v);
     }
     Ok(res)
 }
 
 /// Build and start the HTTP server on `listener`. Signals are left to the caller.
-pub fn start_http(listener: TcpListener, state: web::Data<AppState>) -> std::io::Result<actix_web::dev::Server> {
+pub fn start_http(
+    listener: TcpListener,
+    state: web::Data<AppState>,
+) -> std::io::Result<actix_web::dev::Server> {
     let workers = match state.server.workers {
-        0 => std::thread::available_parallelism().map(|n| n.get().min(4)).unwrap_or(2),
+        0 => std::thread::available_parallelism()
+            .map(|n| n.get().min(4))
+            .unwrap_or(2),
         n => n,
     };
     let timeout = state.server.shutdown_timeout_secs;
@@ -76,9 +98,14 @@ pub async fn load_engine(settings: &Settings) -> anyhow::Result<Engine> {
             dir.display()
         );
         tracing::info!(dir = %dir.display(), size = ?settings.model.bundled_size, "no model found: writing the bundled model");
-        let opts = InitOptions { size: settings.model.bundled_size, ..Default::default() };
+        let opts = InitOptions {
+            size: settings.model.bundled_size,
+            ..Default::default()
+        };
         let d = dir.clone();
-        tokio::task::spawn_blocking(move || init_model(&d, &opts)).await.context("model init task")??;
+        tokio::task::spawn_blocking(move || init_model(&d, &opts))
+            .await
+            .context("model init task")??;
     }
     tracing::info!(dir = %dir.display(), "loading model");
     Engine::start(&dir, settings.engine.clone(), &settings.model.name)
@@ -89,13 +116,21 @@ pub async fn load_engine(settings: &Settings) -> anyhow::Result<Engine> {
 /// The embedded all-in-one stack: HTTP gateway and engine actors in one process. The
 /// server listens at once (`/health` 200, `/ready` 503 while loading); returns after
 /// `shutdown` resolves and in-flight requests have drained (bounded by the timeout).
-pub async fn run_embedded(settings: Settings, listener: TcpListener, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+pub async fn run_embedded(
+    settings: Settings,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<()> {
     settings.validate()?;
     let admin = settings.server.admin_token.clone();
     if admin.is_none() {
         tracing::info!("QUANTMESH_ADMIN_TOKEN is unset: admin routes are disabled");
     }
-    let state = web::Data::new(AppState::new(settings.server.clone(), settings.model.name.clone(), admin));
+    let state = web::Data::new(AppState::new(
+        settings.server.clone(),
+        settings.model.name.clone(),
+        admin,
+    ));
     let addr = listener.local_addr()?;
     let server = start_http(listener, state.clone())?;
     let handle: ServerHandle = server.handle();
@@ -122,7 +157,10 @@ pub async fn run_embedded(settings: Settings, listener: TcpListener, shutdown: i
     tracing::info!(model = %settings.model.name, "ready: POST http://{addr}/v1/completions");
 
     shutdown.await;
-    tracing::info!(timeout_secs = timeout.as_secs(), "shutting down: no new requests, draining in-flight ones");
+    tracing::info!(
+        timeout_secs = timeout.as_secs(),
+        "shutting down: no new requests, draining in-flight ones"
+    );
     state.begin_shutdown();
     // Stop accepting; actix waits for in-flight requests (streams included) up to the timeout.
     handle.stop(true).await;

@@ -6,7 +6,7 @@ use quantmesh_engine::EngineConfig;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Settings {
     pub server: ServerSettings,
@@ -69,12 +69,6 @@ pub struct LogSettings {
     pub level: String,
 }
 
-impl Default for Settings {
-    fn default() -> Self {
-        Self { server: ServerSettings::default(), model: ModelSettings::default(), engine: EngineConfig::default(), log: LogSettings::default() }
-    }
-}
-
 impl Default for ServerSettings {
     fn default() -> Self {
         Self {
@@ -94,20 +88,31 @@ impl Default for ServerSettings {
 
 impl Default for ModelSettings {
     fn default() -> Self {
-        Self { dir: PathBuf::from("models/quantmesh-tiny"), name: "quantmesh-tiny".into(), create_if_missing: true, bundled_size: ModelSize::Tiny }
+        Self {
+            dir: PathBuf::from("models/quantmesh-tiny"),
+            name: "quantmesh-tiny".into(),
+            create_if_missing: true,
+            bundled_size: ModelSize::Tiny,
+        }
     }
 }
 
 impl Default for LogSettings {
     fn default() -> Self {
-        Self { format: LogFormat::Text, level: "info".into() }
+        Self {
+            format: LogFormat::Text,
+            level: "info".into(),
+        }
     }
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum SettingsError {
     #[error("reading config file {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("config file {path}: {message}")]
     Parse { path: PathBuf, message: String },
     #[error("environment variable {var}: {message}")]
@@ -121,8 +126,14 @@ impl Settings {
     pub fn load(file: Option<&Path>) -> Result<Self, SettingsError> {
         let mut s = match file {
             Some(path) => {
-                let text = std::fs::read_to_string(path).map_err(|source| SettingsError::Read { path: path.into(), source })?;
-                toml::from_str(&text).map_err(|e| SettingsError::Parse { path: path.into(), message: e.to_string() })?
+                let text = std::fs::read_to_string(path).map_err(|source| SettingsError::Read {
+                    path: path.into(),
+                    source,
+                })?;
+                toml::from_str(&text).map_err(|e| SettingsError::Parse {
+                    path: path.into(),
+                    message: e.to_string(),
+                })?
             }
             None => Settings::default(),
         };
@@ -136,7 +147,10 @@ impl Settings {
         where
             T::Err: std::fmt::Display,
         {
-            v.parse().map_err(|e: T::Err| SettingsError::Env { var: var.into(), message: e.to_string() })
+            v.parse().map_err(|e: T::Err| SettingsError::Env {
+                var: var.into(),
+                message: e.to_string(),
+            })
         }
         if let Some(v) = get("QUANTMESH_HOST") {
             self.server.host = v;
@@ -151,7 +165,12 @@ impl Settings {
             self.model.name = v;
         }
         if let Some(v) = get("QUANTMESH_API_KEYS") {
-            self.server.api_keys = v.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect();
+            self.server.api_keys = v
+                .split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(String::from)
+                .collect();
         }
         if let Some(v) = get("QUANTMESH_MAX_CONCURRENT_REQUESTS") {
             self.server.max_concurrent_requests = parse("QUANTMESH_MAX_CONCURRENT_REQUESTS", v)?;
@@ -163,7 +182,12 @@ impl Settings {
             self.log.format = match v.as_str() {
                 "json" => LogFormat::Json,
                 "text" => LogFormat::Text,
-                other => return Err(SettingsError::Env { var: "QUANTMESH_LOG_FORMAT".into(), message: format!("{other:?} is not text or json") }),
+                other => {
+                    return Err(SettingsError::Env {
+                        var: "QUANTMESH_LOG_FORMAT".into(),
+                        message: format!("{other:?} is not text or json"),
+                    })
+                }
             };
         }
         if let Some(v) = get("QUANTMESH_ADMIN_TOKEN") {
@@ -178,15 +202,23 @@ impl Settings {
     pub fn validate(&self) -> Result<(), SettingsError> {
         let s = &self.server;
         if s.max_input_tokens == 0 || s.max_total_tokens <= s.max_input_tokens {
-            return Err(SettingsError::Invalid("server.max_total_tokens must exceed server.max_input_tokens > 0".into()));
+            return Err(SettingsError::Invalid(
+                "server.max_total_tokens must exceed server.max_input_tokens > 0".into(),
+            ));
         }
         if s.max_concurrent_requests == 0 {
-            return Err(SettingsError::Invalid("server.max_concurrent_requests must be > 0".into()));
+            return Err(SettingsError::Invalid(
+                "server.max_concurrent_requests must be > 0".into(),
+            ));
         }
         if s.max_body_bytes < 64 {
-            return Err(SettingsError::Invalid("server.max_body_bytes must be at least 64".into()));
+            return Err(SettingsError::Invalid(
+                "server.max_body_bytes must be at least 64".into(),
+            ));
         }
-        self.engine.validate().map_err(|e| SettingsError::Invalid(e.to_string()))
+        self.engine
+            .validate()
+            .map_err(|e| SettingsError::Invalid(e.to_string()))
     }
 }
 
@@ -198,14 +230,24 @@ mod tests {
     fn file_then_env() {
         let dir = tempfile_dir();
         let path = dir.join("q.toml");
-        std::fs::write(&path, "[server]\nport = 9000\nmax_concurrent_requests = 3\n[engine]\nnum_pages = 64\n").unwrap();
+        std::fs::write(
+            &path,
+            "[server]\nport = 9000\nmax_concurrent_requests = 3\n[engine]\nnum_pages = 64\n",
+        )
+        .unwrap();
         let mut s: Settings = toml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         assert_eq!(s.server.port, 9000);
         assert_eq!(s.engine.num_pages, 64);
-        s.apply_env(|k| (k == "QUANTMESH_PORT").then(|| "9100".to_string())).unwrap();
+        s.apply_env(|k| (k == "QUANTMESH_PORT").then(|| "9100".to_string()))
+            .unwrap();
         assert_eq!(s.server.port, 9100);
-        assert!(s.apply_env(|k| (k == "QUANTMESH_PORT").then(|| "x".to_string())).is_err());
-        assert!(toml::from_str::<Settings>("[server]\nprot = 1\n").is_err(), "unknown keys are rejected");
+        assert!(s
+            .apply_env(|k| (k == "QUANTMESH_PORT").then(|| "x".to_string()))
+            .is_err());
+        assert!(
+            toml::from_str::<Settings>("[server]\nprot = 1\n").is_err(),
+            "unknown keys are rejected"
+        );
         let _ = std::fs::remove_dir_all(dir);
     }
 
@@ -213,5 +255,23 @@ mod tests {
         let d = std::env::temp_dir().join(format!("qm-settings-{}", std::process::id()));
         std::fs::create_dir_all(&d).unwrap();
         d
+    }
+}
+
+#[cfg(test)]
+mod example_file {
+    use super::*;
+
+    /// The documented example must parse and equal the built-in defaults.
+    #[test]
+    fn example_config_is_the_defaults() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../infra/quantmesh.example.toml"
+        );
+        let text = std::fs::read_to_string(path).unwrap();
+        let s: Settings = toml::from_str(&text).unwrap();
+        let d = Settings::default();
+        assert_eq!(toml::to_string(&s).unwrap(), toml::to_string(&d).unwrap());
     }
 }

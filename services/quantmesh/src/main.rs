@@ -116,8 +116,24 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Serve(a) => serve(a),
-        Command::Model(ModelCommand::Init { out, size, dtype, shards, qkv_bias, seed }) => {
-            let planted = init_model(&out, &InitOptions { size, dtype, shards, seed, qkv_bias })?;
+        Command::Model(ModelCommand::Init {
+            out,
+            size,
+            dtype,
+            shards,
+            qkv_bias,
+            seed,
+        }) => {
+            let planted = init_model(
+                &out,
+                &InitOptions {
+                    size,
+                    dtype,
+                    shards,
+                    seed,
+                    qkv_bias,
+                },
+            )?;
             println!("wrote the bundled {size:?} model to {}", out.display());
             println!("planted: {}", serde_json_line(&planted));
             Ok(())

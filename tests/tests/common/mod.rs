@@ -39,14 +39,24 @@ impl Server {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let base = format!("http://{}", listener.local_addr().expect("addr"));
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let task = actix_rt::spawn(quantmesh_gateway::run_embedded(settings, listener, async move {
-            let _ = rx.await;
-        }));
+        let task = actix_rt::spawn(quantmesh_gateway::run_embedded(
+            settings,
+            listener,
+            async move {
+                let _ = rx.await;
+            },
+        ));
         let client = reqwest::Client::new();
         for _ in 0..200 {
             if let Ok(r) = client.get(format!("{base}/ready")).send().await {
                 if r.status() == 200 {
-                    return Server { base, client, shutdown: Some(tx), task: Some(task), _dir: None };
+                    return Server {
+                        base,
+                        client,
+                        shutdown: Some(tx),
+                        task: Some(task),
+                        _dir: None,
+                    };
                 }
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -59,11 +69,22 @@ impl Server {
     }
 
     pub async fn post(&self, path: &str, body: serde_json::Value) -> reqwest::Response {
-        self.client.post(self.url(path)).json(&body).send().await.expect("request")
+        self.client
+            .post(self.url(path))
+            .json(&body)
+            .send()
+            .await
+            .expect("request")
     }
 
     pub async fn post_raw(&self, path: &str, body: Vec<u8>) -> reqwest::Response {
-        self.client.post(self.url(path)).header("content-type", "application/json").body(body).send().await.expect("request")
+        self.client
+            .post(self.url(path))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .expect("request")
     }
 
     /// Begin graceful shutdown.
@@ -74,7 +95,15 @@ impl Server {
     }
 
     pub async fn metrics(&self) -> prometheus_parse::Scrape {
-        let text = self.client.get(self.url("/metrics")).send().await.expect("metrics").text().await.expect("text");
+        let text = self
+            .client
+            .get(self.url("/metrics"))
+            .send()
+            .await
+            .expect("metrics")
+            .text()
+            .await
+            .expect("text");
         let lines = text.lines().map(|l| Ok(l.to_string()));
         prometheus_parse::Scrape::parse(lines).expect("valid exposition format")
     }
@@ -86,7 +115,9 @@ impl Server {
             .iter()
             .find(|s| s.metric == name)
             .map(|s| match s.value {
-                prometheus_parse::Value::Gauge(v) | prometheus_parse::Value::Counter(v) | prometheus_parse::Value::Untyped(v) => v,
+                prometheus_parse::Value::Gauge(v)
+                | prometheus_parse::Value::Counter(v)
+                | prometheus_parse::Value::Untyped(v) => v,
                 _ => f64::NAN,
             })
             .unwrap_or_else(|| panic!("metric {name} missing"))
