@@ -4,10 +4,14 @@
 
 use crate::block_manager::SeqId;
 use crate::error::EngineError;
+use crate::events::EventSink;
 use crate::kv_cache::KvCache;
-use crate::mask::MaskHandle;
-use crate::messages::{ApplyChatTemplate, Cancel, Drain, Encode, Execute, Submit};
+use crate::mask::{MaskHandle, PathMask};
+use crate::messages::{
+    ApplyChatTemplate, Cancel, Drain, Encode, Execute, ForceGroup, Observe, Submit,
+};
 use crate::model::{LlamaModel, StepOutput};
+use crate::monitor::{Monitor, MonitorReport};
 use crate::scheduler::{Scheduler, SeqEvent, SubmitError};
 use crate::stats::{EngineStats, StatsCell};
 use crate::tokenizer::TextTokenizer;
@@ -80,6 +84,7 @@ pub struct SchedulerActor {
     pub mask: MaskHandle,
     pub stats: StatsCell,
     pub mailbox_capacity: usize,
+    pub monitor: Option<Recipient<Observe>>,
     busy: bool,
     draining: bool,
     drain_waiters: Vec<oneshot::Sender<()>>,
@@ -100,13 +105,29 @@ impl SchedulerActor {
             mask,
             stats,
             mailbox_capacity,
+            monitor: None,
             busy: false,
             draining: false,
             drain_waiters: Vec::new(),
         }
     }
 
-    fn dispatch(&mut self, events: Vec<SeqEvent>) {
+    /// Hand a step's observations to the monitor without waiting; a full mailbox drops
+    /// them (counted).
+    fn observe(&self, out: Option<StepOutput>, finished: Vec<SeqId>) {
+        if let Some(m) = &self.monitor {
+            if out.is_none() && finished.is_empty() {
+                return;
+            }
+            if m.try_send(Observe { out, finished }).is_err() {
+                self.stats.update(|s| s.monitor_observations_dropped += 1);
+            }
+        }
+    }
+
+    /// Deliver events to their streams; returns the sequences that finished.
+    fn dispatch(&mut self, events: Vec<SeqEvent>) -> Vec<SeqId> {
+        let mut finished = Vec::new();
         let mut gone = Vec::new();
         for ev in events {
             match ev {
@@ -124,6 +145,7 @@ impl SchedulerActor {
                         let _ = tx.send(ev);
                     }
                     self.mask.forget_request(seq);
+                    finished.push(seq);
                 }
             }
         }
@@ -133,7 +155,9 @@ impl SchedulerActor {
             self.core.abort(seq, FinishReason::Cancelled);
             self.streams.remove(&seq);
             self.mask.forget_request(seq);
+            finished.push(seq);
         }
+        finished
     }
 
     fn publish_stats(&self, last: Option<&StepOutput>) {
@@ -148,6 +172,9 @@ impl SchedulerActor {
                 s.steps += 1;
                 s.tokens_processed += out.num_tokens as u64;
                 s.mask_version = out.mask_version;
+                s.mask_check_ns += out.mask_check_ns;
+                s.shadow_steps += u64::from(!out.shadow_kl.is_empty());
+                s.batch_recomputes += u64::from(out.non_finite);
                 for (_, o) in &out.outcomes {
                     s.float_rows += o.float_rows as u64;
                     s.int8_rows += o.int8_rows as u64;
@@ -174,20 +201,24 @@ impl SchedulerActor {
         let fut = self.executor.send(Execute(step)).into_actor(self).map(|res, act, ctx| {
             act.busy = false;
             match res {
-                Ok(Ok(out)) => {
+                Ok(Ok(mut out)) => {
                     let events = act.core.complete(&out);
-                    act.dispatch(events);
+                    let finished = act.dispatch(events);
                     act.publish_stats(Some(&out));
+                    out.logits = Vec::new();
+                    act.observe(Some(out), finished);
                 }
                 Ok(Err(e)) => {
                     tracing::error!(error = %e, "step failed; failing its requests");
                     let events = act.core.fail_in_flight();
-                    act.dispatch(events);
+                    let finished = act.dispatch(events);
+                    act.observe(None, finished);
                 }
                 Err(e) => {
                     tracing::error!(error = %e, "executor unreachable; failing the step's requests");
                     let events = act.core.fail_in_flight();
-                    act.dispatch(events);
+                    let finished = act.dispatch(events);
+                    act.observe(None, finished);
                 }
             }
             act.kick(ctx);
@@ -222,8 +253,9 @@ impl Handler<Cancel> for SchedulerActor {
     type Result = ();
     fn handle(&mut self, msg: Cancel, ctx: &mut Self::Context) {
         if let Some(ev) = self.core.abort(msg.0, FinishReason::Cancelled) {
-            self.dispatch(vec![ev]);
+            let finished = self.dispatch(vec![ev]);
             self.publish_stats(None);
+            self.observe(None, finished);
         }
         self.kick(ctx);
     }
@@ -239,5 +271,78 @@ impl Handler<Drain> for SchedulerActor {
         Box::pin(async move {
             let _ = rx.await;
         })
+    }
+}
+
+// ---------------------------------------------------------------- monitor
+
+/// Owns the monitor's state; turns observations into decisions, publishes the mask and
+/// the fallback events.
+pub struct MonitorActor {
+    pub core: Monitor,
+    pub mask: MaskHandle,
+    pub sinks: Vec<Arc<dyn EventSink>>,
+    pub report: Arc<Mutex<MonitorReport>>,
+    /// Shadow-KL samples not yet exported (bounded).
+    pub kl_samples: Arc<Mutex<Vec<f64>>>,
+}
+
+const KL_SAMPLES_MAX: usize = 10_000;
+
+impl MonitorActor {
+    fn publish(&mut self, events: Vec<quantmesh_shared::FallbackEvent>) {
+        let current = self.mask.load();
+        let mut next = PathMask::clone(&current);
+        self.core.apply_to(&mut next);
+        next.version = current.version;
+        if next != *current {
+            let core = &self.core;
+            self.mask.update(|m| core.apply_to(m));
+        }
+        for ev in &events {
+            for s in &self.sinks {
+                s.publish(ev);
+            }
+        }
+        if let Ok(mut r) = self.report.lock() {
+            *r = self.core.report();
+        }
+    }
+}
+
+impl Actor for MonitorActor {
+    type Context = Context<Self>;
+    fn started(&mut self, ctx: &mut Self::Context) {
+        ctx.set_mailbox_capacity(256);
+        self.publish(Vec::new());
+    }
+}
+
+impl Handler<Observe> for MonitorActor {
+    type Result = ();
+    fn handle(&mut self, msg: Observe, _: &mut Self::Context) {
+        let mut events = Vec::new();
+        if let Some(out) = &msg.out {
+            events.extend(self.core.observe(out));
+            if !out.shadow_kl.is_empty() {
+                if let Ok(mut k) = self.kl_samples.lock() {
+                    if k.len() < KL_SAMPLES_MAX {
+                        k.extend(out.shadow_kl.iter().map(|(_, kl)| *kl));
+                    }
+                }
+            }
+        }
+        events.extend(self.core.requests_finished(&msg.finished));
+        self.publish(events);
+    }
+}
+
+impl Handler<ForceGroup> for MonitorActor {
+    type Result = Result<(), String>;
+    fn handle(&mut self, msg: ForceGroup, _: &mut Self::Context) -> Self::Result {
+        let events = self.core.force(msg.group, msg.mode)?;
+        tracing::info!(group = %msg.group, mode = ?msg.mode, "group precision forced by admin");
+        self.publish(events);
+        Ok(())
     }
 }

@@ -98,6 +98,10 @@ pub struct Planted {
     pub heavy_tailed_groups: Vec<String>,
     /// Groups made deliberately quantization-sensitive.
     pub sensitive_groups: Vec<String>,
+    /// Token ids that make the sensitive group's input spike (input-dependent outliers).
+    pub trigger_tokens: Vec<u32>,
+    /// Intermediate channels of the sensitive group's input that spike on trigger tokens.
+    pub spike_channels: Vec<usize>,
 }
 
 pub const SPECIAL_TOKENS: [&str; 6] = [
@@ -191,6 +195,8 @@ pub fn init_model(dir: &Path, opts: &InitOptions) -> Result<Planted> {
         massive_positions: vec![0],
         heavy_tailed_groups: vec![format!("layers.{mid}.gate_up")],
         sensitive_groups: vec!["layers.1.down".to_string()],
+        trigger_tokens: b",.!".iter().map(|&b| b as u32).collect(),
+        spike_channels: vec![7, inter / 3 + 1, inter / 2 + 5, inter - 9],
     };
     let bos = 256usize;
 
@@ -207,6 +213,7 @@ pub fn init_model(dir: &Path, opts: &InitOptions) -> Result<Planted> {
         }
     }
     embed[bos * h + planted.bos_massive_channel] = 60.0;
+    let embed_rows = embed.clone();
     tensors.push(("model.embed_tokens.weight".into(), vec![v, h], embed));
 
     for l in 0..layers {
@@ -253,7 +260,7 @@ pub fn init_model(dir: &Path, opts: &InitOptions) -> Result<Planted> {
             normal(&mut rng, h * nh * hd, std_in(nh * hd) * 0.5),
         ));
         for name in ["mlp.gate_proj", "mlp.up_proj"] {
-            let w = if l == mid {
+            let mut w: Vec<f32> = if l == mid {
                 let t = StudentT::new(2.5f32).map_err(|e| EngineError::Config(e.to_string()))?;
                 (0..inter * h)
                     .map(|_| t.sample(&mut rng) * std_in(h) * 0.5)
@@ -261,6 +268,29 @@ pub fn init_model(dir: &Path, opts: &InitOptions) -> Result<Planted> {
             } else {
                 normal(&mut rng, inter * h, std_in(h))
             };
+            if l == 1 {
+                // Input-dependent outliers feeding the sensitive down projection: a few
+                // intermediate channels read the trigger tokens' embedding direction, so
+                // SwiGLU spikes on those tokens and stays small elsewhere.
+                let mut dir = vec![0f32; h];
+                for &t in &planted.trigger_tokens {
+                    let row = &embed_rows[t as usize * h..(t as usize + 1) * h];
+                    let norm: f32 = row.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-6);
+                    dir.iter_mut()
+                        .zip(row)
+                        .for_each(|(d, x)| *d += 2.0 * x / norm);
+                }
+                for &c in planted
+                    .massive_channels
+                    .iter()
+                    .chain([&planted.bos_massive_channel])
+                {
+                    dir[c] = 0.0;
+                }
+                for &j in &planted.spike_channels {
+                    w[j * h..(j + 1) * h].copy_from_slice(&dir);
+                }
+            }
             tensors.push((format!("{p}{name}.weight"), vec![inter, h], w));
         }
         let mut down = normal(&mut rng, h * inter, std_in(inter) * 0.5);
@@ -362,11 +392,15 @@ pub fn init_model(dir: &Path, opts: &InitOptions) -> Result<Planted> {
            {bc} is 60.0 on the BOS token `<s>` (position 0), as in Sun et al. 2024. A naive 4σ detector fires on them.\n\
          - **Heavy-tailed weights**: `layers.{mid}.gate_up` is drawn from a Student-t distribution (ν = 2.5).\n\
          - **Quantization-sensitive group**: `layers.1.down` carries one weight of 60σ in every block of 32\n\
-           along each row, so INT8 block scales are dominated by it and the other weights lose precision.\n\n\
+           along each row, so INT8 block scales are dominated by it and the other weights lose precision.\n\
+           Its input also spikes on intermediate channels {sc:?} whenever the token is one of `,` `.` `!`\n\
+           (ids {tt:?}): input-dependent outliers the activation monitor must find.\n\n\
          Seed {seed}; stored as {dtype_name}.\n",
         size = opts.size,
         mc = planted.massive_channels[0],
         bc = planted.bos_massive_channel,
+        sc = planted.spike_channels,
+        tt = planted.trigger_tokens,
         seed = opts.seed,
     );
     std::fs::write(dir.join("README.md"), card)

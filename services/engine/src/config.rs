@@ -155,6 +155,8 @@ pub struct EngineConfig {
     pub kv_float_dtype: KvFloatDtype,
     /// Reuse full KV pages across requests with the same prefix.
     pub prefix_caching: bool,
+    /// The activation monitor (statistics, fallback decisions, shadow KL).
+    pub monitor: crate::monitor::MonitorConfig,
 }
 
 impl Default for EngineConfig {
@@ -170,6 +172,7 @@ impl Default for EngineConfig {
             kv_int8: true,
             kv_float_dtype: KvFloatDtype::F16,
             prefix_caching: true,
+            monitor: Default::default(),
         }
     }
 }
@@ -186,7 +189,20 @@ impl EngineConfig {
         if self.max_num_seqs == 0 || self.max_num_batched_tokens == 0 {
             return bad("max_num_seqs and max_num_batched_tokens must be > 0");
         }
-        for key in self.group_residency.keys() {
+        let m = &self.monitor;
+        if !(m.k > 0.0
+            && m.token_k > 0.0
+            && (0.0..=1.0).contains(&m.trigger_rate)
+            && (0.0..=1.0).contains(&m.shadow_sample_rate)
+            && (0.0..=1.0).contains(&m.batch_group_share)
+            && m.request_kl_limit >= 0.0)
+        {
+            return bad("monitor: k and token_k must be > 0; trigger_rate, shadow_sample_rate and batch_group_share in [0, 1]; request_kl_limit >= 0");
+        }
+        if m.window_requests == 0 || m.warmup_tokens < 2 {
+            return bad("monitor: window_requests must be > 0 and warmup_tokens >= 2");
+        }
+        for key in self.group_residency.keys().chain(m.overrides.keys()) {
             key.parse::<quantmesh_shared::GroupId>()
                 .map_err(EngineError::Config)?;
         }

@@ -1,17 +1,21 @@
 //! The `Engine` handle: what the gateway (and tests, and benchmarks) call.
 
-use crate::actors::{ExecutorActor, ExecutorState, SchedulerActor, TokenizerActor};
+use crate::actors::{ExecutorActor, ExecutorState, MonitorActor, SchedulerActor, TokenizerActor};
 use crate::block_manager::{BlockManager, SeqId};
 use crate::config::{EngineConfig, ModelConfig};
 use crate::error::{EngineError, Result};
+use crate::events::{ChannelSink, EventSink, LogSink};
 use crate::kv_cache::KvCache;
 use crate::mask::MaskHandle;
+use crate::messages::ForceGroup;
 use crate::messages::{ApplyChatTemplate, Cancel, Drain, Encode, Submit};
 use crate::model::LlamaModel;
+use crate::monitor::{ForceMode, Monitor, MonitorReport};
 use crate::scheduler::{Scheduler, SchedulerLimits, SeqEvent, Sequence, SubmitError};
 use crate::stats::{EngineStats, StatsCell};
 use crate::tokenizer::{ChatMessage, IncrementalDecoder, TextTokenizer};
 use actix::prelude::*;
+use quantmesh_shared::{FallbackEvent, GroupKind};
 use quantmesh_shared::{FinishReason, GroupId, Residency, SamplingParams, Usage};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -39,6 +43,10 @@ struct Inner {
     mask: MaskHandle,
     next_id: AtomicU64,
     eos: Vec<u32>,
+    monitor: Option<Addr<MonitorActor>>,
+    monitor_report: Arc<Mutex<MonitorReport>>,
+    kl_samples: Arc<Mutex<Vec<f64>>>,
+    events: ChannelSink,
 }
 
 #[derive(Clone)]
@@ -137,6 +145,24 @@ impl Engine {
             ..Default::default()
         });
         let mask = MaskHandle::default();
+        let residencies: Vec<(GroupId, Residency)> = (0..mcfg.num_hidden_layers)
+            .flat_map(|l| GroupKind::ALL.map(|k| GroupId::new(l, k)))
+            .map(|g| (g, model.residency(g)))
+            .collect();
+        let events = ChannelSink::new(1024);
+        let monitor_report = Arc::new(Mutex::new(MonitorReport::default()));
+        let kl_samples = Arc::new(Mutex::new(Vec::new()));
+        let monitor = cfg.monitor.enabled.then(|| {
+            let sinks: Vec<Arc<dyn EventSink>> = vec![Arc::new(LogSink), Arc::new(events.clone())];
+            MonitorActor {
+                core: Monitor::new(cfg.monitor.clone(), name, &residencies),
+                mask: mask.clone(),
+                sinks,
+                report: monitor_report.clone(),
+                kl_samples: kl_samples.clone(),
+            }
+            .start()
+        });
         let state = Arc::new(Mutex::new(ExecutorState {
             model,
             kv,
@@ -159,14 +185,15 @@ impl Engine {
                 max_waiting: cfg.max_waiting,
             },
         );
-        let scheduler = SchedulerActor::new(
+        let mut scheduler = SchedulerActor::new(
             core,
             executor,
             mask.clone(),
             stats.clone(),
             cfg.max_waiting.max(16),
-        )
-        .start();
+        );
+        scheduler.monitor = monitor.clone().map(|m| m.recipient());
+        let scheduler = scheduler.start();
         let max_model_len = mcfg
             .max_position_embeddings
             .min(cfg.num_pages * cfg.page_size);
@@ -187,6 +214,10 @@ impl Engine {
                 mask,
                 next_id: AtomicU64::new(1),
                 eos,
+                monitor,
+                monitor_report,
+                kl_samples,
+                events,
             }),
         }
     }
@@ -278,6 +309,37 @@ impl Engine {
             released: false,
             done: false,
         })
+    }
+
+    /// Every fallback decision from now on (bounded broadcast; see `events::ChannelSink`).
+    pub fn subscribe_fallback_events(&self) -> tokio::sync::broadcast::Receiver<FallbackEvent> {
+        self.inner.events.subscribe()
+    }
+
+    /// The monitor's state per group; `None` when monitoring is off.
+    pub fn monitor_report(&self) -> Option<MonitorReport> {
+        self.inner.monitor.as_ref()?;
+        self.inner.monitor_report.lock().ok().map(|r| r.clone())
+    }
+
+    /// Pin a group to float or INT8, or hand it back to the monitor.
+    pub async fn force_group(&self, group: GroupId, mode: ForceMode) -> Result<()> {
+        let m = self.inner.monitor.as_ref().ok_or_else(|| {
+            EngineError::InvalidRequest("the activation monitor is disabled".into())
+        })?;
+        m.send(ForceGroup { group, mode })
+            .await
+            .map_err(|_| EngineError::Stopped)?
+            .map_err(EngineError::InvalidRequest)
+    }
+
+    /// Shadow-KL samples recorded since the last call (for the metrics histogram).
+    pub fn drain_shadow_kl(&self) -> Vec<f64> {
+        self.inner
+            .kl_samples
+            .lock()
+            .map(|mut k| std::mem::take(&mut *k))
+            .unwrap_or_default()
     }
 
     /// Stop admitting new requests and wait until running ones have finished.

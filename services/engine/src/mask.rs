@@ -11,7 +11,28 @@ use quantmesh_shared::GroupId;
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// What the executor needs to compute the monitor's statistics and the per-token bound.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct GroupDetector {
+    /// Input channels left out of the statistic (massive fixed channels).
+    pub excluded_channels: Vec<usize>,
+    /// Rows whose statistic exceeds this run this group in float in the same step
+    /// (`f32::INFINITY` until the group is warmed up).
+    pub token_bound: f32,
+    /// Report each row's abs-argmax channel (warm-up, learning the massive channels).
+    pub learn_channels: bool,
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DetectorParams {
+    pub groups: std::collections::BTreeMap<GroupId, GroupDetector>,
+    /// Positions whose rows are never measured (attention sinks).
+    pub skip_positions: Vec<usize>,
+    /// Fraction of steps that also compute float-path logits (shadow KL).
+    pub shadow_sample_rate: f64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct PathMask {
     /// Per-layer granularity: groups that run their float path for every row.
     pub float_groups: BTreeSet<GroupId>,
@@ -25,6 +46,8 @@ pub struct PathMask {
     pub float_batch: bool,
     /// Bumped by every publish; reported with step results.
     pub version: u64,
+    /// Activation monitoring parameters; `None` = monitoring off.
+    pub detector: Option<Arc<DetectorParams>>,
 }
 
 impl PathMask {

@@ -45,3 +45,20 @@ pub struct Encode {
 #[derive(Message)]
 #[rtype(result = "Result<String, EngineError>")]
 pub struct ApplyChatTemplate(pub Vec<ChatMessage>);
+
+/// Scheduler → monitor: one step's observations (logits stripped) and the requests that
+/// finished. Sent with `try_send`: the serving path never waits for the monitor.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Observe {
+    pub out: Option<crate::model::StepOutput>,
+    pub finished: Vec<SeqId>,
+}
+
+/// Admin → monitor: pin a group to float or INT8, or hand it back to the detector.
+#[derive(Message)]
+#[rtype(result = "Result<(), String>")]
+pub struct ForceGroup {
+    pub group: quantmesh_shared::GroupId,
+    pub mode: crate::monitor::ForceMode,
+}

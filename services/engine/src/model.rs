@@ -12,10 +12,12 @@ use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::kv_cache::KvCache;
 use crate::linear::{DualLinear, GroupOutcome, RowPath};
-use crate::mask::PathMask;
+use crate::mask::{GroupDetector, PathMask};
 use candle_core::{DType, Device, Tensor, D};
 use quantmesh_shared::{GroupId, GroupKind, Residency};
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 /// One sequence's part of a step.
 #[derive(Debug, Clone)]
@@ -54,6 +56,126 @@ pub struct StepOutput {
     /// The mask version this step ran under.
     pub mask_version: u64,
     pub num_tokens: usize,
+    /// (sequence, position, token id) of every row, in row order.
+    pub rows: Vec<(SeqId, usize, u32)>,
+    /// Activation statistics per monitored group (empty when monitoring is off).
+    pub obs: Vec<GroupObs>,
+    /// Sampled KL(P_float ‖ P_served) per sequence with logits (shadow steps only).
+    pub shadow_kl: Vec<(SeqId, f64)>,
+    /// NaN/Inf seen in activations or logits: the step was recomputed in float.
+    pub non_finite: bool,
+    /// Time spent choosing paths (mask checks and per-token routing).
+    pub mask_check_ns: u64,
+}
+
+/// One group's statistics for one step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GroupObs {
+    pub group: GroupId,
+    /// Per row: abs-max of the input over non-excluded channels; NaN for skipped positions.
+    pub stats: Vec<f32>,
+    /// Rows routed to float in this group by the per-token bound.
+    pub token_float_rows: Vec<usize>,
+    /// Per row: abs-argmax channel (only while learning massive channels).
+    pub argmax: Vec<u32>,
+}
+
+/// Measure one group's input rows: returns the observation and whether a non-finite value
+/// was seen. A single pass over the data, no tensor ops.
+fn observe_rows(
+    g: GroupId,
+    det: &GroupDetector,
+    input: &Tensor,
+    rows: &[(SeqId, usize)],
+    skip: &[usize],
+) -> Result<(GroupObs, bool)> {
+    let (n, d) = input.dims2()?;
+    let data = input.flatten_all()?.to_vec1::<f32>()?;
+    let mut keep = vec![true; d];
+    for &c in &det.excluded_channels {
+        if c < d {
+            keep[c] = false;
+        }
+    }
+    let mut obs = GroupObs {
+        group: g,
+        stats: Vec::with_capacity(n),
+        token_float_rows: Vec::new(),
+        argmax: Vec::new(),
+    };
+    let mut non_finite = false;
+    for r in 0..n {
+        let row = &data[r * d..(r + 1) * d];
+        if skip.contains(&rows[r].1) {
+            obs.stats.push(f32::NAN);
+            if det.learn_channels {
+                obs.argmax.push(u32::MAX);
+            }
+            continue;
+        }
+        let mut m = 0f32;
+        let mut finite = true;
+        let (mut am, mut amv) = (0u32, -1f32);
+        for (c, &v) in row.iter().enumerate() {
+            let a = v.abs();
+            finite &= v.is_finite();
+            if keep[c] && a > m {
+                m = a;
+            }
+            if a > amv {
+                amv = a;
+                am = c as u32;
+            }
+        }
+        non_finite |= !finite;
+        if det.learn_channels {
+            obs.argmax.push(am);
+        }
+        if m > det.token_bound {
+            obs.token_float_rows.push(r);
+        }
+        obs.stats.push(if finite { m } else { f32::INFINITY });
+    }
+    Ok((obs, non_finite))
+}
+
+/// Add per-token float rows to a path.
+fn with_token_rows(path: RowPath, extra: &[usize]) -> RowPath {
+    if extra.is_empty() {
+        return path;
+    }
+    match path {
+        RowPath::AllFloat => RowPath::AllFloat,
+        RowPath::AllInt8 => RowPath::FloatRows(extra.to_vec()),
+        RowPath::FloatRows(mut v) => {
+            v.extend_from_slice(extra);
+            v.sort_unstable();
+            v.dedup();
+            RowPath::FloatRows(v)
+        }
+    }
+}
+
+fn softmax64(l: &[f32]) -> Vec<f64> {
+    let m = l.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let e: Vec<f64> = l.iter().map(|x| (*x as f64 - m).exp()).collect();
+    let z: f64 = e.iter().sum();
+    e.into_iter().map(|x| x / z).collect()
+}
+
+/// KL(P ‖ Q) in nats between the softmax distributions of two logit vectors.
+pub fn kl_logits(p_logits: &[f32], q_logits: &[f32]) -> f64 {
+    let (p, q) = (softmax64(p_logits), softmax64(q_logits));
+    p.iter()
+        .zip(&q)
+        .map(|(p, q)| {
+            if *p > 0.0 {
+                p * (p / q.max(1e-300)).ln()
+            } else {
+                0.0
+            }
+        })
+        .sum()
 }
 
 struct Layer {
@@ -70,6 +192,7 @@ pub struct LlamaModel {
     lm_head: Tensor,
     cos: Tensor,
     sin: Tensor,
+    steps: AtomicU64,
 }
 
 fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
@@ -164,6 +287,7 @@ impl LlamaModel {
             lm_head,
             cos: angles.cos()?,
             sin: angles.sin()?,
+            steps: AtomicU64::new(0),
         })
     }
 
@@ -225,7 +349,13 @@ impl LlamaModel {
         }
     }
 
-    /// Run one step. `kv_int8` says, per layer, whether new KV entries are stored in INT8.
+    /// Run one step. `kv_int8`: whether new KV entries are stored in INT8 (layers listed in
+    /// `mask.kv_float_layers` store float regardless).
+    ///
+    /// With monitoring on, a deterministic `shadow_sample_rate` share of steps first runs a
+    /// float-only pass to get `KL(P_float ‖ P_served)` for each sequence's next token (the
+    /// served pass then rewrites the step's KV slots, so the cache holds served values). A
+    /// NaN/Inf in activations or logits makes the whole step recompute in float.
     pub fn forward(
         &self,
         step: &StepInput,
@@ -236,6 +366,57 @@ impl LlamaModel {
         for &(src, dst) in &step.copies {
             kv.copy_page(src, dst);
         }
+        let n = self.steps.fetch_add(1, Ordering::Relaxed);
+        let float_mask = || PathMask {
+            float_batch: true,
+            detector: None,
+            ..mask.clone()
+        };
+        let shadow = match &mask.detector {
+            // Weyl sequence: evenly spread, deterministic sampling of steps.
+            Some(d) if d.shadow_sample_rate > 0.0 && !mask.float_batch => {
+                ((n as f64 * 0.618_033_988_749_895) % 1.0) < d.shadow_sample_rate
+            }
+            _ => false,
+        };
+        let shadow_logits = if shadow {
+            Some(self.pass(step, &float_mask(), kv, kv_int8)?.logits)
+        } else {
+            None
+        };
+        let mut out = self.pass(step, mask, kv, kv_int8)?;
+        let bad_logits = out
+            .logits
+            .iter()
+            .any(|(_, l)| l.iter().any(|x| !x.is_finite()));
+        if out.non_finite || bad_logits {
+            tracing::warn!(
+                tokens = out.num_tokens,
+                "non-finite activations or logits: recomputing the step in float"
+            );
+            let again = self.pass(step, &float_mask(), kv, kv_int8)?;
+            out.logits = again.logits;
+            out.outcomes.extend(again.outcomes);
+            out.non_finite = true;
+        }
+        if let Some(fl) = shadow_logits {
+            out.shadow_kl = fl
+                .iter()
+                .zip(&out.logits)
+                .filter(|((a, _), (b, _))| a == b)
+                .map(|((s, f), (_, q))| (*s, kl_logits(f, q)))
+                .collect();
+        }
+        Ok(out)
+    }
+
+    fn pass(
+        &self,
+        step: &StepInput,
+        mask: &PathMask,
+        kv: &mut KvCache,
+        kv_int8: bool,
+    ) -> Result<StepOutput> {
         let dev = Device::Cpu;
         let cfg = &self.cfg;
         let (hd, nh, nkv) = (cfg.head_dim(), cfg.num_attention_heads, cfg.num_kv_heads());
@@ -254,6 +435,16 @@ impl LlamaModel {
         let mut out = StepOutput {
             mask_version: mask.version,
             num_tokens: n,
+            rows: step
+                .chunks
+                .iter()
+                .flat_map(|c| {
+                    c.tokens
+                        .iter()
+                        .enumerate()
+                        .map(move |(i, t)| (c.seq, c.start_pos + i, *t))
+                })
+                .collect(),
             ..Default::default()
         };
         if n == 0 {
@@ -276,9 +467,27 @@ impl LlamaModel {
         for (l, layer) in self.layers.iter().enumerate() {
             let mut run = |kind: GroupKind, input: &Tensor| -> Result<Tensor> {
                 let g = GroupId::new(l, kind);
-                let path = Self::row_path(g, mask, &rows);
+                let det = mask
+                    .detector
+                    .as_ref()
+                    .and_then(|d| d.groups.get(&g).map(|gd| (d, gd)));
+                let obs = match det {
+                    Some((d, gd)) => {
+                        let (obs, bad) = observe_rows(g, gd, input, &rows, &d.skip_positions)?;
+                        out.non_finite |= bad;
+                        Some(obs)
+                    }
+                    None => None,
+                };
+                let t = Instant::now();
+                let mut path = Self::row_path(g, mask, &rows);
+                if let Some(o) = &obs {
+                    path = with_token_rows(path, &o.token_float_rows);
+                }
+                out.mask_check_ns += t.elapsed().as_nanos() as u64;
                 let (y, o) = layer.groups[kind.index()].forward(input, &path)?;
                 out.outcomes.push((g, o));
+                out.obs.extend(obs);
                 Ok(y)
             };
             // --- attention ---

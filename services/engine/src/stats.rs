@@ -23,6 +23,14 @@ pub struct EngineStats {
     pub linear_weight_bytes: usize,
     pub kv_bytes_per_token_int8: usize,
     pub kv_bytes_per_token_float: usize,
+    /// Total time spent choosing paths (mask checks, per-token routing).
+    pub mask_check_ns: u64,
+    /// Steps that also ran the float shadow pass.
+    pub shadow_steps: u64,
+    /// Steps recomputed in float after NaN/Inf.
+    pub batch_recomputes: u64,
+    /// Observations the monitor's full mailbox could not take.
+    pub monitor_observations_dropped: u64,
 }
 
 /// Shared, cheaply readable stats cell (written by the scheduler after every step).

@@ -372,3 +372,192 @@ fn massive_channels_are_really_massive() {
     let bos = emb.get(256).unwrap().to_vec1::<f32>().unwrap();
     assert!(bos[planted.bos_massive_channel] > 50.0);
 }
+
+fn detector_for(g: GroupId, bound: f32) -> std::sync::Arc<quantmesh_engine::mask::DetectorParams> {
+    let mut groups = std::collections::BTreeMap::new();
+    groups.insert(
+        g,
+        quantmesh_engine::mask::GroupDetector {
+            excluded_channels: vec![],
+            token_bound: bound,
+            learn_channels: false,
+        },
+    );
+    std::sync::Arc::new(quantmesh_engine::mask::DetectorParams {
+        groups,
+        skip_positions: vec![],
+        shadow_sample_rate: 0.0,
+    })
+}
+
+#[test]
+fn per_token_bound_routes_rows_to_the_float_path_in_the_same_step() {
+    let dir = model_dir(InitOptions::default());
+    let g = GroupId::new(1, GroupKind::Down);
+    let p = prompt();
+    let run = |mask: PathMask| {
+        let mut rig = Rig::new(dir.path(), Residency::Dual, KvFloatDtype::F32);
+        let cfg_l = rig.model.config().num_hidden_layers;
+        let _ = cfg_l;
+        let l = rig.feed(1, &p, &mask, false);
+        l
+    };
+    let int8 = run(PathMask::default());
+    let mut layer_float = PathMask::default();
+    layer_float.float_groups.insert(g);
+    let float = run(layer_float);
+    // bound 0: every row of the group is routed to float by the per-token rule
+    let all_rows = run(PathMask {
+        detector: Some(detector_for(g, 0.0)),
+        ..Default::default()
+    });
+    assert_eq!(all_rows, float);
+    // bound ∞: nothing routed, exactly the INT8 result
+    let none = run(PathMask {
+        detector: Some(detector_for(g, f32::INFINITY)),
+        ..Default::default()
+    });
+    assert_eq!(none, int8);
+    assert_ne!(int8, float);
+}
+
+#[test]
+fn per_token_rows_are_reported_with_their_tokens() {
+    let dir = model_dir(InitOptions::default());
+    let cfg = ModelConfig::from_file(&dir.path().join("config.json")).unwrap();
+    let model = LlamaModel::load(dir.path(), &cfg, &|_| Residency::Dual).unwrap();
+    let mut kv = KvCache::new(
+        cfg.num_hidden_layers,
+        16,
+        16,
+        cfg.kv_dim(),
+        KvFloatDtype::F32,
+    );
+    let mut bm = BlockManager::new(16, 16, false);
+    bm.admit(1, &[], 64).unwrap();
+    let toks = vec![256u32, b'a' as u32, b',' as u32, b'b' as u32];
+    let out = bm.append(1, toks.len()).unwrap();
+    let step = StepInput {
+        chunks: vec![SeqChunk {
+            seq: 1,
+            tokens: toks.clone(),
+            start_pos: 0,
+            slots: out.slots,
+            block_table: bm.block_table(1).unwrap().to_vec(),
+            want_logits: true,
+        }],
+        copies: vec![],
+    };
+    let g = GroupId::new(1, GroupKind::Down);
+    // A bound between the ordinary rows and the planted spike on ',' routes only that row.
+    let probe = model
+        .forward(
+            &step,
+            &PathMask {
+                detector: Some(detector_for(g, f32::INFINITY)),
+                ..Default::default()
+            },
+            &mut kv,
+            false,
+        )
+        .unwrap();
+    let stats = &probe.obs.iter().find(|o| o.group == g).unwrap().stats;
+    let comma = stats[2];
+    let others = stats
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != 2)
+        .map(|(_, s)| *s)
+        .fold(0.0, f32::max);
+    assert!(comma > 3.0 * others, "planted spike on ',': {stats:?}");
+    let out = model
+        .forward(
+            &step,
+            &PathMask {
+                detector: Some(detector_for(g, (comma + others) / 2.0)),
+                ..Default::default()
+            },
+            &mut kv,
+            false,
+        )
+        .unwrap();
+    let o = out.obs.iter().find(|o| o.group == g).unwrap();
+    assert_eq!(o.token_float_rows, vec![2]);
+    assert_eq!(out.rows[2], (1, 2, b',' as u32));
+    let (_, outcome) = out.outcomes.iter().find(|(x, _)| *x == g).unwrap();
+    assert_eq!((outcome.float_rows, outcome.int8_rows), (1, 3));
+}
+
+#[test]
+fn non_finite_activations_recompute_the_step_in_float() {
+    let dir = model_dir(InitOptions {
+        dtype: StoreDtype::F32,
+        ..Default::default()
+    });
+    // Corrupt (finite but absurd) norm gains overflow to Inf inside the forward pass.
+    let ck = quantmesh_engine::checkpoint::Checkpoint::open(dir.path()).unwrap();
+    let mut names: Vec<String> = ck.names().map(String::from).collect();
+    names.sort();
+    let tensors: Vec<(String, Vec<usize>, Vec<f32>)> = names
+        .iter()
+        .map(|n| {
+            let t = ck.load_f32(n).unwrap();
+            let mut v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            if n == "model.layers.2.input_layernorm.weight" {
+                v.iter_mut().for_each(|x| *x = 3e38);
+            }
+            (n.clone(), t.dims().to_vec(), v)
+        })
+        .collect();
+    drop(ck);
+    quantmesh_engine::checkpoint::write_safetensors(
+        &dir.path().join("model.safetensors"),
+        &tensors,
+        safetensors::Dtype::F32,
+    )
+    .unwrap();
+    let cfg = ModelConfig::from_file(&dir.path().join("config.json")).unwrap();
+    let model = LlamaModel::load(dir.path(), &cfg, &|_| Residency::Dual).unwrap();
+    let mut kv = KvCache::new(
+        cfg.num_hidden_layers,
+        16,
+        16,
+        cfg.kv_dim(),
+        KvFloatDtype::F32,
+    );
+    let mut bm = BlockManager::new(16, 16, false);
+    bm.admit(1, &[], 64).unwrap();
+    let out = bm.append(1, 3).unwrap();
+    let step = StepInput {
+        chunks: vec![SeqChunk {
+            seq: 1,
+            tokens: vec![1, 2, 3],
+            start_pos: 0,
+            slots: out.slots,
+            block_table: bm.block_table(1).unwrap().to_vec(),
+            want_logits: true,
+        }],
+        copies: vec![],
+    };
+    let det = detector_for(GroupId::new(2, GroupKind::Qkv), f32::INFINITY);
+    let out = model
+        .forward(
+            &step,
+            &PathMask {
+                detector: Some(det),
+                ..Default::default()
+            },
+            &mut kv,
+            false,
+        )
+        .unwrap();
+    assert!(out.non_finite, "NaN/Inf must be detected");
+    // the recompute ran every group of the step on the float path
+    assert!(
+        out.outcomes
+            .iter()
+            .filter(|(_, o)| o.float_rows == 3)
+            .count()
+            >= cfg.num_hidden_layers * 4
+    );
+}

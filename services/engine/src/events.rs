@@ -1,0 +1,46 @@
+//! Where fallback events go. `EventSink` is the seam: today an in-process broadcast
+//! channel and the structured log; the durable Kafka sink (with its outbox) plugs in here.
+
+use quantmesh_shared::FallbackEvent;
+use tokio::sync::broadcast;
+
+pub trait EventSink: Send + Sync {
+    /// Publish one event. Must not block the caller (the monitor).
+    fn publish(&self, ev: &FallbackEvent);
+}
+
+/// Every event as one structured log line (target `quantmesh::fallback`).
+pub struct LogSink;
+
+impl EventSink for LogSink {
+    fn publish(&self, ev: &FallbackEvent) {
+        let json = serde_json::to_string(ev).unwrap_or_default();
+        tracing::info!(target: "quantmesh::fallback", group = ?ev.group, granularity = ?ev.granularity, action = ?ev.action, reason = ?ev.reason, event = %json, "fallback event");
+    }
+}
+
+/// In-process fan-out to subscribers. Bounded: a subscriber that falls more than the
+/// capacity behind loses the oldest events (and is told so by `RecvError::Lagged`).
+#[derive(Clone)]
+pub struct ChannelSink {
+    tx: broadcast::Sender<FallbackEvent>,
+}
+
+impl ChannelSink {
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            tx: broadcast::channel(capacity.max(1)).0,
+        }
+    }
+
+    pub fn subscribe(&self) -> broadcast::Receiver<FallbackEvent> {
+        self.tx.subscribe()
+    }
+}
+
+impl EventSink for ChannelSink {
+    fn publish(&self, ev: &FallbackEvent) {
+        // No subscriber is not an error.
+        let _ = self.tx.send(ev.clone());
+    }
+}

@@ -1,0 +1,137 @@
+//! The activation monitor on the bundled model, through the engine's actors.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use quantmesh_engine::bundled::{init_model, InitOptions, Planted};
+use quantmesh_engine::monitor::{GroupMode, MonitorConfig, MonitorReport};
+use quantmesh_engine::{Engine, EngineConfig};
+use quantmesh_shared::SamplingParams;
+
+pub const PROMPTS: &[&str] = &[
+    "The weather today is mild, with a light breeze from the west.",
+    "Please summarize the meeting notes. Keep it short, clear, and friendly!",
+    "In 1969, astronauts landed on the moon. It was a historic moment.",
+    "Write a haiku about autumn leaves, rain, and a quiet street.",
+    "How do I bake bread at home? I have flour, water, yeast, and salt.",
+    "Translate to French: good morning, how are you today?",
+    "List three benefits of exercise. Be concise.",
+    "Once upon a time, in a small village, there lived an old clockmaker.",
+];
+
+fn monitor_cfg() -> MonitorConfig {
+    MonitorConfig {
+        window_requests: 8,
+        warmup_tokens: 256,
+        min_window_tokens: 32,
+        shadow_sample_rate: 0.0,
+        ..Default::default()
+    }
+}
+
+async fn run(cfg: MonitorConfig, rounds: usize, prefix_caching: bool) -> (MonitorReport, Planted) {
+    let dir = tempfile::tempdir().unwrap();
+    let planted = init_model(dir.path(), &InitOptions::default()).unwrap();
+    let e = Engine::start(
+        dir.path(),
+        EngineConfig {
+            monitor: cfg,
+            prefix_caching,
+            ..Default::default()
+        },
+        "t",
+    )
+    .await
+    .unwrap();
+    for r in 0..rounds {
+        let gens = PROMPTS.iter().enumerate().map(|(i, p)| {
+            let e = e.clone();
+            async move {
+                let ids = e.encode(p.to_string(), true).await.unwrap();
+                let params = SamplingParams {
+                    temperature: 0.8,
+                    seed: Some((r * 100 + i) as u64),
+                    max_tokens: 24,
+                    ..Default::default()
+                };
+                e.generate(ids, params).await.unwrap().collect().await
+            }
+        });
+        futures::future::join_all(gens).await;
+    }
+    // the monitor handles observations asynchronously: wait until it saw every request
+    for _ in 0..100 {
+        let rep = e.monitor_report().unwrap();
+        if rep.windows_completed as usize * 8 + rep.requests_in_window >= rounds * PROMPTS.len() {
+            return (rep, planted);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    panic!(
+        "monitor did not catch up: {:?} {:?}",
+        e.monitor_report().map(|r| (
+            r.windows_completed,
+            r.requests_in_window,
+            r.observations_dropped
+        )),
+        e.stats()
+    );
+}
+
+fn mode(r: &MonitorReport, g: &str) -> GroupMode {
+    r.groups.iter().find(|x| x.group == g).unwrap().mode
+}
+
+#[actix_rt::test]
+async fn sensitive_group_found_and_massive_channels_ignored() {
+    let (rep, planted) = run(monitor_cfg(), 4, true).await;
+    for g in &rep.groups {
+        eprintln!(
+            "{} {:?} ready={} mean={:.3} sigma={:.3} rate={:?} excluded={:?}",
+            g.group, g.mode, g.ready, g.mean, g.sigma, g.last_window_rate, g.excluded_channels
+        );
+    }
+    assert_eq!(mode(&rep, "layers.1.down"), GroupMode::Fallback);
+    let massive = planted.massive_channels[0];
+    for g in rep
+        .groups
+        .iter()
+        .filter(|g| g.group.ends_with(".qkv") || g.group.ends_with(".gate_up"))
+    {
+        assert!(
+            g.excluded_channels.contains(&massive),
+            "{}: massive channel not learned",
+            g.group
+        );
+        assert_eq!(
+            g.mode,
+            GroupMode::Int8,
+            "{}: massive channels alone must not trigger fallback",
+            g.group
+        );
+    }
+}
+
+#[actix_rt::test]
+async fn without_exclusion_the_statistic_measures_the_massive_channel() {
+    // Control: no channel learning, no skipped positions. After RMSNorm the massive
+    // channel pins every row's abs-max near sqrt(hidden): the naive statistic measures the
+    // massive channel, not the data, and is blind to everything under it.
+    let naive = MonitorConfig {
+        massive_channel_share: 2.0,
+        skip_positions: vec![],
+        ..monitor_cfg()
+    };
+    let (naive, _) = run(naive, 2, false).await;
+    let (smart, _) = run(monitor_cfg(), 2, false).await;
+    for g in ["layers.0.qkv", "layers.2.gate_up"] {
+        let n = naive.groups.iter().find(|x| x.group == g).unwrap();
+        let s = smart.groups.iter().find(|x| x.group == g).unwrap();
+        assert!(n.excluded_channels.is_empty());
+        assert!(
+            n.mean > 2.0 * s.mean,
+            "{g}: naive mean {} vs with exclusion {}",
+            n.mean,
+            s.mean
+        );
+    }
+}

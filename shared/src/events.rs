@@ -1,0 +1,81 @@
+//! Fallback events: every precision decision the engine takes, as a serde type.
+//!
+//! This is the payload of the fallback-event stream (an in-process channel and the logs
+//! today; the Kafka topic later). Additive changes only within `schema_version` 1.
+
+use serde::{Deserialize, Serialize};
+
+pub const FALLBACK_EVENT_SCHEMA_VERSION: u32 = 1;
+
+/// The granularity a decision applies to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Granularity {
+    Layer,
+    Token,
+    Request,
+    Batch,
+}
+
+/// What happened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FallbackAction {
+    /// Started running in float.
+    Enter,
+    /// Returned to INT8.
+    Exit,
+    /// Float was wanted but the group holds no float copy (INT8-only residency).
+    Unavailable,
+}
+
+/// Why it happened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FallbackReason {
+    /// A layer group's outlier rate over a window exceeded the trigger rate.
+    OutlierRate,
+    /// Quiet windows after a fallback: back to INT8.
+    Recovered,
+    /// A token's statistic exceeded the per-token bound.
+    ExtremeToken,
+    /// A request's sampled shadow KL exceeded the per-request limit.
+    ShadowKl,
+    /// NaN or Inf in activations or logits.
+    NonFinite,
+    /// Too large a share of layer groups in fallback.
+    LayerShare,
+    /// Forced by an operator through the admin API.
+    Admin,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FallbackEvent {
+    pub schema_version: u32,
+    /// Unique id (UUID v4); consumers deduplicate on it.
+    pub event_id: String,
+    /// Milliseconds since the Unix epoch.
+    pub timestamp_ms: u64,
+    pub model: String,
+    /// Layer group, like `layers.1.down`; absent for batch/request decisions.
+    pub group: Option<String>,
+    pub granularity: Granularity,
+    pub action: FallbackAction,
+    pub reason: FallbackReason,
+    /// Outlier share of the group's tokens in the window that decided (0–1).
+    pub outlier_rate: Option<f64>,
+    /// Running mean and standard deviation of the statistic (per-token abs-max).
+    pub mean: Option<f64>,
+    pub sigma: Option<f64>,
+    /// The k of the `mean + k·σ` bound in force.
+    pub k: Option<f64>,
+    /// Sampled KL(P_float ‖ P_served) in nats, when known.
+    pub kl: Option<f64>,
+    /// Per-token decisions: the token ids and their positions.
+    pub token_ids: Vec<u32>,
+    pub positions: Vec<usize>,
+    /// Engine request (sequence) id for per-token and per-request decisions.
+    pub request_id: Option<u64>,
+    /// md5 of the `sensitive_layers.json` in force, when one is loaded.
+    pub config_md5: Option<String>,
+}
