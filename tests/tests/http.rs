@@ -357,25 +357,24 @@ async fn api_keys_and_admin_routes() {
     let s = Server::start(st).await;
     assert_eq!(
         s.client
-            .get(s.url("/admin/mask"))
+            .get(s.url("/admin/fallback"))
             .send()
             .await
             .unwrap()
             .status(),
         401
     );
-    let r = s
+    let force = |group: &str, mode: &str| {
+        s.client
+            .post(s.url("/admin/fallback"))
+            .bearer_auth("secret")
+            .json(&json!({"group": group, "mode": mode}))
+            .send()
+    };
+    assert_eq!(force("layers.1.down", "float").await.unwrap().status(), 200);
+    let rep: serde_json::Value = s
         .client
-        .post(s.url("/admin/mask"))
-        .bearer_auth("secret")
-        .json(&json!({"float_groups": ["layers.1.down"], "kv_float_layers": [1]}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let m: serde_json::Value = s
-        .client
-        .get(s.url("/admin/mask"))
+        .get(s.url("/admin/fallback"))
         .bearer_auth("secret")
         .send()
         .await
@@ -383,16 +382,22 @@ async fn api_keys_and_admin_routes() {
         .json()
         .await
         .unwrap();
-    assert_eq!(m["float_groups"], json!(["layers.1.down"]));
-    let r = s
-        .client
-        .post(s.url("/admin/mask"))
-        .bearer_auth("secret")
-        .json(&json!({"float_groups": ["layers.99.down"]}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 400);
+    let g = rep["groups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|g| g["group"] == "layers.1.down")
+        .unwrap()
+        .clone();
+    assert_eq!(g["mode"], "forced_float");
+    assert_eq!(
+        force("layers.99.down", "float").await.unwrap().status(),
+        400
+    );
+    assert_eq!(
+        force("layers.1.down", "sideways").await.unwrap().status(),
+        422
+    );
     // generation continues under the new mask, and float rows are counted
     assert_eq!(
         s.post("/v1/completions", json!({"prompt": "abc", "max_tokens": 3}))
@@ -409,6 +414,8 @@ async fn api_keys_and_admin_routes() {
         })
         .unwrap();
     assert!(matches!(float_rows.value, prometheus_parse::Value::Counter(v) if v > 0.0));
+    assert_eq!(s.gauge("quantmesh_monitor_groups_in_fallback").await, 1.0);
+    assert_eq!(force("layers.1.down", "auto").await.unwrap().status(), 200);
 }
 
 #[actix_rt::test]
@@ -435,4 +442,101 @@ async fn graceful_shutdown_finishes_in_flight_streams() {
         s.client.get(s.url("/health")).send().await.is_err(),
         "no longer accepting"
     );
+}
+
+const PROMPTS: &[&str] = &[
+    "The weather today is mild, with a light breeze from the west.",
+    "Please summarize the meeting notes. Keep it short, clear, and friendly!",
+    "In 1969, astronauts landed on the moon. It was a historic moment.",
+    "Write a haiku about autumn leaves, rain, and a quiet street.",
+    "How do I bake bread at home? I have flour, water, yeast, and salt.",
+    "Translate to French: good morning, how are you today?",
+    "List three benefits of exercise. Be concise.",
+    "Once upon a time, in a small village, there lived an old clockmaker.",
+];
+
+/// The monitor finds the bundled model's planted sensitive group from ordinary traffic
+/// through the real HTTP API, and a long stream keeps going across fallback enter and exit.
+#[actix_rt::test]
+async fn monitor_finds_sensitive_group_through_http_and_streams_survive_switches() {
+    let mut st = settings();
+    st.server.admin_token = Some("secret".into());
+    st.engine.monitor.window_requests = 8;
+    st.engine.monitor.warmup_tokens = 256;
+    st.engine.monitor.min_window_tokens = 32;
+    let s = Server::start(st).await;
+    // A long stream that lives through the fallback decisions below.
+    let long = s.post("/v1/completions", json!({"prompt": "Keep talking", "max_tokens": 400, "stream": true, "ignore_eos": true})).await;
+    assert_eq!(long.status(), 200);
+    let long = actix_rt::spawn(async move { long.text().await.unwrap() });
+    let mut found = false;
+    for round in 0..8 {
+        let reqs = PROMPTS.iter().enumerate().map(|(i, p)| {
+            s.post(
+                "/v1/completions",
+                json!({"prompt": p, "max_tokens": 24, "temperature": 0.8, "seed": round * 10 + i}),
+            )
+        });
+        for r in futures::future::join_all(reqs).await {
+            assert_eq!(r.status(), 200);
+        }
+        let rep: serde_json::Value = s
+            .client
+            .get(s.url("/admin/fallback"))
+            .bearer_auth("secret")
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let g = rep["groups"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|g| g["group"] == "layers.1.down")
+            .unwrap()
+            .clone();
+        if g["mode"] == "fallback" {
+            found = true;
+            assert!(g["last_window_rate"].as_f64().unwrap() > 0.01);
+            break;
+        }
+    }
+    assert!(
+        found,
+        "layers.1.down should be in fallback after ordinary traffic"
+    );
+    let scrape = s.metrics().await;
+    let enter = scrape.samples.iter().find(|x| {
+        x.metric == "quantmesh_fallback_decisions_total"
+            && x.labels.get("granularity") == Some("layer")
+            && x.labels.get("action") == Some("enter")
+    });
+    assert!(enter.is_some(), "layer fallback decision counted");
+    // Exit by hand (int8), then back to automatic, while the long stream is running.
+    for mode in ["int8", "auto"] {
+        let r = s
+            .client
+            .post(s.url("/admin/fallback"))
+            .bearer_auth("secret")
+            .json(&json!({"group": "layers.1.down", "mode": mode}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(
+            s.post(
+                "/v1/completions",
+                json!({"prompt": "still fine?", "max_tokens": 8})
+            )
+            .await
+            .status(),
+            200
+        );
+    }
+    let body = long.await.unwrap();
+    let (chunks, done) = parse_sse(&body);
+    assert!(done);
+    assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 400);
 }

@@ -397,10 +397,7 @@ fn per_token_bound_routes_rows_to_the_float_path_in_the_same_step() {
     let p = prompt();
     let run = |mask: PathMask| {
         let mut rig = Rig::new(dir.path(), Residency::Dual, KvFloatDtype::F32);
-        let cfg_l = rig.model.config().num_hidden_layers;
-        let _ = cfg_l;
-        let l = rig.feed(1, &p, &mask, false);
-        l
+        rig.feed(1, &p, &mask, false)
     };
     let int8 = run(PathMask::default());
     let mut layer_float = PathMask::default();

@@ -3,9 +3,10 @@
 //! running/waiting requests, KV-cache usage).
 
 use prometheus::{
-    Encoder, Gauge, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
-    Registry, TextEncoder,
+    Counter, Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter,
+    IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
 };
+use quantmesh_engine::monitor::{GroupMode, MonitorReport};
 use quantmesh_engine::EngineStats;
 use std::sync::Mutex;
 
@@ -43,6 +44,13 @@ pub struct Metrics {
     steps: IntCounter,
     resident_bytes: IntGauge,
     ready: IntGauge,
+    outlier_rate: GaugeVec,
+    groups_in_fallback: IntGauge,
+    decisions: IntCounterVec,
+    shadow_kl: Histogram,
+    mask_check_seconds: Counter,
+    batch_recomputes: IntCounter,
+    monitor_dropped: IntCounter,
     /// Last engine counters seen, to turn snapshots into counter increments.
     last: Mutex<EngineStats>,
 }
@@ -150,6 +158,46 @@ impl Metrics {
                 "quantmesh_ready",
                 "1 when the model is loaded and serving.",
             )))),
+            outlier_rate: must(GaugeVec::new(
+                label(Opts::new(
+                    "quantmesh_monitor_outlier_rate",
+                    "Outlier share of a group's tokens in the last completed window.",
+                )),
+                &["group"],
+            )),
+            groups_in_fallback: must(IntGauge::with_opts(label(Opts::new(
+                "quantmesh_monitor_groups_in_fallback",
+                "Linear groups running their float path (monitor or admin).",
+            )))),
+            decisions: must(IntCounterVec::new(
+                label(Opts::new(
+                    "quantmesh_fallback_decisions_total",
+                    "Fallback decisions by granularity, reason and action.",
+                )),
+                &["granularity", "reason", "action"],
+            )),
+            shadow_kl: must(Histogram::with_opts(
+                HistogramOpts::new(
+                    "quantmesh_shadow_kl",
+                    "Sampled KL(P_float || P_served) of the next-token distribution, in nats.",
+                )
+                .const_label("model_name", model)
+                .buckets(vec![
+                    1e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0,
+                ]),
+            )),
+            mask_check_seconds: must(Counter::with_opts(label(Opts::new(
+                "quantmesh_mask_check_seconds_total",
+                "Time spent choosing each group's path (mask checks, per-token routing).",
+            )))),
+            batch_recomputes: must(IntCounter::with_opts(label(Opts::new(
+                "quantmesh_batch_recomputes_total",
+                "Steps recomputed in float after NaN/Inf.",
+            )))),
+            monitor_dropped: must(IntCounter::with_opts(label(Opts::new(
+                "quantmesh_monitor_observations_dropped_total",
+                "Step observations the monitor's full mailbox did not take.",
+            )))),
             last: Mutex::new(EngineStats::default()),
             registry,
         };
@@ -181,7 +229,43 @@ impl Metrics {
         must(r.register(Box::new(m.kv_usage.clone())));
         must(r.register(Box::new(m.kv_frag.clone())));
         must(r.register(Box::new(m.linear_rows.clone())));
+        must(r.register(Box::new(m.outlier_rate.clone())));
+        must(r.register(Box::new(m.groups_in_fallback.clone())));
+        must(r.register(Box::new(m.decisions.clone())));
+        must(r.register(Box::new(m.shadow_kl.clone())));
+        must(r.register(Box::new(m.mask_check_seconds.clone())));
+        must(r.register(Box::new(m.batch_recomputes.clone())));
+        must(r.register(Box::new(m.monitor_dropped.clone())));
         m
+    }
+
+    /// Refresh the monitor's series from its report and the new shadow-KL samples.
+    pub fn observe_monitor(&self, report: Option<&MonitorReport>, kl_samples: &[f64]) {
+        for kl in kl_samples {
+            self.shadow_kl.observe(*kl);
+        }
+        let Some(r) = report else { return };
+        let mut in_fallback = 0;
+        for g in &r.groups {
+            if let Some(rate) = g.last_window_rate {
+                self.outlier_rate
+                    .with_label_values(&[g.group.as_str()])
+                    .set(rate);
+            }
+            if matches!(g.mode, GroupMode::Fallback | GroupMode::ForcedFloat)
+                && g.residency.has_float()
+            {
+                in_fallback += 1;
+            }
+        }
+        self.groups_in_fallback.set(in_fallback);
+        for (key, &n) in &r.decisions {
+            let parts: Vec<&str> = key.split('/').collect();
+            if let [gran, reason, action] = parts[..] {
+                let c = self.decisions.with_label_values(&[gran, reason, action]);
+                c.inc_by(n.saturating_sub(c.get()));
+            }
+        }
     }
 
     pub fn in_flight(&self) -> &IntGauge {
@@ -218,6 +302,14 @@ impl Metrics {
                 self.prefix_hits
                     .inc_by(d(s.prefix_cache_hit_pages, last.prefix_cache_hit_pages));
                 self.steps.inc_by(d(s.steps, last.steps));
+                self.batch_recomputes
+                    .inc_by(d(s.batch_recomputes, last.batch_recomputes));
+                self.monitor_dropped.inc_by(d(
+                    s.monitor_observations_dropped,
+                    last.monitor_observations_dropped,
+                ));
+                self.mask_check_seconds
+                    .inc_by(d(s.mask_check_ns, last.mask_check_ns) as f64 * 1e-9);
                 *last = s.clone();
             }
         }

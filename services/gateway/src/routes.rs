@@ -6,7 +6,8 @@ use crate::state::AppState;
 use actix_web::{web, HttpRequest, HttpResponse};
 use bytes::Bytes;
 use futures::StreamExt;
-use quantmesh_engine::{Generation, GenerationEvent, PathMask};
+use quantmesh_engine::monitor::ForceMode;
+use quantmesh_engine::{Generation, GenerationEvent};
 use quantmesh_shared::{FinishReason, GroupId, SamplingParams};
 use serde_json::json;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -20,7 +21,8 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
         .route("/v1/completions", web::post().to(completions))
         .route("/v1/chat/completions", web::post().to(chat_completions))
         .route("/admin/mask", web::get().to(get_mask))
-        .route("/admin/mask", web::post().to(set_mask))
+        .route("/admin/fallback", web::get().to(get_fallback))
+        .route("/admin/fallback", web::post().to(set_fallback))
         .default_service(web::to(not_found));
 }
 
@@ -43,6 +45,11 @@ async fn ready(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
 
 async fn metrics(state: web::Data<AppState>) -> HttpResponse {
     let stats = state.engine_if_loaded().map(|e| e.stats());
+    if let Some(e) = state.engine_if_loaded() {
+        state
+            .metrics
+            .observe_monitor(e.monitor_report().as_ref(), &e.drain_shadow_kl());
+    }
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4; charset=utf-8")
         .body(state.metrics.render(stats.as_ref()))
@@ -489,17 +496,6 @@ async fn respond(
 
 // ---------------------------------------------------------------- admin
 
-#[derive(serde::Serialize, serde::Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-struct MaskBody {
-    #[serde(default)]
-    float_groups: Vec<String>,
-    #[serde(default)]
-    kv_float_layers: Vec<usize>,
-    #[serde(default)]
-    float_batch: bool,
-}
-
 async fn get_mask(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     check_admin(&req, &state)?;
     let m = state.engine()?.mask().load();
@@ -512,38 +508,46 @@ async fn get_mask(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpRe
     })))
 }
 
-/// Replace the per-layer and per-batch parts of the mask (per-token and per-request parts
-/// belong to the activation monitor and are kept).
-async fn set_mask(
+/// Every group's monitor state: mode, window rate, mean, σ, k, excluded channels, reason.
+async fn get_fallback(
+    req: HttpRequest,
+    state: web::Data<AppState>,
+) -> Result<HttpResponse, ApiError> {
+    check_admin(&req, &state)?;
+    let report = state.engine()?.monitor_report().ok_or_else(|| {
+        ApiError::BadRequest(
+            "the activation monitor is disabled (engine.monitor.enabled = false)".into(),
+        )
+    })?;
+    Ok(HttpResponse::Ok().json(report))
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FallbackBody {
+    /// Like `layers.1.down`.
+    group: String,
+    /// `float`, `int8` or `auto`.
+    mode: ForceMode,
+}
+
+/// Force a group to float or INT8, or hand it back to the monitor (`auto`).
+async fn set_fallback(
     req: HttpRequest,
     payload: web::Payload,
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, ApiError> {
     check_admin(&req, &state)?;
     let body = read_body(payload, state.server.max_body_bytes).await?;
-    let b: MaskBody = parse_json(&body)?;
+    let b: FallbackBody = parse_json(&body)?;
+    let group: GroupId = b.group.parse().map_err(ApiError::BadRequest)?;
     let engine = state.engine()?;
     let layers = engine.info().config.num_hidden_layers;
-    let groups = b
-        .float_groups
-        .iter()
-        .map(|s| s.parse::<GroupId>().map_err(ApiError::BadRequest))
-        .collect::<Result<Vec<_>, _>>()?;
-    if let Some(g) = groups.iter().find(|g| g.layer >= layers) {
+    if group.layer >= layers {
         return Err(ApiError::BadRequest(format!(
-            "{g}: the model has {layers} layers"
+            "{group}: the model has {layers} layers"
         )));
     }
-    if let Some(l) = b.kv_float_layers.iter().find(|l| **l >= layers) {
-        return Err(ApiError::BadRequest(format!(
-            "kv layer {l}: the model has {layers} layers"
-        )));
-    }
-    let m = engine.mask().update(|m: &mut PathMask| {
-        m.float_groups = groups.iter().copied().collect();
-        m.kv_float_layers = b.kv_float_layers.iter().copied().collect();
-        m.float_batch = b.float_batch;
-    });
-    tracing::info!(version = m.version, groups = ?b.float_groups, "fallback mask replaced by admin");
-    Ok(HttpResponse::Ok().json(json!({"version": m.version})))
+    engine.force_group(group, b.mode).await?;
+    Ok(HttpResponse::Ok().json(json!({"group": group.to_string(), "mode": b.mode})))
 }
