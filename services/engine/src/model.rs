@@ -139,6 +139,17 @@ fn observe_rows(
     Ok((obs, non_finite))
 }
 
+/// `base` with the rows listed in `rows` replaced by the rows of `with` (same order).
+fn replace_rows(base: &Tensor, rows: &[usize], with: &Tensor) -> Result<Tensor> {
+    let n = base.dim(0)?;
+    let mut map: Vec<u32> = (0..n as u32).collect();
+    for (i, &r) in rows.iter().enumerate() {
+        map[r] = (n + i) as u32;
+    }
+    let stacked = Tensor::cat(&[base, with], 0)?;
+    Ok(stacked.index_select(&Tensor::new(map.as_slice(), base.device())?, 0)?)
+}
+
 /// Add per-token float rows to a path.
 fn with_token_rows(path: RowPath, extra: &[usize]) -> RowPath {
     if extra.is_empty() {
@@ -349,6 +360,48 @@ impl LlamaModel {
         }
     }
 
+    /// Measure a group's input (when monitored) and choose its row path.
+    fn route(
+        g: GroupId,
+        input: &Tensor,
+        mask: &PathMask,
+        rows: &[(SeqId, usize)],
+        out: &mut StepOutput,
+    ) -> Result<RowPath> {
+        let det = mask
+            .detector
+            .as_ref()
+            .and_then(|d| d.groups.get(&g).map(|gd| (d, gd)));
+        let obs = match det {
+            Some((d, gd)) => {
+                let (obs, bad) = observe_rows(g, gd, input, rows, &d.skip_positions)?;
+                out.non_finite |= bad;
+                Some(obs)
+            }
+            None => None,
+        };
+        let t = Instant::now();
+        let mut path = Self::row_path(g, mask, rows);
+        if let Some(o) = &obs {
+            path = with_token_rows(path, &o.token_float_rows);
+        }
+        out.mask_check_ns += t.elapsed().as_nanos() as u64;
+        out.obs.extend(obs);
+        Ok(path)
+    }
+
+    fn exec(
+        layer: &Layer,
+        g: GroupId,
+        input: &Tensor,
+        path: &RowPath,
+        out: &mut StepOutput,
+    ) -> Result<Tensor> {
+        let (y, o) = layer.groups[g.kind.index()].forward(input, path)?;
+        out.outcomes.push((g, o));
+        Ok(y)
+    }
+
     /// Run one step. `kv_int8`: whether new KV entries are stored in INT8 (layers listed in
     /// `mask.kv_float_layers` store float regardless).
     ///
@@ -465,34 +518,14 @@ impl LlamaModel {
             .index_select(&Tensor::new(ids.as_slice(), &dev)?, 0)?;
 
         for (l, layer) in self.layers.iter().enumerate() {
-            let mut run = |kind: GroupKind, input: &Tensor| -> Result<Tensor> {
+            let run = |kind: GroupKind, input: &Tensor, out: &mut StepOutput| -> Result<Tensor> {
                 let g = GroupId::new(l, kind);
-                let det = mask
-                    .detector
-                    .as_ref()
-                    .and_then(|d| d.groups.get(&g).map(|gd| (d, gd)));
-                let obs = match det {
-                    Some((d, gd)) => {
-                        let (obs, bad) = observe_rows(g, gd, input, &rows, &d.skip_positions)?;
-                        out.non_finite |= bad;
-                        Some(obs)
-                    }
-                    None => None,
-                };
-                let t = Instant::now();
-                let mut path = Self::row_path(g, mask, &rows);
-                if let Some(o) = &obs {
-                    path = with_token_rows(path, &o.token_float_rows);
-                }
-                out.mask_check_ns += t.elapsed().as_nanos() as u64;
-                let (y, o) = layer.groups[kind.index()].forward(input, &path)?;
-                out.outcomes.push((g, o));
-                out.obs.extend(obs);
-                Ok(y)
+                let path = Self::route(g, input, mask, &rows, out)?;
+                Self::exec(layer, g, input, &path, out)
             };
             // --- attention ---
             let h = rms_norm(&x, &layer.input_norm, cfg.rms_norm_eps)?;
-            let qkv = run(GroupKind::Qkv, &h)?;
+            let qkv = run(GroupKind::Qkv, &h, &mut out)?;
             let q = qkv.narrow(1, 0, nh * hd)?.reshape((n, nh, hd))?;
             let k = qkv.narrow(1, nh * hd, kv_dim)?.reshape((n, nkv, hd))?;
             let v = qkv.narrow(1, nh * hd + kv_dim, kv_dim)?;
@@ -530,13 +563,46 @@ impl LlamaModel {
                 row += m;
             }
             let attn = Tensor::from_vec(attn, (n, nh * hd), &dev)?;
-            x = (x + run(GroupKind::O, &attn)?)?;
+            x = (x + run(GroupKind::O, &attn, &mut out)?)?;
             // --- MLP ---
             let h = rms_norm(&x, &layer.post_norm, cfg.rms_norm_eps)?;
-            let gu = run(GroupKind::GateUp, &h)?;
+            let gu = run(GroupKind::GateUp, &h, &mut out)?;
             let inter = cfg.intermediate_size;
-            let act = (gu.narrow(1, 0, inter)?.silu()? * gu.narrow(1, inter, inter)?)?;
-            x = (x + run(GroupKind::Down, &act)?)?;
+            let swiglu = |gu: &Tensor| -> Result<Tensor> {
+                Ok((gu.narrow(1, 0, inter)?.silu()? * gu.narrow(1, inter, inter)?)?)
+            };
+            let mut act = swiglu(&gu)?;
+            let down = GroupId::new(l, GroupKind::Down);
+            let down_path = Self::route(down, &act, mask, &rows, &mut out)?;
+            // MLP coupling per token: rows routed to float at `down` by the per-token bound
+            // get their `gate_up` recomputed in float first (the spike is a product of it).
+            let token_rows = out
+                .obs
+                .last()
+                .filter(|o| o.group == down)
+                .map(|o| o.token_float_rows.clone())
+                .unwrap_or_default();
+            let gate_up = &layer.groups[GroupKind::GateUp.index()];
+            if !token_rows.is_empty()
+                && gate_up.residency().has_float()
+                && !mask.float_batch
+                && !mask
+                    .float_groups
+                    .contains(&GroupId::new(l, GroupKind::GateUp))
+            {
+                let idx = Tensor::new(
+                    token_rows
+                        .iter()
+                        .map(|&r| r as u32)
+                        .collect::<Vec<_>>()
+                        .as_slice(),
+                    &dev,
+                )?;
+                let (gu_f, o) = gate_up.forward(&h.index_select(&idx, 0)?, &RowPath::AllFloat)?;
+                out.outcomes.push((GroupId::new(l, GroupKind::GateUp), o));
+                act = replace_rows(&act, &token_rows, &swiglu(&gu_f)?)?;
+            }
+            x = (x + Self::exec(layer, down, &act, &down_path, &mut out)?)?;
         }
 
         let mut want = Vec::new();

@@ -23,6 +23,13 @@
 //! KV cache takes new tokens in float); in fallback, `recovery_windows` consecutive
 //! windows with rate < `trigger_rate / 2` → back to INT8. A window in between resets the
 //! quiet count, so a group cannot flap faster than once per `recovery_windows` windows.
+//!
+//! MLP coupling: `down`'s input is the SwiGLU product `silu(gate) · up`, so outliers
+//! there are products of `gate_up` outputs, and an INT8 error in `gate_up` is multiplied
+//! exactly on the rows that spike. When `down` falls back on its outlier rate, its layer's
+//! `gate_up` follows it into float (mode `coupled`) and returns with it. The executor does
+//! the same per token: rows routed to float at `down` get their `gate_up` recomputed in
+//! float first.
 
 use crate::block_manager::SeqId;
 use crate::mask::{DetectorParams, GroupDetector, PathMask};
@@ -116,6 +123,8 @@ pub enum ForceMode {
 pub enum GroupMode {
     Int8,
     Fallback,
+    /// `gate_up` following its layer's `down` into float (see "MLP coupling").
+    Coupled,
     ForcedFloat,
     ForcedInt8,
 }
@@ -153,8 +162,10 @@ impl GroupState {
         self.mean + k * self.sigma()
     }
     fn in_float(&self) -> bool {
-        matches!(self.mode, GroupMode::Fallback | GroupMode::ForcedFloat)
-            && self.residency.has_float()
+        matches!(
+            self.mode,
+            GroupMode::Fallback | GroupMode::Coupled | GroupMode::ForcedFloat
+        ) && self.residency.has_float()
     }
 }
 
@@ -561,6 +572,7 @@ impl Monitor {
                 events.push(e);
             }
         }
+        events.extend(self.couple_mlp());
         let share = self.groups.values().filter(|s| s.in_float()).count() as f64
             / self.groups.len().max(1) as f64;
         let want_batch = share > self.cfg.batch_group_share;
@@ -572,6 +584,48 @@ impl Monitor {
                 FallbackAction::Exit
             };
             events.push(self.event(None, Granularity::Batch, action, FallbackReason::LayerShare));
+        }
+        events
+    }
+
+    /// `gate_up` follows its layer's `down` in and out of an automatic fallback.
+    fn couple_mlp(&mut self) -> Vec<FallbackEvent> {
+        let mut events = Vec::new();
+        let layers: Vec<usize> = self
+            .groups
+            .keys()
+            .map(|g| g.layer)
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        for l in layers {
+            let down = GroupId::new(l, quantmesh_shared::GroupKind::Down);
+            let gu = GroupId::new(l, quantmesh_shared::GroupKind::GateUp);
+            let down_auto_float = self
+                .groups
+                .get(&down)
+                .is_some_and(|s| s.mode == GroupMode::Fallback && s.in_float());
+            let Some(g) = self.groups.get_mut(&gu) else {
+                continue;
+            };
+            let change = match (g.mode, down_auto_float) {
+                (GroupMode::Int8, true) if g.residency.has_float() => Some((
+                    GroupMode::Coupled,
+                    FallbackAction::Enter,
+                    FallbackReason::OutlierRate,
+                )),
+                (GroupMode::Coupled, false) => Some((
+                    GroupMode::Int8,
+                    FallbackAction::Exit,
+                    FallbackReason::Recovered,
+                )),
+                _ => None,
+            };
+            if let Some((mode, action, reason)) = change {
+                g.mode = mode;
+                g.reason = Some(reason);
+                events.push(self.event(Some(gu), Granularity::Layer, action, reason));
+            }
         }
         events
     }
@@ -718,11 +772,11 @@ mod tests {
     fn planted_outliers_in_one_group_trigger_exactly_that_group() {
         let mut m = Monitor::new(cfg(), "t", &groups());
         warm(&mut m);
-        let hot = GroupId::new(1, GroupKind::Down);
+        let hot = GroupId::new(1, GroupKind::O);
         m.observe(&step(100, Some(hot), 20, 1)); // 5 % outliers
         let ev = m.requests_finished(&[1]);
         assert_eq!(ev.len(), 1, "{ev:?}");
-        assert_eq!(ev[0].group.as_deref(), Some("layers.1.down"));
+        assert_eq!(ev[0].group.as_deref(), Some("layers.1.o"));
         assert_eq!(
             (ev[0].granularity, ev[0].action, ev[0].reason),
             (
@@ -751,6 +805,32 @@ mod tests {
         assert!(d.groups[&GroupId::new(0, GroupKind::Down)]
             .excluded_channels
             .is_empty());
+    }
+
+    #[test]
+    fn down_fallback_takes_its_gate_up_along_and_back() {
+        let mut m = Monitor::new(cfg(), "t", &groups());
+        warm(&mut m);
+        let down = GroupId::new(0, GroupKind::Down);
+        let gu = GroupId::new(0, GroupKind::GateUp);
+        m.observe(&step(100, Some(down), 10, 1));
+        let ev = m.end_window();
+        assert_eq!(
+            ev.iter()
+                .map(|e| e.group.clone().unwrap())
+                .collect::<Vec<_>>(),
+            vec!["layers.0.down", "layers.0.gate_up"]
+        );
+        assert_eq!(m.mode(gu), Some(GroupMode::Coupled));
+        let mut mask = PathMask::default();
+        m.apply_to(&mut mask);
+        assert!(mask.float_groups.contains(&gu) && mask.float_groups.contains(&down));
+        for i in 0..2 {
+            m.observe(&step(100, None, 0, 10 + i));
+            m.end_window();
+        }
+        assert_eq!(m.mode(down), Some(GroupMode::Int8));
+        assert_eq!(m.mode(gu), Some(GroupMode::Int8));
     }
 
     #[test]

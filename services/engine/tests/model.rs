@@ -402,6 +402,10 @@ fn per_token_bound_routes_rows_to_the_float_path_in_the_same_step() {
     let int8 = run(PathMask::default());
     let mut layer_float = PathMask::default();
     layer_float.float_groups.insert(g);
+    // MLP coupling: rows routed at `down` get `gate_up` in float too
+    layer_float
+        .float_groups
+        .insert(GroupId::new(1, GroupKind::GateUp));
     let float = run(layer_float);
     // bound 0: every row of the group is routed to float by the per-token rule
     let all_rows = run(PathMask {

@@ -102,11 +102,12 @@ async fn sensitive_group_found_and_massive_channels_ignored() {
             "{}: massive channel not learned",
             g.group
         );
-        assert_eq!(
-            g.mode,
-            GroupMode::Int8,
-            "{}: massive channels alone must not trigger fallback",
-            g.group
+        // (a gate_up may be `coupled`: in float because its layer's down fell back)
+        assert!(
+            matches!(g.mode, GroupMode::Int8 | GroupMode::Coupled),
+            "{}: massive channels alone must not trigger fallback ({:?})",
+            g.group,
+            g.mode
         );
     }
 }

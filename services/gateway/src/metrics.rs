@@ -252,8 +252,10 @@ impl Metrics {
                     .with_label_values(&[g.group.as_str()])
                     .set(rate);
             }
-            if matches!(g.mode, GroupMode::Fallback | GroupMode::ForcedFloat)
-                && g.residency.has_float()
+            if matches!(
+                g.mode,
+                GroupMode::Fallback | GroupMode::Coupled | GroupMode::ForcedFloat
+            ) && g.residency.has_float()
             {
                 in_fallback += 1;
             }

@@ -20,6 +20,7 @@ struct Args {
     prompt_len: usize,
     decode_steps: usize,
     batches: Vec<usize>,
+    per_group: bool,
 }
 
 fn parse() -> Result<Args, String> {
@@ -28,6 +29,7 @@ fn parse() -> Result<Args, String> {
         prompt_len: 128,
         decode_steps: 32,
         batches: vec![1, 8, 32],
+        per_group: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -46,8 +48,9 @@ fn parse() -> Result<Args, String> {
                     .map(|s| s.parse().map_err(|e| format!("--batches: {e}")))
                     .collect::<Result<_, _>>()?
             }
+            "--per-group" => a.per_group = true,
             "-h" | "--help" => {
-                println!("quantmesh-engine-bench [--size tiny|small|medium] [--prompt-len N] [--decode-steps N] [--batches 1,8,32]");
+                println!("quantmesh-engine-bench [--size tiny|small|medium] [--prompt-len N] [--decode-steps N] [--batches 1,8,32] [--per-group]");
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument {other}")),
@@ -77,7 +80,11 @@ fn step_for(bm: &mut BlockManager, seqs: &[(u64, Vec<u32>)]) -> StepInput {
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = parse()?;
     let dir = std::env::temp_dir().join(format!("quantmesh-bench-{:?}", args.size).to_lowercase());
-    if !quantmesh_engine::bundled::model_present(&dir) {
+    let planted_ok = std::fs::read_to_string(dir.join("planted.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<quantmesh_engine::bundled::Planted>(&t).ok())
+        .is_some();
+    if !quantmesh_engine::bundled::model_present(&dir) || !planted_ok {
         eprintln!("writing bundled {:?} model to {}", args.size, dir.display());
         init_model(
             &dir,
@@ -188,5 +195,285 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "KV bytes per token (all layers): INT8 (C8) {q}, FP16 {f}, ratio {:.2}",
         q as f64 / f as f64
     );
+    monitor_section(&dir, &cfg, &args)?;
+    Ok(())
+}
+
+const QUALITY_PROMPTS: &[&str] = &[
+    "The weather today is mild, with a light breeze from the west.",
+    "Please summarize the meeting notes. Keep it short, clear, and friendly!",
+    "In 1969, astronauts landed on the moon. It was a historic moment.",
+    "Write a haiku about autumn leaves, rain, and a quiet street.",
+    "How do I bake bread at home? I have flour, water, yeast, and salt.",
+    "Translate to French: good morning, how are you today?",
+    "List three benefits of exercise. Be concise.",
+    "Once upon a time, in a small village, there lived an old clockmaker.",
+];
+
+fn detector(
+    cfg: &ModelConfig,
+    planted_massive: &[usize],
+    shadow: f64,
+) -> std::sync::Arc<quantmesh_engine::mask::DetectorParams> {
+    use quantmesh_shared::{GroupId, GroupKind};
+    let groups = (0..cfg.num_hidden_layers)
+        .flat_map(|l| GroupKind::ALL.map(|k| GroupId::new(l, k)))
+        .map(|g| {
+            let excluded = if matches!(g.kind, GroupKind::Qkv | GroupKind::GateUp) {
+                planted_massive.to_vec()
+            } else {
+                vec![]
+            };
+            (
+                g,
+                quantmesh_engine::mask::GroupDetector {
+                    excluded_channels: excluded,
+                    token_bound: f32::INFINITY,
+                    learn_channels: false,
+                },
+            )
+        })
+        .collect();
+    std::sync::Arc::new(quantmesh_engine::mask::DetectorParams {
+        groups,
+        skip_positions: vec![0],
+        shadow_sample_rate: shadow,
+    })
+}
+
+/// Monitoring overhead (prefill time and TPOT with monitoring off / on / on with a group in
+/// fallback) and quality (mean KL to the float-only model, teacher-forced over a prompt set).
+fn monitor_section(
+    dir: &std::path::Path,
+    cfg: &ModelConfig,
+    args: &Args,
+) -> Result<(), Box<dyn std::error::Error>> {
+    use quantmesh_shared::{GroupId, GroupKind};
+    let planted: quantmesh_engine::bundled::Planted =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("planted.json"))?)?;
+    let sensitive: Vec<GroupId> = planted
+        .sensitive_groups
+        .iter()
+        .filter_map(|g| g.parse().ok())
+        .collect();
+    let model = LlamaModel::load(dir, cfg, &|_| Residency::Dual)?;
+    let page = 16;
+    let b = 8usize;
+    let pages = b * (args.prompt_len + args.decode_steps).div_ceil(page) + 8;
+    let mut fallback = PathMask {
+        detector: Some(detector(cfg, &planted.massive_channels, 0.0)),
+        ..Default::default()
+    };
+    for g in &sensitive {
+        fallback.float_groups.insert(*g);
+        fallback.kv_float_layers.insert(g.layer);
+    }
+    let variants: Vec<(&str, PathMask)> = vec![
+        ("monitoring off", PathMask::default()),
+        (
+            "monitoring on (stats, per-token check)",
+            PathMask {
+                detector: Some(detector(cfg, &planted.massive_channels, 0.0)),
+                ..Default::default()
+            },
+        ),
+        (
+            "monitoring on + 1 % shadow KL",
+            PathMask {
+                detector: Some(detector(cfg, &planted.massive_channels, 0.01)),
+                ..Default::default()
+            },
+        ),
+        (
+            "monitoring on + sensitive group in fallback",
+            fallback.clone(),
+        ),
+    ];
+    println!();
+    println!("Monitoring overhead (dual plan, batch {b}, prompt {} tokens, {} decode steps; median of 3 runs):", args.prompt_len, args.decode_steps);
+    println!();
+    println!("| variant | prefill ms | × off | TPOT ms | × off |");
+    println!("|---|---|---|---|---|");
+    let mut base = (0.0, 0.0);
+    for (vi, (name, mask)) in variants.iter().enumerate() {
+        let mut prefill_ms = Vec::new();
+        let mut tpot_ms = Vec::new();
+        for _rep in 0..3 {
+            let mut kv = KvCache::new(
+                cfg.num_hidden_layers,
+                pages,
+                page,
+                cfg.kv_dim(),
+                KvFloatDtype::F16,
+            );
+            let mut bm = BlockManager::new(pages, page, false);
+            let prompts: Vec<(u64, Vec<u32>)> = (0..b as u64)
+                .map(|i| {
+                    (
+                        i,
+                        (0..args.prompt_len as u32)
+                            .map(|t| 32 + (t * 7 + i as u32) % 90)
+                            .collect(),
+                    )
+                })
+                .collect();
+            for (id, p) in &prompts {
+                bm.admit(*id, p, args.decode_steps)
+                    .map_err(|e| e.to_string())?;
+            }
+            let t0 = Instant::now();
+            let step = step_for(&mut bm, &prompts);
+            model.forward(&step, mask, &mut kv, true)?;
+            prefill_ms.push(t0.elapsed().as_secs_f64() * 1e3);
+            let t1 = Instant::now();
+            for s in 0..args.decode_steps {
+                let toks: Vec<(u64, Vec<u32>)> = (0..b as u64)
+                    .map(|i| (i, vec![32 + (s as u32 + i as u32) % 90]))
+                    .collect();
+                let step = step_for(&mut bm, &toks);
+                model.forward(&step, mask, &mut kv, true)?;
+            }
+            tpot_ms.push(t1.elapsed().as_secs_f64() * 1e3 / args.decode_steps as f64);
+        }
+        let med = |v: &mut Vec<f64>| {
+            v.sort_by(|a, b| a.total_cmp(b));
+            v[v.len() / 2]
+        };
+        let (p, t) = (med(&mut prefill_ms), med(&mut tpot_ms));
+        if vi == 0 {
+            base = (p, t);
+        }
+        println!(
+            "| {name} | {p:.1} | {:.3} | {t:.2} | {:.3} |",
+            p / base.0,
+            t / base.1
+        );
+    }
+
+    // Quality: teacher-forced next-token KL to the float-only model.
+    let tok = quantmesh_engine::tokenizer::TextTokenizer::load(dir)?;
+    let mut all_float = PathMask::default();
+    for l in 0..cfg.num_hidden_layers {
+        for k in GroupKind::ALL {
+            all_float.float_groups.insert(GroupId::new(l, k));
+        }
+    }
+    // What the real monitor decides on this traffic: run it over the prompts (warm-up,
+    // windows), then serve with the mask it publishes (per-layer fallback, MLP coupling and
+    // per-token routing at the learned bounds).
+    let residencies: Vec<(GroupId, Residency)> = (0..cfg.num_hidden_layers)
+        .flat_map(|l| GroupKind::ALL.map(|k| (GroupId::new(l, k), Residency::Dual)))
+        .collect();
+    let mcfg = quantmesh_engine::monitor::MonitorConfig {
+        window_requests: 4,
+        warmup_tokens: 256,
+        min_window_tokens: 32,
+        shadow_sample_rate: 0.0,
+        ..Default::default()
+    };
+    let mut monitor = quantmesh_engine::monitor::Monitor::new(mcfg, "bench", &residencies);
+    for round in 0..4u64 {
+        for (i, p) in QUALITY_PROMPTS.iter().enumerate() {
+            let mut mask = PathMask::default();
+            monitor.apply_to(&mut mask);
+            let ids = tok.encode(p, true)?;
+            let mut kv = KvCache::new(
+                cfg.num_hidden_layers,
+                16,
+                page,
+                cfg.kv_dim(),
+                KvFloatDtype::F16,
+            );
+            let mut bm = BlockManager::new(16, page, false);
+            let id = round * 100 + i as u64;
+            bm.admit(id, &[], 200).map_err(|e| e.to_string())?;
+            let step = step_for(&mut bm, &[(id, ids)]);
+            let out = model.forward(&step, &mask, &mut kv, true)?;
+            monitor.observe(&out);
+            monitor.requests_finished(&[id]);
+        }
+    }
+    let mut monitored = PathMask::default();
+    monitor.apply_to(&mut monitored);
+    let chosen: Vec<String> = monitored
+        .float_groups
+        .iter()
+        .map(|g| g.to_string())
+        .collect();
+    if std::env::var_os("QUANTMESH_BENCH_DEBUG").is_some() {
+        for g in monitor.report().groups {
+            eprintln!(
+                "{} {:?} mean={:.3} sigma={:.3} rate={:?} excluded={:?}",
+                g.group, g.mode, g.mean, g.sigma, g.last_window_rate, g.excluded_channels
+            );
+        }
+    }
+    let int8 = PathMask::default();
+    let mut quality: Vec<(String, PathMask)> = vec![
+        ("INT8 only".into(), int8.clone()),
+        (
+            format!("INT8 + monitor's decisions (float: {})", chosen.join(", ")),
+            monitored,
+        ),
+        (
+            "INT8 + planted sensitive group in float".into(),
+            fallback.clone(),
+        ),
+    ];
+    let kv_float_all = PathMask {
+        kv_float_layers: (0..cfg.num_hidden_layers).collect(),
+        ..Default::default()
+    };
+    quality.push(("INT8 weights, KV cache in FP16".into(), kv_float_all));
+    if args.per_group {
+        for l in 0..cfg.num_hidden_layers {
+            for k in GroupKind::ALL {
+                let mut m = PathMask::default();
+                m.float_groups.insert(GroupId::new(l, k));
+                quality.push((format!("INT8 + {} in float", GroupId::new(l, k)), m));
+            }
+        }
+    }
+    let quality: Vec<(&str, &PathMask)> = quality.iter().map(|(n, m)| (n.as_str(), m)).collect();
+    let mut sums = vec![0f64; quality.len()];
+    let mut n = 0usize;
+    for p in QUALITY_PROMPTS {
+        let ids = tok.encode(p, true)?;
+        let mut logits: Vec<Vec<Vec<f32>>> = Vec::new();
+        for mask in std::iter::once(&all_float).chain(quality.iter().map(|(_, m)| *m)) {
+            let mut kv = KvCache::new(
+                cfg.num_hidden_layers,
+                16,
+                page,
+                cfg.kv_dim(),
+                KvFloatDtype::F16,
+            );
+            let mut bm = BlockManager::new(16, page, false);
+            bm.admit(0, &[], 200).map_err(|e| e.to_string())?;
+            let mut per_pos = Vec::new();
+            for t in &ids {
+                let step = step_for(&mut bm, &[(0, vec![*t])]);
+                let mut out = model.forward(&step, mask, &mut kv, true)?;
+                per_pos.push(out.logits.remove(0).1);
+            }
+            logits.push(per_pos);
+        }
+        let (reference, served) = logits.split_at(1);
+        for (pos, want) in reference[0].iter().enumerate().skip(1) {
+            for (s, got) in sums.iter_mut().zip(served) {
+                *s += quantmesh_engine::model::kl_logits(want, &got[pos]);
+            }
+            n += 1;
+        }
+    }
+    println!();
+    println!("Quality: mean next-token KL(P_float-only ‖ P) over {} prompts, {n} positions (teacher-forced):", QUALITY_PROMPTS.len());
+    println!();
+    println!("| plan | mean KL (nats) | × INT8 only |");
+    println!("|---|---|---|");
+    for (qi, (name, _)) in quality.iter().enumerate() {
+        let m = sums[qi] / n as f64;
+        println!("| {name} | {m:.5} | {:.3} |", m / (sums[0] / n as f64));
+    }
     Ok(())
 }
