@@ -1,7 +1,7 @@
 //! Where fallback events go. `EventSink` is the seam: today an in-process broadcast
 //! channel and the structured log; the durable Kafka sink (with its outbox) plugs in here.
 
-use quantmesh_shared::FallbackEvent;
+use quantmesh_shared::{FallbackEvent, Granularity};
 use tokio::sync::broadcast;
 
 pub trait EventSink: Send + Sync {
@@ -15,7 +15,12 @@ pub struct LogSink;
 impl EventSink for LogSink {
     fn publish(&self, ev: &FallbackEvent) {
         let json = serde_json::to_string(ev).unwrap_or_default();
-        tracing::info!(target: "quantmesh::fallback", group = ?ev.group, granularity = ?ev.granularity, action = ?ev.action, reason = ?ev.reason, event = %json, "fallback event");
+        // Per-token decisions can be many per second: debug level; the rest at info.
+        if ev.granularity == Granularity::Token {
+            tracing::debug!(target: "quantmesh::fallback", group = ?ev.group, granularity = ?ev.granularity, action = ?ev.action, reason = ?ev.reason, event = %json, "fallback event");
+        } else {
+            tracing::info!(target: "quantmesh::fallback", group = ?ev.group, granularity = ?ev.granularity, action = ?ev.action, reason = ?ev.reason, event = %json, "fallback event");
+        }
     }
 }
 

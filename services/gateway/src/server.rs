@@ -81,6 +81,13 @@ pub fn start_http(
             .wrap(actix_web::middleware::from_fn(request_context))
             .configure(routes::configure)
     })
+    // Streaming responses are many small writes: without TCP_NODELAY, Nagle's algorithm and
+    // the client's delayed ACK hold the first token back by ~40 ms.
+    .on_connect(|conn, _| {
+        if let Some(tcp) = conn.downcast_ref::<actix_web::rt::net::TcpStream>() {
+            let _ = tcp.set_nodelay(true);
+        }
+    })
     .listen(listener)?
     .workers(workers)
     .shutdown_timeout(timeout)
