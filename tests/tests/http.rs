@@ -444,17 +444,6 @@ async fn graceful_shutdown_finishes_in_flight_streams() {
     );
 }
 
-const PROMPTS: &[&str] = &[
-    "The weather today is mild, with a light breeze from the west.",
-    "Please summarize the meeting notes. Keep it short, clear, and friendly!",
-    "In 1969, astronauts landed on the moon. It was a historic moment.",
-    "Write a haiku about autumn leaves, rain, and a quiet street.",
-    "How do I bake bread at home? I have flour, water, yeast, and salt.",
-    "Translate to French: good morning, how are you today?",
-    "List three benefits of exercise. Be concise.",
-    "Once upon a time, in a small village, there lived an old clockmaker.",
-];
-
 /// The monitor finds the bundled model's planted sensitive group from ordinary traffic
 /// through the real HTTP API, and a long stream keeps going across fallback enter and exit.
 #[actix_rt::test]
@@ -471,12 +460,15 @@ async fn monitor_finds_sensitive_group_through_http_and_streams_survive_switches
     let long = actix_rt::spawn(async move { long.text().await.unwrap() });
     let mut found = false;
     for round in 0..8 {
-        let reqs = PROMPTS.iter().enumerate().map(|(i, p)| {
-            s.post(
+        let reqs = quantmesh_engine::bundled::SAMPLE_PROMPTS
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                s.post(
                 "/v1/completions",
                 json!({"prompt": p, "max_tokens": 24, "temperature": 0.8, "seed": round * 10 + i}),
             )
-        });
+            });
         for r in futures::future::join_all(reqs).await {
             assert_eq!(r.status(), 200);
         }

@@ -138,6 +138,19 @@ fn dims(size: ModelSize) -> (usize, usize, usize, usize, usize) {
 
 pub const VOCAB_SIZE: usize = 320;
 
+/// Ordinary English prompts (with the usual share of `,` `.` `!`) used by tests,
+/// benchmarks and warm-ups to drive the bundled model like real traffic.
+pub const SAMPLE_PROMPTS: &[&str] = &[
+    "The weather today is mild, with a light breeze from the west.",
+    "Please summarize the meeting notes. Keep it short, clear, and friendly!",
+    "In 1969, astronauts landed on the moon. It was a historic moment.",
+    "Write a haiku about autumn leaves, rain, and a quiet street.",
+    "How do I bake bread at home? I have flour, water, yeast, and salt.",
+    "Translate to French: good morning, how are you today?",
+    "List three benefits of exercise. Be concise.",
+    "Once upon a time, in a small village, there lived an old clockmaker.",
+];
+
 fn write_json(path: &Path, v: &impl Serialize) -> Result<()> {
     let text = serde_json::to_string_pretty(v).map_err(|e| EngineError::Config(e.to_string()))?;
     std::fs::write(path, text + "\n")

@@ -8,7 +8,7 @@ use quantmesh_engine::block_manager::BlockManager;
 use quantmesh_engine::bundled::{init_model, InitOptions, StoreDtype};
 use quantmesh_engine::config::{KvFloatDtype, ModelConfig};
 use quantmesh_engine::kv_cache::KvCache;
-use quantmesh_engine::model::{LlamaModel, SeqChunk, StepInput};
+use quantmesh_engine::model::{LlamaModel, SeqChunk, StepInput, StepOutput};
 use quantmesh_engine::{EngineError, PathMask};
 use quantmesh_shared::{GroupId, GroupKind, Residency};
 use std::path::Path;
@@ -31,8 +31,8 @@ impl Rig {
         }
     }
 
-    /// Feed `tokens` of `seq` (appending to whatever it has) and return the last logits.
-    fn feed(&mut self, seq: u64, tokens: &[u32], mask: &PathMask, kv_int8: bool) -> Vec<f32> {
+    /// Run `tokens` of `seq` (appending to whatever it has) as one step.
+    fn step(&mut self, seq: u64, tokens: &[u32], mask: &PathMask, kv_int8: bool) -> StepOutput {
         if !self.bm.contains(seq) {
             self.bm.admit(seq, &[], 512).unwrap();
         }
@@ -49,11 +49,14 @@ impl Rig {
             }],
             copies: out.copies,
         };
-        let mut o = self
-            .model
+        self.model
             .forward(&step, mask, &mut self.kv, kv_int8)
-            .unwrap();
-        o.logits.remove(0).1
+            .unwrap()
+    }
+
+    /// Feed `tokens` of `seq` and return the last logits.
+    fn feed(&mut self, seq: u64, tokens: &[u32], mask: &PathMask, kv_int8: bool) -> Vec<f32> {
+        self.step(seq, tokens, mask, kv_int8).logits.remove(0).1
     }
 }
 
@@ -425,43 +428,19 @@ fn per_token_bound_routes_rows_to_the_float_path_in_the_same_step() {
 #[test]
 fn per_token_rows_are_reported_with_their_tokens() {
     let dir = model_dir(InitOptions::default());
-    let cfg = ModelConfig::from_file(&dir.path().join("config.json")).unwrap();
-    let model = LlamaModel::load(dir.path(), &cfg, &|_| Residency::Dual).unwrap();
-    let mut kv = KvCache::new(
-        cfg.num_hidden_layers,
-        16,
-        16,
-        cfg.kv_dim(),
-        KvFloatDtype::F32,
-    );
-    let mut bm = BlockManager::new(16, 16, false);
-    bm.admit(1, &[], 64).unwrap();
+    let mut rig = Rig::new(dir.path(), Residency::Dual, KvFloatDtype::F32);
     let toks = vec![256u32, b'a' as u32, b',' as u32, b'b' as u32];
-    let out = bm.append(1, toks.len()).unwrap();
-    let step = StepInput {
-        chunks: vec![SeqChunk {
-            seq: 1,
-            tokens: toks.clone(),
-            start_pos: 0,
-            slots: out.slots,
-            block_table: bm.block_table(1).unwrap().to_vec(),
-            want_logits: true,
-        }],
-        copies: vec![],
-    };
     let g = GroupId::new(1, GroupKind::Down);
     // A bound between the ordinary rows and the planted spike on ',' routes only that row.
-    let probe = model
-        .forward(
-            &step,
-            &PathMask {
-                detector: Some(detector_for(g, f32::INFINITY)),
-                ..Default::default()
-            },
-            &mut kv,
-            false,
-        )
-        .unwrap();
+    let probe = rig.step(
+        1,
+        &toks,
+        &PathMask {
+            detector: Some(detector_for(g, f32::INFINITY)),
+            ..Default::default()
+        },
+        false,
+    );
     let stats = &probe.obs.iter().find(|o| o.group == g).unwrap().stats;
     let comma = stats[2];
     let others = stats
@@ -471,20 +450,19 @@ fn per_token_rows_are_reported_with_their_tokens() {
         .map(|(_, s)| *s)
         .fold(0.0, f32::max);
     assert!(comma > 3.0 * others, "planted spike on ',': {stats:?}");
-    let out = model
-        .forward(
-            &step,
-            &PathMask {
-                detector: Some(detector_for(g, (comma + others) / 2.0)),
-                ..Default::default()
-            },
-            &mut kv,
-            false,
-        )
-        .unwrap();
+    // the same tokens again, as a fresh sequence, with the bound in between
+    let out = rig.step(
+        2,
+        &toks,
+        &PathMask {
+            detector: Some(detector_for(g, (comma + others) / 2.0)),
+            ..Default::default()
+        },
+        false,
+    );
     let o = out.obs.iter().find(|o| o.group == g).unwrap();
     assert_eq!(o.token_float_rows, vec![2]);
-    assert_eq!(out.rows[2], (1, 2, b',' as u32));
+    assert_eq!(out.rows[2], (2, 2, b',' as u32));
     let (_, outcome) = out.outcomes.iter().find(|(x, _)| *x == g).unwrap();
     assert_eq!((outcome.float_rows, outcome.int8_rows), (1, 3));
 }
@@ -517,41 +495,18 @@ fn non_finite_activations_recompute_the_step_in_float() {
         safetensors::Dtype::F32,
     )
     .unwrap();
-    let cfg = ModelConfig::from_file(&dir.path().join("config.json")).unwrap();
-    let model = LlamaModel::load(dir.path(), &cfg, &|_| Residency::Dual).unwrap();
-    let mut kv = KvCache::new(
-        cfg.num_hidden_layers,
-        16,
-        16,
-        cfg.kv_dim(),
-        KvFloatDtype::F32,
-    );
-    let mut bm = BlockManager::new(16, 16, false);
-    bm.admit(1, &[], 64).unwrap();
-    let out = bm.append(1, 3).unwrap();
-    let step = StepInput {
-        chunks: vec![SeqChunk {
-            seq: 1,
-            tokens: vec![1, 2, 3],
-            start_pos: 0,
-            slots: out.slots,
-            block_table: bm.block_table(1).unwrap().to_vec(),
-            want_logits: true,
-        }],
-        copies: vec![],
-    };
+    let mut rig = Rig::new(dir.path(), Residency::Dual, KvFloatDtype::F32);
+    let layers = rig.model.config().num_hidden_layers;
     let det = detector_for(GroupId::new(2, GroupKind::Qkv), f32::INFINITY);
-    let out = model
-        .forward(
-            &step,
-            &PathMask {
-                detector: Some(det),
-                ..Default::default()
-            },
-            &mut kv,
-            false,
-        )
-        .unwrap();
+    let out = rig.step(
+        1,
+        &[1, 2, 3],
+        &PathMask {
+            detector: Some(det),
+            ..Default::default()
+        },
+        false,
+    );
     assert!(out.non_finite, "NaN/Inf must be detected");
     // the recompute ran every group of the step on the float path
     assert!(
@@ -559,6 +514,6 @@ fn non_finite_activations_recompute_the_step_in_float() {
             .iter()
             .filter(|(_, o)| o.float_rows == 3)
             .count()
-            >= cfg.num_hidden_layers * 4
+            >= layers * 4
     );
 }

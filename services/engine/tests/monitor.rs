@@ -7,17 +7,6 @@ use quantmesh_engine::monitor::{GroupMode, MonitorConfig, MonitorReport};
 use quantmesh_engine::{Engine, EngineConfig};
 use quantmesh_shared::SamplingParams;
 
-pub const PROMPTS: &[&str] = &[
-    "The weather today is mild, with a light breeze from the west.",
-    "Please summarize the meeting notes. Keep it short, clear, and friendly!",
-    "In 1969, astronauts landed on the moon. It was a historic moment.",
-    "Write a haiku about autumn leaves, rain, and a quiet street.",
-    "How do I bake bread at home? I have flour, water, yeast, and salt.",
-    "Translate to French: good morning, how are you today?",
-    "List three benefits of exercise. Be concise.",
-    "Once upon a time, in a small village, there lived an old clockmaker.",
-];
-
 fn monitor_cfg() -> MonitorConfig {
     MonitorConfig {
         window_requests: 8,
@@ -43,25 +32,30 @@ async fn run(cfg: MonitorConfig, rounds: usize, prefix_caching: bool) -> (Monito
     .await
     .unwrap();
     for r in 0..rounds {
-        let gens = PROMPTS.iter().enumerate().map(|(i, p)| {
-            let e = e.clone();
-            async move {
-                let ids = e.encode(p.to_string(), true).await.unwrap();
-                let params = SamplingParams {
-                    temperature: 0.8,
-                    seed: Some((r * 100 + i) as u64),
-                    max_tokens: 24,
-                    ..Default::default()
-                };
-                e.generate(ids, params).await.unwrap().collect().await
-            }
-        });
+        let gens = quantmesh_engine::bundled::SAMPLE_PROMPTS
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let e = e.clone();
+                async move {
+                    let ids = e.encode(p.to_string(), true).await.unwrap();
+                    let params = SamplingParams {
+                        temperature: 0.8,
+                        seed: Some((r * 100 + i) as u64),
+                        max_tokens: 24,
+                        ..Default::default()
+                    };
+                    e.generate(ids, params).await.unwrap().collect().await
+                }
+            });
         futures::future::join_all(gens).await;
     }
     // the monitor handles observations asynchronously: wait until it saw every request
     for _ in 0..100 {
         let rep = e.monitor_report().unwrap();
-        if rep.windows_completed as usize * 8 + rep.requests_in_window >= rounds * PROMPTS.len() {
+        if rep.windows_completed as usize * 8 + rep.requests_in_window
+            >= rounds * quantmesh_engine::bundled::SAMPLE_PROMPTS.len()
+        {
             return (rep, planted);
         }
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;

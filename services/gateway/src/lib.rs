@@ -9,5 +9,5 @@ pub mod settings;
 pub mod state;
 pub mod telemetry;
 
-pub use server::{run_embedded, shutdown_signal};
-pub use settings::Settings;
+pub use server::{run_embedded, serve_main, shutdown_signal};
+pub use settings::{ServeFlags, Settings};

@@ -203,3 +203,13 @@ pub async fn shutdown_signal() {
         _ = term => tracing::info!("SIGTERM received"),
     }
 }
+
+/// What a serving binary's `main` does: settings from flags, telemetry, bind, run the
+/// embedded stack until SIGINT/SIGTERM, drain.
+pub fn serve_main(flags: &crate::settings::ServeFlags) -> anyhow::Result<()> {
+    let s = flags.settings()?;
+    crate::telemetry::init(s.log.format, &s.log.level);
+    let listener = TcpListener::bind((s.server.host.as_str(), s.server.port))
+        .with_context(|| format!("binding {}:{}", s.server.host, s.server.port))?;
+    actix_rt::System::new().block_on(run_embedded(s, listener, shutdown_signal()))
+}

@@ -275,3 +275,60 @@ mod example_file {
         assert_eq!(toml::to_string(&s).unwrap(), toml::to_string(&d).unwrap());
     }
 }
+
+/// Command-line flags of the serving binaries (`quantmesh serve`, `quantmesh-gateway`).
+/// They override the file and the environment.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct ServeFlags {
+    /// TOML config file; keys as in infra/quantmesh.example.toml. Env `QUANTMESH_*` overrides
+    /// the file, flags override both.
+    #[arg(long, env = "QUANTMESH_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Address to listen on [default: 127.0.0.1].
+    #[arg(long)]
+    pub host: Option<String>,
+    /// Port to listen on [default: 8080].
+    #[arg(long)]
+    pub port: Option<u16>,
+    /// Model directory in Hugging Face layout [default: models/quantmesh-tiny]. The bundled
+    /// model is written there on first run if it is empty.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Name clients use in the `model` field [default: quantmesh-tiny].
+    #[arg(long)]
+    pub model_name: Option<String>,
+    /// Residency of every linear group: int8 (smallest), dual (INT8 + exact float copy,
+    /// switchable) or float [default: dual].
+    #[arg(long)]
+    pub residency: Option<quantmesh_shared::Residency>,
+    /// Log format [default: text].
+    #[arg(long, value_enum)]
+    pub log_format: Option<LogFormat>,
+}
+
+impl ServeFlags {
+    /// Defaults → file → environment → these flags, validated.
+    pub fn settings(&self) -> Result<Settings, SettingsError> {
+        let mut s = Settings::load(self.config.as_deref())?;
+        if let Some(h) = &self.host {
+            s.server.host = h.clone();
+        }
+        if let Some(p) = self.port {
+            s.server.port = p;
+        }
+        if let Some(m) = &self.model {
+            s.model.dir = m.clone();
+        }
+        if let Some(n) = &self.model_name {
+            s.model.name = n.clone();
+        }
+        if let Some(r) = self.residency {
+            s.engine.default_residency = r;
+        }
+        if let Some(f) = self.log_format {
+            s.log.format = f;
+        }
+        s.validate()?;
+        Ok(s)
+    }
+}

@@ -2,11 +2,8 @@
 //!
 //! config → telemetry → build → serve → wait for a signal → drain with a timeout.
 
-use anyhow::Context;
-use clap::{Args, Parser, Subcommand};
+use clap::{Parser, Subcommand};
 use quantmesh_engine::bundled::{init_model, InitOptions, ModelSize, StoreDtype};
-use quantmesh_gateway::settings::LogFormat;
-use quantmesh_gateway::{run_embedded, shutdown_signal, telemetry, Settings};
 use std::path::PathBuf;
 
 #[derive(Parser)]
@@ -27,38 +24,10 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the embedded all-in-one stack: gateway and engine actors in one process.
-    Serve(ServeArgs),
+    Serve(quantmesh_gateway::ServeFlags),
     /// Manage model checkpoints.
     #[command(subcommand)]
     Model(ModelCommand),
-}
-
-#[derive(Args)]
-struct ServeArgs {
-    /// TOML config file; keys as in infra/quantmesh.example.toml. Env `QUANTMESH_*` overrides
-    /// the file, flags override both.
-    #[arg(long, env = "QUANTMESH_CONFIG")]
-    config: Option<PathBuf>,
-    /// Address to listen on [default: 127.0.0.1].
-    #[arg(long)]
-    host: Option<String>,
-    /// Port to listen on [default: 8080].
-    #[arg(long)]
-    port: Option<u16>,
-    /// Model directory in Hugging Face layout [default: models/quantmesh-tiny]. The bundled
-    /// model is written there on first run if it is empty.
-    #[arg(long)]
-    model: Option<PathBuf>,
-    /// Name clients use in the `model` field [default: quantmesh-tiny].
-    #[arg(long)]
-    model_name: Option<String>,
-    /// Residency of every linear group: int8 (smallest), dual (INT8 + exact float copy,
-    /// switchable) or float [default: dual].
-    #[arg(long)]
-    residency: Option<quantmesh_shared::Residency>,
-    /// Log format [default: text].
-    #[arg(long, value_enum)]
-    log_format: Option<LogFormat>,
 }
 
 #[derive(Subcommand)]
@@ -86,36 +55,9 @@ enum ModelCommand {
     },
 }
 
-fn serve(a: ServeArgs) -> anyhow::Result<()> {
-    let mut s = Settings::load(a.config.as_deref())?;
-    if let Some(h) = a.host {
-        s.server.host = h;
-    }
-    if let Some(p) = a.port {
-        s.server.port = p;
-    }
-    if let Some(m) = a.model {
-        s.model.dir = m;
-    }
-    if let Some(n) = a.model_name {
-        s.model.name = n;
-    }
-    if let Some(r) = a.residency {
-        s.engine.default_residency = r;
-    }
-    if let Some(f) = a.log_format {
-        s.log.format = f;
-    }
-    telemetry::init(s.log.format, &s.log.level);
-    s.validate()?;
-    let listener = std::net::TcpListener::bind((s.server.host.as_str(), s.server.port))
-        .with_context(|| format!("binding {}:{}", s.server.host, s.server.port))?;
-    actix_rt::System::new().block_on(run_embedded(s, listener, shutdown_signal()))
-}
-
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
-        Command::Serve(a) => serve(a),
+        Command::Serve(flags) => quantmesh_gateway::serve_main(&flags),
         Command::Model(ModelCommand::Init {
             out,
             size,

@@ -199,17 +199,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-const QUALITY_PROMPTS: &[&str] = &[
-    "The weather today is mild, with a light breeze from the west.",
-    "Please summarize the meeting notes. Keep it short, clear, and friendly!",
-    "In 1969, astronauts landed on the moon. It was a historic moment.",
-    "Write a haiku about autumn leaves, rain, and a quiet street.",
-    "How do I bake bread at home? I have flour, water, yeast, and salt.",
-    "Translate to French: good morning, how are you today?",
-    "List three benefits of exercise. Be concise.",
-    "Once upon a time, in a small village, there lived an old clockmaker.",
-];
-
 fn detector(
     cfg: &ModelConfig,
     planted_massive: &[usize],
@@ -400,7 +389,7 @@ fn monitor_section(
     };
     let mut monitor = quantmesh_engine::monitor::Monitor::new(mcfg, "bench", &residencies);
     for round in 0..4u64 {
-        for (i, p) in QUALITY_PROMPTS.iter().enumerate() {
+        for (i, p) in quantmesh_engine::bundled::SAMPLE_PROMPTS.iter().enumerate() {
             let mut mask = PathMask::default();
             monitor.apply_to(&mut mask);
             let ids = tok.encode(p, true)?;
@@ -464,7 +453,7 @@ fn monitor_section(
     let quality: Vec<(&str, &PathMask)> = quality.iter().map(|(n, m)| (n.as_str(), m)).collect();
     let mut sums = vec![0f64; quality.len()];
     let mut n = 0usize;
-    for p in QUALITY_PROMPTS {
+    for p in quantmesh_engine::bundled::SAMPLE_PROMPTS {
         let ids = tok.encode(p, true)?;
         let mut logits: Vec<Vec<Vec<f32>>> = Vec::new();
         for mask in std::iter::once(&all_float).chain(quality.iter().map(|(_, m)| *m)) {
@@ -494,7 +483,7 @@ fn monitor_section(
         }
     }
     println!();
-    println!("Quality: mean next-token KL(P_float-only ‖ P) over {} prompts, {n} positions (teacher-forced):", QUALITY_PROMPTS.len());
+    println!("Quality: mean next-token KL(P_float-only ‖ P) over {} prompts, {n} positions (teacher-forced):", quantmesh_engine::bundled::SAMPLE_PROMPTS.len());
     println!();
     println!("| plan | mean KL (nats) | × INT8 only |");
     println!("|---|---|---|");
