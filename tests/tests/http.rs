@@ -255,6 +255,7 @@ async fn overload_gets_429_and_disconnect_frees_pages() {
         assert_eq!(e["error"]["code"], "overloaded");
     }
     assert!(s.gauge("quantmesh_kv_cache_pages_used").await > 0.0);
+    assert_eq!(s.gauge("quantmesh_http_requests_in_flight").await, 2.0);
     // Clients go away: their requests are cancelled and every page comes back.
     drop(sa);
     drop(b);

@@ -50,6 +50,11 @@ async fn metrics(state: web::Data<AppState>) -> HttpResponse {
             .metrics
             .observe_monitor(e.monitor_report().as_ref(), &e.drain_shadow_kl());
     }
+    let in_flight = state
+        .server
+        .max_concurrent_requests
+        .saturating_sub(state.admission.available_permits());
+    state.metrics.in_flight().set(in_flight as i64);
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4; charset=utf-8")
         .body(state.metrics.render(stats.as_ref()))
