@@ -13,20 +13,10 @@ pub struct Server {
     _dir: Option<tempfile::TempDir>,
 }
 
-/// A model directory shared by all tests of one binary (written once).
-pub fn model_dir() -> std::path::PathBuf {
-    static DIR: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
-    DIR.get_or_init(|| {
-        let d = std::env::temp_dir().join(format!("quantmesh-e2e-model-{}", std::process::id()));
-        quantmesh_engine::bundled::init_model(&d, &Default::default()).expect("init model");
-        d
-    })
-    .clone()
-}
-
 pub fn settings() -> Settings {
     let mut s = Settings::default();
-    s.model.dir = model_dir();
+    // Empty: `Server::start` writes the bundled model into a temp dir the server owns.
+    s.model.dir = std::path::PathBuf::new();
     s.model.create_if_missing = false;
     s.engine.num_pages = 256;
     s.server.workers = 2;
@@ -35,7 +25,15 @@ pub fn settings() -> Settings {
 }
 
 impl Server {
-    pub async fn start(settings: Settings) -> Server {
+    pub async fn start(mut settings: Settings) -> Server {
+        let mut model = None;
+        if settings.model.dir.as_os_str().is_empty() {
+            let dir = tempfile::tempdir().expect("tempdir");
+            quantmesh_engine::bundled::init_model(dir.path(), &Default::default())
+                .expect("init model");
+            settings.model.dir = dir.path().to_path_buf();
+            model = Some(dir);
+        }
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let base = format!("http://{}", listener.local_addr().expect("addr"));
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
