@@ -53,7 +53,7 @@ impl Server {
                         client,
                         shutdown: Some(tx),
                         task: Some(task),
-                        _dir: None,
+                        _dir: model,
                     };
                 }
             }
