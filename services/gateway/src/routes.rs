@@ -126,6 +126,15 @@ async fn read_body(mut payload: web::Payload, limit: usize) -> Result<Bytes, Api
     Ok(buf.freeze())
 }
 
+/// Read (within the body limit) and parse a JSON request body.
+async fn json_body<T: serde::de::DeserializeOwned>(
+    payload: web::Payload,
+    state: &AppState,
+) -> Result<T, ApiError> {
+    let body = read_body(payload, state.server.max_body_bytes).await?;
+    parse_json(&body)
+}
+
 /// Everything a generation request needs once validated.
 struct Prepared {
     generation: Generation,
@@ -293,8 +302,7 @@ async fn completions(
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, ApiError> {
     check_api_key(&req, &state)?;
-    let body = read_body(payload, state.server.max_body_bytes).await?;
-    let r: CompletionRequest = parse_json(&body)?;
+    let r: CompletionRequest = json_body(payload, &state).await?;
     let mut prompts = r.prompt.into_vec();
     if prompts.len() != 1 {
         return Err(ApiError::BadRequest(format!(
@@ -320,8 +328,7 @@ async fn chat_completions(
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, ApiError> {
     check_api_key(&req, &state)?;
-    let body = read_body(payload, state.server.max_body_bytes).await?;
-    let r: ChatRequest = parse_json(&body)?;
+    let r: ChatRequest = json_body(payload, &state).await?;
     if r.messages.is_empty() {
         return Err(ApiError::BadRequest("messages must not be empty".into()));
     }
@@ -543,8 +550,7 @@ async fn set_fallback(
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, ApiError> {
     check_admin(&req, &state)?;
-    let body = read_body(payload, state.server.max_body_bytes).await?;
-    let b: FallbackBody = parse_json(&body)?;
+    let b: FallbackBody = json_body(payload, &state).await?;
     let group: GroupId = b.group.parse().map_err(ApiError::BadRequest)?;
     let engine = state.engine()?;
     let layers = engine.info().config.num_hidden_layers;
