@@ -221,11 +221,6 @@ impl Checkpoint {
         }
         Ok(t)
     }
-
-    /// Total bytes of all shards (as stored).
-    pub fn file_bytes(&self) -> u64 {
-        self.shards.iter().map(|s| s.mmap.len() as u64).sum()
-    }
 }
 
 /// Write tensors (f32 data, stored in the given dtype) to one safetensors file.

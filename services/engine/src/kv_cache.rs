@@ -197,34 +197,9 @@ impl KvCache {
         let d = self.kv_dim;
         let mut k = vec![0f32; len * d];
         let mut v = vec![0f32; len * d];
-        for pos in 0..len {
-            let page = &self.layers[layer][table[pos / self.page_size] as usize];
-            let off = pos % self.page_size;
-            let at = off * d;
-            let (ko, vo) = (
-                &mut k[pos * d..(pos + 1) * d],
-                &mut v[pos * d..(pos + 1) * d],
-            );
-            match page.tag.get(off).copied().unwrap_or(EMPTY) {
-                INT8 => {
-                    if let Some(q) = &page.quant {
-                        let (ks, vs) = (q.k_scale[off], q.v_scale[off]);
-                        ko.iter_mut()
-                            .zip(&q.k[at..at + d])
-                            .for_each(|(o, x)| *o = *x as f32 * ks);
-                        vo.iter_mut()
-                            .zip(&q.v[at..at + d])
-                            .for_each(|(o, x)| *o = *x as f32 * vs);
-                    }
-                }
-                FLOAT => {
-                    if let Some((fk, fv)) = &page.float {
-                        fk.read(at, ko);
-                        fv.read(at, vo);
-                    }
-                }
-                _ => {}
-            }
+        for (pos, (ko, vo)) in k.chunks_exact_mut(d).zip(v.chunks_exact_mut(d)).enumerate() {
+            // the whole row is one "head" of width kv_dim
+            self.read_head(layer, table, pos, 0, ko, vo);
         }
         (k, v)
     }

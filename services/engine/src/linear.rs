@@ -12,7 +12,7 @@
 
 use crate::error::Result;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-use candle_core::{Module, Tensor, D};
+use candle_core::{Module, Tensor};
 use quantmesh_shared::Residency;
 
 /// Which rows of a step's activations take the float path through one group.
@@ -208,12 +208,6 @@ impl DualLinear {
         }
         Ok(stacked.index_select(&Tensor::new(inverse.as_slice(), dev)?, 0)?)
     }
-}
-
-/// Per-row (per-token) abs-max of `[rows, cols]` activations, in one pass over the data.
-/// This is the statistic the activation monitor consumes.
-pub fn row_absmax(x: &Tensor) -> Result<Vec<f32>> {
-    Ok(x.abs()?.max(D::Minus1)?.to_vec1::<f32>()?)
 }
 
 #[cfg(test)]

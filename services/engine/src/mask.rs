@@ -50,15 +50,6 @@ pub struct PathMask {
     pub detector: Option<Arc<DetectorParams>>,
 }
 
-impl PathMask {
-    pub fn is_all_int8(&self) -> bool {
-        self.float_groups.is_empty()
-            && self.float_tokens.values().all(HashSet::is_empty)
-            && self.float_requests.is_empty()
-            && !self.float_batch
-    }
-}
-
 /// Shared handle to the current mask.
 #[derive(Debug, Clone, Default)]
 pub struct MaskHandle {
