@@ -79,3 +79,40 @@ pub struct FallbackEvent {
     /// md5 of the `sensitive_layers.json` in force, when one is loaded.
     pub config_md5: Option<String>,
 }
+
+pub const CONFIG_EVENT_SCHEMA_VERSION: u32 = 1;
+
+/// What a configuration reload did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ConfigAction {
+    /// A new `sensitive_layers.json` is in force.
+    Applied,
+    /// The new version was invalid; the previous one stays in force.
+    Rejected,
+    /// The new version was valid but could not be applied (e.g. the checkpoint could not be
+    /// read to load float weights); the previous one stays in force.
+    Failed,
+}
+
+/// A change (or refused change) of the engine's live configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ConfigEvent {
+    pub schema_version: u32,
+    /// Unique id (UUID v4).
+    pub event_id: String,
+    /// Milliseconds since the Unix epoch.
+    pub timestamp_ms: u64,
+    pub model: String,
+    pub action: ConfigAction,
+    /// Where the file came from (path or URL).
+    pub source: String,
+    /// md5 of the version this event is about.
+    pub md5: String,
+    /// md5 of the version in force before (and still in force after a rejection).
+    pub previous_md5: Option<String>,
+    /// Why it was rejected or failed.
+    pub error: Option<String>,
+    /// Groups whose residency changed (applied only).
+    pub changed_groups: Vec<String>,
+}

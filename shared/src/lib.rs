@@ -6,9 +6,14 @@
 pub mod events;
 pub mod generation;
 pub mod precision;
+pub mod sensitive;
 
 pub use events::{
-    FallbackAction, FallbackEvent, FallbackReason, Granularity, FALLBACK_EVENT_SCHEMA_VERSION,
+    ConfigAction, ConfigEvent, CONFIG_EVENT_SCHEMA_VERSION, FallbackAction, FallbackEvent, FallbackReason, Granularity, FALLBACK_EVENT_SCHEMA_VERSION,
 };
 pub use generation::{FinishReason, SamplingError, SamplingParams, Usage};
 pub use precision::{GroupId, GroupKind, PrecisionClass, Residency};
+pub use sensitive::{
+    GroupEntry, ModelShape, SensitiveLayers, SensitiveLayersError, ValidatedPlan,
+    SENSITIVE_LAYERS_SCHEMA_VERSION,
+};

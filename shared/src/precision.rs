@@ -1,11 +1,12 @@
 //! Precision vocabulary: the pre-screen's classes and what each keeps resident.
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
 
 /// The class a weight group receives from the offline pre-screen (SPEC §1c).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum PrecisionClass {
     /// 4-bit weights, 16-bit activations: most aggressive.
@@ -31,7 +32,7 @@ impl PrecisionClass {
 }
 
 /// What a linear group keeps in memory, and therefore which paths it can take.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Residency {
     /// Only the INT8 form: a fallback to exact float is impossible.

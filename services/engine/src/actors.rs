@@ -8,7 +8,8 @@ use crate::events::EventSink;
 use crate::kv_cache::KvCache;
 use crate::mask::{MaskHandle, PathMask};
 use crate::messages::{
-    ApplyChatTemplate, Cancel, Drain, Encode, Execute, ForceGroup, Observe, Submit,
+    ApplyChatTemplate, Cancel, Drain, Encode, Execute, ForceGroup, Observe, Reconfigure, Submit,
+    SwapGroups,
 };
 use crate::model::{LlamaModel, StepOutput};
 use crate::monitor::{Monitor, MonitorReport};
@@ -72,6 +73,25 @@ impl Handler<Execute> for ExecutorActor {
         // The mask is read once per step: a decision takes effect at the next step.
         let mask = st.mask.load();
         st.model.forward(&msg.0, &mask, &mut st.kv, st.kv_int8)
+    }
+}
+
+impl Handler<SwapGroups> for ExecutorActor {
+    type Result = Result<(usize, usize), EngineError>;
+    fn handle(&mut self, msg: SwapGroups, _: &mut Self::Context) -> Self::Result {
+        let mut guard = self.state.lock().map_err(|_| EngineError::Stopped)?;
+        let st = &mut *guard;
+        // Check every replacement before touching any: all or nothing.
+        for (g, new) in &msg.0 {
+            st.model.check_replacement(*g, new)?;
+        }
+        let mut old = Vec::with_capacity(msg.0.len());
+        for (g, new) in msg.0 {
+            old.push(st.model.replace_group(g, new)?);
+        }
+        // The replaced forms (e.g. a float copy no longer wanted) are freed here.
+        drop(old);
+        Ok((st.model.resident_bytes(), st.model.linear_bytes()))
     }
 }
 
@@ -334,6 +354,15 @@ impl Handler<Observe> for MonitorActor {
         }
         events.extend(self.core.requests_finished(&msg.finished));
         self.publish(events);
+    }
+}
+
+impl Handler<Reconfigure> for MonitorActor {
+    type Result = ();
+    fn handle(&mut self, msg: Reconfigure, _: &mut Self::Context) {
+        self.core
+            .reconfigure(msg.config, &msg.residencies, msg.md5);
+        self.publish(Vec::new());
     }
 }
 

@@ -5,7 +5,7 @@
 //! and, where it can be known, the tensor.
 
 use crate::error::{EngineError, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use memmap2::Mmap;
 use safetensors::SafeTensors;
 use std::collections::{BTreeMap, HashMap};
@@ -91,6 +91,17 @@ impl Shard {
     }
 }
 
+/// Where a tensor lives and what it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorInfo {
+    pub name: String,
+    /// safetensors dtype name, e.g. `F32`, `BF16`.
+    pub dtype: String,
+    pub shape: Vec<usize>,
+    pub file: PathBuf,
+    pub bytes: usize,
+}
+
 /// A checkpoint: one or more shards and the index of which tensor lives where.
 pub struct Checkpoint {
     shards: Vec<Shard>,
@@ -157,9 +168,81 @@ impl Checkpoint {
         self.index.keys().map(String::as_str)
     }
 
-    /// Load one tensor as f32 on the CPU (bf16/f16/f32 accepted). Non-finite values are
-    /// reported as corruption, naming the tensor.
-    pub fn load_f32(&self, name: &str) -> Result<Tensor> {
+    /// Every tensor's name, dtype and shape, in name order.
+    pub fn layout(&self) -> Result<Vec<TensorInfo>> {
+        let mut names: Vec<&String> = self.index.keys().collect();
+        names.sort();
+        names
+            .into_iter()
+            .map(|name| {
+                let shard = &self.shards[self.index[name]];
+                let st = shard.tensors()?;
+                let view = st
+                    .tensor(name)
+                    .map_err(|e| EngineError::checkpoint(&shard.path, Some(name), e.to_string()))?;
+                Ok(TensorInfo {
+                    name: name.clone(),
+                    dtype: format!("{:?}", view.dtype()),
+                    shape: view.shape().to_vec(),
+                    file: shard.path.clone(),
+                    bytes: view.data().len(),
+                })
+            })
+            .collect()
+    }
+
+    /// md5 (hex) over every tensor's name, dtype and shape in name order: identifies a
+    /// checkpoint's layout without reading its data (`sensitive_layers.json`'s
+    /// `model.layout_md5`).
+    pub fn layout_md5(&self) -> Result<String> {
+        let mut ctx = md5::Context::new();
+        for t in self.layout()? {
+            ctx.consume(format!("{}\t{}\t{:?}\n", t.name, t.dtype, t.shape).as_bytes());
+        }
+        Ok(format!("{:x}", ctx.finalize()))
+    }
+
+    /// The file a tensor lives in (for error messages).
+    pub fn file_of(&self, name: &str) -> PathBuf {
+        self.index
+            .get(name)
+            .map(|&i| self.shards[i].path.clone())
+            .unwrap_or_default()
+    }
+
+    /// Tell the kernel the pages of `name` are not needed any more, so a scan over a
+    /// checkpoint larger than RAM does not keep every page it has read resident (page cache
+    /// stays; the process's resident set drops). Advisory: errors are ignored.
+    pub fn release(&self, name: &str) {
+        let Some(&i) = self.index.get(name) else {
+            return;
+        };
+        let shard = &self.shards[i];
+        let Ok(st) = shard.tensors() else { return };
+        let Ok(view) = st.tensor(name) else { return };
+        let data = view.data();
+        let base = shard.mmap.as_ptr() as usize;
+        let start = data.as_ptr() as usize - base;
+        let page = 4096;
+        let from = start.div_ceil(page) * page;
+        let to = (start + data.len()) / page * page;
+        if to > from {
+            // SAFETY: the mapping is a read-only file mapping; MADV_DONTNEED on it only drops
+            // this process's references to the pages, which the kernel refills from the file
+            // (page cache) on the next access. No slice into the range is held across this call.
+            #[allow(unsafe_code)]
+            let _ = unsafe {
+                shard
+                    .mmap
+                    .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, from, to - from)
+            };
+        }
+    }
+
+    /// Decode one tensor into f32 values (bf16/f16/f32 accepted) with one allocation of
+    /// the result and no intermediate copy. Non-finite values are reported as corruption,
+    /// naming the file and the tensor.
+    pub fn read_f32(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>)> {
         let &i = self.index.get(name).ok_or_else(|| {
             let file = self
                 .shards
@@ -173,10 +256,20 @@ impl Checkpoint {
         let view = st
             .tensor(name)
             .map_err(|e| EngineError::checkpoint(&shard.path, Some(name), e.to_string()))?;
-        let dtype = match view.dtype() {
-            safetensors::Dtype::F32 => DType::F32,
-            safetensors::Dtype::F16 => DType::F16,
-            safetensors::Dtype::BF16 => DType::BF16,
+        let data = view.data();
+        let values: Vec<f32> = match view.dtype() {
+            safetensors::Dtype::F32 => data
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            safetensors::Dtype::F16 => data
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            safetensors::Dtype::BF16 => data
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
             other => {
                 return Err(EngineError::checkpoint(
                     &shard.path,
@@ -185,23 +278,21 @@ impl Checkpoint {
                 ))
             }
         };
-        let t = Tensor::from_raw_buffer(view.data(), dtype, view.shape(), &Device::Cpu)
-            .and_then(|t| t.to_dtype(DType::F32))
-            .map_err(|e| EngineError::checkpoint(&shard.path, Some(name), e.to_string()))?;
-        let finite = t
-            .flatten_all()
-            .and_then(|f| f.to_vec1::<f32>())
-            .map_err(|e| EngineError::checkpoint(&shard.path, Some(name), e.to_string()))?
-            .iter()
-            .all(|x| x.is_finite());
-        if !finite {
+        if let Some(pos) = values.iter().position(|x| !x.is_finite()) {
             return Err(EngineError::checkpoint(
                 &shard.path,
                 Some(name),
-                "contains NaN or infinite values: the file is corrupt",
+                format!("element {pos} is NaN or infinite: the file is corrupt"),
             ));
         }
-        Ok(t)
+        Ok((values, view.shape().to_vec()))
+    }
+
+    /// Load one tensor as an f32 CPU tensor (see [`Checkpoint::read_f32`]).
+    pub fn load_f32(&self, name: &str) -> Result<Tensor> {
+        let (values, shape) = self.read_f32(name)?;
+        Tensor::from_vec(values, shape, &Device::Cpu)
+            .map_err(|e| EngineError::checkpoint(self.file_of(name), Some(name), e.to_string()))
     }
 
     /// Load a tensor and check its shape.

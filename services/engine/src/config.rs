@@ -157,6 +157,13 @@ pub struct EngineConfig {
     pub prefix_caching: bool,
     /// The activation monitor (statistics, fallback decisions, shadow KL).
     pub monitor: crate::monitor::MonitorConfig,
+    /// `sensitive_layers.json` to serve with and hot-reload: a local path or an object-store
+    /// URL (`file://`, and `s3://`, `gs://`, `az://` when built with `--features cloud`).
+    /// A versioned prefix's `latest` pointer is followed.
+    pub sensitive_layers: Option<String>,
+    /// How often the source is polled for a new version (md5 of its bytes).
+    #[serde(with = "humantime_serde")]
+    pub reload_interval: std::time::Duration,
 }
 
 impl Default for EngineConfig {
@@ -173,6 +180,8 @@ impl Default for EngineConfig {
             kv_float_dtype: KvFloatDtype::F16,
             prefix_caching: true,
             monitor: Default::default(),
+            sensitive_layers: None,
+            reload_interval: std::time::Duration::from_secs(30),
         }
     }
 }
@@ -198,6 +207,9 @@ impl EngineConfig {
             && m.request_kl_limit >= 0.0)
         {
             return bad("monitor: k and token_k must be > 0; trigger_rate, shadow_sample_rate and batch_group_share in [0, 1]; request_kl_limit >= 0");
+        }
+        if self.reload_interval < std::time::Duration::from_millis(10) {
+            return bad("reload_interval must be at least 10ms");
         }
         if m.window_requests == 0 || m.warmup_tokens < 2 {
             return bad("monitor: window_requests must be > 0 and warmup_tokens >= 2");

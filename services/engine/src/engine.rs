@@ -9,7 +9,12 @@ use crate::kv_cache::KvCache;
 use crate::mask::MaskHandle;
 use crate::messages::ForceGroup;
 use crate::messages::{ApplyChatTemplate, Cancel, Drain, Encode, Submit};
+use crate::checkpoint::Checkpoint;
 use crate::model::LlamaModel;
+use crate::plan::{model_shape, resolve, LivePlan};
+use crate::reload::{ConfigActor, ConfigStatus, ReloadNow, ReloadOutcome, Reloader};
+use quantmesh_shared::{ConfigEvent, ModelShape, SensitiveLayers};
+use quantmesh_store::Location;
 use crate::monitor::{ForceMode, Monitor, MonitorReport};
 use crate::scheduler::{Scheduler, SchedulerLimits, SeqEvent, Sequence, SubmitError};
 use crate::stats::{EngineStats, StatsCell};
@@ -47,6 +52,8 @@ struct Inner {
     monitor_report: Arc<Mutex<MonitorReport>>,
     kl_samples: Arc<Mutex<Vec<f64>>>,
     events: ChannelSink,
+    config_actor: Option<Addr<ConfigActor>>,
+    config_status: Arc<Mutex<ConfigStatus>>,
 }
 
 #[derive(Clone)]
@@ -54,23 +61,24 @@ pub struct Engine {
     inner: Arc<Inner>,
 }
 
-/// Load the model and tokenizer (blocking; call off the async reactor).
-pub fn load_parts(
-    model_dir: &Path,
-    cfg: &EngineConfig,
-) -> Result<(LlamaModel, TextTokenizer, ModelConfig)> {
+/// What [`load_parts`] produces.
+pub struct LoadedParts {
+    pub model: LlamaModel,
+    pub tokenizer: TextTokenizer,
+    pub model_config: ModelConfig,
+    pub shape: ModelShape,
+    /// The plan the model was loaded with.
+    pub live: LivePlan,
+}
+
+/// Load the model and tokenizer (blocking; call off the async reactor). `plan` is the
+/// `sensitive_layers.json` to start with, as bytes; it is validated against the
+/// checkpoint before any weight is loaded.
+pub fn load_parts(model_dir: &Path, cfg: &EngineConfig, plan: Option<&[u8]>) -> Result<LoadedParts> {
     cfg.validate()?;
     let mcfg = ModelConfig::from_file(&model_dir.join("config.json"))?;
-    let overrides: Vec<(GroupId, Residency)> = cfg
-        .group_residency
-        .iter()
-        .map(|(k, v)| {
-            k.parse::<GroupId>()
-                .map(|g| (g, *v))
-                .map_err(EngineError::Config)
-        })
-        .collect::<Result<_>>()?;
-    for (g, _) in &overrides {
+    for key in cfg.group_residency.keys() {
+        let g = key.parse::<GroupId>().map_err(EngineError::Config)?;
         if g.layer >= mcfg.num_hidden_layers {
             return Err(EngineError::Config(format!(
                 "group_residency names {g} but the model has {} layers",
@@ -78,56 +86,85 @@ pub fn load_parts(
             )));
         }
     }
-    let default = cfg.default_residency;
-    let residency = move |g: GroupId| {
-        overrides
-            .iter()
-            .find(|(o, _)| *o == g)
-            .map_or(default, |(_, r)| *r)
+    let ck = Checkpoint::open(model_dir)?;
+    let shape = model_shape(&ck, &mcfg)?;
+    let validated = match plan {
+        Some(bytes) => {
+            let md5 = format!("{:x}", md5::compute(bytes));
+            let source = cfg.sensitive_layers.as_deref().unwrap_or("sensitive_layers.json");
+            let p = SensitiveLayers::parse_for(bytes, &shape)
+                .map_err(|e| EngineError::Config(format!("{source}: {e}")))?;
+            Some((p, md5))
+        }
+        None => None,
     };
-    let model = LlamaModel::load(model_dir, &mcfg, &residency)?;
-    let tok = TextTokenizer::load(model_dir)?;
-    Ok((model, tok, mcfg))
+    let live = resolve(
+        cfg,
+        mcfg.num_hidden_layers,
+        validated.as_ref().map(|(p, m)| (p, m.as_str())),
+    );
+    let residency = |g: GroupId| live.residency.get(&g).copied().unwrap_or(cfg.default_residency);
+    let model = LlamaModel::load_from(&ck, &mcfg, &residency)?;
+    let tokenizer = TextTokenizer::load(model_dir)?;
+    Ok(LoadedParts {
+        model,
+        tokenizer,
+        model_config: mcfg,
+        shape,
+        live,
+    })
 }
 
 impl Engine {
-    /// Load the model from `model_dir` and start the actors. Must run inside an actix
-    /// system (the gateway's, or `actix_rt::System`).
+    /// Load the model from `model_dir` (with `cfg.sensitive_layers` when set) and start the
+    /// actors, including the config actor that hot-reloads the plan. Must run inside an
+    /// actix system (the gateway's, or `actix_rt::System`).
     pub async fn start(model_dir: &Path, cfg: EngineConfig, name: &str) -> Result<Engine> {
         let t0 = Instant::now();
+        let source = match &cfg.sensitive_layers {
+            Some(spec) => Some(
+                Location::parse(spec).map_err(|e| EngineError::Config(e.to_string()))?,
+            ),
+            None => None,
+        };
+        let plan_bytes = match &source {
+            Some(src) => Some(src.read().await.map_err(|e| {
+                EngineError::Config(format!("reading sensitive_layers.json: {e}"))
+            })?),
+            None => None,
+        };
         let dir = model_dir.to_path_buf();
         let cfg2 = cfg.clone();
-        let (model, tok, mcfg) = tokio::task::spawn_blocking(move || load_parts(&dir, &cfg2))
+        let parts = tokio::task::spawn_blocking(move || load_parts(&dir, &cfg2, plan_bytes.as_deref()))
             .await
             .map_err(|e| EngineError::Config(format!("model loading task failed: {e}")))??;
         let load_seconds = t0.elapsed().as_secs_f64();
         tracing::info!(
             model = name,
             seconds = load_seconds,
-            layers = mcfg.num_hidden_layers,
-            weight_mib = model.resident_bytes() / (1 << 20),
+            layers = parts.model_config.num_hidden_layers,
+            weight_mib = parts.model.resident_bytes() / (1 << 20),
+            sensitive_layers_md5 = ?parts.live.md5,
             "model loaded"
         );
-        Ok(Self::from_parts(
-            model,
-            tok,
-            mcfg,
-            cfg,
-            name,
-            model_dir,
-            load_seconds,
-        ))
+        Ok(Self::from_parts(parts, cfg, name, model_dir, load_seconds, source))
     }
 
     pub fn from_parts(
-        model: LlamaModel,
-        tok: TextTokenizer,
-        mcfg: ModelConfig,
+        parts: LoadedParts,
         cfg: EngineConfig,
         name: &str,
         dir: &Path,
         load_seconds: f64,
+        source: Option<Location>,
     ) -> Engine {
+        let LoadedParts {
+            model,
+            tokenizer: tok,
+            model_config: mcfg,
+            shape,
+            live,
+        } = parts;
         let kv = KvCache::new(
             mcfg.num_hidden_layers,
             cfg.num_pages,
@@ -150,14 +187,16 @@ impl Engine {
             .map(|g| (g, model.residency(g)))
             .collect();
         let events = ChannelSink::new(1024);
+        let sinks: Vec<Arc<dyn EventSink>> = vec![Arc::new(LogSink), Arc::new(events.clone())];
         let monitor_report = Arc::new(Mutex::new(MonitorReport::default()));
         let kl_samples = Arc::new(Mutex::new(Vec::new()));
         let monitor = cfg.monitor.enabled.then(|| {
-            let sinks: Vec<Arc<dyn EventSink>> = vec![Arc::new(LogSink), Arc::new(events.clone())];
+            let mut core = Monitor::new(live.monitor.clone(), name, &residencies);
+            core.config_md5 = live.md5.clone();
             MonitorActor {
-                core: Monitor::new(cfg.monitor.clone(), name, &residencies),
+                core,
                 mask: mask.clone(),
-                sinks,
+                sinks: sinks.clone(),
                 report: monitor_report.clone(),
                 kl_samples: kl_samples.clone(),
             }
@@ -171,6 +210,26 @@ impl Engine {
         }));
         let executor = SyncArbiter::start(1, move || ExecutorActor {
             state: state.clone(),
+        });
+        let config_status = Arc::new(Mutex::new(ConfigStatus::default()));
+        let config_actor = source.map(|source| {
+            ConfigActor {
+                reloader: Arc::new(Reloader::new(
+                    source,
+                    cfg.clone(),
+                    dir.to_path_buf(),
+                    mcfg.clone(),
+                    shape,
+                    name.to_string(),
+                    live.clone(),
+                    executor.clone(),
+                    monitor.clone(),
+                    stats.clone(),
+                    sinks.clone(),
+                    config_status.clone(),
+                )),
+            }
+            .start()
         });
         let tokenizer = Arc::new(tok);
         let t2 = tokenizer.clone();
@@ -218,8 +277,35 @@ impl Engine {
                 monitor_report,
                 kl_samples,
                 events,
+                config_actor,
+                config_status,
             }),
         }
+    }
+
+    /// Reload `sensitive_layers.json` now (SIGHUP, admin API). Errors when no source is
+    /// configured.
+    pub async fn reload_config(&self) -> Result<ReloadOutcome> {
+        let a = self.inner.config_actor.as_ref().ok_or_else(|| {
+            EngineError::InvalidRequest(
+                "no sensitive_layers source is configured (--sensitive-layers)".into(),
+            )
+        })?;
+        a.send(ReloadNow).await.map_err(|_| EngineError::Stopped)
+    }
+
+    /// The hot-reload state: md5 in force, counters, live thresholds and residencies.
+    pub fn config_status(&self) -> ConfigStatus {
+        self.inner
+            .config_status
+            .lock()
+            .map(|s| s.clone())
+            .unwrap_or_default()
+    }
+
+    /// Configuration changes (applied / rejected) from now on.
+    pub fn subscribe_config_events(&self) -> tokio::sync::broadcast::Receiver<ConfigEvent> {
+        self.inner.events.subscribe_config()
     }
 
     pub fn info(&self) -> &ModelInfo {

@@ -1,18 +1,32 @@
 //! Where fallback events go. `EventSink` is the seam: today an in-process broadcast
 //! channel and the structured log; the durable Kafka sink (with its outbox) plugs in here.
 
-use quantmesh_shared::{FallbackEvent, Granularity};
+use quantmesh_shared::{ConfigAction, ConfigEvent, FallbackEvent, Granularity};
 use tokio::sync::broadcast;
 
 pub trait EventSink: Send + Sync {
     /// Publish one event. Must not block the caller (the monitor).
     fn publish(&self, ev: &FallbackEvent);
+    /// Publish a configuration change (hot reload applied / rejected). Must not block.
+    fn publish_config(&self, ev: &ConfigEvent);
 }
 
 /// Every event as one structured log line (target `quantmesh::fallback`).
 pub struct LogSink;
 
 impl EventSink for LogSink {
+    fn publish_config(&self, ev: &ConfigEvent) {
+        let json = serde_json::to_string(ev).unwrap_or_default();
+        match ev.action {
+            ConfigAction::Applied => {
+                tracing::info!(target: "quantmesh::config", md5 = %ev.md5, source = %ev.source, event = %json, "config event")
+            }
+            ConfigAction::Rejected | ConfigAction::Failed => {
+                tracing::error!(target: "quantmesh::config", md5 = %ev.md5, source = %ev.source, error = ?ev.error, event = %json, "config event")
+            }
+        }
+    }
+
     fn publish(&self, ev: &FallbackEvent) {
         let json = serde_json::to_string(ev).unwrap_or_default();
         // Per-token decisions can be many per second: debug level; the rest at info.
@@ -29,17 +43,23 @@ impl EventSink for LogSink {
 #[derive(Clone)]
 pub struct ChannelSink {
     tx: broadcast::Sender<FallbackEvent>,
+    config_tx: broadcast::Sender<ConfigEvent>,
 }
 
 impl ChannelSink {
     pub fn new(capacity: usize) -> Self {
         Self {
             tx: broadcast::channel(capacity.max(1)).0,
+            config_tx: broadcast::channel(64).0,
         }
     }
 
     pub fn subscribe(&self) -> broadcast::Receiver<FallbackEvent> {
         self.tx.subscribe()
+    }
+
+    pub fn subscribe_config(&self) -> broadcast::Receiver<ConfigEvent> {
+        self.config_tx.subscribe()
     }
 }
 
@@ -47,5 +67,9 @@ impl EventSink for ChannelSink {
     fn publish(&self, ev: &FallbackEvent) {
         // No subscriber is not an error.
         let _ = self.tx.send(ev.clone());
+    }
+
+    fn publish_config(&self, ev: &ConfigEvent) {
+        let _ = self.config_tx.send(ev.clone());
     }
 }

@@ -29,6 +29,8 @@ pub mod mask;
 pub mod messages;
 pub mod model;
 pub mod monitor;
+pub mod plan;
+pub mod reload;
 pub mod sampling;
 pub mod scheduler;
 pub mod stats;

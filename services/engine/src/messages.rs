@@ -62,3 +62,18 @@ pub struct ForceGroup {
     pub group: quantmesh_shared::GroupId,
     pub mode: crate::monitor::ForceMode,
 }
+
+/// Config actor → executor: replace these linear groups (built in the background) between
+/// two steps. Replies with the resident weight bytes after the swap (all, linear groups).
+#[derive(Message)]
+#[rtype(result = "Result<(usize, usize), EngineError>")]
+pub struct SwapGroups(pub Vec<(quantmesh_shared::GroupId, crate::linear::DualLinear)>);
+
+/// Config actor → monitor: new thresholds and residencies (hot reload).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Reconfigure {
+    pub config: crate::monitor::MonitorConfig,
+    pub residencies: Vec<(quantmesh_shared::GroupId, quantmesh_shared::Residency)>,
+    pub md5: Option<String>,
+}

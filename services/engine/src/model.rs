@@ -243,6 +243,52 @@ pub fn kl_logits(p_logits: &[f32], q_logits: &[f32]) -> f64 {
         .sum()
 }
 
+/// The checkpoint shapes `[out, in]` of a group's members, in `GroupKind::members` order.
+pub fn member_shapes(cfg: &ModelConfig, kind: GroupKind) -> Vec<[usize; 2]> {
+    let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+    let (hd, nh, nkv) = (cfg.head_dim(), cfg.num_attention_heads, cfg.num_kv_heads());
+    match kind {
+        GroupKind::Qkv => vec![[nh * hd, h], [nkv * hd, h], [nkv * hd, h]],
+        GroupKind::O => vec![[h, nh * hd]],
+        GroupKind::GateUp => vec![[i, h], [i, h]],
+        GroupKind::Down => vec![[h, i]],
+    }
+}
+
+/// Load one fused linear group from the checkpoint with the given residency. Used at model
+/// load and, in the background, when a hot reload changes a group's residency.
+pub fn load_group(
+    ck: &Checkpoint,
+    cfg: &ModelConfig,
+    g: GroupId,
+    residency: Residency,
+) -> Result<DualLinear> {
+    let p = format!("model.layers.{}.", g.layer);
+    let members = g.kind.members();
+    let shapes = member_shapes(cfg, g.kind);
+    let bias_name = |m: &str| format!("{p}{m}.bias");
+    let with_bias = (g.kind == GroupKind::Qkv && cfg.has_qkv_bias())
+        || members.iter().any(|m| ck.contains(&bias_name(m)));
+    let mut ws = Vec::with_capacity(members.len());
+    let mut bs = Vec::new();
+    for (member, shape) in members.iter().zip(&shapes) {
+        ws.push(ck.load_f32_shaped(&format!("{p}{member}.weight"), shape)?);
+        if with_bias {
+            // Engines cannot mix biased and unbiased members in a fused group: a missing
+            // member bias is reported as a checkpoint error.
+            bs.push(ck.load_f32_shaped(&bias_name(member), &[shape[0]])?);
+        }
+    }
+    let w = Tensor::cat(&ws, 0)?;
+    drop(ws);
+    let b = if bs.is_empty() {
+        None
+    } else {
+        Some(Tensor::cat(&bs, 0)?)
+    };
+    DualLinear::new(w, b, residency)
+}
+
 struct Layer {
     input_norm: Tensor,
     post_norm: Tensor,
@@ -284,9 +330,17 @@ impl LlamaModel {
         cfg: &ModelConfig,
         residency: &dyn Fn(GroupId) -> Residency,
     ) -> Result<Self> {
-        let ck = Checkpoint::open(dir)?;
-        let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
-        let (hd, nh, nkv) = (cfg.head_dim(), cfg.num_attention_heads, cfg.num_kv_heads());
+        Self::load_from(&Checkpoint::open(dir)?, cfg, residency)
+    }
+
+    /// Load from an opened checkpoint.
+    pub fn load_from(
+        ck: &Checkpoint,
+        cfg: &ModelConfig,
+        residency: &dyn Fn(GroupId) -> Residency,
+    ) -> Result<Self> {
+        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
+        let hd = cfg.head_dim();
         let embed = ck.load_f32_shaped("model.embed_tokens.weight", &[v, h])?;
         let norm = ck.load_f32_shaped("model.norm.weight", &[h])?;
         let lm_head = if ck.contains("lm_head.weight") && !cfg.tie_word_embeddings {
@@ -297,36 +351,14 @@ impl LlamaModel {
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for l in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{l}.");
-            let load_group = |kind: GroupKind, shapes: &[[usize; 2]]| -> Result<DualLinear> {
-                let members = kind.members();
-                let bias_name = |m: &str| format!("{p}{m}.bias");
-                let with_bias = (kind == GroupKind::Qkv && cfg.has_qkv_bias())
-                    || members.iter().any(|m| ck.contains(&bias_name(m)));
-                let mut ws = Vec::with_capacity(members.len());
-                let mut bs = Vec::new();
-                for (member, shape) in members.iter().zip(shapes) {
-                    ws.push(ck.load_f32_shaped(&format!("{p}{member}.weight"), shape)?);
-                    if with_bias {
-                        // Engines cannot mix biased and unbiased members in a fused group:
-                        // a missing member bias is reported as a checkpoint error.
-                        bs.push(ck.load_f32_shaped(&bias_name(member), &[shape[0]])?);
-                    }
-                }
-                let w = Tensor::cat(&ws, 0)?;
-                let b = if bs.is_empty() {
-                    None
-                } else {
-                    Some(Tensor::cat(&bs, 0)?)
-                };
-                DualLinear::new(w, b, residency(GroupId::new(l, kind)))
+            let group = |kind| {
+                let g = GroupId::new(l, kind);
+                load_group(ck, cfg, g, residency(g))
             };
-            let qkv = load_group(
-                GroupKind::Qkv,
-                &[[nh * hd, h], [nkv * hd, h], [nkv * hd, h]],
-            )?;
-            let o = load_group(GroupKind::O, &[[h, nh * hd]])?;
-            let gate_up = load_group(GroupKind::GateUp, &[[i, h], [i, h]])?;
-            let down = load_group(GroupKind::Down, &[[h, i]])?;
+            let qkv = group(GroupKind::Qkv)?;
+            let o = group(GroupKind::O)?;
+            let gate_up = group(GroupKind::GateUp)?;
+            let down = group(GroupKind::Down)?;
             layers.push(Layer {
                 input_norm: ck.load_f32_shaped(&format!("{p}input_layernorm.weight"), &[h])?,
                 post_norm: ck
@@ -362,6 +394,34 @@ impl LlamaModel {
 
     pub fn residency(&self, g: GroupId) -> Residency {
         self.layers[g.layer].groups[g.kind.index()].residency()
+    }
+
+    /// Whether `new` can replace group `g` (the group exists, same shape).
+    pub fn check_replacement(&self, g: GroupId, new: &DualLinear) -> Result<()> {
+        let slot = self
+            .layers
+            .get(g.layer)
+            .map(|l| &l.groups[g.kind.index()])
+            .ok_or_else(|| EngineError::Config(format!("no group {g} in this model")))?;
+        if (slot.out_dim(), slot.in_dim()) != (new.out_dim(), new.in_dim()) {
+            return Err(EngineError::Config(format!(
+                "replacement for {g} has shape [{}, {}], expected [{}, {}]",
+                new.out_dim(),
+                new.in_dim(),
+                slot.out_dim(),
+                slot.in_dim()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Put a group built by [`load_group`] in place; returns the one it replaces (drop it
+    /// to free its memory). Called by the executor between steps, so a step never sees a
+    /// half-applied plan.
+    pub fn replace_group(&mut self, g: GroupId, new: DualLinear) -> Result<DualLinear> {
+        self.check_replacement(g, &new)?;
+        let slot = &mut self.layers[g.layer].groups[g.kind.index()];
+        Ok(std::mem::replace(slot, new))
     }
 
     /// Bytes of resident linear-group weights (the part the precision plan changes).

@@ -83,6 +83,8 @@ pub struct MonitorConfig {
 pub struct GroupOverride {
     pub k: Option<f64>,
     pub trigger_rate: Option<f64>,
+    /// Input channels this group's statistic ignores (from `sensitive_layers.json`).
+    pub massive_channels: Vec<usize>,
 }
 
 impl Default for MonitorConfig {
@@ -138,7 +140,10 @@ struct GroupState {
     argmax_counts: HashMap<u32, u32>,
     learn_rows: usize,
     warm: Vec<f32>,
+    /// Channels left out of the statistic: configured ∪ learned, sorted.
     excluded: Vec<usize>,
+    /// Massive channels learned during warm-up (kept across reconfigurations).
+    learned: Vec<usize>,
     ready: bool,
     mean: f64,
     var: f64,
@@ -221,6 +226,33 @@ fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
+/// Channels excluded by configuration: the global list for groups reading the residual
+/// stream, plus the group's own list.
+fn configured_channels(cfg: &MonitorConfig, g: GroupId) -> Vec<usize> {
+    let residual_input = matches!(
+        g.kind,
+        quantmesh_shared::GroupKind::Qkv | quantmesh_shared::GroupKind::GateUp
+    );
+    let mut v = if residual_input {
+        cfg.massive_channels.clone()
+    } else {
+        Vec::new()
+    };
+    if let Some(o) = cfg.overrides.get(&g.to_string()) {
+        v.extend(&o.massive_channels);
+    }
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+fn union(a: &[usize], b: &[usize]) -> Vec<usize> {
+    let mut v: Vec<usize> = a.iter().chain(b).copied().collect();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
 fn median(v: &mut [f32]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     if v.is_empty() {
@@ -244,13 +276,7 @@ impl Monitor {
                     g.kind,
                     quantmesh_shared::GroupKind::Qkv | quantmesh_shared::GroupKind::GateUp
                 );
-                let mut excluded = if residual_input {
-                    cfg.massive_channels.clone()
-                } else {
-                    Vec::new()
-                };
-                excluded.sort_unstable();
-                excluded.dedup();
+                let excluded = configured_channels(&cfg, *g);
                 (
                     *g,
                     GroupState {
@@ -262,6 +288,7 @@ impl Monitor {
                         learn_rows: 0,
                         warm: Vec::new(),
                         excluded,
+                        learned: Vec::new(),
                         ready: false,
                         mean: 0.0,
                         var: 0.0,
@@ -293,6 +320,38 @@ impl Monitor {
 
     pub fn config(&self) -> &MonitorConfig {
         &self.cfg
+    }
+
+    /// Hot reload: new thresholds and residencies. Learned state (running statistics,
+    /// learned channels, modes) is kept. `k` applies from the next observation, the
+    /// trigger rate and window size at the next window end; a group that lost its float
+    /// copy leaves fallback and is marked "wanted, unavailable".
+    pub fn reconfigure(
+        &mut self,
+        cfg: MonitorConfig,
+        residencies: &[(GroupId, Residency)],
+        config_md5: Option<String>,
+    ) {
+        for (g, r) in residencies {
+            if let Some(s) = self.groups.get_mut(g) {
+                if s.residency.has_float() && !r.has_float() && s.in_float() {
+                    s.mode = GroupMode::Int8;
+                    s.wanted_unavailable = true;
+                }
+                s.residency = *r;
+            }
+        }
+        for (g, s) in self.groups.iter_mut() {
+            let o = cfg.overrides.get(&g.to_string()).cloned().unwrap_or_default();
+            s.k = o.k.unwrap_or(cfg.k);
+            s.trigger = o.trigger_rate.unwrap_or(cfg.trigger_rate);
+            s.excluded = union(&configured_channels(&cfg, *g), &s.learned);
+            if s.ready {
+                s.token_bound = s.bound(cfg.token_k) as f32;
+            }
+        }
+        self.cfg = cfg;
+        self.config_md5 = config_md5;
     }
 
     fn event(
@@ -406,9 +465,9 @@ impl Monitor {
                             if !s.residual_input {
                                 learned.clear();
                             }
-                            s.excluded.extend(learned);
-                            s.excluded.sort_unstable();
-                            s.excluded.dedup();
+                            learned.sort_unstable();
+                            s.learned = learned;
+                            s.excluded = union(&s.excluded, &s.learned);
                         }
                         // Rows seen while learning were measured without exclusions.
                         continue;

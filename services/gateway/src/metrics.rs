@@ -7,6 +7,7 @@ use prometheus::{
     IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
 };
 use quantmesh_engine::monitor::{GroupMode, MonitorReport};
+use quantmesh_engine::reload::ConfigStatus;
 use quantmesh_engine::EngineStats;
 use std::sync::Mutex;
 
@@ -51,6 +52,11 @@ pub struct Metrics {
     mask_check_seconds: Counter,
     batch_recomputes: IntCounter,
     monitor_dropped: IntCounter,
+    config_info: GaugeVec,
+    config_reloads: IntCounterVec,
+    config_polls: IntCounter,
+    config_apply_seconds: Gauge,
+    config_applied_at: Gauge,
     /// Last engine counters seen, to turn snapshots into counter increments.
     last: Mutex<EngineStats>,
 }
@@ -198,6 +204,32 @@ impl Metrics {
                 "quantmesh_monitor_observations_dropped_total",
                 "Step observations the monitor's full mailbox did not take.",
             )))),
+            config_info: must(GaugeVec::new(
+                label(Opts::new(
+                    "quantmesh_config_info",
+                    "1 for the sensitive_layers.json version in force (md5 \"none\" when none is loaded).",
+                )),
+                &["md5"],
+            )),
+            config_reloads: must(IntCounterVec::new(
+                label(Opts::new(
+                    "quantmesh_config_reloads_total",
+                    "sensitive_layers.json reload attempts that found a new version, by result (applied, rejected, failed, fetch_error).",
+                )),
+                &["result"],
+            )),
+            config_polls: must(IntCounter::with_opts(label(Opts::new(
+                "quantmesh_config_polls_total",
+                "Polls of the sensitive_layers.json source.",
+            )))),
+            config_apply_seconds: must(Gauge::with_opts(label(Opts::new(
+                "quantmesh_config_last_apply_seconds",
+                "Seconds from reading the last applied version to its plan being in force.",
+            )))),
+            config_applied_at: must(Gauge::with_opts(label(Opts::new(
+                "quantmesh_config_applied_timestamp_seconds",
+                "Unix time the version in force was applied.",
+            )))),
             last: Mutex::new(EngineStats::default()),
             registry,
         };
@@ -236,7 +268,37 @@ impl Metrics {
         must(r.register(Box::new(m.mask_check_seconds.clone())));
         must(r.register(Box::new(m.batch_recomputes.clone())));
         must(r.register(Box::new(m.monitor_dropped.clone())));
+        must(r.register(Box::new(m.config_info.clone())));
+        must(r.register(Box::new(m.config_reloads.clone())));
+        must(r.register(Box::new(m.config_polls.clone())));
+        must(r.register(Box::new(m.config_apply_seconds.clone())));
+        must(r.register(Box::new(m.config_applied_at.clone())));
         m
+    }
+
+    /// Refresh the hot-reload series from the config actor's status.
+    pub fn observe_config(&self, st: &ConfigStatus) {
+        self.config_info.reset();
+        self.config_info
+            .with_label_values(&[st.md5.as_deref().unwrap_or("none")])
+            .set(1.0);
+        for (result, n) in [
+            ("applied", st.applied_total),
+            ("rejected", st.rejected_total),
+            ("failed", st.failed_total),
+            ("fetch_error", st.fetch_errors_total),
+        ] {
+            let c = self.config_reloads.with_label_values(&[result]);
+            c.inc_by(n.saturating_sub(c.get()));
+        }
+        self.config_polls
+            .inc_by(st.polls.saturating_sub(self.config_polls.get()));
+        if let Some(s) = st.last_apply_seconds {
+            self.config_apply_seconds.set(s);
+        }
+        if let Some(ms) = st.applied_at_ms {
+            self.config_applied_at.set(ms as f64 / 1000.0);
+        }
     }
 
     /// Refresh the monitor's series from its report and the new shadow-KL samples.

@@ -6,7 +6,9 @@ use crate::state::AppState;
 use actix_web::{web, HttpRequest, HttpResponse};
 use bytes::Bytes;
 use futures::StreamExt;
+use actix_web::http::StatusCode;
 use quantmesh_engine::monitor::ForceMode;
+use quantmesh_engine::reload::ReloadOutcome;
 use quantmesh_engine::{Generation, GenerationEvent};
 use quantmesh_shared::{FinishReason, GroupId, SamplingParams};
 use serde_json::json;
@@ -23,6 +25,8 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
         .route("/admin/mask", web::get().to(get_mask))
         .route("/admin/fallback", web::get().to(get_fallback))
         .route("/admin/fallback", web::post().to(set_fallback))
+        .route("/admin/config", web::get().to(get_config))
+        .route("/admin/config/reload", web::post().to(reload_config))
         .default_service(web::to(not_found));
 }
 
@@ -49,6 +53,7 @@ async fn metrics(state: web::Data<AppState>) -> HttpResponse {
         state
             .metrics
             .observe_monitor(e.monitor_report().as_ref(), &e.drain_shadow_kl());
+        state.metrics.observe_config(&e.config_status());
     }
     let in_flight = state
         .server
@@ -561,4 +566,28 @@ async fn set_fallback(
     }
     engine.force_group(group, b.mode).await?;
     Ok(HttpResponse::Ok().json(json!({"group": group.to_string(), "mode": b.mode})))
+}
+
+/// The hot-reload state: source, md5 in force, counters, live thresholds and residencies.
+async fn get_config(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    check_admin(&req, &state)?;
+    Ok(HttpResponse::Ok().json(state.engine()?.config_status()))
+}
+
+/// Reload sensitive_layers.json now. 200 applied/unchanged, 422 rejected (the old version
+/// stays), 502 source unreadable, 500 valid but could not be applied.
+async fn reload_config(
+    req: HttpRequest,
+    state: web::Data<AppState>,
+) -> Result<HttpResponse, ApiError> {
+    check_admin(&req, &state)?;
+    let outcome = state.engine()?.reload_config().await?;
+    let status = match &outcome {
+        ReloadOutcome::Applied { .. } | ReloadOutcome::Unchanged { .. } => StatusCode::OK,
+        ReloadOutcome::Rejected { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+        ReloadOutcome::FetchFailed { .. } => StatusCode::BAD_GATEWAY,
+        ReloadOutcome::Failed { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+        ReloadOutcome::Settling | ReloadOutcome::Busy => StatusCode::CONFLICT,
+    };
+    Ok(HttpResponse::build(status).json(outcome))
 }

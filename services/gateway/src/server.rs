@@ -161,6 +161,10 @@ pub async fn run_embedded(
         }
     };
     state.set_engine(engine.clone());
+    #[cfg(unix)]
+    if settings.engine.sensitive_layers.is_some() {
+        actix_rt::spawn(reload_on_sighup(engine.clone()));
+    }
     tracing::info!(model = %settings.model.name, "ready: POST http://{addr}/v1/completions");
 
     shutdown.await;
@@ -177,6 +181,26 @@ pub async fn run_embedded(
     let _ = server_task.await;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// SIGHUP reloads sensitive_layers.json at once (like nginx or Prometheus).
+#[cfg(unix)]
+async fn reload_on_sighup(engine: Engine) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut hup = match signal(SignalKind::hangup()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot listen for SIGHUP");
+            return;
+        }
+    };
+    while hup.recv().await.is_some() {
+        tracing::info!("SIGHUP received: reloading sensitive_layers.json");
+        match engine.reload_config().await {
+            Ok(outcome) => tracing::info!(?outcome, "reload finished"),
+            Err(e) => tracing::error!(error = %e, "reload failed"),
+        }
+    }
 }
 
 /// Resolves on SIGINT or SIGTERM.

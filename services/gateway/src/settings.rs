@@ -193,6 +193,16 @@ impl Settings {
         if let Some(v) = get("QUANTMESH_ADMIN_TOKEN") {
             self.server.admin_token = Some(v).filter(|t| !t.is_empty());
         }
+        if let Some(v) = get("QUANTMESH_SENSITIVE_LAYERS") {
+            self.engine.sensitive_layers = Some(v).filter(|v| !v.is_empty());
+        }
+        if let Some(v) = get("QUANTMESH_RELOAD_INTERVAL") {
+            self.engine.reload_interval =
+                humantime::parse_duration(&v).map_err(|e| SettingsError::Env {
+                    var: "QUANTMESH_RELOAD_INTERVAL".into(),
+                    message: e.to_string(),
+                })?;
+        }
         if let Some(v) = get("QUANTMESH_LOG_LEVEL") {
             self.log.level = v;
         }
@@ -301,6 +311,14 @@ pub struct ServeFlags {
     /// switchable) or float [default: dual].
     #[arg(long)]
     pub residency: Option<quantmesh_shared::Residency>,
+    /// sensitive_layers.json to serve with: a path, or an object-store URL (file://; s3://,
+    /// gs://, az:// in builds with `--features cloud`). Polled for changes and applied
+    /// without restart; SIGHUP or `POST /admin/config/reload` reloads at once.
+    #[arg(long, env = "QUANTMESH_SENSITIVE_LAYERS")]
+    pub sensitive_layers: Option<String>,
+    /// How often to poll --sensitive-layers, e.g. `30s`, `500ms`, `2m` [default: 30s].
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub reload_interval: Option<std::time::Duration>,
     /// Log format [default: text].
     #[arg(long, value_enum)]
     pub log_format: Option<LogFormat>,
@@ -327,6 +345,12 @@ impl ServeFlags {
         }
         if let Some(f) = self.log_format {
             s.log.format = f;
+        }
+        if let Some(p) = &self.sensitive_layers {
+            s.engine.sensitive_layers = Some(p.clone());
+        }
+        if let Some(i) = self.reload_interval {
+            s.engine.reload_interval = i;
         }
         s.validate()?;
         Ok(s)

@@ -1,0 +1,419 @@
+//! Config hot reload: the `ConfigActor` polls the `sensitive_layers.json` source, and on a
+//! new version (md5 of its bytes) validates it against the loaded model and applies it with
+//! no restart.
+//!
+//! ```text
+//!  ConfigActor ──(timer: Poll, or ReloadNow from SIGHUP / POST /admin/config/reload)
+//!     │  read source (object_store) → md5 → unchanged? done
+//!     │  parse + validate (schema v1, against the model's layout) → invalid? keep old, count, event
+//!     │  resolve plan → groups whose residency changes
+//!     ├─ background thread: load those groups from the memory-mapped checkpoint
+//!     │  (float copy read / INT8 quantized) ── nothing is swapped until all are ready
+//!     ├─ SwapGroups ──▶ ExecutorActor   (between two steps: a step sees the old plan or the new)
+//!     ├─ Reconfigure ─▶ MonitorActor    (thresholds; k at once, rates at the next window)
+//!     └─ status (md5 in force, counters) + ConfigEvent to the event sinks
+//! ```
+//!
+//! Reloads are serialized. A poll that finds a reload in progress skips its turn. A poll
+//! that sees new bytes re-reads them after a short settle time (a quarter of the interval,
+//! at most 250 ms) and skips its turn if they changed meanwhile (a writer is still busy);
+//! a half-written file that stays half-written fails validation and is rejected.
+
+use crate::actors::{ExecutorActor, MonitorActor};
+use crate::checkpoint::Checkpoint;
+use crate::config::{EngineConfig, ModelConfig};
+use crate::error::{EngineError, Result};
+use crate::events::EventSink;
+use crate::linear::DualLinear;
+use crate::messages::{Reconfigure, SwapGroups};
+use crate::model::load_group;
+use crate::plan::{resolve, LivePlan};
+use crate::stats::StatsCell;
+use actix::prelude::*;
+use quantmesh_shared::{
+    ConfigAction, ConfigEvent, GroupId, ModelShape, Residency, SensitiveLayers,
+    CONFIG_EVENT_SCHEMA_VERSION,
+};
+use quantmesh_store::Location;
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// What started a reload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Trigger {
+    Poll,
+    /// SIGHUP or the admin API.
+    Manual,
+}
+
+/// The result of one reload attempt.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "result", rename_all = "snake_case")]
+pub enum ReloadOutcome {
+    Applied {
+        md5: String,
+        changed_groups: Vec<String>,
+        /// From reading the source to the new plan in force.
+        seconds: f64,
+    },
+    Unchanged {
+        md5: String,
+    },
+    Rejected {
+        md5: String,
+        error: String,
+    },
+    /// Valid, but applying it failed (checkpoint unreadable, engine stopping).
+    Failed {
+        md5: String,
+        error: String,
+    },
+    /// The source could not be read; the plan in force stays.
+    FetchFailed {
+        error: String,
+    },
+    /// The bytes changed while being read (a writer is busy): try again next poll.
+    Settling,
+    /// Another reload is running (polls only).
+    Busy,
+}
+
+/// What `/metrics` and `GET /admin/config` show.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ConfigStatus {
+    pub source: Option<String>,
+    pub interval_ms: u64,
+    /// md5 of the file in force (`None`: none loaded).
+    pub md5: Option<String>,
+    /// Unix ms when it was applied.
+    pub applied_at_ms: Option<u64>,
+    pub polls: u64,
+    pub applied_total: u64,
+    pub rejected_total: u64,
+    pub failed_total: u64,
+    pub fetch_errors_total: u64,
+    pub last_error: Option<String>,
+    /// Seconds from read to applied, for the last applied version.
+    pub last_apply_seconds: Option<f64>,
+    /// Live thresholds and residencies (the plan in force).
+    pub k: f64,
+    pub trigger_rate: f64,
+    pub window_requests: usize,
+    pub residency: BTreeMap<String, Residency>,
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Everything a reload needs; shared by the actor and its futures.
+pub struct Reloader {
+    pub source: Location,
+    pub interval: Duration,
+    pub base: EngineConfig,
+    pub model_dir: PathBuf,
+    pub model_config: ModelConfig,
+    pub shape: ModelShape,
+    pub model_name: String,
+    pub executor: Addr<ExecutorActor>,
+    pub monitor: Option<Addr<MonitorActor>>,
+    pub stats: StatsCell,
+    pub sinks: Vec<Arc<dyn EventSink>>,
+    pub status: Arc<Mutex<ConfigStatus>>,
+    /// The plan in force and the last rejected md5. Held for the whole of a reload, which
+    /// serializes them.
+    state: tokio::sync::Mutex<ReloadState>,
+}
+
+struct ReloadState {
+    live: LivePlan,
+    rejected: Option<(String, String)>,
+}
+
+/// Read the source and validate its bytes (start-up and reload share this).
+pub async fn fetch_plan(
+    source: &Location,
+    shape: &ModelShape,
+) -> Result<(quantmesh_shared::ValidatedPlan, String)> {
+    let bytes = source
+        .read()
+        .await
+        .map_err(|e| EngineError::Config(e.to_string()))?;
+    let md5 = format!("{:x}", md5::compute(&bytes));
+    let plan = SensitiveLayers::parse_for(&bytes, shape)
+        .map_err(|e| EngineError::Config(format!("{source}: {e}")))?;
+    Ok((plan, md5))
+}
+
+impl Reloader {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        source: Location,
+        base: EngineConfig,
+        model_dir: PathBuf,
+        model_config: ModelConfig,
+        shape: ModelShape,
+        model_name: String,
+        live: LivePlan,
+        executor: Addr<ExecutorActor>,
+        monitor: Option<Addr<MonitorActor>>,
+        stats: StatsCell,
+        sinks: Vec<Arc<dyn EventSink>>,
+        status: Arc<Mutex<ConfigStatus>>,
+    ) -> Self {
+        let interval = base.reload_interval;
+        let r = Self {
+            source,
+            interval,
+            base,
+            model_dir,
+            model_config,
+            shape,
+            model_name,
+            executor,
+            monitor,
+            stats,
+            sinks,
+            status,
+            state: tokio::sync::Mutex::new(ReloadState {
+                live: live.clone(),
+                rejected: None,
+            }),
+        };
+        r.update_status(|s| {
+            s.source = Some(r.source.to_string());
+            s.interval_ms = interval.as_millis() as u64;
+            s.applied_at_ms = live.md5.as_ref().map(|_| now_ms());
+            describe(s, &live);
+        });
+        r
+    }
+
+    fn update_status(&self, f: impl FnOnce(&mut ConfigStatus)) {
+        if let Ok(mut s) = self.status.lock() {
+            f(&mut s);
+        }
+    }
+
+    fn event(
+        &self,
+        action: ConfigAction,
+        md5: &str,
+        previous: Option<String>,
+        error: Option<String>,
+        changed: Vec<String>,
+    ) {
+        let ev = ConfigEvent {
+            schema_version: CONFIG_EVENT_SCHEMA_VERSION,
+            event_id: uuid::Uuid::new_v4().to_string(),
+            timestamp_ms: now_ms(),
+            model: self.model_name.clone(),
+            action,
+            source: self.source.to_string(),
+            md5: md5.to_string(),
+            previous_md5: previous,
+            error,
+            changed_groups: changed,
+        };
+        for s in &self.sinks {
+            s.publish_config(&ev);
+        }
+    }
+
+    /// One reload attempt. Never panics, never leaves a half-applied plan.
+    pub async fn reload(&self, trigger: Trigger) -> ReloadOutcome {
+        let mut state = match trigger {
+            Trigger::Poll => match self.state.try_lock() {
+                Ok(s) => s,
+                Err(_) => return ReloadOutcome::Busy,
+            },
+            Trigger::Manual => self.state.lock().await,
+        };
+        if trigger == Trigger::Poll {
+            self.update_status(|s| s.polls += 1);
+        }
+        let t0 = Instant::now();
+        let bytes = match self.source.read().await {
+            Ok(b) => b,
+            Err(e) => {
+                let error = e.to_string();
+                tracing::warn!(source = %self.source, %error, "config source unreadable; keeping the plan in force");
+                self.update_status(|s| {
+                    s.fetch_errors_total += 1;
+                    s.last_error = Some(error.clone());
+                });
+                return ReloadOutcome::FetchFailed { error };
+            }
+        };
+        let md5 = format!("{:x}", md5::compute(&bytes));
+        if state.live.md5.as_deref() == Some(md5.as_str()) {
+            return ReloadOutcome::Unchanged { md5 };
+        }
+        if let Some((bad, error)) = &state.rejected {
+            if *bad == md5 {
+                // Already rejected (and counted, logged, evented) once.
+                return ReloadOutcome::Rejected {
+                    md5,
+                    error: error.clone(),
+                };
+            }
+        }
+        if trigger == Trigger::Poll {
+            let settle = (self.interval / 4).min(Duration::from_millis(250));
+            tokio::time::sleep(settle).await;
+            match self.source.read().await {
+                Ok(again) if again == bytes => {}
+                _ => return ReloadOutcome::Settling,
+            }
+        }
+        let previous = state.live.md5.clone();
+        let plan = match SensitiveLayers::parse_for(&bytes, &self.shape) {
+            Ok(p) => p,
+            Err(e) => {
+                let error = e.to_string();
+                tracing::error!(source = %self.source, %md5, %error, "sensitive_layers.json rejected; keeping the plan in force");
+                self.update_status(|s| {
+                    s.rejected_total += 1;
+                    s.last_error = Some(error.clone());
+                });
+                self.event(ConfigAction::Rejected, &md5, previous, Some(error.clone()), vec![]);
+                state.rejected = Some((md5.clone(), error.clone()));
+                return ReloadOutcome::Rejected { md5, error };
+            }
+        };
+        let live = resolve(
+            &self.base,
+            self.model_config.num_hidden_layers,
+            Some((&plan, &md5)),
+        );
+        match self.apply(&state.live, &live).await {
+            Ok(changed) => {
+                let seconds = t0.elapsed().as_secs_f64();
+                let names: Vec<String> = changed.iter().map(|g| g.to_string()).collect();
+                tracing::info!(source = %self.source, %md5, changed_groups = ?names, seconds, "sensitive_layers.json applied");
+                self.update_status(|s| {
+                    s.applied_total += 1;
+                    s.applied_at_ms = Some(now_ms());
+                    s.last_apply_seconds = Some(seconds);
+                    s.last_error = None;
+                    describe(s, &live);
+                });
+                self.event(ConfigAction::Applied, &md5, previous, None, names.clone());
+                state.live = live;
+                state.rejected = None;
+                ReloadOutcome::Applied {
+                    md5,
+                    changed_groups: names,
+                    seconds,
+                }
+            }
+            Err(e) => {
+                let error = e.to_string();
+                tracing::error!(source = %self.source, %md5, %error, "could not apply sensitive_layers.json; keeping the plan in force");
+                self.update_status(|s| {
+                    s.failed_total += 1;
+                    s.last_error = Some(error.clone());
+                });
+                self.event(ConfigAction::Failed, &md5, previous, Some(error.clone()), vec![]);
+                ReloadOutcome::Failed { md5, error }
+            }
+        }
+    }
+
+    /// Build the changed groups off the actors' threads, then swap them in one message and
+    /// reconfigure the monitor. Returns the groups whose residency changed.
+    async fn apply(&self, old: &LivePlan, new: &LivePlan) -> Result<Vec<GroupId>> {
+        let changed: Vec<(GroupId, Residency)> = new
+            .residency
+            .iter()
+            .filter(|(g, r)| old.residency.get(g) != Some(r))
+            .map(|(g, r)| (*g, *r))
+            .collect();
+        if !changed.is_empty() {
+            let dir = self.model_dir.clone();
+            let mcfg = self.model_config.clone();
+            let todo = changed.clone();
+            let built: Vec<(GroupId, DualLinear)> = tokio::task::spawn_blocking(move || {
+                let ck = Checkpoint::open(&dir)?;
+                todo.into_iter()
+                    .map(|(g, r)| load_group(&ck, &mcfg, g, r).map(|l| (g, l)))
+                    .collect::<Result<Vec<_>>>()
+            })
+            .await
+            .map_err(|e| EngineError::Config(format!("group loading task failed: {e}")))??;
+            let (resident, linear) = self
+                .executor
+                .send(SwapGroups(built))
+                .await
+                .map_err(|_| EngineError::Stopped)??;
+            self.stats.update(|s| {
+                s.resident_weight_bytes = resident;
+                s.linear_weight_bytes = linear;
+            });
+        }
+        if let Some(m) = &self.monitor {
+            m.send(Reconfigure {
+                config: new.monitor.clone(),
+                residencies: new.residency.iter().map(|(g, r)| (*g, *r)).collect(),
+                md5: new.md5.clone(),
+            })
+            .await
+            .map_err(|_| EngineError::Stopped)?;
+        }
+        Ok(changed.into_iter().map(|(g, _)| g).collect())
+    }
+}
+
+fn describe(s: &mut ConfigStatus, live: &LivePlan) {
+    s.md5 = live.md5.clone();
+    s.k = live.monitor.k;
+    s.trigger_rate = live.monitor.trigger_rate;
+    s.window_requests = live.monitor.window_requests;
+    s.residency = live
+        .residency
+        .iter()
+        .map(|(g, r)| (g.to_string(), *r))
+        .collect();
+}
+
+/// Polls the source on a timer and answers manual reloads.
+pub struct ConfigActor {
+    pub reloader: Arc<Reloader>,
+}
+
+impl Actor for ConfigActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        ctx.set_mailbox_capacity(16);
+        ctx.run_interval(self.reloader.interval, |act, ctx| {
+            let r = act.reloader.clone();
+            ctx.spawn(
+                async move {
+                    r.reload(Trigger::Poll).await;
+                }
+                .into_actor(act),
+            );
+        });
+    }
+}
+
+/// Reload now (SIGHUP, `POST /admin/config/reload`).
+#[derive(Message)]
+#[rtype(result = "ReloadOutcome")]
+pub struct ReloadNow;
+
+impl Handler<ReloadNow> for ConfigActor {
+    type Result = ResponseFuture<ReloadOutcome>;
+    fn handle(&mut self, _: ReloadNow, _: &mut Self::Context) -> Self::Result {
+        let r = self.reloader.clone();
+        Box::pin(async move { r.reload(Trigger::Manual).await })
+    }
+}
