@@ -9,7 +9,8 @@ pub mod precision;
 pub mod sensitive;
 
 pub use events::{
-    ConfigAction, ConfigEvent, CONFIG_EVENT_SCHEMA_VERSION, FallbackAction, FallbackEvent, FallbackReason, Granularity, FALLBACK_EVENT_SCHEMA_VERSION,
+    ConfigAction, ConfigEvent, FallbackAction, FallbackEvent, FallbackReason, Granularity,
+    CONFIG_EVENT_SCHEMA_VERSION, FALLBACK_EVENT_SCHEMA_VERSION,
 };
 pub use generation::{FinishReason, SamplingError, SamplingParams, Usage};
 pub use precision::{GroupId, GroupKind, PrecisionClass, Residency};

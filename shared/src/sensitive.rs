@@ -238,7 +238,10 @@ impl SensitiveLayers {
     }
 
     /// Parse and validate against a model in one go.
-    pub fn parse_for(bytes: &[u8], shape: &ModelShape) -> Result<ValidatedPlan, SensitiveLayersError> {
+    pub fn parse_for(
+        bytes: &[u8],
+        shape: &ModelShape,
+    ) -> Result<ValidatedPlan, SensitiveLayersError> {
         Self::parse(bytes)?.validate(shape)
     }
 
@@ -277,9 +280,19 @@ impl SensitiveLayers {
             }
         };
         check("thresholds.k", t.k, |v| v > 0.0 && v.is_finite(), "> 0");
-        check("thresholds.token_k", t.token_k, |v| v > 0.0 && v.is_finite(), "> 0");
+        check(
+            "thresholds.token_k",
+            t.token_k,
+            |v| v > 0.0 && v.is_finite(),
+            "> 0",
+        );
         check("thresholds.trigger_rate", t.trigger_rate, unit, "in [0, 1]");
-        check("thresholds.shadow_sample_rate", t.shadow_sample_rate, unit, "in [0, 1]");
+        check(
+            "thresholds.shadow_sample_rate",
+            t.shadow_sample_rate,
+            unit,
+            "in [0, 1]",
+        );
         check(
             "thresholds.request_kl_limit",
             t.request_kl_limit,
@@ -297,7 +310,9 @@ impl SensitiveLayers {
             let g = match key.parse::<GroupId>() {
                 Ok(g) => g,
                 Err(e) => {
-                    errs.push(format!("groups: {e} (fused groups only: q/k/v are `qkv`, gate/up are `gate_up`)"));
+                    errs.push(format!(
+                        "groups: {e} (fused groups only: q/k/v are `qkv`, gate/up are `gate_up`)"
+                    ));
                     continue;
                 }
             };
@@ -320,13 +335,17 @@ impl SensitiveLayers {
                     errs.push(format!("groups.{key}.monitor.k must be > 0"));
                 }
                 if m.trigger_rate.is_some_and(|r| !unit(r)) {
-                    errs.push(format!("groups.{key}.monitor.trigger_rate must be in [0, 1]"));
+                    errs.push(format!(
+                        "groups.{key}.monitor.trigger_rate must be in [0, 1]"
+                    ));
                 }
             }
             if let Some(m) = &entry.metrics {
                 let vals = [m.r, m.energy, m.kl.w8a8, m.kl.w8a8_per_channel, m.kl.w4a16];
                 if vals.iter().any(|v| !v.is_finite() || *v < 0.0) {
-                    errs.push(format!("groups.{key}.metrics: every metric must be finite and >= 0"));
+                    errs.push(format!(
+                        "groups.{key}.metrics: every metric must be finite and >= 0"
+                    ));
                 }
             }
             groups.insert(g, entry.clone());
@@ -414,13 +433,20 @@ mod tests {
             "layers.0.qkv": {"class": "w8a8_per_channel"},
             "layers.1.down": {"class": "w8a8", "residency": "dual"}}}"#;
         let p = SensitiveLayers::parse_for(text.as_bytes(), &shape()).unwrap();
-        let r: Vec<Residency> = p.groups.values().map(GroupEntry::effective_residency).collect();
+        let r: Vec<Residency> = p
+            .groups
+            .values()
+            .map(GroupEntry::effective_residency)
+            .collect();
         assert_eq!(r, vec![Residency::Dual, Residency::Dual]);
     }
 
     #[test]
     fn published_schema_file_is_current() {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/schemas/sensitive_layers.v1.schema.json");
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/schemas/sensitive_layers.v1.schema.json"
+        );
         let want = serde_json::to_string_pretty(&SensitiveLayers::json_schema()).unwrap() + "\n";
         if std::env::var_os("QUANTMESH_UPDATE_SCHEMAS").is_some() {
             std::fs::write(path, &want).unwrap();

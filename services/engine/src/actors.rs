@@ -360,8 +360,7 @@ impl Handler<Observe> for MonitorActor {
 impl Handler<Reconfigure> for MonitorActor {
     type Result = ();
     fn handle(&mut self, msg: Reconfigure, _: &mut Self::Context) {
-        self.core
-            .reconfigure(msg.config, &msg.residencies, msg.md5);
+        self.core.reconfigure(msg.config, &msg.residencies, msg.md5);
         self.publish(Vec::new());
     }
 }

@@ -232,9 +232,11 @@ impl Checkpoint {
             // (page cache) on the next access. No slice into the range is held across this call.
             #[allow(unsafe_code)]
             let _ = unsafe {
-                shard
-                    .mmap
-                    .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, from, to - from)
+                shard.mmap.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    from,
+                    to - from,
+                )
             };
         }
     }

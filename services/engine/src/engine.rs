@@ -2,6 +2,7 @@
 
 use crate::actors::{ExecutorActor, ExecutorState, MonitorActor, SchedulerActor, TokenizerActor};
 use crate::block_manager::{BlockManager, SeqId};
+use crate::checkpoint::Checkpoint;
 use crate::config::{EngineConfig, ModelConfig};
 use crate::error::{EngineError, Result};
 use crate::events::{ChannelSink, EventSink, LogSink};
@@ -9,19 +10,18 @@ use crate::kv_cache::KvCache;
 use crate::mask::MaskHandle;
 use crate::messages::ForceGroup;
 use crate::messages::{ApplyChatTemplate, Cancel, Drain, Encode, Submit};
-use crate::checkpoint::Checkpoint;
 use crate::model::LlamaModel;
+use crate::monitor::{ForceMode, Monitor, MonitorReport};
 use crate::plan::{model_shape, resolve, LivePlan};
 use crate::reload::{ConfigActor, ConfigStatus, ReloadNow, ReloadOutcome, Reloader};
-use quantmesh_shared::{ConfigEvent, ModelShape, SensitiveLayers};
-use quantmesh_store::Location;
-use crate::monitor::{ForceMode, Monitor, MonitorReport};
 use crate::scheduler::{Scheduler, SchedulerLimits, SeqEvent, Sequence, SubmitError};
 use crate::stats::{EngineStats, StatsCell};
 use crate::tokenizer::{ChatMessage, IncrementalDecoder, TextTokenizer};
 use actix::prelude::*;
+use quantmesh_shared::{ConfigEvent, ModelShape, SensitiveLayers};
 use quantmesh_shared::{FallbackEvent, GroupKind};
 use quantmesh_shared::{FinishReason, GroupId, Residency, SamplingParams, Usage};
+use quantmesh_store::Location;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -74,7 +74,11 @@ pub struct LoadedParts {
 /// Load the model and tokenizer (blocking; call off the async reactor). `plan` is the
 /// `sensitive_layers.json` to start with, as bytes; it is validated against the
 /// checkpoint before any weight is loaded.
-pub fn load_parts(model_dir: &Path, cfg: &EngineConfig, plan: Option<&[u8]>) -> Result<LoadedParts> {
+pub fn load_parts(
+    model_dir: &Path,
+    cfg: &EngineConfig,
+    plan: Option<&[u8]>,
+) -> Result<LoadedParts> {
     cfg.validate()?;
     let mcfg = ModelConfig::from_file(&model_dir.join("config.json"))?;
     for key in cfg.group_residency.keys() {
@@ -91,7 +95,10 @@ pub fn load_parts(model_dir: &Path, cfg: &EngineConfig, plan: Option<&[u8]>) -> 
     let validated = match plan {
         Some(bytes) => {
             let md5 = format!("{:x}", md5::compute(bytes));
-            let source = cfg.sensitive_layers.as_deref().unwrap_or("sensitive_layers.json");
+            let source = cfg
+                .sensitive_layers
+                .as_deref()
+                .unwrap_or("sensitive_layers.json");
             let p = SensitiveLayers::parse_for(bytes, &shape)
                 .map_err(|e| EngineError::Config(format!("{source}: {e}")))?;
             Some((p, md5))
@@ -103,7 +110,12 @@ pub fn load_parts(model_dir: &Path, cfg: &EngineConfig, plan: Option<&[u8]>) -> 
         mcfg.num_hidden_layers,
         validated.as_ref().map(|(p, m)| (p, m.as_str())),
     );
-    let residency = |g: GroupId| live.residency.get(&g).copied().unwrap_or(cfg.default_residency);
+    let residency = |g: GroupId| {
+        live.residency
+            .get(&g)
+            .copied()
+            .unwrap_or(cfg.default_residency)
+    };
     let model = LlamaModel::load_from(&ck, &mcfg, &residency)?;
     let tokenizer = TextTokenizer::load(model_dir)?;
     Ok(LoadedParts {
@@ -122,22 +134,24 @@ impl Engine {
     pub async fn start(model_dir: &Path, cfg: EngineConfig, name: &str) -> Result<Engine> {
         let t0 = Instant::now();
         let source = match &cfg.sensitive_layers {
-            Some(spec) => Some(
-                Location::parse(spec).map_err(|e| EngineError::Config(e.to_string()))?,
-            ),
+            Some(spec) => {
+                Some(Location::parse(spec).map_err(|e| EngineError::Config(e.to_string()))?)
+            }
             None => None,
         };
-        let plan_bytes = match &source {
-            Some(src) => Some(src.read().await.map_err(|e| {
-                EngineError::Config(format!("reading sensitive_layers.json: {e}"))
-            })?),
-            None => None,
-        };
+        let plan_bytes =
+            match &source {
+                Some(src) => Some(src.read().await.map_err(|e| {
+                    EngineError::Config(format!("reading sensitive_layers.json: {e}"))
+                })?),
+                None => None,
+            };
         let dir = model_dir.to_path_buf();
         let cfg2 = cfg.clone();
-        let parts = tokio::task::spawn_blocking(move || load_parts(&dir, &cfg2, plan_bytes.as_deref()))
-            .await
-            .map_err(|e| EngineError::Config(format!("model loading task failed: {e}")))??;
+        let parts =
+            tokio::task::spawn_blocking(move || load_parts(&dir, &cfg2, plan_bytes.as_deref()))
+                .await
+                .map_err(|e| EngineError::Config(format!("model loading task failed: {e}")))??;
         let load_seconds = t0.elapsed().as_secs_f64();
         tracing::info!(
             model = name,
@@ -147,7 +161,14 @@ impl Engine {
             sensitive_layers_md5 = ?parts.live.md5,
             "model loaded"
         );
-        Ok(Self::from_parts(parts, cfg, name, model_dir, load_seconds, source))
+        Ok(Self::from_parts(
+            parts,
+            cfg,
+            name,
+            model_dir,
+            load_seconds,
+            source,
+        ))
     }
 
     pub fn from_parts(

@@ -342,7 +342,11 @@ impl Monitor {
             }
         }
         for (g, s) in self.groups.iter_mut() {
-            let o = cfg.overrides.get(&g.to_string()).cloned().unwrap_or_default();
+            let o = cfg
+                .overrides
+                .get(&g.to_string())
+                .cloned()
+                .unwrap_or_default();
             s.k = o.k.unwrap_or(cfg.k);
             s.trigger = o.trigger_rate.unwrap_or(cfg.trigger_rate);
             s.excluded = union(&configured_channels(&cfg, *g), &s.learned);

@@ -121,12 +121,27 @@ mod tests {
         assert_eq!(live.monitor.k, 6.0);
         assert_eq!(live.monitor.window_requests, 10);
         assert_eq!(live.monitor.trigger_rate, base.monitor.trigger_rate);
-        assert_eq!(live.residency[&"layers.1.down".parse().unwrap()], Residency::Float);
-        assert_eq!(live.residency[&"layers.0.qkv".parse().unwrap()], Residency::Int8);
-        assert_eq!(live.residency[&"layers.0.o".parse().unwrap()], Residency::Int8);
-        assert_eq!(live.residency[&"layers.1.o".parse().unwrap()], Residency::Dual);
+        assert_eq!(
+            live.residency[&"layers.1.down".parse().unwrap()],
+            Residency::Float
+        );
+        assert_eq!(
+            live.residency[&"layers.0.qkv".parse().unwrap()],
+            Residency::Int8
+        );
+        assert_eq!(
+            live.residency[&"layers.0.o".parse().unwrap()],
+            Residency::Int8
+        );
+        assert_eq!(
+            live.residency[&"layers.1.o".parse().unwrap()],
+            Residency::Dual
+        );
         assert_eq!(live.monitor.overrides["layers.1.down"].k, Some(9.0));
-        assert_eq!(live.monitor.overrides["layers.0.qkv"].massive_channels, vec![1, 3]);
+        assert_eq!(
+            live.monitor.overrides["layers.0.qkv"].massive_channels,
+            vec![1, 3]
+        );
         // Without a file: the engine's configuration alone.
         let none = resolve(&base, 2, None);
         assert_eq!(none.monitor, base.monitor);

@@ -283,7 +283,13 @@ impl Reloader {
                     s.rejected_total += 1;
                     s.last_error = Some(error.clone());
                 });
-                self.event(ConfigAction::Rejected, &md5, previous, Some(error.clone()), vec![]);
+                self.event(
+                    ConfigAction::Rejected,
+                    &md5,
+                    previous,
+                    Some(error.clone()),
+                    vec![],
+                );
                 state.rejected = Some((md5.clone(), error.clone()));
                 return ReloadOutcome::Rejected { md5, error };
             }
@@ -321,7 +327,13 @@ impl Reloader {
                     s.failed_total += 1;
                     s.last_error = Some(error.clone());
                 });
-                self.event(ConfigAction::Failed, &md5, previous, Some(error.clone()), vec![]);
+                self.event(
+                    ConfigAction::Failed,
+                    &md5,
+                    previous,
+                    Some(error.clone()),
+                    vec![],
+                );
                 ReloadOutcome::Failed { md5, error }
             }
         }

@@ -3,10 +3,10 @@
 use crate::error::{parse_json, ApiError};
 use crate::openai::{ChatRequest, CompletionRequest, SamplingFields, UsageBody};
 use crate::state::AppState;
+use actix_web::http::StatusCode;
 use actix_web::{web, HttpRequest, HttpResponse};
 use bytes::Bytes;
 use futures::StreamExt;
-use actix_web::http::StatusCode;
 use quantmesh_engine::monitor::ForceMode;
 use quantmesh_engine::reload::ReloadOutcome;
 use quantmesh_engine::{Generation, GenerationEvent};
@@ -569,7 +569,10 @@ async fn set_fallback(
 }
 
 /// The hot-reload state: source, md5 in force, counters, live thresholds and residencies.
-async fn get_config(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+async fn get_config(
+    req: HttpRequest,
+    state: web::Data<AppState>,
+) -> Result<HttpResponse, ApiError> {
     check_admin(&req, &state)?;
     Ok(HttpResponse::Ok().json(state.engine()?.config_status()))
 }

@@ -121,9 +121,14 @@ impl Location {
                 let parent: Vec<_> = self.path.parts().collect();
                 let mut target: Vec<object_store::path::PathPart<'_>> =
                     parent[..parent.len().saturating_sub(1)].to_vec();
-                target.extend(ObjPath::parse(&ptr.object).map_err(|e| {
-                    StoreError::Io(self.display.clone(), format!("bad pointer: {e}"))
-                })?.parts().map(|p| p.as_ref().to_string().into()));
+                target.extend(
+                    ObjPath::parse(&ptr.object)
+                        .map_err(|e| {
+                            StoreError::Io(self.display.clone(), format!("bad pointer: {e}"))
+                        })?
+                        .parts()
+                        .map(|p| p.as_ref().to_string().into()),
+                );
                 let target = ObjPath::from_iter(target);
                 self.read_raw(&target).await
             }
@@ -169,7 +174,11 @@ impl VersionedStore {
     }
 
     fn child(&self, rel: &str) -> ObjPath {
-        let mut p: Vec<String> = self.prefix.parts().map(|p| p.as_ref().to_string()).collect();
+        let mut p: Vec<String> = self
+            .prefix
+            .parts()
+            .map(|p| p.as_ref().to_string())
+            .collect();
         p.extend(rel.split('/').map(str::to_string));
         ObjPath::from_iter(p)
     }
@@ -178,7 +187,8 @@ impl VersionedStore {
     /// read-only, before any expensive work.
     pub async fn check_writable(&self) -> Result<(), StoreError> {
         let probe = self.child(&format!(".quantmesh-probe-{}", std::process::id()));
-        let fail = |e: object_store::Error| StoreError::NotWritable(self.display.clone(), e.to_string());
+        let fail =
+            |e: object_store::Error| StoreError::NotWritable(self.display.clone(), e.to_string());
         self.store
             .put(&probe, PutPayload::from_static(b"probe"))
             .await
@@ -247,8 +257,8 @@ mod tests {
         let latest = Location::parse(&b.latest_url).unwrap();
         assert_eq!(&latest.read().await.unwrap()[..], b"{\"v\":2}");
         // A plain local path reads the file itself.
-        let plain = Location::parse(dir.path().join("plans").join(&a.object).to_str().unwrap())
-            .unwrap();
+        let plain =
+            Location::parse(dir.path().join("plans").join(&a.object).to_str().unwrap()).unwrap();
         assert_eq!(&plain.read().await.unwrap()[..], b"{\"v\":1}");
     }
 
@@ -259,7 +269,9 @@ mod tests {
         assert!(matches!(missing.read().await, Err(StoreError::NotFound(_))));
         #[cfg(not(feature = "cloud"))]
         {
-            let e = Location::parse("s3://bucket/x.json").unwrap_err().to_string();
+            let e = Location::parse("s3://bucket/x.json")
+                .unwrap_err()
+                .to_string();
             assert!(e.contains("--features cloud"), "{e}");
         }
         let e = Location::parse("not a scheme://x").unwrap_err();
@@ -273,6 +285,9 @@ mod tests {
         std::fs::write(&file, b"x").unwrap();
         // A prefix under a regular file cannot hold objects.
         let vs = VersionedStore::parse(&format!("file://{}/sub", file.display())).unwrap();
-        assert!(matches!(vs.check_writable().await, Err(StoreError::NotWritable(..))));
+        assert!(matches!(
+            vs.check_writable().await,
+            Err(StoreError::NotWritable(..))
+        ));
     }
 }

@@ -144,3 +144,66 @@ pub fn parse_sse(body: &str) -> (Vec<serde_json::Value>, bool) {
     }
     (out, done)
 }
+
+/// The admin token the helpers below send (set it with `settings.server.admin_token`).
+pub const ADMIN_TOKEN: &str = "admin-test-token";
+
+impl Server {
+    pub async fn admin_get(&self, path: &str) -> serde_json::Value {
+        let r = self
+            .client
+            .get(self.url(path))
+            .bearer_auth(ADMIN_TOKEN)
+            .send()
+            .await
+            .expect("admin request");
+        assert_eq!(r.status(), 200, "GET {path}");
+        r.json().await.expect("admin JSON")
+    }
+
+    pub async fn admin_post(&self, path: &str) -> (u16, serde_json::Value) {
+        let r = self
+            .client
+            .post(self.url(path))
+            .bearer_auth(ADMIN_TOKEN)
+            .send()
+            .await
+            .expect("admin request");
+        let status = r.status().as_u16();
+        (status, r.json().await.expect("admin JSON"))
+    }
+
+    /// The value of `name{label=value}`, if exposed.
+    pub async fn labelled(&self, name: &str, label: &str, value: &str) -> Option<f64> {
+        let scrape = self.metrics().await;
+        scrape
+            .samples
+            .iter()
+            .find(|s| s.metric == name && s.labels.get(label) == Some(value))
+            .and_then(|s| match s.value {
+                prometheus_parse::Value::Gauge(v)
+                | prometheus_parse::Value::Counter(v)
+                | prometheus_parse::Value::Untyped(v) => Some(v),
+                _ => None,
+            })
+    }
+}
+
+/// Poll `f` every 20 ms until it returns `Some`, at most `secs` seconds.
+pub async fn wait_for<T, F, Fut>(secs: u64, what: &str, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = std::time::Instant::now() + Duration::from_secs(secs);
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -1,0 +1,381 @@
+//! Hot reload of sensitive_layers.json through the real embedded server: under streaming
+//! load, with valid, invalid and truncated versions; poll interval; SIGHUP and the admin
+//! route; an object-store `latest` pointer.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::{parse_sse, settings, wait_for, Server, ADMIN_TOKEN};
+use quantmesh_engine::checkpoint::Checkpoint;
+use quantmesh_engine::config::ModelConfig;
+use quantmesh_engine::plan::model_shape;
+use serde_json::{json, Value};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const DOWN: &str = "layers.1.down";
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    model: PathBuf,
+    file: PathBuf,
+    layout_md5: String,
+    dims: (usize, usize, usize),
+}
+
+fn fixture() -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    quantmesh_engine::bundled::init_model(&model, &Default::default()).unwrap();
+    let ck = Checkpoint::open(&model).unwrap();
+    let mcfg = ModelConfig::from_file(&model.join("config.json")).unwrap();
+    let layout_md5 = model_shape(&ck, &mcfg).unwrap().layout_md5;
+    let file = dir.path().join("sensitive_layers.json");
+    Fixture {
+        _dir: dir,
+        model,
+        file,
+        layout_md5,
+        dims: (
+            mcfg.num_hidden_layers,
+            mcfg.hidden_size,
+            mcfg.intermediate_size,
+        ),
+    }
+}
+
+impl Fixture {
+    /// A valid version: threshold k and the class of `layers.1.down`.
+    fn version(&self, k: f64, down_class: &str) -> Vec<u8> {
+        let v = json!({
+            "schema_version": 1,
+            "model": {"num_layers": self.dims.0, "hidden_size": self.dims.1,
+                      "intermediate_size": self.dims.2, "layout_md5": self.layout_md5},
+            "thresholds": {"k": k, "trigger_rate": 0.01},
+            "groups": {DOWN: {"class": down_class, "monitor": {"k": k + 1.0}}}
+        });
+        serde_json::to_vec_pretty(&v).unwrap()
+    }
+
+    fn settings(&self, interval: &str) -> quantmesh_gateway::Settings {
+        let mut s = settings();
+        s.model.dir = self.model.clone();
+        s.engine.sensitive_layers = Some(self.file.display().to_string());
+        s.engine.reload_interval = humantime_parse(interval);
+        s.server.admin_token = Some(ADMIN_TOKEN.into());
+        s
+    }
+}
+
+fn humantime_parse(s: &str) -> Duration {
+    let (n, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap());
+    let n: u64 = n.parse().unwrap();
+    match unit {
+        "ms" => Duration::from_millis(n),
+        "s" => Duration::from_secs(n),
+        _ => panic!("unit"),
+    }
+}
+
+fn md5_hex(b: &[u8]) -> String {
+    format!("{:x}", md5::compute(b))
+}
+
+fn expected_residency(class: &str) -> &'static str {
+    match class {
+        "fp16" => "float",
+        "w8a8_per_channel" => "dual",
+        _ => "int8",
+    }
+}
+
+/// Streams completions until told to stop; counts successes and failures.
+fn spawn_load(
+    base: String,
+    stop: Arc<AtomicBool>,
+    ok: Arc<AtomicU64>,
+    failed: Arc<AtomicU64>,
+) -> actix_rt::task::JoinHandle<()> {
+    actix_rt::spawn(async move {
+        let client = reqwest::Client::new();
+        let mut i = 0u64;
+        while !stop.load(Ordering::Relaxed) {
+            i += 1;
+            let body = json!({"prompt": format!("Hello, world! Tell me {i}."), "max_tokens": 12,
+                              "stream": true, "temperature": 0});
+            let good = match client
+                .post(format!("{base}/v1/completions"))
+                .json(&body)
+                .send()
+                .await
+            {
+                Ok(r) if r.status() == 200 => match r.text().await {
+                    Ok(text) => {
+                        let (chunks, done) = parse_sse(&text);
+                        done && !chunks.is_empty()
+                            && chunks.iter().all(|c| c.get("error").is_none())
+                    }
+                    Err(_) => false,
+                },
+                _ => false,
+            };
+            if good {
+                ok.fetch_add(1, Ordering::Relaxed);
+            } else {
+                failed.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    })
+}
+
+async fn status(s: &Server) -> Value {
+    s.admin_get("/admin/config").await
+}
+
+async fn wait_applied(s: &Server, md5: &str) -> Value {
+    wait_for(20, &format!("md5 {md5} applied"), || async {
+        let st = status(s).await;
+        (st["md5"] == md5).then_some(st)
+    })
+    .await
+}
+
+async fn wait_rejected(s: &Server, before: u64) -> Value {
+    wait_for(20, "a rejection", || async {
+        let st = status(s).await;
+        (st["rejected_total"].as_u64().unwrap() > before).then_some(st)
+    })
+    .await
+}
+
+#[actix_rt::test]
+async fn valid_invalid_and_truncated_versions_under_streaming_load() {
+    let fx = fixture();
+    let first = fx.version(4.0, "w8a8_per_channel");
+    std::fs::write(&fx.file, &first).unwrap();
+    let s = Server::start(fx.settings("100ms")).await;
+    let st = status(&s).await;
+    assert_eq!(
+        st["md5"],
+        md5_hex(&first),
+        "the start-up version is in force"
+    );
+    assert_eq!(st["residency"][DOWN], "dual");
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let ok = Arc::new(AtomicU64::new(0));
+    let failed = Arc::new(AtomicU64::new(0));
+    let load: Vec<_> = (0..4)
+        .map(|_| spawn_load(s.base.clone(), stop.clone(), ok.clone(), failed.clone()))
+        .collect();
+
+    let invalid: [&[u8]; 3] = [
+        br#"{"schema_version": 1, "thresholds": {"k": 4, "trigger": 0.1}}"#,
+        br#"{"schema_version": 1, "groups": {"layers.9.down": {"class": "fp16"}}}"#,
+        br#"{"schema_version": 1, "thresholds": {"trigger_rate": 7}}"#,
+    ];
+    let classes = [
+        "fp16",
+        "w8a8",
+        "w8a8_per_channel",
+        "fp16",
+        "w8a8",
+        "w8a8_per_channel",
+    ];
+    let mut current = first.clone();
+    let mut applied = 0;
+    let mut rejected = 0;
+    for (i, class) in classes.iter().enumerate() {
+        let k = 5.0 + i as f64;
+        let v = fx.version(k, class);
+        // Every third version arrives through a torn write first: half the file, then all.
+        if i % 3 == 2 {
+            let before = status(&s).await["rejected_total"].as_u64().unwrap();
+            std::fs::write(&fx.file, &v[..v.len() / 2]).unwrap();
+            let st = wait_rejected(&s, before).await;
+            rejected += 1;
+            assert_eq!(st["md5"], md5_hex(&current), "a torn write never applies");
+        }
+        std::fs::write(&fx.file, &v).unwrap();
+        let st = wait_applied(&s, &md5_hex(&v)).await;
+        applied += 1;
+        // Never a mixed state: md5, thresholds and residency all come from this version.
+        assert_eq!(st["k"], k);
+        assert_eq!(st["residency"][DOWN], expected_residency(class));
+        let report = s.admin_get("/admin/fallback").await;
+        let down = report["groups"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|g| g["group"] == DOWN)
+            .unwrap()
+            .clone();
+        assert_eq!(down["residency"], expected_residency(class));
+        assert_eq!(
+            down["k"],
+            k + 1.0,
+            "per-group override from the same version"
+        );
+        assert_eq!(
+            s.labelled("quantmesh_config_info", "md5", &md5_hex(&v))
+                .await,
+            Some(1.0),
+            "the md5 gauge follows the version in force"
+        );
+        current = v;
+
+        // Then an invalid one: rejected, the previous version stays.
+        let bad = invalid[i % invalid.len()];
+        let before = st["rejected_total"].as_u64().unwrap();
+        std::fs::write(&fx.file, bad).unwrap();
+        let st = wait_rejected(&s, before).await;
+        rejected += 1;
+        assert_eq!(st["md5"], md5_hex(&current));
+        assert_eq!(st["k"], k);
+        assert!(
+            st["last_error"].as_str().unwrap().contains("rejected")
+                || st["last_error"].as_str().unwrap().contains("not valid")
+        );
+        assert_eq!(
+            s.labelled("quantmesh_config_info", "md5", &md5_hex(&current))
+                .await,
+            Some(1.0)
+        );
+    }
+    stop.store(true, Ordering::Relaxed);
+    for h in load {
+        h.await.unwrap();
+    }
+    let st = status(&s).await;
+    assert_eq!(st["applied_total"], applied);
+    assert_eq!(st["rejected_total"], rejected);
+    assert_eq!(
+        s.labelled("quantmesh_config_reloads_total", "result", "rejected")
+            .await,
+        Some(rejected as f64)
+    );
+    let (ok, failed) = (ok.load(Ordering::Relaxed), failed.load(Ordering::Relaxed));
+    eprintln!(
+        "requests: {ok} ok, {failed} failed; last apply took {}s",
+        st["last_apply_seconds"]
+    );
+    assert_eq!(failed, 0, "zero failed requests during reloads");
+    assert!(ok > 0);
+}
+
+#[actix_rt::test]
+async fn poll_interval_is_honoured_and_manual_reloads_are_immediate() {
+    let fx = fixture();
+    std::fs::write(&fx.file, fx.version(4.0, "w8a8_per_channel")).unwrap();
+    let s = Server::start(fx.settings("1s")).await;
+    // Catch a poll edge, then change the file: the next poll (not a later one) applies it.
+    let polls = status(&s).await["polls"].as_u64().unwrap();
+    let n = wait_for(5, "a poll", || async {
+        let p = status(&s).await["polls"].as_u64().unwrap();
+        (p > polls).then_some(p)
+    })
+    .await;
+    let v = fx.version(6.0, "fp16");
+    let written = Instant::now();
+    std::fs::write(&fx.file, &v).unwrap();
+    let st = wait_applied(&s, &md5_hex(&v)).await;
+    let took = written.elapsed();
+    assert_eq!(
+        st["polls"].as_u64().unwrap(),
+        n + 1,
+        "applied by the first poll after the change"
+    );
+    assert!(
+        took >= Duration::from_millis(20),
+        "not before the settle re-read"
+    );
+    eprintln!("change → applied: {took:?} (interval 1s)");
+    drop(s);
+
+    // A long interval: nothing is seen early; SIGHUP and the admin route reload at once.
+    std::fs::write(&fx.file, fx.version(4.0, "w8a8_per_channel")).unwrap();
+    let s = Server::start(fx.settings("60s")).await;
+    let v = fx.version(7.0, "w8a8");
+    std::fs::write(&fx.file, &v).unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_ne!(
+        status(&s).await["md5"],
+        md5_hex(&v),
+        "no poll before the interval"
+    );
+    let (code, body) = s.admin_post("/admin/config/reload").await;
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(body["result"], "applied");
+    assert_eq!(body["changed_groups"], json!([DOWN]));
+    assert_eq!(status(&s).await["md5"], md5_hex(&v));
+    // Same bytes again: idempotent.
+    let (code, body) = s.admin_post("/admin/config/reload").await;
+    assert_eq!((code, body["result"].as_str()), (200, Some("unchanged")));
+    // Invalid: 422 with the reason, old version kept.
+    std::fs::write(&fx.file, br#"{"schema_version": 1, "extra": true}"#).unwrap();
+    let (code, body) = s.admin_post("/admin/config/reload").await;
+    assert_eq!(code, 422, "{body}");
+    assert!(body["error"].as_str().unwrap().contains("extra"), "{body}");
+    assert_eq!(status(&s).await["md5"], md5_hex(&v));
+    // SIGHUP.
+    let v2 = fx.version(8.0, "fp16");
+    std::fs::write(&fx.file, &v2).unwrap();
+    let pid = std::process::id().to_string();
+    assert!(std::process::Command::new("kill")
+        .args(["-HUP", &pid])
+        .status()
+        .unwrap()
+        .success());
+    wait_applied(&s, &md5_hex(&v2)).await;
+    // Admin auth applies.
+    let r = s
+        .client
+        .post(s.url("/admin/config/reload"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+}
+
+#[actix_rt::test]
+async fn reloads_from_an_object_store_latest_pointer() {
+    let fx = fixture();
+    let prefix = format!("file://{}/plans", fx.file.parent().unwrap().display());
+    let store = quantmesh_store::VersionedStore::parse(&prefix).unwrap();
+    let v1 = fx.version(4.0, "w8a8_per_channel");
+    let p1 = store.publish(v1.clone().into()).await.unwrap();
+    let mut st = fx.settings("100ms");
+    st.engine.sensitive_layers = Some(p1.latest_url.clone());
+    let s = Server::start(st).await;
+    assert_eq!(status(&s).await["md5"], md5_hex(&v1));
+    let v2 = fx.version(9.0, "fp16");
+    let p2 = store.publish(v2.clone().into()).await.unwrap();
+    assert_eq!(p2.md5, md5_hex(&v2));
+    let st = wait_applied(&s, &md5_hex(&v2)).await;
+    assert_eq!(st["residency"][DOWN], "float");
+    assert!(st["source"].as_str().unwrap().ends_with("/plans/latest"));
+}
+
+#[actix_rt::test]
+async fn invalid_file_at_start_up_fails_with_its_name() {
+    let fx = fixture();
+    std::fs::write(
+        &fx.file,
+        br#"{"schema_version": 1, "groups": {"layers.0.mlp": {"class": "fp16"}}}"#,
+    )
+    .unwrap();
+    let mut cfg = quantmesh_engine::EngineConfig::default();
+    cfg.sensitive_layers = Some(fx.file.display().to_string());
+    let err = quantmesh_engine::Engine::start(&fx.model, cfg, "t")
+        .await
+        .err()
+        .expect("start must fail")
+        .to_string();
+    assert!(
+        err.contains("sensitive_layers.json") && err.contains("layers.0.mlp"),
+        "{err}"
+    );
+}
