@@ -202,6 +202,53 @@ impl Checkpoint {
         Ok(format!("{:x}", ctx.finalize()))
     }
 
+    /// Run `f` over a tensor's raw bytes as stored (for content hashing).
+    pub fn with_bytes<R>(&self, name: &str, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
+        let &i = self.index.get(name).ok_or_else(|| {
+            EngineError::checkpoint(self.file_of(name), Some(name), "tensor is missing")
+        })?;
+        let shard = &self.shards[i];
+        let st = shard.tensors()?;
+        let view = st
+            .tensor(name)
+            .map_err(|e| EngineError::checkpoint(&shard.path, Some(name), e.to_string()))?;
+        Ok(f(view.data()))
+    }
+
+    /// Check that a float tensor holds no NaN/Inf without decoding it into memory; returns
+    /// its stored bytes' length. Other dtypes are accepted as they are.
+    pub fn verify(&self, name: &str) -> Result<usize> {
+        let &i = self.index.get(name).ok_or_else(|| {
+            EngineError::checkpoint(self.file_of(name), Some(name), "tensor is missing")
+        })?;
+        let shard = &self.shards[i];
+        let st = shard.tensors()?;
+        let view = st
+            .tensor(name)
+            .map_err(|e| EngineError::checkpoint(&shard.path, Some(name), e.to_string()))?;
+        let data = view.data();
+        let bad = match view.dtype() {
+            safetensors::Dtype::F32 => data
+                .chunks_exact(4)
+                .position(|b| !f32::from_le_bytes([b[0], b[1], b[2], b[3]]).is_finite()),
+            safetensors::Dtype::F16 => data
+                .chunks_exact(2)
+                .position(|b| !half::f16::from_le_bytes([b[0], b[1]]).is_finite()),
+            safetensors::Dtype::BF16 => data
+                .chunks_exact(2)
+                .position(|b| !half::bf16::from_le_bytes([b[0], b[1]]).is_finite()),
+            _ => None,
+        };
+        if let Some(pos) = bad {
+            return Err(EngineError::checkpoint(
+                &shard.path,
+                Some(name),
+                format!("element {pos} is NaN or infinite: the file is corrupt"),
+            ));
+        }
+        Ok(data.len())
+    }
+
     /// The file a tensor lives in (for error messages).
     pub fn file_of(&self, name: &str) -> PathBuf {
         self.index

@@ -306,13 +306,28 @@ pub struct LlamaModel {
     steps: AtomicU64,
 }
 
-fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
     Ok(x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(w)?)
 }
 
+/// RoPE cos/sin tables `[max_pos, head_dim/2]`.
+pub fn rope_tables(cfg: &ModelConfig, max_pos: usize) -> Result<(Tensor, Tensor)> {
+    let hd = cfg.head_dim();
+    let half = hd / 2;
+    let inv: Vec<f32> = (0..half)
+        .map(|j| 1.0 / (cfg.rope_theta as f32).powf(2.0 * j as f32 / hd as f32))
+        .collect();
+    let mut angles = Vec::with_capacity(max_pos * half);
+    for pos in 0..max_pos {
+        angles.extend(inv.iter().map(|f| pos as f32 * f));
+    }
+    let angles = Tensor::from_vec(angles, (max_pos, half), &Device::Cpu)?;
+    Ok((angles.cos()?, angles.sin()?))
+}
+
 /// `x` is `[rows, heads, head_dim]`; cos/sin are `[rows, head_dim/2]`. HF's rotate-half.
-fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let half = x.dim(D::Minus1)? / 2;
     let x1 = x.narrow(D::Minus1, 0, half)?;
     let x2 = x.narrow(D::Minus1, half, half)?;
@@ -340,7 +355,6 @@ impl LlamaModel {
         residency: &dyn Fn(GroupId) -> Residency,
     ) -> Result<Self> {
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
-        let hd = cfg.head_dim();
         let embed = ck.load_f32_shaped("model.embed_tokens.weight", &[v, h])?;
         let norm = ck.load_f32_shaped("model.norm.weight", &[h])?;
         let lm_head = if ck.contains("lm_head.weight") && !cfg.tie_word_embeddings {
@@ -366,24 +380,15 @@ impl LlamaModel {
                 groups: [qkv, o, gate_up, down],
             });
         }
-        let half = hd / 2;
-        let inv: Vec<f32> = (0..half)
-            .map(|j| 1.0 / (cfg.rope_theta as f32).powf(2.0 * j as f32 / hd as f32))
-            .collect();
-        let max_pos = cfg.max_position_embeddings;
-        let mut angles = Vec::with_capacity(max_pos * half);
-        for pos in 0..max_pos {
-            angles.extend(inv.iter().map(|f| pos as f32 * f));
-        }
-        let angles = Tensor::from_vec(angles, (max_pos, half), &Device::Cpu)?;
+        let (cos, sin) = rope_tables(cfg, cfg.max_position_embeddings)?;
         Ok(Self {
             cfg: cfg.clone(),
             embed,
             layers,
             norm,
             lm_head,
-            cos: angles.cos()?,
-            sin: angles.sin()?,
+            cos,
+            sin,
             steps: AtomicU64::new(0),
         })
     }

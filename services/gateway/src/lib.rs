@@ -10,4 +10,4 @@ pub mod state;
 pub mod telemetry;
 
 pub use server::{run_embedded, serve_main, shutdown_signal};
-pub use settings::{ServeFlags, Settings};
+pub use settings::{LogFormat, ServeFlags, Settings};

@@ -97,3 +97,89 @@ fn serve_writes_the_model_answers_and_stops_on_sigterm() {
         "logs a clean stop"
     );
 }
+
+fn quantmesh(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_quantmesh"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn prescreen_writes_uploads_and_refuses_an_unwritable_target_up_front() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    let m = model.to_str().unwrap();
+    assert!(quantmesh(&["model", "init", "--out", m, "--shards", "2"])
+        .status
+        .success());
+    let out = dir.path().join("sensitive_layers.json");
+    let o = out.to_str().unwrap();
+
+    // A target under a regular file cannot be written: fail before scanning anything.
+    let blocker = dir.path().join("blocker");
+    std::fs::write(&blocker, b"x").unwrap();
+    let bad = format!("file://{}/plans", blocker.display());
+    let r = quantmesh(&[
+        "prescreen",
+        "--quiet",
+        "--model",
+        m,
+        "--out",
+        o,
+        "--upload",
+        &bad,
+    ]);
+    assert!(!r.status.success());
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert!(err.contains("not writable"), "{err}");
+    assert!(!out.exists(), "no work was done");
+
+    let store = format!("file://{}/plans", dir.path().display());
+    let args = [
+        "prescreen",
+        "--quiet",
+        "--model",
+        m,
+        "--out",
+        o,
+        "--upload",
+        &store,
+        "--max-prompts",
+        "32",
+        "--timestamp",
+        "2026-11-22T00:00:00Z",
+    ];
+    let r = quantmesh(&args);
+    let stdout = String::from_utf8_lossy(&r.stdout);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    assert!(
+        stdout.contains("| fp16 |") && stdout.contains("MiB/s"),
+        "{stdout}"
+    );
+    let bytes = std::fs::read(&out).unwrap();
+    let md5 = format!("{:x}", md5::compute(&bytes));
+    let version = dir
+        .path()
+        .join("plans/versions")
+        .join(format!("{md5}.json"));
+    assert_eq!(std::fs::read(&version).unwrap(), bytes);
+    let latest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("plans/latest")).unwrap()).unwrap();
+    assert_eq!(latest["md5"], md5);
+    // Idempotent: the same run stores nothing new.
+    let r = quantmesh(&args);
+    assert!(String::from_utf8_lossy(&r.stdout).contains("already stored"));
+    // Bad arguments are explained.
+    let r = quantmesh(&[
+        "prescreen",
+        "--model",
+        m,
+        "--out",
+        o,
+        "--timestamp",
+        "yesterday",
+    ]);
+    assert!(!r.status.success());
+    assert!(String::from_utf8_lossy(&r.stderr).contains("RFC 3339"));
+}

@@ -1,0 +1,291 @@
+//! Offline weight pre-screen (SPEC §1): score every linear group of a checkpoint — weight
+//! dispersion R, output KL of pseudo-quantized weights on a calibration set, energy ratio,
+//! input activation statistics — classify it by configurable rules, and write
+//! `sensitive_layers.json` (schema v1, `quantmesh_shared::sensitive`).
+//!
+//! See `metrics` for the exact definitions, `rules` for the classification, `scan` for how
+//! the checkpoint is walked in bounded memory.
+
+pub mod metrics;
+pub mod quant;
+pub mod rules;
+pub mod scan;
+
+use quantmesh_engine::checkpoint::Checkpoint;
+use quantmesh_engine::config::ModelConfig;
+use quantmesh_engine::plan::model_shape;
+use quantmesh_engine::tokenizer::TextTokenizer;
+use quantmesh_engine::EngineError;
+use quantmesh_shared::sensitive::{CalibrationInfo, Generator, HookThresholds, ModelFingerprint};
+use quantmesh_shared::{
+    GroupEntry, PrecisionClass, Residency, SensitiveLayers, SENSITIVE_LAYERS_SCHEMA_VERSION,
+};
+use rules::Rules;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum PrescreenError {
+    /// Checkpoint problems: the message names the file and the tensor.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error("calibration: {0}")]
+    Calibration(String),
+    #[error("tensor computation: {0}")]
+    Compute(#[from] candle_core::Error),
+}
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub model: PathBuf,
+    /// Calibration prompts; `None` = the set bundled with quantmesh.
+    pub calibration: Option<PathBuf>,
+    pub rules: Rules,
+    /// Use at most this many prompts (0 = all).
+    pub max_prompts: usize,
+    /// Truncate each prompt to this many tokens (BOS included).
+    pub max_tokens_per_prompt: usize,
+    /// RFC 3339 timestamp to record (pin it for reproducible output).
+    pub timestamp: String,
+}
+
+/// Per-class totals for the summary table.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ClassTotals {
+    pub groups: usize,
+    pub params: usize,
+}
+
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    pub file: SensitiveLayers,
+    /// The exact bytes to write (pretty JSON, trailing newline).
+    pub bytes: Vec<u8>,
+    pub per_class: BTreeMap<String, ClassTotals>,
+    /// Bytes of the linear weights: all FP16, in the classes' formats, and as the engine
+    /// keeps them resident under the default class → residency mapping (FP16 float copies).
+    pub bytes_all_fp16: f64,
+    pub bytes_formats: f64,
+    pub bytes_served: f64,
+    /// Bytes of tensors read (every pass counted) and the calibration tokens used.
+    pub bytes_scanned: u64,
+    pub calibration_tokens: usize,
+}
+
+/// The calibration set bundled with quantmesh (`infra/calibration/prompts.jsonl`).
+pub const BUNDLED_CALIBRATION: &str = include_str!("../../../infra/calibration/prompts.jsonl");
+
+/// Prompts from a JSON-lines file (`{"prompt": "..."}` per line) or plain text (one per
+/// line); `None` reads the bundled set. Blank lines are skipped. Returns the prompts and the
+/// md5 of the file.
+pub fn read_calibration(path: Option<&Path>) -> Result<(Vec<String>, String), PrescreenError> {
+    let (bytes, label) = match path {
+        Some(p) => (
+            std::fs::read(p).map_err(|e| {
+                PrescreenError::Calibration(format!("reading {}: {e}", p.display()))
+            })?,
+            p.display().to_string(),
+        ),
+        None => (
+            BUNDLED_CALIBRATION.as_bytes().to_vec(),
+            "bundled calibration set".to_string(),
+        ),
+    };
+    let md5 = format!("{:x}", md5::compute(&bytes));
+    let text = String::from_utf8(bytes)
+        .map_err(|_| PrescreenError::Calibration(format!("{label} is not UTF-8")))?;
+    let mut prompts = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() {
+            continue;
+        }
+        if line.starts_with('{') {
+            #[derive(serde::Deserialize)]
+            struct Row {
+                prompt: String,
+            }
+            let row: Row = serde_json::from_str(line)
+                .map_err(|e| PrescreenError::Calibration(format!("{label}:{}: {e}", i + 1)))?;
+            prompts.push(row.prompt);
+        } else {
+            prompts.push(line.to_string());
+        }
+    }
+    if prompts.is_empty() {
+        return Err(PrescreenError::Calibration(format!(
+            "{label} holds no prompt"
+        )));
+    }
+    Ok((prompts, md5))
+}
+
+/// md5 over the layout and every tensor's bytes, in name order; every float tensor is also
+/// checked for NaN/Inf (a corrupt checkpoint fails here, naming the file and tensor, even in
+/// tensors the scoring never reads).
+fn content_md5(ck: &Checkpoint) -> Result<(String, u64), PrescreenError> {
+    let mut ctx = md5::Context::new();
+    let mut bytes = 0u64;
+    for t in ck.layout()? {
+        ctx.consume(format!("{}\t{}\t{:?}\n", t.name, t.dtype, t.shape).as_bytes());
+        ck.verify(&t.name)?;
+        ck.with_bytes(&t.name, |b| {
+            bytes += b.len() as u64;
+            ctx.consume(b);
+        })?;
+        ck.release(&t.name);
+    }
+    Ok((format!("{:x}", ctx.finalize()), bytes))
+}
+
+/// Run the pre-screen. `progress` sees one tick per linear member tensor.
+pub fn run(opts: &Options, progress: &dyn scan::Progress) -> Result<Outcome, PrescreenError> {
+    let mcfg = ModelConfig::from_file(&opts.model.join("config.json"))?;
+    let ck = Checkpoint::open(&opts.model)?;
+    let shape = model_shape(&ck, &mcfg)?;
+    let tokenizer = TextTokenizer::load(&opts.model)?;
+    let (prompts, calib_md5) = read_calibration(opts.calibration.as_deref())?;
+    let take = if opts.max_prompts == 0 {
+        prompts.len()
+    } else {
+        opts.max_prompts.min(prompts.len())
+    };
+    let max_len = opts
+        .max_tokens_per_prompt
+        .clamp(2, mcfg.max_position_embeddings);
+    let mut ids = Vec::with_capacity(take);
+    for p in &prompts[..take] {
+        let mut t = tokenizer.encode(p, true)?;
+        t.truncate(max_len);
+        ids.push(t);
+    }
+    let batch = scan::Batch::new(&ids)?;
+    let calibration_tokens = batch.tokens.len();
+    tracing::info!(
+        prompts = take,
+        tokens = calibration_tokens,
+        layers = mcfg.num_hidden_layers,
+        "pre-screen: calibration tokenized"
+    );
+
+    let (content, hashed_bytes) = content_md5(&ck)?;
+    let rope = scan::rope_for(&mcfg, &batch)?;
+    let mut h = scan::embed(&ck, &mcfg, &batch)?;
+    let mut groups: BTreeMap<String, GroupEntry> = BTreeMap::new();
+    let mut per_class: BTreeMap<String, ClassTotals> = BTreeMap::new();
+    let (mut all_fp16, mut formats, mut served) = (0.0, 0.0, 0.0);
+    let mut linear_bytes = 0u64;
+    for l in 0..mcfg.num_hidden_layers {
+        let (next, scored) = scan::layer(&ck, &mcfg, l, h, &batch, &rope, &opts.rules, progress)?;
+        h = next;
+        for (g, s) in scored {
+            let class = s.entry.class;
+            let t = per_class.entry(class_name(class).to_string()).or_default();
+            t.groups += 1;
+            t.params += s.params;
+            let p = s.params as f64;
+            all_fp16 += 2.0 * p;
+            formats += scan::bytes_per_param(class) * p;
+            served += match class.default_residency() {
+                Residency::Float => 2.0 * p,
+                Residency::Dual => (2.0 + scan::bytes_per_param(class)) * p,
+                Residency::Int8 => scan::bytes_per_param(PrecisionClass::W8a8) * p,
+            };
+            linear_bytes += s.params as u64 * 4;
+            tracing::debug!(group = %g, ?class, rule = ?s.entry.rule, "group scored");
+            groups.insert(g.to_string(), s.entry);
+        }
+    }
+    let hook = &opts.rules.hook;
+    let file = SensitiveLayers {
+        schema_version: SENSITIVE_LAYERS_SCHEMA_VERSION,
+        model: Some(ModelFingerprint {
+            num_layers: shape.num_layers,
+            hidden_size: shape.hidden_size,
+            intermediate_size: shape.intermediate_size,
+            layout_md5: shape.layout_md5.clone(),
+            content_md5: Some(content),
+        }),
+        generator: Some(Generator {
+            tool: "quantmesh prescreen".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            timestamp: opts.timestamp.clone(),
+            calibration: Some(CalibrationInfo {
+                md5: calib_md5,
+                prompts: take,
+                tokens: calibration_tokens,
+            }),
+            rules: Some(opts.rules.as_map()),
+        }),
+        thresholds: HookThresholds {
+            k: Some(hook.k),
+            trigger_rate: Some(hook.trigger_rate),
+            window_requests: Some(hook.window_requests),
+            recovery_windows: Some(hook.recovery_windows),
+            token_k: Some(hook.token_k),
+            shadow_sample_rate: Some(hook.shadow_sample_rate),
+            request_kl_limit: Some(hook.request_kl_limit),
+        },
+        groups,
+    };
+    // What we write must be what the engine accepts.
+    let mut bytes = serde_json::to_vec_pretty(&file)
+        .map_err(|e| PrescreenError::Calibration(format!("serializing the result: {e}")))?;
+    bytes.push(b'\n');
+    SensitiveLayers::parse_for(&bytes, &shape).map_err(|e| {
+        PrescreenError::Calibration(format!("internal error: the result does not validate: {e}"))
+    })?;
+    Ok(Outcome {
+        file,
+        bytes,
+        per_class,
+        bytes_all_fp16: all_fp16,
+        bytes_formats: formats,
+        bytes_served: served,
+        // Content hash pass + three passes over every linear tensor (f32-equivalent bytes
+        // are not counted: this is what was read from the files).
+        bytes_scanned: hashed_bytes + 3 * linear_bytes / 4 * stored_width(&ck),
+        calibration_tokens,
+    })
+}
+
+/// Bytes per stored element of the linear weights (2 for bf16/f16, 4 for f32).
+fn stored_width(ck: &Checkpoint) -> u64 {
+    ck.layout()
+        .ok()
+        .and_then(|l| {
+            l.into_iter()
+                .find(|t| t.name.ends_with("mlp.down_proj.weight"))
+                .map(|t| if t.dtype == "F32" { 4 } else { 2 })
+        })
+        .unwrap_or(2)
+}
+
+pub fn class_name(c: PrecisionClass) -> &'static str {
+    match c {
+        PrecisionClass::W4a16 => "w4a16",
+        PrecisionClass::W8a8 => "w8a8",
+        PrecisionClass::W8a8PerChannel => "w8a8_per_channel",
+        PrecisionClass::Fp16 => "fp16",
+    }
+}
+
+/// The summary table printed at the end.
+pub fn summary_table(o: &Outcome) -> String {
+    let mut s = String::from("| class | groups | parameters |\n|---|---|---|\n");
+    for (class, t) in &o.per_class {
+        s.push_str(&format!("| {class} | {} | {} |\n", t.groups, t.params));
+    }
+    let mib = |b: f64| b / (1u64 << 20) as f64;
+    s.push_str(&format!(
+        "\nlinear weights: all-FP16 {:.2} MiB · in the chosen formats {:.2} MiB ({:.2}×) · \
+         resident as served (fp16 float-only, per-channel dual, 8/4-bit INT8-only) {:.2} MiB ({:.2}×)\n",
+        mib(o.bytes_all_fp16),
+        mib(o.bytes_formats),
+        o.bytes_formats / o.bytes_all_fp16.max(1.0),
+        mib(o.bytes_served),
+        o.bytes_served / o.bytes_all_fp16.max(1.0),
+    ));
+    s
+}

@@ -1,0 +1,458 @@
+//! The walk: calibration tokens go through the float model one layer at a time, and each
+//! linear group is scored when its input is known. Weights are read from the memory-mapped
+//! checkpoint one member tensor at a time (three short passes per tensor: range + output,
+//! histograms, quantile refinement) and their pages released after each pass, so peak
+//! memory is about one tensor in f32 plus the calibration activations — never a layer, never
+//! the model.
+
+use crate::metrics::{activation_stats, dispersion, kl_hist, Gram, Hist, Quantiles, Range};
+use crate::quant::{fake_quant, Format};
+use crate::rules::{Rules, Scores};
+use crate::PrescreenError;
+use candle_core::{Device, Tensor, D};
+use quantmesh_engine::checkpoint::Checkpoint;
+use quantmesh_engine::config::ModelConfig;
+use quantmesh_engine::model::{member_shapes, rms_norm, rope, rope_tables};
+use quantmesh_shared::sensitive::{ActivationStats, GroupMetrics, KlByFormat};
+use quantmesh_shared::{GroupEntry, GroupId, GroupKind, PrecisionClass};
+
+/// Output rows computed per block when projecting pseudo-quantized weights (bounds the
+/// dequantized copy to `ROW_BLOCK × in` floats).
+const ROW_BLOCK: usize = 256;
+/// R is capped here so it stays a finite JSON number (a zero IQR makes it infinite).
+const R_CAP: f64 = 1e9;
+
+/// The calibration batch: every prompt's tokens back to back.
+pub struct Batch {
+    pub tokens: Vec<u32>,
+    /// (start, len) of each prompt in `tokens`.
+    pub seqs: Vec<(usize, usize)>,
+    /// Absolute position of each token.
+    pub positions: Vec<u32>,
+    /// Row indices that count in statistics (every position but 0, the attention sink).
+    pub keep: Tensor,
+}
+
+impl Batch {
+    pub fn new(prompts: &[Vec<u32>]) -> Result<Self, PrescreenError> {
+        let mut tokens = Vec::new();
+        let mut seqs = Vec::new();
+        let mut positions = Vec::new();
+        let mut keep = Vec::new();
+        for p in prompts {
+            seqs.push((tokens.len(), p.len()));
+            for (i, t) in p.iter().enumerate() {
+                if i > 0 {
+                    keep.push(tokens.len() as u32);
+                }
+                tokens.push(*t);
+                positions.push(i as u32);
+            }
+        }
+        if keep.is_empty() {
+            return Err(PrescreenError::Calibration(
+                "the calibration prompts hold no token beyond position 0".into(),
+            ));
+        }
+        let n = keep.len();
+        Ok(Self {
+            tokens,
+            seqs,
+            positions,
+            keep: Tensor::from_vec(keep, n, &Device::Cpu)?,
+        })
+    }
+}
+
+/// Reports progress: one tick per member tensor scored.
+pub trait Progress {
+    fn tensor_done(&self, name: &str);
+}
+
+/// A scored group.
+pub struct Scored {
+    pub entry: GroupEntry,
+    /// Parameters of the group (for the memory summary).
+    pub params: usize,
+}
+
+struct Member {
+    weight: String,
+    bias: Option<String>,
+    shape: [usize; 2],
+}
+
+fn members(ck: &Checkpoint, cfg: &ModelConfig, g: GroupId) -> Vec<Member> {
+    let p = format!("model.layers.{}.", g.layer);
+    g.kind
+        .members()
+        .iter()
+        .zip(member_shapes(cfg, g.kind))
+        .map(|(m, shape)| {
+            let b = format!("{p}{m}.bias");
+            Member {
+                weight: format!("{p}{m}.weight"),
+                bias: ck.contains(&b).then_some(b),
+                shape,
+            }
+        })
+        .collect()
+}
+
+/// Read a member's weight as a `[out, in]` tensor, checking its shape.
+fn read(ck: &Checkpoint, m: &Member) -> Result<Vec<f32>, PrescreenError> {
+    let (w, shape) = ck.read_f32(&m.weight)?;
+    if shape != m.shape {
+        return Err(PrescreenError::Engine(
+            quantmesh_engine::EngineError::checkpoint(
+                ck.file_of(&m.weight),
+                Some(&m.weight),
+                format!("shape {shape:?} does not match the config's {:?}", m.shape),
+            ),
+        ));
+    }
+    Ok(w)
+}
+
+/// `x · Wᵀ (+ b)` computed in blocks of `ROW_BLOCK` output rows. The float output and the
+/// pseudo-quantized outputs go through this same function, so identical weights give
+/// bit-identical outputs.
+fn project(
+    x: &Tensor,
+    w: &[f32],
+    shape: [usize; 2],
+    bias: Option<&Tensor>,
+    mut transform: impl FnMut(&mut [f32]),
+) -> Result<Tensor, PrescreenError> {
+    let [out, inp] = shape;
+    let mut parts = Vec::with_capacity(out.div_ceil(ROW_BLOCK));
+    let mut buf = Vec::with_capacity(ROW_BLOCK.min(out) * inp);
+    for start in (0..out).step_by(ROW_BLOCK) {
+        let rows = ROW_BLOCK.min(out - start);
+        buf.clear();
+        buf.extend_from_slice(&w[start * inp..(start + rows) * inp]);
+        transform(&mut buf);
+        let wb = Tensor::from_slice(&buf, (rows, inp), &Device::Cpu)?;
+        let mut y = x.matmul(&wb.t()?)?;
+        if let Some(b) = bias {
+            y = y.broadcast_add(&b.narrow(0, start, rows)?)?;
+        }
+        parts.push(y);
+    }
+    Ok(Tensor::cat(&parts, 1)?)
+}
+
+fn kept_values(t: &Tensor, keep: &Tensor) -> Result<Vec<f32>, PrescreenError> {
+    Ok(t.index_select(keep, 0)?.flatten_all()?.to_vec1::<f32>()?)
+}
+
+/// Score one fused group on input `x` (`[tokens, in]`). Returns the group's outputs
+/// (one tensor per member, float weights, bias added) and its entry.
+pub fn score_group(
+    ck: &Checkpoint,
+    cfg: &ModelConfig,
+    g: GroupId,
+    x: &Tensor,
+    batch: &Batch,
+    rules: &Rules,
+    progress: &dyn Progress,
+) -> Result<(Vec<Tensor>, Scored), PrescreenError> {
+    let ms = members(ck, cfg, g);
+    let in_dim = ms[0].shape[1];
+    let total_out: usize = ms.iter().map(|m| m.shape[0]).sum();
+    let biases: Vec<Option<Tensor>> = ms
+        .iter()
+        .map(|m| m.bias.as_ref().map(|b| ck.load_f32(b)).transpose())
+        .collect::<Result<_, _>>()?;
+
+    // Pass 1: range of the weights, energy (Gram), float outputs.
+    let mut range = Range::default();
+    let mut gram = Gram::new(if in_dim <= total_out {
+        in_dim
+    } else {
+        total_out
+    });
+    let mut outputs = Vec::with_capacity(ms.len());
+    for (m, b) in ms.iter().zip(&biases) {
+        let w = read(ck, m)?;
+        range.add(&w);
+        let wt = Tensor::from_slice(&w, (m.shape[0], m.shape[1]), &Device::Cpu)?;
+        if in_dim <= total_out {
+            gram.add_rows(&wt)?;
+        } else {
+            // Only single-member groups can be wider than tall (e.g. down).
+            gram.add_outer(&wt)?;
+        }
+        drop(wt);
+        outputs.push(project(x, &w, m.shape, b.as_ref(), |_| {})?);
+        drop(w);
+        ck.release(&m.weight);
+    }
+    let energy = gram.energy_ratio()?;
+    drop(gram);
+
+    // Output range over the kept rows of every member, for the KL histograms.
+    let mut out_range = Range::default();
+    for y in &outputs {
+        out_range.add(&kept_values(y, &batch.keep)?);
+    }
+    let mut p_hist = Hist::new(out_range.min, out_range.max);
+    let mut q_hists: Vec<Hist> = Format::ALL
+        .iter()
+        .map(|_| Hist::new(out_range.min, out_range.max))
+        .collect();
+
+    // Pass 2: quantile histogram, pseudo-quantized outputs.
+    let mut quant = Quantiles::new(range);
+    let absmax = range.absmax();
+    for ((m, b), y) in ms.iter().zip(&biases).zip(&outputs) {
+        let w = read(ck, m)?;
+        quant.count(&w);
+        p_hist.add(&kept_values(y, &batch.keep)?);
+        for (f, h) in Format::ALL.iter().zip(q_hists.iter_mut()) {
+            let yq = project(x, &w, m.shape, b.as_ref(), |rows| {
+                fake_quant(rows, m.shape[1], *f, absmax)
+            })?;
+            h.add(&kept_values(&yq, &batch.keep)?);
+        }
+        drop(w);
+        ck.release(&m.weight);
+    }
+    quant.locate();
+
+    // Pass 3: exact quartiles.
+    for m in &ms {
+        let w = read(ck, m)?;
+        quant.collect(&w);
+        drop(w);
+        ck.release(&m.weight);
+        progress.tensor_done(&m.weight);
+    }
+    let (q1, q3) = quant.finish();
+    let r = dispersion(&range, q1, q3).min(R_CAP);
+    let kl: Vec<f64> = q_hists.iter().map(|q| kl_hist(&p_hist, q)).collect();
+    let scores = Scores {
+        r,
+        energy,
+        kl_w8a8: kl[0],
+        kl_w8a8_per_channel: kl[1],
+        kl_w4a16: kl[2],
+    };
+    let (class, rule) = rules.classify(&scores);
+
+    let xs = kept_values(x, &batch.keep)?;
+    let act = activation_stats(&xs, in_dim, rules.massive_channel_share);
+    drop(xs);
+    let residual_input = matches!(g.kind, GroupKind::Qkv | GroupKind::GateUp);
+    let entry = GroupEntry {
+        class,
+        residency: None,
+        rule: Some(rule),
+        metrics: Some(GroupMetrics {
+            r: round6(r),
+            kl: KlByFormat {
+                w8a8: round9(kl[0]),
+                w8a8_per_channel: round9(kl[1]),
+                w4a16: round9(kl[2]),
+            },
+            energy: round6(energy),
+        }),
+        activations: Some(ActivationStats {
+            absmax: round6(act.absmax),
+            kurtosis: round6(act.kurtosis),
+            quantile_score: round6(act.quantile_score),
+            top_channels: act
+                .top_channels
+                .iter()
+                .map(|(c, v)| (*c, round6(*v)))
+                .collect(),
+        }),
+        monitor: None,
+        massive_channels: if residual_input {
+            act.massive_channels
+        } else {
+            Vec::new()
+        },
+    };
+    Ok((
+        outputs,
+        Scored {
+            entry,
+            params: total_out * in_dim,
+        },
+    ))
+}
+
+/// Values are written rounded (6 significant decimals for R/energy/stats, 9 for KL) so the
+/// file reads well; the classification used the unrounded values.
+fn round6(v: f64) -> f64 {
+    (v * 1e6).round() / 1e6
+}
+fn round9(v: f64) -> f64 {
+    (v * 1e9).round() / 1e9
+}
+
+/// Causal attention of one sequence: q `[n, nh, hd]`, k/v `[n, nkv, hd]` → `[n, nh·hd]`.
+fn attend(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    nh: usize,
+    nkv: usize,
+) -> candle_core::Result<Tensor> {
+    let (n, _, hd) = q.dims3()?;
+    let rep = nh / nkv;
+    let expand = |t: &Tensor| -> candle_core::Result<Tensor> {
+        let t = t.transpose(0, 1)?.contiguous()?; // [nkv, n, hd]
+        t.unsqueeze(1)?
+            .expand((nkv, rep, n, hd))?
+            .reshape((nh, n, hd))
+    };
+    let q = q.transpose(0, 1)?.contiguous()?;
+    let (k, v) = (expand(k)?, expand(v)?);
+    let scores = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?;
+    let mask: Vec<f32> = (0..n * n)
+        .map(|i| {
+            if i % n > i / n {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let mask = Tensor::from_vec(mask, (n, n), q.device())?;
+    let scores = scores.broadcast_add(&mask)?;
+    let max = scores.max_keepdim(D::Minus1)?;
+    let e = scores.broadcast_sub(&max)?.exp()?;
+    let p = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
+    p.matmul(&v)?.transpose(0, 1)?.reshape((n, nh * hd))
+}
+
+/// Score every group of one layer and return the layer's output hidden states.
+pub fn layer(
+    ck: &Checkpoint,
+    cfg: &ModelConfig,
+    l: usize,
+    h: Tensor,
+    batch: &Batch,
+    rope_cs: &(Tensor, Tensor),
+    rules: &Rules,
+    progress: &dyn Progress,
+) -> Result<(Tensor, Vec<(GroupId, Scored)>), PrescreenError> {
+    let p = format!("model.layers.{l}.");
+    let hsz = cfg.hidden_size;
+    let eps = cfg.rms_norm_eps;
+    let (hd, nh, nkv) = (cfg.head_dim(), cfg.num_attention_heads, cfg.num_kv_heads());
+    let mut scored = Vec::with_capacity(4);
+    let norm_in = ck.load_f32_shaped(&format!("{p}input_layernorm.weight"), &[hsz])?;
+    let x = rms_norm(&h, &norm_in, eps)?;
+    let g = GroupId::new(l, GroupKind::Qkv);
+    let (qkv, s) = score_group(ck, cfg, g, &x, batch, rules, progress)?;
+    scored.push((g, s));
+    drop(x);
+    let pos = Tensor::from_slice(&batch.positions, batch.positions.len(), &Device::Cpu)?;
+    let cos = rope_cs.0.index_select(&pos, 0)?;
+    let sin = rope_cs.1.index_select(&pos, 0)?;
+    let n = batch.tokens.len();
+    let q = rope(&qkv[0].reshape((n, nh, hd))?, &cos, &sin)?;
+    let k = rope(&qkv[1].reshape((n, nkv, hd))?, &cos, &sin)?;
+    let v = qkv[2].reshape((n, nkv, hd))?;
+    drop(qkv);
+    let mut outs = Vec::with_capacity(batch.seqs.len());
+    for &(start, len) in &batch.seqs {
+        outs.push(attend(
+            &q.narrow(0, start, len)?,
+            &k.narrow(0, start, len)?,
+            &v.narrow(0, start, len)?,
+            nh,
+            nkv,
+        )?);
+    }
+    let a = Tensor::cat(&outs, 0)?;
+    drop(outs);
+    let g = GroupId::new(l, GroupKind::O);
+    let (o, s) = score_group(ck, cfg, g, &a, batch, rules, progress)?;
+    scored.push((g, s));
+    let h = (h + &o[0])?;
+    let norm_post = ck.load_f32_shaped(&format!("{p}post_attention_layernorm.weight"), &[hsz])?;
+    let x = rms_norm(&h, &norm_post, eps)?;
+    let g = GroupId::new(l, GroupKind::GateUp);
+    let (gu, s) = score_group(ck, cfg, g, &x, batch, rules, progress)?;
+    scored.push((g, s));
+    let gate = &gu[0];
+    let silu = (gate / (gate.neg()?.exp()? + 1.0)?)?;
+    let m = (silu * &gu[1])?;
+    drop(gu);
+    let g = GroupId::new(l, GroupKind::Down);
+    let (d, s) = score_group(ck, cfg, g, &m, batch, rules, progress)?;
+    scored.push((g, s));
+    let h = (h + &d[0])?;
+    Ok((h, scored))
+}
+
+/// Embed the calibration tokens (one read of the embedding table).
+pub fn embed(ck: &Checkpoint, cfg: &ModelConfig, batch: &Batch) -> Result<Tensor, PrescreenError> {
+    let name = "model.embed_tokens.weight";
+    let e = ck.load_f32_shaped(name, &[cfg.vocab_size, cfg.hidden_size])?;
+    let ids = Tensor::from_slice(&batch.tokens, batch.tokens.len(), &Device::Cpu)?;
+    let h = e.index_select(&ids, 0)?;
+    drop(e);
+    ck.release(name);
+    Ok(h)
+}
+
+/// RoPE tables long enough for the longest calibration prompt.
+pub fn rope_for(cfg: &ModelConfig, batch: &Batch) -> Result<(Tensor, Tensor), PrescreenError> {
+    let longest = batch.seqs.iter().map(|s| s.1).max().unwrap_or(1);
+    Ok(rope_tables(cfg, longest.max(1))?)
+}
+
+/// Bytes a class keeps per parameter when served (`fp16` → 2; 8-bit → 1 + scales; 4-bit
+/// → 0.5 + scales and zero points), for the summary.
+pub fn bytes_per_param(class: PrecisionClass) -> f64 {
+    match class {
+        PrecisionClass::Fp16 => 2.0,
+        PrecisionClass::W8a8 | PrecisionClass::W8a8PerChannel => 1.0 + 2.0 / 128.0,
+        PrecisionClass::W4a16 => 0.5 + 4.0 / 128.0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// Float and pseudo-quantized outputs go through the same projection, so weights that
+    /// INT8 represents exactly give KL = 0 exactly; weights it cannot, KL > 0.
+    #[test]
+    fn kl_is_zero_when_weights_are_exactly_representable() {
+        let (out, inp, t) = (300, 64, 50);
+        let step = 1.0f32 / 64.0;
+        let w: Vec<f32> = (0..out * inp)
+            .map(|i| ((i * 7919 % 255) as f32 - 127.0) * step)
+            .collect();
+        let absmax = w.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let xv: Vec<f32> = (0..t * inp).map(|i| ((i as f32) * 0.37).sin()).collect();
+        let x = Tensor::from_vec(xv, (t, inp), &Device::Cpu).unwrap();
+        let kl_for = |w: &[f32], absmax: f32| {
+            let y = project(&x, w, [out, inp], None, |_| {}).unwrap();
+            let yq = project(&x, w, [out, inp], None, |r| {
+                fake_quant(r, inp, Format::W8a8, absmax)
+            })
+            .unwrap();
+            let yv = y.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let qv = yq.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let mut r = Range::default();
+            r.add(&yv);
+            let (mut p, mut q) = (Hist::new(r.min, r.max), Hist::new(r.min, r.max));
+            p.add(&yv);
+            q.add(&qv);
+            kl_hist(&p, &q)
+        };
+        assert_eq!(kl_for(&w, absmax), 0.0);
+        // Off the grid (and one big weight stretching the scale): KL > 0.
+        let mut off: Vec<f32> = w.iter().map(|v| v * 0.9731 + 0.0011).collect();
+        off[0] = 40.0;
+        assert!(kl_for(&off, 40.0) > 0.0);
+    }
+}

@@ -1,0 +1,192 @@
+//! The pre-screen on real (bundled) checkpoints: classification of the planted groups,
+//! determinism, sharded and corrupt checkpoints, and the engine serving the result.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use quantmesh_engine::bundled::{init_model, InitOptions, Planted, StoreDtype};
+use quantmesh_prescreen::{run, scan::Progress, Options, PrescreenError};
+use quantmesh_shared::{GroupId, PrecisionClass, Residency, SensitiveLayers};
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+struct Count(AtomicUsize);
+impl Progress for Count {
+    fn tensor_done(&self, _: &str) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+fn opts(model: &Path) -> Options {
+    Options {
+        model: model.to_path_buf(),
+        calibration: None,
+        rules: Default::default(),
+        max_prompts: 96,
+        max_tokens_per_prompt: 48,
+        timestamp: "2026-11-22T00:00:00Z".into(),
+    }
+}
+
+fn model(shards: usize) -> (tempfile::TempDir, Planted) {
+    let dir = tempfile::tempdir().unwrap();
+    let planted = init_model(
+        dir.path(),
+        &InitOptions {
+            shards,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    (dir, planted)
+}
+
+#[test]
+fn planted_groups_are_classified_and_output_is_reproducible() {
+    let (dir, planted) = model(3);
+    let count = Count(AtomicUsize::new(0));
+    let out = run(&opts(dir.path()), &count).unwrap();
+    let layers = out.file.model.as_ref().unwrap().num_layers;
+    assert_eq!(
+        count.0.load(Ordering::Relaxed),
+        layers * 7,
+        "one tick per member tensor"
+    );
+    let groups = &out.file.groups;
+    assert_eq!(groups.len(), layers * 4);
+    for (name, entry) in groups {
+        let class = entry.class;
+        if planted.sensitive_groups.contains(name) {
+            assert_eq!(class, PrecisionClass::Fp16, "{name}: {:?}", entry.rule);
+        } else if planted.heavy_tailed_groups.contains(name) {
+            assert_ne!(
+                class,
+                PrecisionClass::W8a8,
+                "{name}: heavy tails are not aggressive"
+            );
+        } else {
+            assert_ne!(
+                class,
+                PrecisionClass::Fp16,
+                "{name} is ordinary: {:?}",
+                entry.rule
+            );
+        }
+        assert!(entry.rule.as_ref().is_some_and(|r| !r.is_empty()));
+        let g: GroupId = name.parse().unwrap();
+        // The every-token massive channel is found where the residual stream enters.
+        if matches!(
+            g.kind,
+            quantmesh_shared::GroupKind::Qkv | quantmesh_shared::GroupKind::GateUp
+        ) {
+            for c in &planted.massive_channels {
+                assert!(
+                    entry.massive_channels.contains(c),
+                    "{name}: {:?}",
+                    entry.massive_channels
+                );
+            }
+            // The BOS-only channel lives at position 0, which is not measured.
+            assert!(!entry
+                .massive_channels
+                .contains(&planted.bos_massive_channel));
+        }
+    }
+    // Same inputs and timestamp → the same bytes.
+    let again = run(&opts(dir.path()), &Count(AtomicUsize::new(0))).unwrap();
+    assert_eq!(out.bytes, again.bytes);
+    // Sharding does not change the content fingerprint of the same tensors.
+    let (single, _) = model(1);
+    let one = run(&opts(single.path()), &Count(AtomicUsize::new(0))).unwrap();
+    assert_eq!(
+        one.file.model.as_ref().unwrap().content_md5,
+        out.file.model.as_ref().unwrap().content_md5
+    );
+    assert_eq!(one.file.groups, out.file.groups);
+    // The output is schema v1 and validates against the model.
+    SensitiveLayers::parse(&out.bytes).unwrap();
+    assert!(out.bytes_formats < out.bytes_all_fp16);
+}
+
+#[test]
+fn corrupt_and_truncated_shards_name_file_and_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    init_model(
+        dir.path(),
+        &InitOptions {
+            shards: 2,
+            dtype: StoreDtype::F32,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let shard = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .max()
+        .unwrap();
+    let bytes = std::fs::read(&shard).unwrap();
+    // NaNs in the last tensor of the shard.
+    let mut bad = bytes.clone();
+    let n = bad.len();
+    bad[n - 8..].copy_from_slice(&[0xff; 8]);
+    std::fs::write(&shard, &bad).unwrap();
+    let err = run(&opts(dir.path()), &Count(AtomicUsize::new(0)))
+        .err()
+        .unwrap();
+    let msg = err.to_string();
+    let file = shard.file_name().unwrap().to_str().unwrap();
+    assert!(matches!(err, PrescreenError::Engine(_)));
+    assert!(
+        msg.contains(file) && msg.contains("NaN") && msg.contains("model."),
+        "{msg}"
+    );
+    // Truncated.
+    std::fs::write(&shard, &bytes[..bytes.len() - 1000]).unwrap();
+    let msg = run(&opts(dir.path()), &Count(AtomicUsize::new(0)))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        msg.contains(file) && msg.contains("truncated") && msg.contains("model."),
+        "{msg}"
+    );
+}
+
+#[actix_rt::test]
+async fn the_engine_serves_with_the_resulting_plan() {
+    let (dir, planted) = model(1);
+    let out = run(&opts(dir.path()), &Count(AtomicUsize::new(0))).unwrap();
+    let file = dir.path().join("sensitive_layers.json");
+    std::fs::write(&file, &out.bytes).unwrap();
+    let cfg = quantmesh_engine::EngineConfig {
+        sensitive_layers: Some(file.display().to_string()),
+        num_pages: 128,
+        ..Default::default()
+    };
+    let engine = quantmesh_engine::Engine::start(dir.path(), cfg, "t")
+        .await
+        .unwrap();
+    let status = engine.config_status();
+    assert_eq!(
+        status.md5.as_deref(),
+        Some(format!("{:x}", md5::compute(&out.bytes)).as_str())
+    );
+    for (name, entry) in &out.file.groups {
+        let want = entry.class.default_residency();
+        assert_eq!(status.residency[name], want, "{name}");
+    }
+    let sensitive = &planted.sensitive_groups[0];
+    assert_eq!(status.residency[sensitive], Residency::Float);
+    // The plan holds less than the float weights alone (f32: 2× the FP16 bytes), and serves.
+    let all_float_f32 = (out.bytes_all_fp16 * 2.0) as usize;
+    assert!(engine.stats().linear_weight_bytes < all_float_f32);
+    let ids = engine.encode("Hello, world.".into(), true).await.unwrap();
+    let params = quantmesh_shared::SamplingParams {
+        max_tokens: 8,
+        ..Default::default()
+    };
+    let (_, finish, usage, _) = engine.generate(ids, params).await.unwrap().collect().await;
+    assert_eq!(finish, quantmesh_shared::FinishReason::Length);
+    assert_eq!(usage.completion_tokens, 8);
+}
