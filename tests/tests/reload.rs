@@ -367,8 +367,10 @@ async fn invalid_file_at_start_up_fails_with_its_name() {
         br#"{"schema_version": 1, "groups": {"layers.0.mlp": {"class": "fp16"}}}"#,
     )
     .unwrap();
-    let mut cfg = quantmesh_engine::EngineConfig::default();
-    cfg.sensitive_layers = Some(fx.file.display().to_string());
+    let cfg = quantmesh_engine::EngineConfig {
+        sensitive_layers: Some(fx.file.display().to_string()),
+        ..Default::default()
+    };
     let err = quantmesh_engine::Engine::start(&fx.model, cfg, "t")
         .await
         .err()

@@ -176,8 +176,16 @@ pub fn run(opts: &Options, progress: &dyn scan::Progress) -> Result<Outcome, Pre
     let mut per_class: BTreeMap<String, ClassTotals> = BTreeMap::new();
     let (mut all_fp16, mut formats, mut served) = (0.0, 0.0, 0.0);
     let mut linear_bytes = 0u64;
+    let ctx = scan::Ctx {
+        ck: &ck,
+        cfg: &mcfg,
+        batch: &batch,
+        rope: &rope,
+        rules: &opts.rules,
+        progress,
+    };
     for l in 0..mcfg.num_hidden_layers {
-        let (next, scored) = scan::layer(&ck, &mcfg, l, h, &batch, &rope, &opts.rules, progress)?;
+        let (next, scored) = scan::layer(&ctx, l, h)?;
         h = next;
         for (g, s) in scored {
             let class = s.entry.class;

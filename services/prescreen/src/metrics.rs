@@ -133,15 +133,14 @@ impl Quantiles {
     /// (Q1, Q3) after pass 3.
     pub fn finish(mut self) -> (f32, f32) {
         let mut out = [0f32; 2];
-        for i in 0..2 {
+        for (i, o) in out.iter_mut().enumerate() {
             let v = &mut self.found[i];
             let k = (self.targets[i].2 as usize).min(v.len().saturating_sub(1));
-            if v.is_empty() {
-                out[i] = self.range.min;
+            *o = if v.is_empty() {
+                self.range.min
             } else {
-                let (_, x, _) = v.select_nth_unstable_by(k, f32::total_cmp);
-                out[i] = *x;
-            }
+                *v.select_nth_unstable_by(k, f32::total_cmp).1
+            };
         }
         (out[0], out[1])
     }

@@ -69,6 +69,17 @@ pub trait Progress {
     fn tensor_done(&self, name: &str);
 }
 
+/// What every step of the walk reads.
+pub struct Ctx<'a> {
+    pub ck: &'a Checkpoint,
+    pub cfg: &'a ModelConfig,
+    pub batch: &'a Batch,
+    /// RoPE (cos, sin) tables.
+    pub rope: &'a (Tensor, Tensor),
+    pub rules: &'a Rules,
+    pub progress: &'a dyn Progress,
+}
+
 /// A scored group.
 pub struct Scored {
     pub entry: GroupEntry,
@@ -149,14 +160,11 @@ fn kept_values(t: &Tensor, keep: &Tensor) -> Result<Vec<f32>, PrescreenError> {
 /// Score one fused group on input `x` (`[tokens, in]`). Returns the group's outputs
 /// (one tensor per member, float weights, bias added) and its entry.
 pub fn score_group(
-    ck: &Checkpoint,
-    cfg: &ModelConfig,
+    ctx: &Ctx<'_>,
     g: GroupId,
     x: &Tensor,
-    batch: &Batch,
-    rules: &Rules,
-    progress: &dyn Progress,
 ) -> Result<(Vec<Tensor>, Scored), PrescreenError> {
+    let (ck, cfg, batch, rules) = (ctx.ck, ctx.cfg, ctx.batch, ctx.rules);
     let ms = members(ck, cfg, g);
     let in_dim = ms[0].shape[1];
     let total_out: usize = ms.iter().map(|m| m.shape[0]).sum();
@@ -226,7 +234,7 @@ pub fn score_group(
         quant.collect(&w);
         drop(w);
         ck.release(&m.weight);
-        progress.tensor_done(&m.weight);
+        ctx.progress.tensor_done(&m.weight);
     }
     let (q1, q3) = quant.finish();
     let r = dispersion(&range, q1, q3).min(R_CAP);
@@ -330,15 +338,11 @@ fn attend(
 
 /// Score every group of one layer and return the layer's output hidden states.
 pub fn layer(
-    ck: &Checkpoint,
-    cfg: &ModelConfig,
+    ctx: &Ctx<'_>,
     l: usize,
     h: Tensor,
-    batch: &Batch,
-    rope_cs: &(Tensor, Tensor),
-    rules: &Rules,
-    progress: &dyn Progress,
 ) -> Result<(Tensor, Vec<(GroupId, Scored)>), PrescreenError> {
+    let (ck, cfg, batch, rope_cs) = (ctx.ck, ctx.cfg, ctx.batch, ctx.rope);
     let p = format!("model.layers.{l}.");
     let hsz = cfg.hidden_size;
     let eps = cfg.rms_norm_eps;
@@ -347,7 +351,7 @@ pub fn layer(
     let norm_in = ck.load_f32_shaped(&format!("{p}input_layernorm.weight"), &[hsz])?;
     let x = rms_norm(&h, &norm_in, eps)?;
     let g = GroupId::new(l, GroupKind::Qkv);
-    let (qkv, s) = score_group(ck, cfg, g, &x, batch, rules, progress)?;
+    let (qkv, s) = score_group(ctx, g, &x)?;
     scored.push((g, s));
     drop(x);
     let pos = Tensor::from_slice(&batch.positions, batch.positions.len(), &Device::Cpu)?;
@@ -371,20 +375,20 @@ pub fn layer(
     let a = Tensor::cat(&outs, 0)?;
     drop(outs);
     let g = GroupId::new(l, GroupKind::O);
-    let (o, s) = score_group(ck, cfg, g, &a, batch, rules, progress)?;
+    let (o, s) = score_group(ctx, g, &a)?;
     scored.push((g, s));
     let h = (h + &o[0])?;
     let norm_post = ck.load_f32_shaped(&format!("{p}post_attention_layernorm.weight"), &[hsz])?;
     let x = rms_norm(&h, &norm_post, eps)?;
     let g = GroupId::new(l, GroupKind::GateUp);
-    let (gu, s) = score_group(ck, cfg, g, &x, batch, rules, progress)?;
+    let (gu, s) = score_group(ctx, g, &x)?;
     scored.push((g, s));
     let gate = &gu[0];
     let silu = (gate / (gate.neg()?.exp()? + 1.0)?)?;
     let m = (silu * &gu[1])?;
     drop(gu);
     let g = GroupId::new(l, GroupKind::Down);
-    let (d, s) = score_group(ck, cfg, g, &m, batch, rules, progress)?;
+    let (d, s) = score_group(ctx, g, &m)?;
     scored.push((g, s));
     let h = (h + &d[0])?;
     Ok((h, scored))
