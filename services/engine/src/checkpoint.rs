@@ -91,6 +91,49 @@ impl Shard {
     }
 }
 
+/// Decode stored bytes into f32, rejecting NaN/Inf (`first` = index of the first element,
+/// for the message).
+fn decode_f32(
+    data: &[u8],
+    dtype: safetensors::Dtype,
+    path: &Path,
+    name: &str,
+    first: usize,
+) -> Result<Vec<f32>> {
+    let values: Vec<f32> = match dtype {
+        safetensors::Dtype::F32 => data
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        safetensors::Dtype::F16 => data
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        safetensors::Dtype::BF16 => data
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        other => {
+            return Err(EngineError::checkpoint(
+                path,
+                Some(name),
+                format!("unsupported dtype {other:?} (expected F32, F16 or BF16)"),
+            ))
+        }
+    };
+    if let Some(pos) = values.iter().position(|x| !x.is_finite()) {
+        return Err(EngineError::checkpoint(
+            path,
+            Some(name),
+            format!(
+                "element {} is NaN or infinite: the file is corrupt",
+                first + pos
+            ),
+        ));
+    }
+    Ok(values)
+}
+
 /// Where a tensor lives and what it is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorInfo {
@@ -305,36 +348,38 @@ impl Checkpoint {
         let view = st
             .tensor(name)
             .map_err(|e| EngineError::checkpoint(&shard.path, Some(name), e.to_string()))?;
-        let data = view.data();
-        let values: Vec<f32> = match view.dtype() {
-            safetensors::Dtype::F32 => data
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-            safetensors::Dtype::F16 => data
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            safetensors::Dtype::BF16 => data
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            other => {
-                return Err(EngineError::checkpoint(
-                    &shard.path,
-                    Some(name),
-                    format!("unsupported dtype {other:?} (expected F32, F16 or BF16)"),
-                ))
-            }
-        };
-        if let Some(pos) = values.iter().position(|x| !x.is_finite()) {
+        let values = decode_f32(view.data(), view.dtype(), &shard.path, name, 0)?;
+        Ok((values, view.shape().to_vec()))
+    }
+
+    /// Decode rows `start..start + n` of a tensor (rows = the first dimension) into f32,
+    /// without touching the rest of it. With [`Checkpoint::release`] afterwards this walks a
+    /// tensor larger than RAM in bounded memory.
+    pub fn read_rows_f32(&self, name: &str, start: usize, n: usize) -> Result<Vec<f32>> {
+        let &i = self.index.get(name).ok_or_else(|| {
+            EngineError::checkpoint(self.file_of(name), Some(name), "tensor is missing")
+        })?;
+        let shard = &self.shards[i];
+        let st = shard.tensors()?;
+        let view = st
+            .tensor(name)
+            .map_err(|e| EngineError::checkpoint(&shard.path, Some(name), e.to_string()))?;
+        let shape = view.shape();
+        let rows = shape.first().copied().unwrap_or(1);
+        if start + n > rows {
             return Err(EngineError::checkpoint(
                 &shard.path,
                 Some(name),
-                format!("element {pos} is NaN or infinite: the file is corrupt"),
+                format!(
+                    "rows {start}..{} requested, the tensor has {rows}",
+                    start + n
+                ),
             ));
         }
-        Ok((values, view.shape().to_vec()))
+        let cols: usize = shape.iter().skip(1).product();
+        let width = view.data().len() / (rows * cols).max(1);
+        let bytes = &view.data()[start * cols * width..(start + n) * cols * width];
+        decode_f32(bytes, view.dtype(), &shard.path, name, start * cols)
     }
 
     /// Load one tensor as an f32 CPU tensor (see [`Checkpoint::read_f32`]).

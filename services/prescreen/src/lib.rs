@@ -46,6 +46,8 @@ pub struct Options {
     pub max_prompts: usize,
     /// Truncate each prompt to this many tokens (BOS included).
     pub max_tokens_per_prompt: usize,
+    /// Compute the output KL on at most this many calibration tokens (evenly spaced).
+    pub kl_tokens: usize,
     /// RFC 3339 timestamp to record (pin it for reproducible output).
     pub timestamp: String,
 }
@@ -160,7 +162,7 @@ pub fn run(opts: &Options, progress: &dyn scan::Progress) -> Result<Outcome, Pre
         t.truncate(max_len);
         ids.push(t);
     }
-    let batch = scan::Batch::new(&ids)?;
+    let batch = scan::Batch::new(&ids, opts.kl_tokens)?;
     let calibration_tokens = batch.tokens.len();
     tracing::info!(
         prompts = take,
@@ -169,7 +171,9 @@ pub fn run(opts: &Options, progress: &dyn scan::Progress) -> Result<Outcome, Pre
         "pre-screen: calibration tokenized"
     );
 
+    tracing::debug!(rss_kib = ?rss_kib(), "before content hash");
     let (content, hashed_bytes) = content_md5(&ck)?;
+    tracing::debug!(rss_kib = ?rss_kib(), "after content hash");
     let rope = scan::rope_for(&mcfg, &batch)?;
     let mut h = scan::embed(&ck, &mcfg, &batch)?;
     let mut groups: BTreeMap<String, GroupEntry> = BTreeMap::new();
@@ -187,6 +191,7 @@ pub fn run(opts: &Options, progress: &dyn scan::Progress) -> Result<Outcome, Pre
     for l in 0..mcfg.num_hidden_layers {
         let (next, scored) = scan::layer(&ctx, l, h)?;
         h = next;
+        tracing::debug!(layer = l, rss_kib = ?rss_kib(), "layer scored");
         for (g, s) in scored {
             let class = s.entry.class;
             let t = per_class.entry(class_name(class).to_string()).or_default();
@@ -268,6 +273,13 @@ fn stored_width(ck: &Checkpoint) -> u64 {
                 .map(|t| if t.dtype == "F32" { 4 } else { 2 })
         })
         .unwrap_or(2)
+}
+
+/// This process's resident set (Linux), for the debug log.
+fn rss_kib() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmRSS:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
 }
 
 pub fn class_name(c: PrecisionClass) -> &'static str {

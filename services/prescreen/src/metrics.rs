@@ -17,7 +17,10 @@
 //!   bin of both gets [`KL_EPS`] added before normalising (so empty bins cost a bounded
 //!   amount instead of ∞); KL = Σ P·ln(P/Q) in nats. Identical outputs give exactly 0.
 
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
+
+/// Rows per block when accumulating a Gram matrix.
+const GRAM_BLOCK: usize = 256;
 
 /// Histogram bins for the output KL. 256 rather than TensorRT's 2048: the histograms here
 /// hold the outputs of one group on a few thousand to a few hundred thousand values, and
@@ -182,7 +185,8 @@ impl Gram {
         Self { dim, g: None }
     }
 
-    fn add(&mut self, part: Tensor) -> candle_core::Result<()> {
+    /// G += `part` (a `[dim, dim]` tensor).
+    pub fn add(&mut self, part: Tensor) -> candle_core::Result<()> {
         self.g = Some(match self.g.take() {
             Some(g) => (g + part)?,
             None => part,
@@ -190,14 +194,50 @@ impl Gram {
         Ok(())
     }
 
-    /// G += AᵀA for `a` of shape `[rows, dim]`.
-    pub fn add_rows(&mut self, a: &Tensor) -> candle_core::Result<()> {
-        self.add(a.t()?.matmul(a)?)
+    /// G += AᵀA for a row-major `a` of shape `[rows, dim]`, in blocks of `GRAM_BLOCK` rows
+    /// (never a full copy of `a`).
+    pub fn add_rows(&mut self, a: &[f32]) -> candle_core::Result<()> {
+        let d = self.dim;
+        for block in a.chunks(GRAM_BLOCK * d) {
+            let t = Tensor::from_slice(block, (block.len() / d, d), &Device::Cpu)?;
+            self.add(t.t()?.matmul(&t)?)?;
+        }
+        Ok(())
     }
 
-    /// G += A·Aᵀ for `a` of shape `[dim, cols]` (when a group has fewer rows than columns).
-    pub fn add_outer(&mut self, a: &Tensor) -> candle_core::Result<()> {
-        self.add(a.matmul(&a.t()?)?)
+    /// G += A·Aᵀ for a row-major `a` of shape `[dim, cols]` (when a group has fewer rows
+    /// than columns).
+    pub fn add_outer(&mut self, a: &[f32], cols: usize) -> candle_core::Result<()> {
+        self.add_outer_with(cols, |s, n| {
+            Ok::<_, candle_core::Error>(a[s * cols..(s + n) * cols].to_vec())
+        })
+    }
+
+    /// G += A·Aᵀ tile by tile, G[i, j] = A_i · A_jᵀ, with row blocks of A from `fetch(first
+    /// row, rows)`: A is never held whole (blocks are fetched again for every tile).
+    pub fn add_outer_with<E: From<candle_core::Error>>(
+        &mut self,
+        cols: usize,
+        mut fetch: impl FnMut(usize, usize) -> Result<Vec<f32>, E>,
+    ) -> Result<(), E> {
+        let d = self.dim;
+        let blocks: Vec<(usize, usize)> = (0..d)
+            .step_by(GRAM_BLOCK)
+            .map(|s| (s, GRAM_BLOCK.min(d - s)))
+            .collect();
+        let mut tile = |(s, n): (usize, usize)| -> Result<Tensor, E> {
+            Ok(Tensor::from_vec(fetch(s, n)?, (n, cols), &Device::Cpu)?)
+        };
+        let mut grid = Vec::with_capacity(blocks.len());
+        for &bi in &blocks {
+            let ti = tile(bi)?;
+            let mut row = Vec::with_capacity(blocks.len());
+            for &bj in &blocks {
+                row.push(ti.matmul(&tile(bj)?.t()?)?);
+            }
+            grid.push(Tensor::cat(&row, 1)?);
+        }
+        Ok(self.add(Tensor::cat(&grid, 0)?)?)
     }
 
     /// σ1² / Σσᵢ² = λmax(G) / trace(G), λmax by power iteration (at most 300 iterations,
@@ -406,41 +446,38 @@ mod tests {
         assert_eq!(dispersion_of(&[3.0; 10]), 0.0);
     }
 
-    fn tensor(v: Vec<f32>, r: usize, c: usize) -> Tensor {
-        Tensor::from_vec(v, (r, c), &candle_core::Device::Cpu).unwrap()
-    }
-
     #[test]
     fn rank_one_has_energy_one_and_noise_little() {
-        let (m, n) = (40, 24);
+        // 600 rows: more than one Gram block.
+        let (m, n) = (600, 24);
         let u: Vec<f32> = (0..m).map(|i| (i as f32 * 0.37).sin() + 0.1).collect();
         let v: Vec<f32> = (0..n).map(|j| (j as f32 * 0.11).cos()).collect();
-        let a = tensor((0..m * n).map(|k| u[k / n] * v[k % n]).collect(), m, n);
+        let a: Vec<f32> = (0..m * n).map(|k| u[k / n] * v[k % n]).collect();
         let mut g = Gram::new(n);
         g.add_rows(&a).unwrap();
         assert!((g.energy_ratio().unwrap() - 1.0).abs() < 1e-5);
-        // The same through the outer-product form (rows < columns case).
-        let mut g2 = Gram::new(n);
-        g2.add_outer(&a.t().unwrap().contiguous().unwrap()).unwrap();
-        assert!((g2.energy_ratio().unwrap() - 1.0).abs() < 1e-5);
+        // The same through the outer-product form (rows < columns case), 600×600 in blocks.
+        let mut g2 = Gram::new(m);
+        g2.add_outer(&a, n).unwrap();
+        assert!((g2.energy_ratio().unwrap() - 1.0).abs() < 1e-4);
         // Accumulating row blocks = the whole matrix.
         let mut g3 = Gram::new(n);
-        g3.add_rows(&a.narrow(0, 0, 10).unwrap()).unwrap();
-        g3.add_rows(&a.narrow(0, 10, 30).unwrap()).unwrap();
+        g3.add_rows(&a[..10 * n]).unwrap();
+        g3.add_rows(&a[10 * n..]).unwrap();
         assert!((g3.energy_ratio().unwrap() - 1.0).abs() < 1e-5);
         // Two orthogonal equal directions: 0.5.
         let mut b = vec![0f32; 16];
         b[0] = 1.0;
         b[5] = 1.0;
         let mut g4 = Gram::new(4);
-        g4.add_rows(&tensor(b, 4, 4)).unwrap();
+        g4.add_rows(&b).unwrap();
         assert!((g4.energy_ratio().unwrap() - 0.5).abs() < 1e-5);
         // Gaussian noise: small.
         let mut rng = rand::rngs::StdRng::seed_from_u64(3);
         let d = Normal::new(0.0f32, 1.0).unwrap();
         let r: Vec<f32> = (0..256 * 64).map(|_| d.sample(&mut rng)).collect();
         let mut g5 = Gram::new(64);
-        g5.add_rows(&tensor(r, 256, 64)).unwrap();
+        g5.add_rows(&r).unwrap();
         assert!(g5.energy_ratio().unwrap() < 0.1);
     }
 

@@ -31,10 +31,14 @@ pub struct Batch {
     pub positions: Vec<u32>,
     /// Row indices that count in statistics (every position but 0, the attention sink).
     pub keep: Tensor,
+    /// The rows the output KL is computed on: `keep`, or an evenly spaced subset of at most
+    /// `kl_tokens` of them (the pseudo-quantized projections cost 3 matmuls per group, the
+    /// float forward only 1, so this bounds the pre-screen's compute).
+    pub kl_rows: Tensor,
 }
 
 impl Batch {
-    pub fn new(prompts: &[Vec<u32>]) -> Result<Self, PrescreenError> {
+    pub fn new(prompts: &[Vec<u32>], kl_tokens: usize) -> Result<Self, PrescreenError> {
         let mut tokens = Vec::new();
         let mut seqs = Vec::new();
         let mut positions = Vec::new();
@@ -55,10 +59,13 @@ impl Batch {
             ));
         }
         let n = keep.len();
+        let want = kl_tokens.clamp(1, n);
+        let kl: Vec<u32> = (0..want).map(|i| keep[i * n / want]).collect();
         Ok(Self {
             tokens,
             seqs,
             positions,
+            kl_rows: Tensor::from_vec(kl, want, &Device::Cpu)?,
             keep: Tensor::from_vec(keep, n, &Device::Cpu)?,
         })
     }
@@ -110,47 +117,62 @@ fn members(ck: &Checkpoint, cfg: &ModelConfig, g: GroupId) -> Vec<Member> {
         .collect()
 }
 
-/// Read a member's weight as a `[out, in]` tensor, checking its shape.
-fn read(ck: &Checkpoint, m: &Member) -> Result<Vec<f32>, PrescreenError> {
-    let (w, shape) = ck.read_f32(&m.weight)?;
-    if shape != m.shape {
-        return Err(PrescreenError::Engine(
+/// Rows `start..start + n` of a member's weight, decoded from the mapped checkpoint.
+fn rows(ck: &Checkpoint, m: &Member, start: usize, n: usize) -> Result<Vec<f32>, PrescreenError> {
+    Ok(ck.read_rows_f32(&m.weight, start, n)?)
+}
+
+/// Check a member's stored shape against the config before reading it.
+fn check_shape(ck: &Checkpoint, m: &Member) -> Result<(), PrescreenError> {
+    let info = ck
+        .layout()?
+        .into_iter()
+        .find(|t| t.name == m.weight)
+        .ok_or_else(|| {
             quantmesh_engine::EngineError::checkpoint(
                 ck.file_of(&m.weight),
                 Some(&m.weight),
-                format!("shape {shape:?} does not match the config's {:?}", m.shape),
+                "tensor is missing from the checkpoint",
+            )
+        })?;
+    if info.shape != m.shape {
+        return Err(PrescreenError::Engine(
+            quantmesh_engine::EngineError::checkpoint(
+                &info.file,
+                Some(&m.weight),
+                format!(
+                    "shape {:?} does not match the config's {:?}",
+                    info.shape, m.shape
+                ),
             ),
         ));
     }
-    Ok(w)
+    Ok(())
 }
 
-/// `x · Wᵀ (+ b)` computed in blocks of `ROW_BLOCK` output rows. The float output and the
-/// pseudo-quantized outputs go through this same function, so identical weights give
-/// bit-identical outputs.
-fn project(
+/// The row blocks of a `[out, in]` matrix: (first row, rows).
+fn blocks(out: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..out)
+        .step_by(ROW_BLOCK)
+        .map(move |s| (s, ROW_BLOCK.min(out - s)))
+}
+
+/// `x · Wᵀ (+ b)` for one block of output rows. The float outputs and the pseudo-quantized
+/// outputs go through this with the same blocks, so identical weights give bit-identical
+/// outputs (KL exactly 0).
+fn project_block(
     x: &Tensor,
-    w: &[f32],
-    shape: [usize; 2],
+    block: &[f32],
+    (start, n): (usize, usize),
     bias: Option<&Tensor>,
-    mut transform: impl FnMut(&mut [f32]),
 ) -> Result<Tensor, PrescreenError> {
-    let [out, inp] = shape;
-    let mut parts = Vec::with_capacity(out.div_ceil(ROW_BLOCK));
-    let mut buf = Vec::with_capacity(ROW_BLOCK.min(out) * inp);
-    for start in (0..out).step_by(ROW_BLOCK) {
-        let rows = ROW_BLOCK.min(out - start);
-        buf.clear();
-        buf.extend_from_slice(&w[start * inp..(start + rows) * inp]);
-        transform(&mut buf);
-        let wb = Tensor::from_slice(&buf, (rows, inp), &Device::Cpu)?;
-        let mut y = x.matmul(&wb.t()?)?;
-        if let Some(b) = bias {
-            y = y.broadcast_add(&b.narrow(0, start, rows)?)?;
-        }
-        parts.push(y);
+    let inp = block.len() / n.max(1);
+    let wb = Tensor::from_slice(block, (n, inp), &Device::Cpu)?;
+    let mut y = x.matmul(&wb.t()?)?;
+    if let Some(b) = bias {
+        y = y.broadcast_add(&b.narrow(0, start, n)?)?;
     }
-    Ok(Tensor::cat(&parts, 1)?)
+    Ok(y)
 }
 
 fn kept_values(t: &Tensor, keep: &Tensor) -> Result<Vec<f32>, PrescreenError> {
@@ -173,7 +195,10 @@ pub fn score_group(
         .map(|m| m.bias.as_ref().map(|b| ck.load_f32(b)).transpose())
         .collect::<Result<_, _>>()?;
 
-    // Pass 1: range of the weights, energy (Gram), float outputs.
+    // Pass 1: range of the weights, energy (Gram), float outputs (all rows, and the KL rows
+    // through the same projection the pseudo-quantized weights will take).
+    let x_kl = x.index_select(&batch.kl_rows, 0)?;
+    let mut p_outputs = Vec::with_capacity(ms.len());
     let mut range = Range::default();
     let mut gram = Gram::new(if in_dim <= total_out {
         in_dim
@@ -182,29 +207,41 @@ pub fn score_group(
     });
     let mut outputs = Vec::with_capacity(ms.len());
     for (m, b) in ms.iter().zip(&biases) {
-        let w = read(ck, m)?;
-        range.add(&w);
-        let wt = Tensor::from_slice(&w, (m.shape[0], m.shape[1]), &Device::Cpu)?;
-        if in_dim <= total_out {
-            gram.add_rows(&wt)?;
-        } else {
-            // Only single-member groups can be wider than tall (e.g. down).
-            gram.add_outer(&wt)?;
+        check_shape(ck, m)?;
+        let (out, _) = (m.shape[0], m.shape[1]);
+        let mut y_parts = Vec::new();
+        let mut p_parts = Vec::new();
+        for blk in blocks(out) {
+            let w = rows(ck, m, blk.0, blk.1)?;
+            range.add(&w);
+            if in_dim <= total_out {
+                gram.add_rows(&w)?;
+            }
+            y_parts.push(project_block(x, &w, blk, b.as_ref())?);
+            p_parts.push(project_block(&x_kl, &w, blk, b.as_ref())?);
         }
-        drop(wt);
-        outputs.push(project(x, &w, m.shape, b.as_ref(), |_| {})?);
-        drop(w);
+        outputs.push(Tensor::cat(&y_parts, 1)?);
+        p_outputs.push(Tensor::cat(&p_parts, 1)?.flatten_all()?.to_vec1::<f32>()?);
+        if in_dim > total_out {
+            // Only single-member groups are wider than tall (e.g. down): G = W·Wᵀ, tile by
+            // tile, each tile decoded from the mapped bytes when needed.
+            gram.add_outer_with(in_dim, |s, n| rows(ck, m, s, n))?;
+        }
         ck.release(&m.weight);
     }
     let energy = gram.energy_ratio()?;
     drop(gram);
 
-    // Output range over the kept rows of every member, for the KL histograms.
+    // Output range of the float outputs on the KL rows, for the KL histograms.
     let mut out_range = Range::default();
-    for y in &outputs {
-        out_range.add(&kept_values(y, &batch.keep)?);
+    for y in &p_outputs {
+        out_range.add(y);
     }
     let mut p_hist = Hist::new(out_range.min, out_range.max);
+    for y in &p_outputs {
+        p_hist.add(y);
+    }
+    drop(p_outputs);
     let mut q_hists: Vec<Hist> = Format::ALL
         .iter()
         .map(|_| Hist::new(out_range.min, out_range.max))
@@ -213,26 +250,29 @@ pub fn score_group(
     // Pass 2: quantile histogram, pseudo-quantized outputs.
     let mut quant = Quantiles::new(range);
     let absmax = range.absmax();
-    for ((m, b), y) in ms.iter().zip(&biases).zip(&outputs) {
-        let w = read(ck, m)?;
-        quant.count(&w);
-        p_hist.add(&kept_values(y, &batch.keep)?);
-        for (f, h) in Format::ALL.iter().zip(q_hists.iter_mut()) {
-            let yq = project(x, &w, m.shape, b.as_ref(), |rows| {
-                fake_quant(rows, m.shape[1], *f, absmax)
-            })?;
-            h.add(&kept_values(&yq, &batch.keep)?);
+    for (m, b) in ms.iter().zip(&biases) {
+        let mut parts: Vec<Vec<Tensor>> = vec![Vec::new(); Format::ALL.len()];
+        for blk in blocks(m.shape[0]) {
+            let w = rows(ck, m, blk.0, blk.1)?;
+            quant.count(&w);
+            for (f, part) in Format::ALL.iter().zip(parts.iter_mut()) {
+                let mut q = w.clone();
+                fake_quant(&mut q, m.shape[1], *f, absmax);
+                part.push(project_block(&x_kl, &q, blk, b.as_ref())?);
+            }
         }
-        drop(w);
+        for (part, h) in parts.iter().zip(q_hists.iter_mut()) {
+            h.add(&Tensor::cat(part, 1)?.flatten_all()?.to_vec1::<f32>()?);
+        }
         ck.release(&m.weight);
     }
     quant.locate();
 
     // Pass 3: exact quartiles.
     for m in &ms {
-        let w = read(ck, m)?;
-        quant.collect(&w);
-        drop(w);
+        for (start, n) in blocks(m.shape[0]) {
+            quant.collect(&rows(ck, m, start, n)?);
+        }
         ck.release(&m.weight);
         ctx.progress.tensor_done(&m.weight);
     }
@@ -439,11 +479,17 @@ mod tests {
         let xv: Vec<f32> = (0..t * inp).map(|i| ((i as f32) * 0.37).sin()).collect();
         let x = Tensor::from_vec(xv, (t, inp), &Device::Cpu).unwrap();
         let kl_for = |w: &[f32], absmax: f32| {
-            let y = project(&x, w, [out, inp], None, |_| {}).unwrap();
-            let yq = project(&x, w, [out, inp], None, |r| {
-                fake_quant(r, inp, Format::W8a8, absmax)
-            })
-            .unwrap();
+            // As score_group does: the same blocks through the same projection.
+            let (mut ys, mut qs) = (Vec::new(), Vec::new());
+            for blk in blocks(out) {
+                let b = &w[blk.0 * inp..(blk.0 + blk.1) * inp];
+                ys.push(project_block(&x, b, blk, None).unwrap());
+                let mut q = b.to_vec();
+                fake_quant(&mut q, inp, Format::W8a8, absmax);
+                qs.push(project_block(&x, &q, blk, None).unwrap());
+            }
+            let y = Tensor::cat(&ys, 1).unwrap();
+            let yq = Tensor::cat(&qs, 1).unwrap();
             let yv = y.flatten_all().unwrap().to_vec1::<f32>().unwrap();
             let qv = yq.flatten_all().unwrap().to_vec1::<f32>().unwrap();
             let mut r = Range::default();

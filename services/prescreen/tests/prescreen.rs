@@ -23,6 +23,7 @@ fn opts(model: &Path) -> Options {
         rules: Default::default(),
         max_prompts: 96,
         max_tokens_per_prompt: 48,
+        kl_tokens: 2048,
         timestamp: "2026-11-22T00:00:00Z".into(),
     }
 }

@@ -74,6 +74,10 @@ struct PrescreenArgs {
     /// Truncate each calibration prompt to this many tokens.
     #[arg(long, default_value_t = 64)]
     max_tokens_per_prompt: usize,
+    /// Compute the output KL on at most this many calibration tokens (evenly spaced);
+    /// activation statistics and the float forward use all of them.
+    #[arg(long, default_value_t = 2048)]
+    kl_tokens: usize,
     /// RFC 3339 timestamp to record instead of now (for reproducible output).
     #[arg(long)]
     timestamp: Option<String>,
@@ -198,6 +202,7 @@ fn prescreen(args: PrescreenArgs) -> anyhow::Result<()> {
         rules,
         max_prompts: args.max_prompts,
         max_tokens_per_prompt: args.max_tokens_per_prompt,
+        kl_tokens: args.kl_tokens,
         timestamp: args.timestamp.clone().unwrap_or_else(|| {
             humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()
         }),
