@@ -3,12 +3,13 @@
 //! This is the payload of the fallback-event stream (an in-process channel and the logs
 //! today; the Kafka topic later). Additive changes only within `schema_version` 1.
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 pub const FALLBACK_EVENT_SCHEMA_VERSION: u32 = 1;
 
 /// The granularity a decision applies to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Granularity {
     Layer,
@@ -18,7 +19,7 @@ pub enum Granularity {
 }
 
 /// What happened.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum FallbackAction {
     /// Started running in float.
@@ -30,7 +31,7 @@ pub enum FallbackAction {
 }
 
 /// Why it happened.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum FallbackReason {
     /// A layer group's outlier rate over a window exceeded the trigger rate.
@@ -49,7 +50,7 @@ pub enum FallbackReason {
     Admin,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct FallbackEvent {
     pub schema_version: u32,
     /// Unique id (UUID v4); consumers deduplicate on it.
@@ -83,7 +84,7 @@ pub struct FallbackEvent {
 pub const CONFIG_EVENT_SCHEMA_VERSION: u32 = 1;
 
 /// What a configuration reload did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ConfigAction {
     /// A new `sensitive_layers.json` is in force.
@@ -96,7 +97,7 @@ pub enum ConfigAction {
 }
 
 /// A change (or refused change) of the engine's live configuration.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct ConfigEvent {
     pub schema_version: u32,
     /// Unique id (UUID v4).
@@ -115,4 +116,39 @@ pub struct ConfigEvent {
     pub error: Option<String>,
     /// Groups whose residency changed (applied only).
     pub changed_groups: Vec<String>,
+}
+
+/// The JSON Schemas of the event payloads (what `shared/schemas/` publishes for consumers).
+pub fn event_schemas() -> [(&'static str, serde_json::Value); 2] {
+    [
+        (
+            "fallback_event.v1.schema.json",
+            serde_json::to_value(schemars::schema_for!(FallbackEvent)).unwrap_or_default(),
+        ),
+        (
+            "config_event.v1.schema.json",
+            serde_json::to_value(schemars::schema_for!(ConfigEvent)).unwrap_or_default(),
+        ),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn published_event_schemas_are_current() {
+        for (name, schema) in event_schemas() {
+            let path = format!("{}/schemas/{name}", env!("CARGO_MANIFEST_DIR"));
+            let want = serde_json::to_string_pretty(&schema).unwrap() + "\n";
+            if std::env::var_os("QUANTMESH_UPDATE_SCHEMAS").is_some() {
+                std::fs::write(&path, &want).unwrap();
+            }
+            let have = std::fs::read_to_string(&path).unwrap_or_default();
+            assert!(
+                have == want,
+                "{path} is stale: run `QUANTMESH_UPDATE_SCHEMAS=1 cargo test -p quantmesh-shared`"
+            );
+        }
+    }
 }

@@ -34,19 +34,21 @@ enum Command {
     Prescreen(PrescreenArgs),
 }
 
-const PRESCREEN_HELP: &str = "Offline pre-screen (SPEC §1).\n\n\
-For every linear group (q/k/v and gate/up scored together, as engines fuse them) it computes\n\
-  R       = (max - min) / (Q3 - Q1) of the weights (exact quartiles),\n\
-  KL      = KL(P || Q) of the group's output histogram on the calibration prompts, float\n\
-            weights vs pseudo-quantized ones, for w8a8, w8a8_per_channel and w4a16,\n\
-  energy  = sigma1^2 / sum(sigma_i^2) of the weights,\n\
-and input activation statistics (abs-max, kurtosis, quantile score, massive channels), then\n\
-classifies it: energy > 0.42 -> fp16; R < 10 and KL < 0.015 -> w8a8 (or w4a16);\n\
-R < 50 and KL(per-channel) < 0.05 -> w8a8_per_channel; otherwise fp16 (thresholds in --rules).\n\n\
-The checkpoint is memory-mapped and read one tensor at a time. Same inputs and --timestamp\n\
-give a byte-identical file. With --upload the file is stored under versions/<md5>.json at the\n\
-URL (never overwritten) and the `latest` pointer is moved to it; the engine's\n\
---sensitive-layers can name that pointer.";
+const PRESCREEN_HELP: &str = r#"Offline pre-screen (SPEC §1).
+
+For every linear group (q/k/v and gate/up scored together, as engines fuse them) it computes
+  R       = (max - min) / (Q3 - Q1) of the weights (exact quartiles),
+  KL      = KL(P || Q) of the group's output histogram on the calibration prompts, float
+            weights vs pseudo-quantized ones, for w8a8, w8a8_per_channel and w4a16,
+  energy  = sigma1^2 / sum(sigma_i^2) of the weights,
+and input activation statistics (abs-max, kurtosis, quantile score, massive channels), then
+classifies it: energy > 0.42 -> fp16; R < 10 and KL < 0.015 -> w8a8 (or w4a16);
+R < 50 and KL(per-channel) < 0.05 -> w8a8_per_channel; otherwise fp16 (thresholds in --rules).
+
+The checkpoint is memory-mapped and read in blocks of rows, one tensor at a time. Same inputs
+and --timestamp give a byte-identical file. With --upload the file is stored under
+versions/<md5>.json at the URL (never overwritten) and the `latest` pointer is moved to it;
+the engine's --sensitive-layers can name that pointer."#;
 
 #[derive(clap::Args)]
 struct PrescreenArgs {
