@@ -12,7 +12,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-/// One memory-mapped safetensors file whose header has been validated.
+/// One memory-mapped safetensors file (its header is validated when `Checkpoint::open`
+/// indexes it).
 struct Shard {
     path: PathBuf,
     mmap: Mmap,
@@ -28,20 +29,10 @@ impl Shard {
         #[allow(unsafe_code)]
         let mmap = unsafe { Mmap::map(&file) }
             .map_err(|e| EngineError::io(format!("mapping {}", path.display()), e))?;
-        let shard = Shard {
+        Ok(Shard {
             path: path.to_path_buf(),
             mmap,
-        };
-        shard.check()?;
-        Ok(shard)
-    }
-
-    /// Validate the header; on failure, find the tensor the damage hits.
-    fn check(&self) -> Result<()> {
-        match SafeTensors::deserialize(&self.mmap) {
-            Ok(_) => Ok(()),
-            Err(err) => Err(self.diagnose(err)),
-        }
+        })
     }
 
     fn diagnose(&self, err: safetensors::SafeTensorError) -> EngineError {
@@ -86,6 +77,7 @@ impl Shard {
         EngineError::checkpoint(&self.path, None, format!("invalid safetensors file: {err}"))
     }
 
+    /// Parse and validate the header; on failure, find the tensor the damage hits.
     fn tensors(&self) -> Result<SafeTensors<'_>> {
         SafeTensors::deserialize(&self.mmap).map_err(|e| self.diagnose(e))
     }
@@ -145,10 +137,27 @@ pub struct TensorInfo {
     pub bytes: usize,
 }
 
+/// Where one tensor's bytes are: read from the shard headers once, at open.
+struct Entry {
+    shard: usize,
+    dtype: safetensors::Dtype,
+    shape: Vec<usize>,
+    /// Byte range inside the shard's mapping.
+    start: usize,
+    end: usize,
+}
+
+impl TensorInfo {
+    /// The line `layout_md5` hashes for this tensor: name, dtype and shape.
+    pub fn layout_line(&self) -> String {
+        format!("{}\t{}\t{:?}\n", self.name, self.dtype, self.shape)
+    }
+}
+
 /// A checkpoint: one or more shards and the index of which tensor lives where.
 pub struct Checkpoint {
     shards: Vec<Shard>,
-    index: HashMap<String, usize>,
+    index: HashMap<String, Entry>,
 }
 
 impl Checkpoint {
@@ -189,8 +198,17 @@ impl Checkpoint {
         let mut index = HashMap::new();
         for (i, path) in files.iter().enumerate() {
             let shard = Shard::open(path)?;
-            for name in shard.tensors()?.names() {
-                if index.insert(name.to_string(), i).is_some() {
+            let base = shard.mmap.as_ptr() as usize;
+            for (name, view) in shard.tensors()?.iter() {
+                let start = view.data().as_ptr() as usize - base;
+                let entry = Entry {
+                    shard: i,
+                    dtype: view.dtype(),
+                    shape: view.shape().to_vec(),
+                    start,
+                    end: start + view.data().len(),
+                };
+                if index.insert(name.to_string(), entry).is_some() {
                     return Err(EngineError::checkpoint(
                         path,
                         Some(name),
@@ -211,27 +229,42 @@ impl Checkpoint {
         self.index.keys().map(String::as_str)
     }
 
+    /// A tensor's index entry and its shard; a missing name is a checkpoint error.
+    fn entry(&self, name: &str) -> Result<(&Shard, &Entry)> {
+        match self.index.get(name) {
+            Some(e) => Ok((&self.shards[e.shard], e)),
+            None => {
+                let file = self
+                    .shards
+                    .first()
+                    .map(|s| s.path.clone())
+                    .unwrap_or_default();
+                Err(EngineError::checkpoint(
+                    file,
+                    Some(name),
+                    "tensor is missing from the checkpoint",
+                ))
+            }
+        }
+    }
+
     /// Every tensor's name, dtype and shape, in name order.
     pub fn layout(&self) -> Result<Vec<TensorInfo>> {
         let mut names: Vec<&String> = self.index.keys().collect();
         names.sort();
-        names
-            .into_iter()
-            .map(|name| {
-                let shard = &self.shards[self.index[name]];
-                let st = shard.tensors()?;
-                let view = st
-                    .tensor(name)
-                    .map_err(|e| EngineError::checkpoint(&shard.path, Some(name), e.to_string()))?;
-                Ok(TensorInfo {
-                    name: name.clone(),
-                    dtype: format!("{:?}", view.dtype()),
-                    shape: view.shape().to_vec(),
-                    file: shard.path.clone(),
-                    bytes: view.data().len(),
-                })
-            })
-            .collect()
+        names.into_iter().map(|name| self.info(name)).collect()
+    }
+
+    /// One tensor's name, dtype, shape, file and size.
+    pub fn info(&self, name: &str) -> Result<TensorInfo> {
+        let (shard, e) = self.entry(name)?;
+        Ok(TensorInfo {
+            name: name.to_string(),
+            dtype: format!("{:?}", e.dtype),
+            shape: e.shape.clone(),
+            file: shard.path.clone(),
+            bytes: e.end - e.start,
+        })
     }
 
     /// md5 (hex) over every tensor's name, dtype and shape in name order: identifies a
@@ -240,63 +273,38 @@ impl Checkpoint {
     pub fn layout_md5(&self) -> Result<String> {
         let mut ctx = md5::Context::new();
         for t in self.layout()? {
-            ctx.consume(format!("{}\t{}\t{:?}\n", t.name, t.dtype, t.shape).as_bytes());
+            ctx.consume(t.layout_line().as_bytes());
         }
         Ok(format!("{:x}", ctx.finalize()))
     }
 
     /// Run `f` over a tensor's raw bytes as stored (for content hashing).
     pub fn with_bytes<R>(&self, name: &str, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
-        let &i = self.index.get(name).ok_or_else(|| {
-            EngineError::checkpoint(self.file_of(name), Some(name), "tensor is missing")
-        })?;
-        let shard = &self.shards[i];
-        let st = shard.tensors()?;
-        let view = st
-            .tensor(name)
-            .map_err(|e| EngineError::checkpoint(&shard.path, Some(name), e.to_string()))?;
-        Ok(f(view.data()))
+        let (shard, e) = self.entry(name)?;
+        Ok(f(&shard.mmap[e.start..e.end]))
     }
 
-    /// Check that a float tensor holds no NaN/Inf without decoding it into memory; returns
-    /// its stored bytes' length. Other dtypes are accepted as they are.
-    pub fn verify(&self, name: &str) -> Result<usize> {
-        let &i = self.index.get(name).ok_or_else(|| {
-            EngineError::checkpoint(self.file_of(name), Some(name), "tensor is missing")
-        })?;
-        let shard = &self.shards[i];
-        let st = shard.tensors()?;
-        let view = st
-            .tensor(name)
-            .map_err(|e| EngineError::checkpoint(&shard.path, Some(name), e.to_string()))?;
-        let data = view.data();
-        let bad = match view.dtype() {
-            safetensors::Dtype::F32 => data
-                .chunks_exact(4)
-                .position(|b| !f32::from_le_bytes([b[0], b[1], b[2], b[3]]).is_finite()),
-            safetensors::Dtype::F16 => data
-                .chunks_exact(2)
-                .position(|b| !half::f16::from_le_bytes([b[0], b[1]]).is_finite()),
-            safetensors::Dtype::BF16 => data
-                .chunks_exact(2)
-                .position(|b| !half::bf16::from_le_bytes([b[0], b[1]]).is_finite()),
-            _ => None,
-        };
-        if let Some(pos) = bad {
-            return Err(EngineError::checkpoint(
-                &shard.path,
-                Some(name),
-                format!("element {pos} is NaN or infinite: the file is corrupt"),
-            ));
+    /// Check that a float tensor holds no NaN/Inf, decoding it a bounded chunk at a time.
+    /// Other dtypes are accepted as they are.
+    pub fn verify(&self, name: &str) -> Result<()> {
+        const CHUNK: usize = 1 << 20; // elements
+        let (shard, e) = self.entry(name)?;
+        let data = &shard.mmap[e.start..e.end];
+        use safetensors::Dtype::{BF16, F16, F32};
+        if matches!(e.dtype, F32 | F16 | BF16) {
+            let width = e.dtype.bitsize() / 8;
+            for (k, chunk) in data.chunks(CHUNK * width).enumerate() {
+                decode_f32(chunk, e.dtype, &shard.path, name, k * CHUNK)?;
+            }
         }
-        Ok(data.len())
+        Ok(())
     }
 
     /// The file a tensor lives in (for error messages).
     pub fn file_of(&self, name: &str) -> PathBuf {
         self.index
             .get(name)
-            .map(|&i| self.shards[i].path.clone())
+            .map(|e| self.shards[e.shard].path.clone())
             .unwrap_or_default()
     }
 
@@ -304,18 +312,12 @@ impl Checkpoint {
     /// checkpoint larger than RAM does not keep every page it has read resident (page cache
     /// stays; the process's resident set drops). Advisory: errors are ignored.
     pub fn release(&self, name: &str) {
-        let Some(&i) = self.index.get(name) else {
+        let Ok((shard, e)) = self.entry(name) else {
             return;
         };
-        let shard = &self.shards[i];
-        let Ok(st) = shard.tensors() else { return };
-        let Ok(view) = st.tensor(name) else { return };
-        let data = view.data();
-        let base = shard.mmap.as_ptr() as usize;
-        let start = data.as_ptr() as usize - base;
         let page = 4096;
-        let from = start.div_ceil(page) * page;
-        let to = (start + data.len()) / page * page;
+        let from = e.start.div_ceil(page) * page;
+        let to = e.end / page * page;
         if to > from {
             // SAFETY: the mapping is a read-only file mapping; MADV_DONTNEED on it only drops
             // this process's references to the pages, which the kernel refills from the file
@@ -335,37 +337,17 @@ impl Checkpoint {
     /// the result and no intermediate copy. Non-finite values are reported as corruption,
     /// naming the file and the tensor.
     pub fn read_f32(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>)> {
-        let &i = self.index.get(name).ok_or_else(|| {
-            let file = self
-                .shards
-                .first()
-                .map(|s| s.path.clone())
-                .unwrap_or_default();
-            EngineError::checkpoint(file, Some(name), "tensor is missing from the checkpoint")
-        })?;
-        let shard = &self.shards[i];
-        let st = shard.tensors()?;
-        let view = st
-            .tensor(name)
-            .map_err(|e| EngineError::checkpoint(&shard.path, Some(name), e.to_string()))?;
-        let values = decode_f32(view.data(), view.dtype(), &shard.path, name, 0)?;
-        Ok((values, view.shape().to_vec()))
+        let (shard, e) = self.entry(name)?;
+        let values = decode_f32(&shard.mmap[e.start..e.end], e.dtype, &shard.path, name, 0)?;
+        Ok((values, e.shape.clone()))
     }
 
     /// Decode rows `start..start + n` of a tensor (rows = the first dimension) into f32,
     /// without touching the rest of it. With [`Checkpoint::release`] afterwards this walks a
     /// tensor larger than RAM in bounded memory.
     pub fn read_rows_f32(&self, name: &str, start: usize, n: usize) -> Result<Vec<f32>> {
-        let &i = self.index.get(name).ok_or_else(|| {
-            EngineError::checkpoint(self.file_of(name), Some(name), "tensor is missing")
-        })?;
-        let shard = &self.shards[i];
-        let st = shard.tensors()?;
-        let view = st
-            .tensor(name)
-            .map_err(|e| EngineError::checkpoint(&shard.path, Some(name), e.to_string()))?;
-        let shape = view.shape();
-        let rows = shape.first().copied().unwrap_or(1);
+        let (shard, e) = self.entry(name)?;
+        let rows = e.shape.first().copied().unwrap_or(1);
         if start + n > rows {
             return Err(EngineError::checkpoint(
                 &shard.path,
@@ -376,10 +358,11 @@ impl Checkpoint {
                 ),
             ));
         }
-        let cols: usize = shape.iter().skip(1).product();
-        let width = view.data().len() / (rows * cols).max(1);
-        let bytes = &view.data()[start * cols * width..(start + n) * cols * width];
-        decode_f32(bytes, view.dtype(), &shard.path, name, start * cols)
+        let cols: usize = e.shape.iter().skip(1).product();
+        let width = (e.end - e.start) / (rows * cols).max(1);
+        let from = e.start + start * cols * width;
+        let bytes = &shard.mmap[from..from + n * cols * width];
+        decode_f32(bytes, e.dtype, &shard.path, name, start * cols)
     }
 
     /// Load one tensor as an f32 CPU tensor (see [`Checkpoint::read_f32`]).
@@ -393,9 +376,8 @@ impl Checkpoint {
     pub fn load_f32_shaped(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         let t = self.load_f32(name)?;
         if t.dims() != shape {
-            let i = self.index[name];
             return Err(EngineError::checkpoint(
-                &self.shards[i].path,
+                self.file_of(name),
                 Some(name),
                 format!(
                     "shape {:?} does not match the config's {:?}",

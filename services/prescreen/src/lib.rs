@@ -130,12 +130,10 @@ fn content_md5(ck: &Checkpoint) -> Result<(String, u64), PrescreenError> {
     let mut ctx = md5::Context::new();
     let mut bytes = 0u64;
     for t in ck.layout()? {
-        ctx.consume(format!("{}\t{}\t{:?}\n", t.name, t.dtype, t.shape).as_bytes());
+        ctx.consume(t.layout_line().as_bytes());
         ck.verify(&t.name)?;
-        ck.with_bytes(&t.name, |b| {
-            bytes += b.len() as u64;
-            ctx.consume(b);
-        })?;
+        ck.with_bytes(&t.name, |b| ctx.consume(b))?;
+        bytes += t.bytes as u64;
         ck.release(&t.name);
     }
     Ok((format!("{:x}", ctx.finalize()), bytes))
@@ -179,7 +177,7 @@ pub fn run(opts: &Options, progress: &dyn scan::Progress) -> Result<Outcome, Pre
     let mut groups: BTreeMap<String, GroupEntry> = BTreeMap::new();
     let mut per_class: BTreeMap<String, ClassTotals> = BTreeMap::new();
     let (mut all_fp16, mut formats, mut served) = (0.0, 0.0, 0.0);
-    let mut linear_bytes = 0u64;
+    let mut linear_stored = 0u64;
     let ctx = scan::Ctx {
         ck: &ck,
         cfg: &mcfg,
@@ -205,7 +203,7 @@ pub fn run(opts: &Options, progress: &dyn scan::Progress) -> Result<Outcome, Pre
                 Residency::Dual => (2.0 + scan::bytes_per_param(class)) * p,
                 Residency::Int8 => scan::bytes_per_param(PrecisionClass::W8a8) * p,
             };
-            linear_bytes += s.params as u64 * 4;
+            linear_stored += s.stored_bytes as u64;
             tracing::debug!(group = %g, ?class, rule = ?s.entry.rule, "group scored");
             groups.insert(g.to_string(), s.entry);
         }
@@ -256,23 +254,10 @@ pub fn run(opts: &Options, progress: &dyn scan::Progress) -> Result<Outcome, Pre
         bytes_all_fp16: all_fp16,
         bytes_formats: formats,
         bytes_served: served,
-        // Content hash pass + three passes over every linear tensor (f32-equivalent bytes
-        // are not counted: this is what was read from the files).
-        bytes_scanned: hashed_bytes + 3 * linear_bytes / 4 * stored_width(&ck),
+        // Content hash pass + three passes over every linear tensor, as stored in the files.
+        bytes_scanned: hashed_bytes + 3 * linear_stored,
         calibration_tokens,
     })
-}
-
-/// Bytes per stored element of the linear weights (2 for bf16/f16, 4 for f32).
-fn stored_width(ck: &Checkpoint) -> u64 {
-    ck.layout()
-        .ok()
-        .and_then(|l| {
-            l.into_iter()
-                .find(|t| t.name.ends_with("mlp.down_proj.weight"))
-                .map(|t| if t.dtype == "F32" { 4 } else { 2 })
-        })
-        .unwrap_or(2)
 }
 
 /// This process's resident set (Linux), for the debug log.

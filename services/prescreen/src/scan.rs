@@ -92,6 +92,8 @@ pub struct Scored {
     pub entry: GroupEntry,
     /// Parameters of the group (for the memory summary).
     pub params: usize,
+    /// Bytes of its weights as stored in the checkpoint.
+    pub stored_bytes: usize,
 }
 
 struct Member {
@@ -122,19 +124,10 @@ fn rows(ck: &Checkpoint, m: &Member, start: usize, n: usize) -> Result<Vec<f32>,
     Ok(ck.read_rows_f32(&m.weight, start, n)?)
 }
 
-/// Check a member's stored shape against the config before reading it.
-fn check_shape(ck: &Checkpoint, m: &Member) -> Result<(), PrescreenError> {
-    let info = ck
-        .layout()?
-        .into_iter()
-        .find(|t| t.name == m.weight)
-        .ok_or_else(|| {
-            quantmesh_engine::EngineError::checkpoint(
-                ck.file_of(&m.weight),
-                Some(&m.weight),
-                "tensor is missing from the checkpoint",
-            )
-        })?;
+/// Check a member's stored shape against the config before reading it; returns its
+/// stored size in bytes.
+fn check_shape(ck: &Checkpoint, m: &Member) -> Result<usize, PrescreenError> {
+    let info = ck.info(&m.weight)?;
     if info.shape != m.shape {
         return Err(PrescreenError::Engine(
             quantmesh_engine::EngineError::checkpoint(
@@ -147,7 +140,7 @@ fn check_shape(ck: &Checkpoint, m: &Member) -> Result<(), PrescreenError> {
             ),
         ));
     }
-    Ok(())
+    Ok(info.bytes)
 }
 
 /// The row blocks of a `[out, in]` matrix: (first row, rows).
@@ -206,8 +199,9 @@ pub fn score_group(
         total_out
     });
     let mut outputs = Vec::with_capacity(ms.len());
+    let mut stored_bytes = 0;
     for (m, b) in ms.iter().zip(&biases) {
-        check_shape(ck, m)?;
+        stored_bytes += check_shape(ck, m)?;
         let (out, _) = (m.shape[0], m.shape[1]);
         let mut y_parts = Vec::new();
         let mut p_parts = Vec::new();
@@ -327,6 +321,7 @@ pub fn score_group(
         Scored {
             entry,
             params: total_out * in_dim,
+            stored_bytes,
         },
     ))
 }
