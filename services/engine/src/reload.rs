@@ -27,6 +27,7 @@ use crate::events::EventSink;
 use crate::linear::DualLinear;
 use crate::messages::{Reconfigure, SwapGroups};
 use crate::model::load_group;
+use crate::monitor::{now_ms, uuid_v4};
 use crate::plan::{resolve, LivePlan};
 use crate::stats::StatsCell;
 use actix::prelude::*;
@@ -106,17 +107,9 @@ pub struct ConfigStatus {
     pub residency: BTreeMap<String, Residency>,
 }
 
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
-
 /// Everything a reload needs; shared by the actor and its futures.
 pub struct Reloader {
     pub source: Location,
-    pub interval: Duration,
     pub base: EngineConfig,
     pub model_dir: PathBuf,
     pub model_config: ModelConfig,
@@ -135,21 +128,6 @@ pub struct Reloader {
 struct ReloadState {
     live: LivePlan,
     rejected: Option<(String, String)>,
-}
-
-/// Read the source and validate its bytes (start-up and reload share this).
-pub async fn fetch_plan(
-    source: &Location,
-    shape: &ModelShape,
-) -> Result<(quantmesh_shared::ValidatedPlan, String)> {
-    let bytes = source
-        .read()
-        .await
-        .map_err(|e| EngineError::Config(e.to_string()))?;
-    let md5 = format!("{:x}", md5::compute(&bytes));
-    let plan = SensitiveLayers::parse_for(&bytes, shape)
-        .map_err(|e| EngineError::Config(format!("{source}: {e}")))?;
-    Ok((plan, md5))
 }
 
 impl Reloader {
@@ -171,7 +149,6 @@ impl Reloader {
         let interval = base.reload_interval;
         let r = Self {
             source,
-            interval,
             base,
             model_dir,
             model_config,
@@ -212,7 +189,7 @@ impl Reloader {
     ) {
         let ev = ConfigEvent {
             schema_version: CONFIG_EVENT_SCHEMA_VERSION,
-            event_id: uuid::Uuid::new_v4().to_string(),
+            event_id: uuid_v4(),
             timestamp_ms: now_ms(),
             model: self.model_name.clone(),
             action,
@@ -266,7 +243,7 @@ impl Reloader {
             }
         }
         if trigger == Trigger::Poll {
-            let settle = (self.interval / 4).min(Duration::from_millis(250));
+            let settle = (self.base.reload_interval / 4).min(Duration::from_millis(250));
             tokio::time::sleep(settle).await;
             match self.source.read().await {
                 Ok(again) if again == bytes => {}
@@ -278,18 +255,7 @@ impl Reloader {
             Ok(p) => p,
             Err(e) => {
                 let error = e.to_string();
-                tracing::error!(source = %self.source, %md5, %error, "sensitive_layers.json rejected; keeping the plan in force");
-                self.update_status(|s| {
-                    s.rejected_total += 1;
-                    s.last_error = Some(error.clone());
-                });
-                self.event(
-                    ConfigAction::Rejected,
-                    &md5,
-                    previous,
-                    Some(error.clone()),
-                    vec![],
-                );
+                self.refuse(ConfigAction::Rejected, &md5, previous, &error);
                 state.rejected = Some((md5.clone(), error.clone()));
                 return ReloadOutcome::Rejected { md5, error };
             }
@@ -322,21 +288,28 @@ impl Reloader {
             }
             Err(e) => {
                 let error = e.to_string();
-                tracing::error!(source = %self.source, %md5, %error, "could not apply sensitive_layers.json; keeping the plan in force");
-                self.update_status(|s| {
-                    s.failed_total += 1;
-                    s.last_error = Some(error.clone());
-                });
-                self.event(
-                    ConfigAction::Failed,
-                    &md5,
-                    previous,
-                    Some(error.clone()),
-                    vec![],
-                );
+                self.refuse(ConfigAction::Failed, &md5, previous, &error);
                 ReloadOutcome::Failed { md5, error }
             }
         }
+    }
+
+    /// A version that does not take effect (rejected or failed): log, count, event; the plan
+    /// in force stays.
+    fn refuse(&self, action: ConfigAction, md5: &str, previous: Option<String>, error: &str) {
+        let what = match action {
+            ConfigAction::Rejected => "sensitive_layers.json rejected",
+            _ => "could not apply sensitive_layers.json",
+        };
+        tracing::error!(source = %self.source, %md5, %error, "{what}; keeping the plan in force");
+        self.update_status(|s| {
+            match action {
+                ConfigAction::Rejected => s.rejected_total += 1,
+                _ => s.failed_total += 1,
+            }
+            s.last_error = Some(error.to_string());
+        });
+        self.event(action, md5, previous, Some(error.to_string()), vec![]);
     }
 
     /// Build the changed groups off the actors' threads, then swap them in one message and
@@ -405,7 +378,7 @@ impl Actor for ConfigActor {
 
     fn started(&mut self, ctx: &mut Self::Context) {
         ctx.set_mailbox_capacity(16);
-        ctx.run_interval(self.reloader.interval, |act, ctx| {
+        ctx.run_interval(self.reloader.base.reload_interval, |act, ctx| {
             let r = act.reloader.clone();
             ctx.spawn(
                 async move {
