@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{parse_sse, settings, Server};
+use common::{parse_sse, settings, Server, ADMIN_TOKEN};
 use futures::StreamExt;
 use serde_json::json;
 use std::time::Duration;
@@ -354,7 +354,7 @@ async fn api_keys_and_admin_routes() {
         .contains("QUANTMESH_ADMIN_TOKEN"));
 
     let mut st = settings();
-    st.server.admin_token = Some("secret".into());
+    st.server.admin_token = Some(ADMIN_TOKEN.into());
     let s = Server::start(st).await;
     assert_eq!(
         s.client
@@ -368,28 +368,12 @@ async fn api_keys_and_admin_routes() {
     let force = |group: &str, mode: &str| {
         s.client
             .post(s.url("/admin/fallback"))
-            .bearer_auth("secret")
+            .bearer_auth(ADMIN_TOKEN)
             .json(&json!({"group": group, "mode": mode}))
             .send()
     };
     assert_eq!(force("layers.1.down", "float").await.unwrap().status(), 200);
-    let rep: serde_json::Value = s
-        .client
-        .get(s.url("/admin/fallback"))
-        .bearer_auth("secret")
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let g = rep["groups"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|g| g["group"] == "layers.1.down")
-        .unwrap()
-        .clone();
+    let g = s.fallback_group("layers.1.down").await;
     assert_eq!(g["mode"], "forced_float");
     assert_eq!(
         force("layers.99.down", "float").await.unwrap().status(),
@@ -450,7 +434,7 @@ async fn graceful_shutdown_finishes_in_flight_streams() {
 #[actix_rt::test]
 async fn monitor_finds_sensitive_group_through_http_and_streams_survive_switches() {
     let mut st = settings();
-    st.server.admin_token = Some("secret".into());
+    st.server.admin_token = Some(ADMIN_TOKEN.into());
     st.engine.monitor.window_requests = 8;
     st.engine.monitor.warmup_tokens = 256;
     st.engine.monitor.min_window_tokens = 32;
@@ -473,23 +457,7 @@ async fn monitor_finds_sensitive_group_through_http_and_streams_survive_switches
         for r in futures::future::join_all(reqs).await {
             assert_eq!(r.status(), 200);
         }
-        let rep: serde_json::Value = s
-            .client
-            .get(s.url("/admin/fallback"))
-            .bearer_auth("secret")
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        let g = rep["groups"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|g| g["group"] == "layers.1.down")
-            .unwrap()
-            .clone();
+        let g = s.fallback_group("layers.1.down").await;
         if g["mode"] == "fallback" {
             found = true;
             assert!(g["last_window_rate"].as_f64().unwrap() > 0.01);
@@ -512,7 +480,7 @@ async fn monitor_finds_sensitive_group_through_http_and_streams_survive_switches
         let r = s
             .client
             .post(s.url("/admin/fallback"))
-            .bearer_auth("secret")
+            .bearer_auth(ADMIN_TOKEN)
             .json(&json!({"group": "layers.1.down", "mode": mode}))
             .send()
             .await

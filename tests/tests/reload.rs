@@ -205,14 +205,7 @@ async fn valid_invalid_and_truncated_versions_under_streaming_load() {
         // Never a mixed state: md5, thresholds and residency all come from this version.
         assert_eq!(st["k"], k);
         assert_eq!(st["residency"][DOWN], expected_residency(class));
-        let report = s.admin_get("/admin/fallback").await;
-        let down = report["groups"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|g| g["group"] == DOWN)
-            .unwrap()
-            .clone();
+        let down = s.fallback_group(DOWN).await;
         assert_eq!(down["residency"], expected_residency(class));
         assert_eq!(
             down["k"],

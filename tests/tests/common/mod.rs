@@ -173,6 +173,18 @@ impl Server {
         (status, r.json().await.expect("admin JSON"))
     }
 
+    /// One group's monitor state from `GET /admin/fallback`.
+    pub async fn fallback_group(&self, group: &str) -> serde_json::Value {
+        let report = self.admin_get("/admin/fallback").await;
+        report["groups"]
+            .as_array()
+            .expect("groups")
+            .iter()
+            .find(|g| g["group"] == group)
+            .unwrap_or_else(|| panic!("no group {group} in the report"))
+            .clone()
+    }
+
     /// The value of `name{label=value}`, if exposed.
     pub async fn labelled(&self, name: &str, label: &str, value: &str) -> Option<f64> {
         let scrape = self.metrics().await;
