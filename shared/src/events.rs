@@ -118,6 +118,16 @@ pub struct ConfigEvent {
     pub changed_groups: Vec<String>,
 }
 
+/// Where events go: the seam between the engine (which decides) and the transports (the log,
+/// an in-process broadcast, the Kafka outbox). Implementations must never block the caller:
+/// the monitor actor publishes from the serving path.
+pub trait EventSink: Send + Sync {
+    /// Publish one fallback decision.
+    fn publish(&self, ev: &FallbackEvent);
+    /// Publish a configuration change (hot reload applied / rejected / failed).
+    fn publish_config(&self, ev: &ConfigEvent);
+}
+
 /// The JSON Schemas of the event payloads (what `shared/schemas/` publishes for consumers).
 pub fn event_schemas() -> [(&'static str, serde_json::Value); 2] {
     [

@@ -9,7 +9,7 @@ pub mod precision;
 pub mod sensitive;
 
 pub use events::{
-    ConfigAction, ConfigEvent, FallbackAction, FallbackEvent, FallbackReason, Granularity,
+    ConfigAction, ConfigEvent, EventSink, FallbackAction, FallbackEvent, FallbackReason, Granularity,
     CONFIG_EVENT_SCHEMA_VERSION, FALLBACK_EVENT_SCHEMA_VERSION,
 };
 pub use generation::{FinishReason, SamplingError, SamplingParams, Usage};

@@ -132,6 +132,17 @@ impl Engine {
     /// actors, including the config actor that hot-reloads the plan. Must run inside an
     /// actix system (the gateway's, or `actix_rt::System`).
     pub async fn start(model_dir: &Path, cfg: EngineConfig, name: &str) -> Result<Engine> {
+        Self::start_with_sinks(model_dir, cfg, name, Vec::new()).await
+    }
+
+    /// [`Engine::start`], publishing every fallback and config event to `sinks` as well as
+    /// to the log and the in-process broadcast.
+    pub async fn start_with_sinks(
+        model_dir: &Path,
+        cfg: EngineConfig,
+        name: &str,
+        sinks: Vec<Arc<dyn EventSink>>,
+    ) -> Result<Engine> {
         let t0 = Instant::now();
         let source = match &cfg.sensitive_layers {
             Some(spec) => {
@@ -168,6 +179,7 @@ impl Engine {
             model_dir,
             load_seconds,
             source,
+            sinks,
         ))
     }
 
@@ -178,6 +190,7 @@ impl Engine {
         dir: &Path,
         load_seconds: f64,
         source: Option<Location>,
+        extra_sinks: Vec<Arc<dyn EventSink>>,
     ) -> Engine {
         let LoadedParts {
             model,
@@ -208,7 +221,8 @@ impl Engine {
             .map(|g| (g, model.residency(g)))
             .collect();
         let events = ChannelSink::new(1024);
-        let sinks: Vec<Arc<dyn EventSink>> = vec![Arc::new(LogSink), Arc::new(events.clone())];
+        let mut sinks: Vec<Arc<dyn EventSink>> = vec![Arc::new(LogSink), Arc::new(events.clone())];
+        sinks.extend(extra_sinks);
         let monitor_report = Arc::new(Mutex::new(MonitorReport::default()));
         let kl_samples = Arc::new(Mutex::new(Vec::new()));
         let monitor = cfg.monitor.enabled.then(|| {

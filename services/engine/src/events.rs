@@ -1,15 +1,11 @@
-//! Where fallback events go. `EventSink` is the seam: today an in-process broadcast
-//! channel and the structured log; the durable Kafka sink (with its outbox) plugs in here.
+//! Where fallback events go. [`EventSink`] (defined in `quantmesh-shared` so transports need
+//! not depend on the engine) is the seam: the engine always publishes to the structured log
+//! and an in-process broadcast; callers add more sinks at start (the gateway adds the Kafka
+//! outbox sink of `quantmesh-kafka` when brokers are configured).
 
+pub use quantmesh_shared::EventSink;
 use quantmesh_shared::{ConfigAction, ConfigEvent, FallbackEvent, Granularity};
 use tokio::sync::broadcast;
-
-pub trait EventSink: Send + Sync {
-    /// Publish one event. Must not block the caller (the monitor).
-    fn publish(&self, ev: &FallbackEvent);
-    /// Publish a configuration change (hot reload applied / rejected). Must not block.
-    fn publish_config(&self, ev: &ConfigEvent);
-}
 
 /// Every event as one structured log line (target `quantmesh::fallback`).
 pub struct LogSink;

@@ -1,0 +1,171 @@
+//! Prometheus metrics of the event path. Registered into the caller's registry (the
+//! gateway's `/metrics`).
+
+use prometheus::{
+    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+};
+
+/// Delivery latency buckets (seconds from recorded in the outbox to acknowledged by the
+/// broker): milliseconds when the broker is up, minutes during an outage.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    300.0, 900.0, 3600.0,
+];
+
+/// Why an event was not kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DropReason {
+    /// The outbox reached `outbox_max_bytes` (and the policy dropped this or the oldest).
+    OutboxFull,
+    /// The queue between the engine and the outbox writer was full.
+    QueueFull,
+    /// The outbox could not store the record (disk error); logged.
+    StorageError,
+    /// A stored record could not be read back; removed and logged.
+    Unreadable,
+}
+
+impl DropReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DropReason::OutboxFull => "outbox_full",
+            DropReason::QueueFull => "queue_full",
+            DropReason::StorageError => "storage_error",
+            DropReason::Unreadable => "unreadable",
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct KafkaMetrics {
+    /// Events durably stored in the outbox, by `event_type` (fallback|config).
+    pub recorded: IntCounterVec,
+    /// Events acknowledged by the broker and removed from the outbox.
+    pub delivered: IntCounterVec,
+    /// Delivery attempts that failed (the record stays in the outbox and is retried).
+    pub failures: IntCounter,
+    /// Events lost on purpose, by reason.
+    pub dropped: IntCounterVec,
+    pub outbox_depth: IntGauge,
+    pub outbox_bytes: IntGauge,
+    pub outbox_max_bytes: IntGauge,
+    pub latency: Histogram,
+    /// 1 while the last delivery round succeeded or a broker answered; 0 after a failure.
+    pub broker_up: IntGauge,
+    /// Producers re-created after a fatal producer error.
+    pub producer_restarts: IntCounter,
+    /// Topics created by quantmesh.
+    pub topics_created: IntGaugeVec,
+}
+
+fn must<T>(r: prometheus::Result<T>) -> T {
+    // Metric definitions are static; a failure here is a programming error caught by tests.
+    r.unwrap_or_else(|e| panic!("invalid metric definition: {e}"))
+}
+
+impl KafkaMetrics {
+    pub fn new() -> Self {
+        let dropped = must(IntCounterVec::new(
+            Opts::new(
+                "quantmesh_events_dropped_total",
+                "Events not kept, by reason (outbox_full, queue_full, storage_error, unreadable)",
+            ),
+            &["reason"],
+        ));
+        // Pre-create every reason so rate() and alerts see 0 rather than no series.
+        for r in [
+            DropReason::OutboxFull,
+            DropReason::QueueFull,
+            DropReason::StorageError,
+            DropReason::Unreadable,
+        ] {
+            dropped.with_label_values(&[r.as_str()]);
+        }
+        let recorded = must(IntCounterVec::new(
+            Opts::new(
+                "quantmesh_events_recorded_total",
+                "Events durably stored in the outbox",
+            ),
+            &["event_type"],
+        ));
+        let delivered = must(IntCounterVec::new(
+            Opts::new(
+                "quantmesh_events_delivered_total",
+                "Events acknowledged by the Kafka broker",
+            ),
+            &["event_type"],
+        ));
+        for t in ["fallback", "config"] {
+            recorded.with_label_values(&[t]);
+            delivered.with_label_values(&[t]);
+        }
+        Self {
+            recorded,
+            delivered,
+            failures: must(IntCounter::new(
+                "quantmesh_events_delivery_failures_total",
+                "Delivery attempts that failed; the events stay in the outbox and are retried",
+            )),
+            dropped,
+            outbox_depth: must(IntGauge::new(
+                "quantmesh_events_outbox_depth",
+                "Events waiting in the outbox",
+            )),
+            outbox_bytes: must(IntGauge::new(
+                "quantmesh_events_outbox_bytes",
+                "Bytes of events waiting in the outbox",
+            )),
+            outbox_max_bytes: must(IntGauge::new(
+                "quantmesh_events_outbox_max_bytes",
+                "Configured bound of the outbox (kafka.outbox_max_bytes)",
+            )),
+            latency: must(Histogram::with_opts(
+                HistogramOpts::new(
+                    "quantmesh_events_delivery_latency_seconds",
+                    "From stored in the outbox to acknowledged by the broker",
+                )
+                .buckets(LATENCY_BUCKETS.to_vec()),
+            )),
+            broker_up: must(IntGauge::new(
+                "quantmesh_kafka_broker_up",
+                "1 when the Kafka broker is reachable (last delivery or metadata request succeeded)",
+            )),
+            producer_restarts: must(IntCounter::new(
+                "quantmesh_kafka_producer_restarts_total",
+                "Kafka producers re-created after a fatal producer error",
+            )),
+            topics_created: must(IntGaugeVec::new(
+                Opts::new(
+                    "quantmesh_kafka_topics_created",
+                    "Times quantmesh created a missing topic since start",
+                ),
+                &["topic"],
+            )),
+        }
+    }
+
+    pub fn register(&self, registry: &Registry) -> prometheus::Result<()> {
+        registry.register(Box::new(self.recorded.clone()))?;
+        registry.register(Box::new(self.delivered.clone()))?;
+        registry.register(Box::new(self.failures.clone()))?;
+        registry.register(Box::new(self.dropped.clone()))?;
+        registry.register(Box::new(self.outbox_depth.clone()))?;
+        registry.register(Box::new(self.outbox_bytes.clone()))?;
+        registry.register(Box::new(self.outbox_max_bytes.clone()))?;
+        registry.register(Box::new(self.latency.clone()))?;
+        registry.register(Box::new(self.broker_up.clone()))?;
+        registry.register(Box::new(self.producer_restarts.clone()))?;
+        registry.register(Box::new(self.topics_created.clone()))?;
+        Ok(())
+    }
+
+    pub fn drop_event(&self, reason: DropReason, n: u64) {
+        self.dropped.with_label_values(&[reason.as_str()]).inc_by(n);
+    }
+}
+
+impl Default for KafkaMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

@@ -1,0 +1,325 @@
+//! The engine-facing half: [`KafkaSink`] turns events into outbox records and hands them to
+//! the outbox writer thread without ever blocking; the writer appends them to the sled
+//! outbox in batches and makes each batch durable with one fsync (group commit).
+
+use crate::metrics::{DropReason, KafkaMetrics};
+use quantmesh_outbox::{Appended, Outbox, Record};
+use quantmesh_shared::{
+    ConfigEvent, EventSink, FallbackEvent, CONFIG_EVENT_SCHEMA_VERSION,
+    FALLBACK_EVENT_SCHEMA_VERSION,
+};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
+use std::sync::Arc;
+use tokio::sync::Notify;
+
+/// Message headers every record carries.
+pub const HEADER_EVENT_TYPE: &str = "event-type";
+pub const HEADER_SCHEMA_VERSION: &str = "schema-version";
+pub const HEADER_CONTENT_TYPE: &str = "content-type";
+/// W3C trace context, when the event was produced under an active trace.
+pub const HEADER_TRACEPARENT: &str = "traceparent";
+
+/// Which stream (and topic) a record belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventType {
+    Fallback,
+    Config,
+}
+
+impl EventType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventType::Fallback => "fallback",
+            EventType::Config => "config",
+        }
+    }
+
+    /// The event type of a stored record (from its header).
+    pub fn of(record: &Record) -> EventType {
+        match record
+            .headers
+            .iter()
+            .find(|(k, _)| k == HEADER_EVENT_TYPE)
+            .map(|(_, v)| v.as_str())
+        {
+            Some("config") => EventType::Config,
+            _ => EventType::Fallback,
+        }
+    }
+}
+
+/// The partitioning key: model + layer group, so one group's events stay ordered in one
+/// partition. Decisions without a group (request, batch) use the granularity in its place;
+/// config events use `config`.
+pub fn fallback_key(ev: &FallbackEvent) -> String {
+    match &ev.group {
+        Some(g) => format!("{}/{g}", ev.model),
+        None => format!(
+            "{}/{}",
+            ev.model,
+            serde_json::to_value(ev.granularity)
+                .ok()
+                .and_then(|v| v.as_str().map(String::from))
+                .unwrap_or_default()
+        ),
+    }
+}
+
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+fn record(
+    kind: EventType,
+    key: String,
+    payload: String,
+    version: u32,
+    traceparent: Option<String>,
+) -> Record {
+    let mut headers = vec![
+        (HEADER_EVENT_TYPE.to_string(), kind.as_str().to_string()),
+        (HEADER_SCHEMA_VERSION.to_string(), version.to_string()),
+        (HEADER_CONTENT_TYPE.to_string(), "application/json".into()),
+    ];
+    if let Some(tp) = traceparent {
+        headers.push((HEADER_TRACEPARENT.to_string(), tp));
+    }
+    Record {
+        key,
+        payload,
+        headers,
+        appended_ms: now_ms(),
+    }
+}
+
+pub(crate) enum WriterMsg {
+    Record(Record, EventType),
+    Stop,
+}
+
+/// Supplies the W3C `traceparent` of the trace active where an event is published, if any.
+pub type TraceContext = Arc<dyn Fn() -> Option<String> + Send + Sync>;
+
+/// Implements [`EventSink`] for the engine: serialise, enqueue, return. Never blocks: when
+/// the writer's queue is full the event is dropped and counted (`reason="queue_full"`).
+pub struct KafkaSink {
+    tx: SyncSender<WriterMsg>,
+    metrics: KafkaMetrics,
+    trace: Option<TraceContext>,
+    warned_full: AtomicBool,
+}
+
+impl KafkaSink {
+    pub(crate) fn new(
+        tx: SyncSender<WriterMsg>,
+        metrics: KafkaMetrics,
+        trace: Option<TraceContext>,
+    ) -> Self {
+        Self {
+            tx,
+            metrics,
+            trace,
+            warned_full: AtomicBool::new(false),
+        }
+    }
+
+    fn send(&self, rec: Record, kind: EventType) {
+        match self.tx.try_send(WriterMsg::Record(rec, kind)) {
+            Ok(()) => {
+                self.warned_full.store(false, Ordering::Relaxed);
+            }
+            Err(TrySendError::Full(_)) => {
+                self.metrics.drop_event(DropReason::QueueFull, 1);
+                if !self.warned_full.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(target: "quantmesh::kafka", "outbox writer queue full: dropping events (counted in quantmesh_events_dropped_total{{reason=\"queue_full\"}})");
+                }
+            }
+            Err(TrySendError::Disconnected(_)) => {
+                // The pipeline was shut down; the engine is draining.
+                self.metrics.drop_event(DropReason::QueueFull, 1);
+            }
+        }
+    }
+
+    fn traceparent(&self) -> Option<String> {
+        self.trace.as_ref().and_then(|f| f())
+    }
+}
+
+impl EventSink for KafkaSink {
+    fn publish(&self, ev: &FallbackEvent) {
+        let Ok(payload) = serde_json::to_string(ev) else {
+            return;
+        };
+        let rec = record(
+            EventType::Fallback,
+            fallback_key(ev),
+            payload,
+            FALLBACK_EVENT_SCHEMA_VERSION,
+            self.traceparent(),
+        );
+        self.send(rec, EventType::Fallback);
+    }
+
+    fn publish_config(&self, ev: &ConfigEvent) {
+        let Ok(payload) = serde_json::to_string(ev) else {
+            return;
+        };
+        let rec = record(
+            EventType::Config,
+            format!("{}/config", ev.model),
+            payload,
+            CONFIG_EVENT_SCHEMA_VERSION,
+            self.traceparent(),
+        );
+        self.send(rec, EventType::Config);
+    }
+}
+
+/// Most records appended per fsync.
+const WRITER_BATCH: usize = 4096;
+
+/// The outbox writer thread: append what is queued, fsync once, count, wake the relay.
+pub(crate) fn run_writer(
+    rx: Receiver<WriterMsg>,
+    outbox: Arc<Outbox>,
+    metrics: KafkaMetrics,
+    relay: Arc<Notify>,
+) {
+    let mut seen_dropped = outbox.stats.dropped.load(Ordering::Relaxed);
+    let mut full = false;
+    while let Ok(first) = rx.recv() {
+        let mut batch = vec![first];
+        while batch.len() < WRITER_BATCH {
+            match rx.try_recv() {
+                Ok(m) => batch.push(m),
+                Err(_) => break,
+            }
+        }
+        let mut stored = [0u64; 2];
+        let mut stop = false;
+        for m in batch {
+            let (rec, kind) = match m {
+                WriterMsg::Stop => {
+                    stop = true;
+                    continue;
+                }
+                WriterMsg::Record(r, k) => (r, k),
+            };
+            match outbox.append(&rec) {
+                Ok(Appended::Stored { .. }) => stored[kind as usize] += 1,
+                Ok(Appended::Dropped) => {}
+                Err(e) => {
+                    tracing::error!(target: "quantmesh::kafka", error = %e, "outbox append failed: event dropped");
+                    metrics.drop_event(DropReason::StorageError, 1);
+                }
+            }
+        }
+        if stored.iter().sum::<u64>() > 0 {
+            if let Err(e) = outbox.flush() {
+                tracing::error!(target: "quantmesh::kafka", error = %e, "outbox fsync failed: the last events may not survive a crash");
+            }
+            for (kind, n) in [EventType::Fallback, EventType::Config]
+                .into_iter()
+                .zip(stored)
+            {
+                metrics.recorded.with_label_values(&[kind.as_str()]).inc_by(n);
+            }
+        }
+        // Drops by the outbox's policy (newest refused or oldest evicted).
+        let dropped = outbox.stats.dropped.load(Ordering::Relaxed);
+        if dropped > seen_dropped {
+            metrics.drop_event(DropReason::OutboxFull, dropped - seen_dropped);
+            if !full {
+                tracing::warn!(target: "quantmesh::kafka", bytes = outbox.bytes(), max_bytes = metrics.outbox_max_bytes.get(), "outbox full: dropping events per kafka.full_policy (counted in quantmesh_events_dropped_total{{reason=\"outbox_full\"}})");
+            }
+            full = true;
+            seen_dropped = dropped;
+        } else if stored.iter().sum::<u64>() > 0 {
+            full = false;
+        }
+        metrics.outbox_depth.set(outbox.depth() as i64);
+        metrics.outbox_bytes.set(outbox.bytes() as i64);
+        relay.notify_one();
+        if stop {
+            break;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use quantmesh_shared::{FallbackAction, FallbackReason, Granularity};
+
+    pub(crate) fn event(group: Option<&str>, g: Granularity) -> FallbackEvent {
+        FallbackEvent {
+            schema_version: 1,
+            event_id: "e".into(),
+            timestamp_ms: 1,
+            model: "m".into(),
+            group: group.map(String::from),
+            granularity: g,
+            action: FallbackAction::Enter,
+            reason: FallbackReason::Admin,
+            outlier_rate: None,
+            mean: None,
+            sigma: None,
+            k: None,
+            kl: None,
+            token_ids: vec![],
+            positions: vec![],
+            request_id: None,
+            config_md5: None,
+        }
+    }
+
+    #[test]
+    fn keys_keep_a_group_in_one_partition() {
+        assert_eq!(
+            fallback_key(&event(Some("layers.1.down"), Granularity::Layer)),
+            "m/layers.1.down"
+        );
+        assert_eq!(
+            fallback_key(&event(Some("layers.1.down"), Granularity::Token)),
+            "m/layers.1.down"
+        );
+        assert_eq!(fallback_key(&event(None, Granularity::Batch)), "m/batch");
+    }
+
+    #[test]
+    fn writer_records_durably_and_counts_drops() {
+        let dir = tempfile::tempdir().unwrap();
+        let outbox = Arc::new(
+            Outbox::open(dir.path(), 1500, quantmesh_outbox::FullPolicy::DropNewest).unwrap(),
+        );
+        let metrics = KafkaMetrics::new();
+        let (tx, rx) = std::sync::mpsc::sync_channel(16);
+        let notify = Arc::new(Notify::new());
+        let sink = KafkaSink::new(tx.clone(), metrics.clone(), Some(Arc::new(|| Some("00-abc-def-01".into()))));
+        let (o, m, n) = (outbox.clone(), metrics.clone(), notify.clone());
+        let writer = std::thread::spawn(move || run_writer(rx, o, m, n));
+        for _ in 0..10 {
+            sink.publish(&event(Some("layers.0.qkv"), Granularity::Layer));
+        }
+        tx.send(WriterMsg::Stop).unwrap();
+        writer.join().unwrap();
+        let recorded = metrics.recorded.with_label_values(&["fallback"]).get();
+        let dropped = metrics.dropped.with_label_values(&["outbox_full"]).get();
+        let queue = metrics.dropped.with_label_values(&["queue_full"]).get();
+        assert!(recorded > 0 && dropped > 0, "{recorded} {dropped}");
+        assert_eq!(recorded + dropped + queue, 10);
+        assert_eq!(outbox.depth() as u64, recorded);
+        assert!(outbox.bytes() <= 1500);
+        let (_, rec) = outbox.peek(1).pop().unwrap().unwrap();
+        assert_eq!(EventType::of(&rec), EventType::Fallback);
+        assert_eq!(rec.key, "m/layers.0.qkv");
+        assert!(rec.headers.contains(&("traceparent".into(), "00-abc-def-01".into())));
+        assert!(rec.headers.contains(&("schema-version".into(), "1".into())));
+    }
+}
