@@ -337,6 +337,11 @@ impl Metrics {
     }
 
     /// Refresh engine-derived series and render the exposition text.
+    /// Registry for metrics owned by other parts (the Kafka event path).
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
     pub fn render(&self, stats: Option<&EngineStats>) -> String {
         self.ready.set(i64::from(stats.is_some()));
         if let Some(s) = stats {

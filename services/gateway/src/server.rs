@@ -11,9 +11,12 @@ use actix_web::middleware::Next;
 use actix_web::{web, App, HttpMessage, HttpServer};
 use anyhow::Context;
 use quantmesh_engine::bundled::{init_model, model_present, InitOptions};
+use quantmesh_engine::events::EventSink;
 use quantmesh_engine::Engine;
+use quantmesh_kafka::{EventPipeline, KafkaMetrics};
 use std::future::Future;
 use std::net::TcpListener;
+use std::sync::Arc;
 use std::time::Duration;
 use tracing::Instrument;
 
@@ -95,8 +98,12 @@ pub fn start_http(
     .run())
 }
 
-/// Load (creating it first if allowed) the model and start the engine.
-pub async fn load_engine(settings: &Settings) -> anyhow::Result<Engine> {
+/// Load (creating it first if allowed) the model and start the engine; its events also go
+/// to `sinks`.
+pub async fn load_engine(
+    settings: &Settings,
+    sinks: Vec<Arc<dyn EventSink>>,
+) -> anyhow::Result<Engine> {
     let dir = settings.model.dir.clone();
     if !model_present(&dir) {
         anyhow::ensure!(
@@ -115,7 +122,7 @@ pub async fn load_engine(settings: &Settings) -> anyhow::Result<Engine> {
             .context("model init task")??;
     }
     tracing::info!(dir = %dir.display(), "loading model");
-    Engine::start(&dir, settings.engine.clone(), &settings.model.name)
+    Engine::start_with_sinks(&dir, settings.engine.clone(), &settings.model.name, sinks)
         .await
         .with_context(|| format!("loading the model from {}", dir.display()))
 }
@@ -146,8 +153,29 @@ pub async fn run_embedded(
 
     let timeout = Duration::from_secs(settings.server.shutdown_timeout_secs);
     tokio::pin!(shutdown);
-    let engine = tokio::select! {
-        e = load_engine(&settings) => match e {
+    let start = async {
+        let pipeline = match settings.kafka.enabled() {
+            true => {
+                let metrics = KafkaMetrics::new();
+                metrics
+                    .register(state.metrics.registry())
+                    .context("registering the Kafka metrics")?;
+                let p = EventPipeline::start(settings.kafka.clone(), metrics, None)
+                    .await
+                    .context("starting the Kafka event path")?;
+                Some(p)
+            }
+            false => {
+                tracing::info!("kafka.brokers is empty: fallback events go to the log only");
+                None
+            }
+        };
+        let sinks = pipeline.iter().map(|p| p.sink()).collect();
+        let engine = load_engine(&settings, sinks).await?;
+        anyhow::Ok((engine, pipeline))
+    };
+    let (engine, pipeline) = tokio::select! {
+        e = start => match e {
             Ok(e) => e,
             Err(err) => {
                 handle.stop(false).await;
@@ -177,6 +205,9 @@ pub async fn run_embedded(
     handle.stop(true).await;
     if tokio::time::timeout(timeout, engine.drain()).await.is_err() {
         tracing::warn!("engine did not drain within the timeout");
+    }
+    if let Some(p) = pipeline {
+        p.shutdown().await;
     }
     let _ = server_task.await;
     tracing::info!("stopped");

@@ -3,6 +3,7 @@
 
 use quantmesh_engine::bundled::ModelSize;
 use quantmesh_engine::EngineConfig;
+use quantmesh_kafka::KafkaSettings;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -13,6 +14,8 @@ pub struct Settings {
     pub model: ModelSettings,
     pub engine: EngineConfig,
     pub log: LogSettings,
+    /// Fallback/config events to Kafka through the durable outbox (off while `brokers` is empty).
+    pub kafka: KafkaSettings,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -206,6 +209,24 @@ impl Settings {
         if let Some(v) = get("QUANTMESH_LOG_LEVEL") {
             self.log.level = v;
         }
+        if let Some(v) = get("QUANTMESH_KAFKA_BROKERS") {
+            self.kafka.brokers = v;
+        }
+        if let Some(v) = get("QUANTMESH_KAFKA_TOPIC") {
+            self.kafka.topic = v;
+        }
+        if let Some(v) = get("QUANTMESH_KAFKA_CONFIG_TOPIC") {
+            self.kafka.config_topic = v;
+        }
+        if let Some(v) = get("QUANTMESH_KAFKA_REQUIRED") {
+            self.kafka.required = parse("QUANTMESH_KAFKA_REQUIRED", v)?;
+        }
+        if let Some(v) = get("QUANTMESH_OUTBOX_DIR") {
+            self.kafka.outbox_dir = v.into();
+        }
+        if let Some(v) = get("QUANTMESH_OUTBOX_MAX_BYTES") {
+            self.kafka.outbox_max_bytes = parse("QUANTMESH_OUTBOX_MAX_BYTES", v)?;
+        }
         Ok(())
     }
 
@@ -226,6 +247,7 @@ impl Settings {
                 "server.max_body_bytes must be at least 64".into(),
             ));
         }
+        self.kafka.validate().map_err(SettingsError::Invalid)?;
         self.engine
             .validate()
             .map_err(|e| SettingsError::Invalid(e.to_string()))
@@ -322,6 +344,21 @@ pub struct ServeFlags {
     /// Log format [default: text].
     #[arg(long, value_enum)]
     pub log_format: Option<LogFormat>,
+    /// Kafka bootstrap brokers, HOST:PORT[,HOST:PORT…]: every fallback and config event is
+    /// stored in a durable outbox and relayed there (at-least-once). Unset: events go to
+    /// the log only. Env `QUANTMESH_KAFKA_BROKERS`, file `kafka.brokers`.
+    #[arg(long)]
+    pub kafka_brokers: Option<String>,
+    /// Topic of fallback events [default: quantmesh.fallback-events.v1]; config events go
+    /// to `kafka.config_topic` [default: quantmesh.config-events.v1].
+    #[arg(long)]
+    pub kafka_topic: Option<String>,
+    /// Refuse to start when no broker answers (default: serve, keep events in the outbox).
+    #[arg(long)]
+    pub kafka_required: bool,
+    /// Directory of the durable event outbox [default: data/outbox].
+    #[arg(long)]
+    pub outbox_dir: Option<PathBuf>,
 }
 
 impl ServeFlags {
@@ -351,6 +388,18 @@ impl ServeFlags {
         }
         if let Some(i) = self.reload_interval {
             s.engine.reload_interval = i;
+        }
+        if let Some(b) = &self.kafka_brokers {
+            s.kafka.brokers = b.clone();
+        }
+        if let Some(t) = &self.kafka_topic {
+            s.kafka.topic = t.clone();
+        }
+        if self.kafka_required {
+            s.kafka.required = true;
+        }
+        if let Some(d) = &self.outbox_dir {
+            s.kafka.outbox_dir = d.clone();
         }
         s.validate()?;
         Ok(s)

@@ -2,7 +2,7 @@
 //! gateway's `/metrics`).
 
 use prometheus::{
-    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
 };
 
 /// Delivery latency buckets (seconds from recorded in the outbox to acknowledged by the
@@ -55,7 +55,7 @@ pub struct KafkaMetrics {
     /// Producers re-created after a fatal producer error.
     pub producer_restarts: IntCounter,
     /// Topics created by quantmesh.
-    pub topics_created: IntGaugeVec,
+    pub topics_created: IntCounterVec,
 }
 
 fn must<T>(r: prometheus::Result<T>) -> T {
@@ -134,9 +134,9 @@ impl KafkaMetrics {
                 "quantmesh_kafka_producer_restarts_total",
                 "Kafka producers re-created after a fatal producer error",
             )),
-            topics_created: must(IntGaugeVec::new(
+            topics_created: must(IntCounterVec::new(
                 Opts::new(
-                    "quantmesh_kafka_topics_created",
+                    "quantmesh_kafka_topics_created_total",
                     "Times quantmesh created a missing topic since start",
                 ),
                 &["topic"],

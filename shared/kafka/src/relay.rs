@@ -69,7 +69,8 @@ impl Relay {
         let mut deadline: Option<Instant> = None;
         let mut failing = false;
         loop {
-            if *self.stop.borrow() {
+            // Stopping: asked to, or the pipeline handle is gone.
+            if *self.stop.borrow() || self.stop.has_changed().is_err() {
                 let d = *deadline.get_or_insert_with(|| Instant::now() + self.settings.shutdown_timeout);
                 if self.outbox.depth() == 0 || Instant::now() >= d {
                     break;
