@@ -336,7 +336,7 @@ async fn full_outbox_drops_the_newest_counts_and_fires_the_alert() {
     fire_events(&client, &serve.base, 1).await;
     wait_metric(&serve, &client, "quantmesh_events_recorded_total", &["fallback"], |v| v >= 16.0, Duration::from_secs(30)).await;
     let first_phase_end = quantmesh_kafka::sink::now_ms();
-    fire_events(&client, &serve.base, 6).await;
+    fire_events_from(&client, &serve.base, 1, 6).await;
     let created = serve.decisions(&client).await as f64;
     let dropped = wait_metric(
         &serve,
@@ -461,7 +461,7 @@ async fn events_tail_prints_json_lines_and_tables_and_resumes_a_group() {
     assert!(lines[1..].iter().all(|l| l.contains("quantmesh-tiny") && l.contains("admin")));
 
     // The same group continues after its committed offsets: only the new events.
-    fire_events(&client, &serve.base, 1).await;
+    fire_events_from(&client, &serve.base, 1, 1).await;
     wait_metric(&serve, &client, "quantmesh_events_delivered_total", &["fallback"], |v| v >= 32.0, Duration::from_secs(60)).await;
     let json = tail(&["--from-beginning", "--limit", "16", "--group", "people"]);
     let again: HashSet<String> = json

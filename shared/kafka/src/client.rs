@@ -42,7 +42,8 @@ impl ClientContext for Context {
                 m.broker_up.set(0);
             }
         }
-        tracing::warn!(target: "quantmesh::kafka", error = %error, "{reason}");
+        // librdkafka also logs these through `log`; the relay logs the state changes.
+        tracing::debug!(target: "quantmesh::kafka", error = %error, "{reason}");
     }
 }
 

@@ -14,6 +14,7 @@ use crate::settings::KafkaSettings;
 use crate::sink::{now_ms, EventType};
 use quantmesh_outbox::{Outbox, OutboxError};
 use rdkafka::admin::AdminClient;
+use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::util::Timeout;
@@ -68,6 +69,7 @@ impl Relay {
         let mut backoff = BACKOFF_MIN;
         let mut deadline: Option<Instant> = None;
         let mut failing = false;
+        let mut failed_rounds = 0u32;
         loop {
             // Stopping: asked to, or the pipeline handle is gone.
             if *self.stop.borrow() || self.stop.has_changed().is_err() {
@@ -163,6 +165,7 @@ impl Relay {
                 }
             };
             let mut first_error = None;
+            let mut producer_state_lost = false;
             let now = now_ms();
             for ((seq, appended_ms, kind), res) in meta.into_iter().zip(results) {
                 match res {
@@ -180,6 +183,15 @@ impl Relay {
                     }
                     Ok(Err((e, _))) => {
                         self.metrics.failures.inc();
+                        producer_state_lost |= matches!(
+                            e.rdkafka_error_code(),
+                            Some(
+                                RDKafkaErrorCode::UnknownProducerId
+                                    | RDKafkaErrorCode::OutOfOrderSequenceNumber
+                                    | RDKafkaErrorCode::InvalidProducerEpoch
+                                    | RDKafkaErrorCode::InvalidProducerIdMapping
+                            )
+                        );
                         first_error.get_or_insert(e.to_string());
                     }
                     Err(_canceled) => {
@@ -196,6 +208,7 @@ impl Relay {
                         tracing::info!(target: "quantmesh::kafka", depth = self.outbox.depth(), "deliveries succeed again");
                     }
                     failing = false;
+                    failed_rounds = 0;
                     backoff = BACKOFF_MIN;
                     producer = Some(p);
                 }
@@ -204,19 +217,30 @@ impl Relay {
                         tracing::warn!(target: "quantmesh::kafka", error = %err, depth = self.outbox.depth(), "deliveries failing: events kept in the outbox and retried");
                     }
                     failing = true;
-                    if let Some((code, reason)) = p.client().fatal_error() {
-                        tracing::warn!(target: "quantmesh::kafka", ?code, %reason, "fatal producer error: creating a new producer");
-                        self.metrics.producer_restarts.inc();
-                    } else {
-                        producer = Some(p);
-                    }
-                    let _ = client::ensure_topics(
+                    failed_rounds += 1;
+                    let reachable = client::ensure_topics(
                         &self.settings,
                         &self.admin,
                         Some(&self.metrics),
                         SLOW_ROUND,
                     )
-                    .await;
+                    .await
+                    .is_ok();
+                    if !reachable {
+                        self.metrics.broker_up.set(0);
+                    }
+                    // A new producer (new idempotent producer id) when the old one cannot
+                    // recover: a fatal error, the broker forgot our producer id (restarted
+                    // without its state), or deliveries keep failing although the broker
+                    // answers. Nothing is lost: the outbox still holds every record.
+                    let fatal = p.client().fatal_error();
+                    if fatal.is_some() || producer_state_lost || (reachable && failed_rounds >= 2) {
+                        tracing::warn!(target: "quantmesh::kafka", fatal = ?fatal, producer_state_lost, failed_rounds, "creating a new producer");
+                        self.metrics.producer_restarts.inc();
+                        failed_rounds = 0;
+                    } else {
+                        producer = Some(p);
+                    }
                     self.pause(backoff).await;
                     backoff = (backoff * 2).min(BACKOFF_MAX);
                 }

@@ -277,11 +277,22 @@ pub fn groups() -> Vec<String> {
 /// float / auto (each one an enter or exit decision of the monitor → one event). Returns
 /// the number of successful calls.
 pub async fn fire_events(client: &reqwest::Client, base: &str, per_group: usize) -> usize {
+    fire_events_from(client, base, 0, per_group).await
+}
+
+/// [`fire_events`] continuing a toggle sequence at `first` (odd: the groups are in float
+/// now, so start with `auto`).
+pub async fn fire_events_from(
+    client: &reqwest::Client,
+    base: &str,
+    first: usize,
+    per_group: usize,
+) -> usize {
     let tasks = groups().into_iter().map(|g| {
         let (client, url) = (client.clone(), format!("{base}/admin/fallback"));
         async move {
             let mut ok = 0;
-            for i in 0..per_group {
+            for i in first..first + per_group {
                 let mode = if i % 2 == 0 { "float" } else { "auto" };
                 let r = client
                     .post(&url)
