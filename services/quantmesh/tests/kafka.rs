@@ -23,13 +23,16 @@ fn schema(name: &str) -> jsonschema::Validator {
     jsonschema::validator_for(&s).unwrap()
 }
 
-/// A config file with short Kafka timeouts (so outages are noticed within the test).
+/// A config file with short Kafka timeouts (so outages are noticed within the test) and a
+/// monitor that takes no decision on its own (the bundled model's planted outliers would
+/// otherwise add events at a rate the test does not control; admin decisions still are
+/// monitor decisions, published the same way).
 fn config(dir: &Path, extra: &str) -> String {
     let p = dir.join("quantmesh.toml");
     std::fs::write(
         &p,
         format!(
-            "[kafka]\nconnect_timeout = \"3s\"\ndelivery_timeout = \"2s\"\nshutdown_timeout = \"3s\"\n{extra}"
+            "[engine.monitor]\nk = 1e9\ntoken_k = 1e9\nrequest_kl_limit = 1e9\nshadow_sample_rate = 0.0\n\n[kafka]\nconnect_timeout = \"3s\"\ndelivery_timeout = \"2s\"\nshutdown_timeout = \"3s\"\n{extra}"
         ),
     )
     .unwrap();
@@ -264,6 +267,7 @@ async fn sigkill_mid_traffic_then_restart_relays_the_outbox() {
         Duration::from_secs(30),
     )
     .await as usize;
+    assert_eq!(recorded, created);
     serve.kill();
     stop_tx.send(true).unwrap();
     let t = load.await.unwrap();
