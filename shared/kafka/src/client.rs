@@ -165,7 +165,13 @@ pub async fn ensure_topics(
     }
     let new: Vec<NewTopic> = missing
         .iter()
-        .map(|t| NewTopic::new(t, s.partitions, TopicReplication::Fixed(s.replication_factor)))
+        .map(|t| {
+            NewTopic::new(
+                t,
+                s.partitions,
+                TopicReplication::Fixed(s.replication_factor),
+            )
+        })
         .collect();
     let results = admin
         .create_topics(&new, &AdminOptions::new().operation_timeout(Some(timeout)))

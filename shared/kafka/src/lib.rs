@@ -80,20 +80,17 @@ impl EventPipeline {
             settings.outbox_max_bytes,
             settings.full_policy,
         )?);
-        metrics.outbox_max_bytes.set(settings.outbox_max_bytes as i64);
+        metrics
+            .outbox_max_bytes
+            .set(settings.outbox_max_bytes as i64);
         metrics.outbox_depth.set(outbox.depth() as i64);
         metrics.outbox_bytes.set(outbox.bytes() as i64);
         if outbox.depth() > 0 {
             tracing::info!(target: "quantmesh::kafka", events = outbox.depth(), bytes = outbox.bytes(), dir = %settings.outbox_dir.display(), "events from an earlier run are waiting in the outbox: relaying them");
         }
         let admin = client::admin(&settings)?;
-        match client::ensure_topics(
-            &settings,
-            &admin,
-            Some(&metrics),
-            settings.connect_timeout,
-        )
-        .await
+        match client::ensure_topics(&settings, &admin, Some(&metrics), settings.connect_timeout)
+            .await
         {
             Ok(_) => {
                 tracing::info!(target: "quantmesh::kafka", brokers = %settings.brokers, topic = %settings.topic, config_topic = %settings.config_topic, "Kafka event path ready")

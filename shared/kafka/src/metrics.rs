@@ -1,9 +1,7 @@
 //! Prometheus metrics of the event path. Registered into the caller's registry (the
 //! gateway's `/metrics`).
 
-use prometheus::{
-    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
-};
+use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 
 /// Delivery latency buckets (seconds from recorded in the outbox to acknowledged by the
 /// broker): milliseconds when the broker is up, minutes during an outage.

@@ -73,7 +73,8 @@ impl Relay {
         loop {
             // Stopping: asked to, or the pipeline handle is gone.
             if *self.stop.borrow() || self.stop.has_changed().is_err() {
-                let d = *deadline.get_or_insert_with(|| Instant::now() + self.settings.shutdown_timeout);
+                let d = *deadline
+                    .get_or_insert_with(|| Instant::now() + self.settings.shutdown_timeout);
                 if self.outbox.depth() == 0 || Instant::now() >= d {
                     break;
                 }
@@ -86,7 +87,15 @@ impl Relay {
                 if self.metrics.broker_up.get() == 0 {
                     // Idle and the broker was down: find out when it is back (and
                     // re-create topics a restarted broker lost).
-                    if client::ensure_topics(&self.settings, &self.admin, Some(&self.metrics), SLOW_ROUND).await.is_ok() {
+                    if client::ensure_topics(
+                        &self.settings,
+                        &self.admin,
+                        Some(&self.metrics),
+                        SLOW_ROUND,
+                    )
+                    .await
+                    .is_ok()
+                    {
                         tracing::info!(target: "quantmesh::kafka", "broker reachable again");
                     }
                 }

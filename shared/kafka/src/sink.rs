@@ -227,7 +227,10 @@ pub(crate) fn run_writer(
                 .into_iter()
                 .zip(stored)
             {
-                metrics.recorded.with_label_values(&[kind.as_str()]).inc_by(n);
+                metrics
+                    .recorded
+                    .with_label_values(&[kind.as_str()])
+                    .inc_by(n);
             }
         }
         // Drops by the outbox's policy (newest refused or oldest evicted).
@@ -301,7 +304,11 @@ mod tests {
         let metrics = KafkaMetrics::new();
         let (tx, rx) = std::sync::mpsc::sync_channel(16);
         let notify = Arc::new(Notify::new());
-        let sink = KafkaSink::new(tx.clone(), metrics.clone(), Some(Arc::new(|| Some("00-abc-def-01".into()))));
+        let sink = KafkaSink::new(
+            tx.clone(),
+            metrics.clone(),
+            Some(Arc::new(|| Some("00-abc-def-01".into()))),
+        );
         let (o, m, n) = (outbox.clone(), metrics.clone(), notify.clone());
         let writer = std::thread::spawn(move || run_writer(rx, o, m, n));
         for _ in 0..10 {
@@ -319,7 +326,9 @@ mod tests {
         let (_, rec) = outbox.peek(1).pop().unwrap().unwrap();
         assert_eq!(EventType::of(&rec), EventType::Fallback);
         assert_eq!(rec.key, "m/layers.0.qkv");
-        assert!(rec.headers.contains(&("traceparent".into(), "00-abc-def-01".into())));
+        assert!(rec
+            .headers
+            .contains(&("traceparent".into(), "00-abc-def-01".into())));
         assert!(rec.headers.contains(&("schema-version".into(), "1".into())));
     }
 }

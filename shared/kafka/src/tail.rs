@@ -43,7 +43,9 @@ fn ms_to_rfc3339(ms: u64) -> String {
 }
 
 fn opt<T: std::fmt::Display>(v: &Option<T>) -> String {
-    v.as_ref().map(|x| x.to_string()).unwrap_or_else(|| "-".into())
+    v.as_ref()
+        .map(|x| x.to_string())
+        .unwrap_or_else(|| "-".into())
 }
 
 fn opt_f(v: Option<f64>, digits: usize) -> String {
@@ -197,7 +199,15 @@ mod tests {
         });
         let row = table_row(&ev.to_string(), false);
         assert!(row.starts_with("1970-01-01T00:00:00.000Z"), "{row}");
-        for want in ["tiny", "layers.1.down", "layer", "enter", "outlier_rate", "0.250", "4.00"] {
+        for want in [
+            "tiny",
+            "layers.1.down",
+            "layer",
+            "enter",
+            "outlier_rate",
+            "0.250",
+            "4.00",
+        ] {
             assert!(row.contains(want), "{want} missing from {row}");
         }
         assert!(table_row("{\"a\":1}", false).starts_with("(not a fallback event v1"));

@@ -106,7 +106,13 @@ impl Broker {
             .open(&self.log)
             .unwrap();
         let child = Command::new(tansu_bin())
-            .args(["broker", "--listener-url", &url, "--advertised-listener-url", &url])
+            .args([
+                "broker",
+                "--listener-url",
+                &url,
+                "--advertised-listener-url",
+                &url,
+            ])
             .args(["--storage-engine", "memory://tansu/"])
             .stdout(log.try_clone().unwrap())
             .stderr(log)
@@ -145,17 +151,9 @@ pub struct Serve {
 impl Serve {
     /// Start `quantmesh serve` with Kafka at `brokers` and the outbox in `outbox`;
     /// `env` adds `QUANTMESH_*` settings. Waits until /ready.
-    pub async fn start(
-        model: &Path,
-        outbox: &Path,
-        brokers: &str,
-        env: &[(&str, &str)],
-    ) -> Serve {
+    pub async fn start(model: &Path, outbox: &Path, brokers: &str, env: &[(&str, &str)]) -> Serve {
         let port = free_port();
-        let log = outbox
-            .parent()
-            .unwrap()
-            .join(format!("serve-{port}.log"));
+        let log = outbox.parent().unwrap().join(format!("serve-{port}.log"));
         let f = std::fs::File::create(&log).unwrap();
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_quantmesh"));
         cmd.args(["serve", "--port", &port.to_string(), "--model"])
@@ -434,7 +432,10 @@ pub struct Prometheus {
 impl Prometheus {
     pub fn start(dir: &Path, target: &str) -> Prometheus {
         let port = free_port();
-        let rules = concat!(env!("CARGO_MANIFEST_DIR"), "/../../infra/prometheus/alerts.yml");
+        let rules = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../infra/prometheus/alerts.yml"
+        );
         let cfg = dir.join("prometheus.yml");
         std::fs::write(
             &cfg,
@@ -446,41 +447,44 @@ impl Prometheus {
         let log = std::fs::File::create(dir.join("prometheus.log")).unwrap();
         let child = Command::new("prometheus")
             .arg(format!("--config.file={}", cfg.display()))
-            .arg(format!("--storage.tsdb.path={}", dir.join("tsdb").display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.join("tsdb").display()
+            ))
             .arg(format!("--web.listen-address=127.0.0.1:{port}"))
             .stdout(log.try_clone().unwrap())
             .stderr(log)
             .spawn()
-            .expect("prometheus not found: ./scripts/test.sh installs the Debian package `prometheus`");
-        assert!(wait_tcp(port, Duration::from_secs(30)), "prometheus did not listen");
+            .expect(
+                "prometheus not found: ./scripts/test.sh installs the Debian package `prometheus`",
+            );
+        assert!(
+            wait_tcp(port, Duration::from_secs(30)),
+            "prometheus did not listen"
+        );
         Prometheus {
             child,
             base: format!("http://127.0.0.1:{port}"),
         }
     }
 
+    /// GET a JSON API path; `Null` while Prometheus is still starting (it answers 503 in
+    /// plain text then).
+    async fn get(&self, client: &reqwest::Client, path: &str) -> serde_json::Value {
+        match client.get(format!("{}{path}", self.base)).send().await {
+            Ok(r) if r.status().is_success() => r.json().await.unwrap_or_default(),
+            _ => serde_json::Value::Null,
+        }
+    }
+
     /// An instant query; `q` is a bare metric name (no URL escaping needed).
     pub async fn query(&self, client: &reqwest::Client, q: &str) -> serde_json::Value {
         assert!(q.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'));
-        client
-            .get(format!("{}/api/v1/query?query={q}", self.base))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap()
+        self.get(client, &format!("/api/v1/query?query={q}")).await
     }
 
     pub async fn alerts(&self, client: &reqwest::Client) -> Vec<serde_json::Value> {
-        let v: serde_json::Value = client
-            .get(format!("{}/api/v1/alerts", self.base))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let v = self.get(client, "/api/v1/alerts").await;
         v["data"]["alerts"].as_array().cloned().unwrap_or_default()
     }
 }
