@@ -75,15 +75,15 @@ async fn main() -> anyhow::Result<()> {
     for e in &events {
         let payload = serde_json::to_string(e)?;
         let key = format!("{}/{}", e.model, e.group.as_deref().unwrap_or("-"));
-        futs.push(raw.send(
-            FutureRecord::to(&topic).key(&key).payload(&payload),
-            Duration::from_secs(60),
-        ));
+        let fut = raw
+            .send_result(FutureRecord::to(&topic).key(&key).payload(&payload))
+            .map_err(|(e, _)| e)?;
+        futs.push(fut);
     }
     let ok = futures::future::join_all(futs)
         .await
         .into_iter()
-        .filter(|r| r.is_ok())
+        .filter(|r| matches!(r, Ok(Ok(_))))
         .count();
     let raw_s = t0.elapsed().as_secs_f64();
 
