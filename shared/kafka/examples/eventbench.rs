@@ -4,7 +4,7 @@
 //! in the same run, the same payloads through a bare rdkafka producer (no outbox).
 //!
 //! ```text
-//! cargo run --release -p quantmesh-kafka --example eventbench -- 127.0.0.1:9092 200000
+//! cargo run --release -p quantmesh-kafka --example eventbench -- 127.0.0.1:9092 200000 [batch_size]
 //! ```
 
 use quantmesh_kafka::{EventPipeline, KafkaMetrics, KafkaSettings};
@@ -44,6 +44,11 @@ async fn main() -> anyhow::Result<()> {
         .map(|s| s.parse())
         .transpose()?
         .unwrap_or(100_000);
+    let batch: usize = args
+        .next()
+        .map(|s| s.parse())
+        .transpose()?
+        .unwrap_or(KafkaSettings::default().batch_size);
     let dir = tempfile::tempdir()?;
     let settings = KafkaSettings {
         brokers: brokers.clone(),
@@ -52,6 +57,7 @@ async fn main() -> anyhow::Result<()> {
         outbox_dir: dir.path().join("outbox"),
         outbox_max_bytes: 4 << 30,
         queue_capacity: n as usize + 1,
+        batch_size: batch,
         ..Default::default()
     };
     let events: Vec<FallbackEvent> = (0..n).map(event).collect();

@@ -176,12 +176,11 @@ impl Relay {
             let mut first_error = None;
             let mut producer_state_lost = false;
             let now = now_ms();
+            let mut acked = Vec::with_capacity(meta.len());
             for ((seq, appended_ms, kind), res) in meta.into_iter().zip(results) {
                 match res {
                     Ok(Ok(_)) => {
-                        if let Err(e) = self.outbox.ack(seq) {
-                            tracing::error!(target: "quantmesh::kafka", error = %e, seq, "removing a delivered record (it will be sent again)");
-                        }
+                        acked.push(seq);
                         self.metrics
                             .delivered
                             .with_label_values(&[kind.as_str()])
@@ -208,6 +207,9 @@ impl Relay {
                         first_error.get_or_insert("producer dropped the message".into());
                     }
                 }
+            }
+            if let Err(e) = self.outbox.ack_batch(&acked) {
+                tracing::error!(target: "quantmesh::kafka", error = %e, events = acked.len(), "removing delivered records (they will be sent again)");
             }
             self.gauges();
             match first_error {

@@ -73,7 +73,7 @@ impl Default for KafkaSettings {
             outbox_max_bytes: 256 << 20,
             full_policy: FullPolicy::DropNewest,
             queue_capacity: 65_536,
-            batch_size: 2_000,
+            batch_size: 10_000,
             delivery_timeout: Duration::from_secs(30),
             compression: "lz4".into(),
             client_id: "quantmesh".into(),

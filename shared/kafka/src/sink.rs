@@ -200,23 +200,30 @@ pub(crate) fn run_writer(
                 Err(_) => break,
             }
         }
-        let mut stored = [0u64; 2];
         let mut stop = false;
+        let mut records = Vec::with_capacity(batch.len());
+        let mut kinds = Vec::with_capacity(batch.len());
         for m in batch {
-            let (rec, kind) = match m {
-                WriterMsg::Stop => {
-                    stop = true;
-                    continue;
+            match m {
+                WriterMsg::Stop => stop = true,
+                WriterMsg::Record(r, k) => {
+                    records.push(r);
+                    kinds.push(k);
                 }
-                WriterMsg::Record(r, k) => (r, k),
-            };
-            match outbox.append(&rec) {
-                Ok(Appended::Stored { .. }) => stored[kind as usize] += 1,
-                Ok(Appended::Dropped) => {}
-                Err(e) => {
-                    tracing::error!(target: "quantmesh::kafka", error = %e, "outbox append failed: event dropped");
-                    metrics.drop_event(DropReason::StorageError, 1);
+            }
+        }
+        let mut stored = [0u64; 2];
+        match outbox.append_batch(&records) {
+            Ok(results) => {
+                for (a, k) in results.iter().zip(&kinds) {
+                    if matches!(a, Appended::Stored { .. }) {
+                        stored[*k as usize] += 1;
+                    }
                 }
+            }
+            Err(e) => {
+                tracing::error!(target: "quantmesh::kafka", error = %e, events = records.len(), "outbox append failed: events dropped");
+                metrics.drop_event(DropReason::StorageError, records.len() as u64);
             }
         }
         if stored.iter().sum::<u64>() > 0 {

@@ -157,6 +157,39 @@ impl Outbox {
         Ok(Appended::Stored { seq })
     }
 
+    /// Store several records with one sled batch (much cheaper than one `append` each).
+    /// Same policy as [`Outbox::append`], record by record, in order. Under
+    /// [`FullPolicy::DropOldest`] it appends one by one (eviction reads the tree).
+    pub fn append_batch(&self, records: &[Record]) -> Result<Vec<Appended>, OutboxError> {
+        if self.policy == FullPolicy::DropOldest {
+            return records.iter().map(|r| self.append(r)).collect();
+        }
+        let mut batch = sled::Batch::default();
+        let mut out = Vec::with_capacity(records.len());
+        let (mut added, mut stored) = (0u64, 0u64);
+        for r in records {
+            let value = serde_json::to_vec(r).map_err(|e| OutboxError::Corrupt {
+                seq: self.next.load(Ordering::Relaxed),
+                reason: e.to_string(),
+            })?;
+            let size = value.len() as u64;
+            if self.bytes.load(Ordering::Relaxed) + added + size > self.max_bytes {
+                self.stats.dropped.fetch_add(1, Ordering::Relaxed);
+                out.push(Appended::Dropped);
+                continue;
+            }
+            let seq = self.next.fetch_add(1, Ordering::Relaxed);
+            batch.insert(&key(seq), value);
+            added += size;
+            stored += 1;
+            out.push(Appended::Stored { seq });
+        }
+        self.tree.apply_batch(batch)?;
+        self.bytes.fetch_add(added, Ordering::Relaxed);
+        self.stats.appended.fetch_add(stored, Ordering::Relaxed);
+        Ok(out)
+    }
+
     /// Make everything appended so far durable.
     pub fn flush(&self) -> Result<(), OutboxError> {
         self.db.flush()?;
@@ -188,6 +221,28 @@ impl Outbox {
             self.bytes.fetch_sub(v.len() as u64, Ordering::Relaxed);
             self.stats.acked.fetch_add(1, Ordering::Relaxed);
         }
+        Ok(())
+    }
+
+    /// Remove several delivered records with one sled batch. Unknown sequence numbers are
+    /// skipped (idempotent). Meant for the single relay that acks; concurrent acks of the
+    /// same records could count their bytes twice.
+    pub fn ack_batch(&self, seqs: &[u64]) -> Result<(), OutboxError> {
+        let mut seqs = seqs.to_vec();
+        seqs.sort_unstable();
+        seqs.dedup();
+        let mut batch = sled::Batch::default();
+        let (mut freed, mut n) = (0u64, 0u64);
+        for seq in seqs {
+            if let Some(v) = self.tree.get(key(seq))? {
+                freed += v.len() as u64;
+                n += 1;
+                batch.remove(&key(seq));
+            }
+        }
+        self.tree.apply_batch(batch)?;
+        self.bytes.fetch_sub(freed, Ordering::Relaxed);
+        self.stats.acked.fetch_add(n, Ordering::Relaxed);
         Ok(())
     }
 
@@ -243,6 +298,31 @@ mod tests {
         assert_eq!(first, (2, rec(2)));
         assert_eq!(ob.append(&rec(99)).unwrap(), Appended::Stored { seq: 10 });
         assert!(ob.bytes() > 0);
+    }
+
+    #[test]
+    fn batches_behave_like_single_appends_and_acks() {
+        let size = serde_json::to_vec(&rec(0)).unwrap().len() as u64;
+        let dir = tempfile::tempdir().unwrap();
+        let ob = Outbox::open(dir.path(), size * 5, FullPolicy::DropNewest).unwrap();
+        let recs: Vec<Record> = (0..7).map(rec).collect();
+        let got = ob.append_batch(&recs).unwrap();
+        let stored: Vec<u64> = got
+            .iter()
+            .filter_map(|a| match a {
+                Appended::Stored { seq } => Some(*seq),
+                Appended::Dropped => None,
+            })
+            .collect();
+        assert_eq!(stored, vec![0, 1, 2, 3, 4], "the oldest kept, in order");
+        assert_eq!(ob.stats.dropped.load(Ordering::Relaxed), 2);
+        assert_eq!(ob.bytes(), size * 5);
+        ob.ack_batch(&[0, 2, 2, 99]).unwrap(); // duplicates and unknown ids are skipped
+        assert_eq!(ob.depth(), 3);
+        assert_eq!(ob.bytes(), size * 3);
+        assert_eq!(ob.stats.acked.load(Ordering::Relaxed), 2);
+        let left: Vec<u64> = ob.peek(10).into_iter().map(|r| r.unwrap().0).collect();
+        assert_eq!(left, vec![1, 3, 4]);
     }
 
     #[test]
