@@ -40,6 +40,55 @@ fn config(dir: &Path, extra: &str) -> String {
     p.display().to_string()
 }
 
+/// A temp root with the bundled model, a broker (running or not yet) and the config file.
+struct Fx {
+    root: tempfile::TempDir,
+    model: std::path::PathBuf,
+    broker: Broker,
+    cfg: String,
+}
+
+impl Fx {
+    fn new(broker_running: bool, extra_kafka: &str) -> Fx {
+        let root = tempfile::tempdir().unwrap();
+        let model = model_dir(root.path());
+        let broker = match broker_running {
+            true => Broker::start(root.path()),
+            false => Broker::absent(root.path()),
+        };
+        let cfg = config(root.path(), extra_kafka);
+        Fx {
+            root,
+            model,
+            broker,
+            cfg,
+        }
+    }
+
+    fn outbox(&self) -> std::path::PathBuf {
+        self.root.path().join("outbox")
+    }
+
+    async fn serve(&self, env: &[(&str, &str)]) -> Serve {
+        let mut all = vec![("QUANTMESH_CONFIG", self.cfg.as_str())];
+        all.extend_from_slice(env);
+        Serve::start(&self.model, &self.outbox(), &self.broker.addr(), &all).await
+    }
+}
+
+/// Wait until the relay has emptied the outbox.
+async fn drained(s: &Serve, c: &reqwest::Client) {
+    wait_metric(
+        s,
+        c,
+        "quantmesh_events_outbox_depth",
+        &[],
+        |v| v == 0.0,
+        Duration::from_secs(120),
+    )
+    .await;
+}
+
 async fn wait_metric(
     s: &Serve,
     c: &reqwest::Client,
@@ -61,23 +110,16 @@ async fn wait_metric(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ten_thousand_events_reach_a_consumer_group_schema_valid() {
-    let root = tempfile::tempdir().unwrap();
-    let model = model_dir(root.path());
-    let broker = Broker::start(root.path());
-    let plan = root.path().join("sensitive_layers.json");
+    let fx = Fx::new(true, "");
+    let broker = &fx.broker;
+    let plan = fx.root.path().join("sensitive_layers.json");
     std::fs::write(&plan, "{\"schema_version\": 1}").unwrap();
-    let cfg = config(root.path(), "");
-    let serve = Serve::start(
-        &model,
-        &root.path().join("outbox"),
-        &broker.addr(),
-        &[
-            ("QUANTMESH_CONFIG", cfg.as_str()),
+    let serve = fx
+        .serve(&[
             ("QUANTMESH_SENSITIVE_LAYERS", plan.to_str().unwrap()),
             ("QUANTMESH_RELOAD_INTERVAL", "1h"),
-        ],
-    )
-    .await;
+        ])
+        .await;
     let client = reqwest::Client::new();
     let consumer = consumer(&broker.addr(), "e2e-ten-thousand", TOPIC);
 
@@ -148,17 +190,9 @@ async fn ten_thousand_events_reach_a_consumer_group_schema_valid() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broker_outage_loses_nothing_and_serving_goes_on() {
-    let root = tempfile::tempdir().unwrap();
-    let model = model_dir(root.path());
-    let mut broker = Broker::start(root.path());
-    let cfg = config(root.path(), "");
-    let serve = Serve::start(
-        &model,
-        &root.path().join("outbox"),
-        &broker.addr(),
-        &[("QUANTMESH_CONFIG", cfg.as_str())],
-    )
-    .await;
+    let mut fx = Fx::new(true, "");
+    let serve = fx.serve(&[]).await;
+    let broker = &mut fx.broker;
     let client = reqwest::Client::new();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let loads: Vec<_> = (0..2)
@@ -195,15 +229,7 @@ async fn broker_outage_loses_nothing_and_serving_goes_on() {
     broker.restart();
     let up_at = Instant::now();
     fire_events(&client, &serve.base, 4).await;
-    wait_metric(
-        &serve,
-        &client,
-        "quantmesh_events_outbox_depth",
-        &[],
-        |v| v == 0.0,
-        Duration::from_secs(120),
-    )
-    .await;
+    drained(&serve, &client).await;
     assert_eq!(
         serve
             .metric(&client, "quantmesh_kafka_broker_up", &[])
@@ -256,27 +282,23 @@ async fn broker_outage_loses_nothing_and_serving_goes_on() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_mid_traffic_then_restart_relays_the_outbox() {
-    let root = tempfile::tempdir().unwrap();
-    let model = model_dir(root.path());
-    let outbox = root.path().join("outbox");
-    let mut broker = Broker::start(root.path());
-    let cfg = config(root.path(), "");
-    let env = [("QUANTMESH_CONFIG", cfg.as_str())];
-    let mut serve = Serve::start(&model, &outbox, &broker.addr(), &env).await;
+    let mut fx = Fx::new(true, "");
+    let outbox = fx.outbox();
+    let mut serve = fx.serve(&[]).await;
     let client = reqwest::Client::new();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let load = tokio::spawn(traffic(serve.base.clone(), stop_rx.clone()));
 
     fire_events(&client, &serve.base, 6).await;
     let first = serve.decisions(&client).await as usize;
-    let c1 = consumer(&broker.addr(), "kill-before", TOPIC);
+    let c1 = consumer(&fx.broker.addr(), "kill-before", TOPIC);
     let delivered = collect(&c1, Duration::from_secs(90), |s| s.len() >= first).await;
     assert_eq!(delivered.len(), first);
     drop(c1);
 
     // The broker goes away; events pile up in the outbox; then the engine is SIGKILLed
     // while requests are streaming.
-    broker.stop();
+    fx.broker.stop();
     fire_events(&client, &serve.base, 20).await;
     let created = serve.decisions(&client).await as usize;
     let recorded = wait_metric(
@@ -312,17 +334,10 @@ async fn sigkill_mid_traffic_then_restart_relays_the_outbox() {
         "everything recorded and not yet delivered is in the outbox"
     );
 
-    broker.restart();
-    let serve2 = Serve::start(&model, &outbox, &broker.addr(), &env).await;
-    wait_metric(
-        &serve2,
-        &client,
-        "quantmesh_events_outbox_depth",
-        &[],
-        |v| v == 0.0,
-        Duration::from_secs(120),
-    )
-    .await;
+    fx.broker.restart();
+    let serve2 = fx.serve(&[]).await;
+    let broker = &fx.broker;
+    drained(&serve2, &client).await;
     let c2 = consumer(&broker.addr(), "kill-after", TOPIC);
     let after = collect(&c2, Duration::from_secs(90), |s| {
         left.iter().all(|id| s.contains_key(id))
@@ -350,19 +365,10 @@ async fn sigkill_mid_traffic_then_restart_relays_the_outbox() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_outbox_drops_the_newest_counts_and_fires_the_alert() {
-    let root = tempfile::tempdir().unwrap();
-    let model = model_dir(root.path());
-    let mut broker = Broker::absent(root.path());
-    let cfg = config(root.path(), "outbox_max_bytes = 16384\n");
-    let serve = Serve::start(
-        &model,
-        &root.path().join("outbox"),
-        &broker.addr(),
-        &[("QUANTMESH_CONFIG", cfg.as_str())],
-    )
-    .await;
+    let mut fx = Fx::new(false, "outbox_max_bytes = 16384\n");
+    let serve = fx.serve(&[]).await;
     let client = reqwest::Client::new();
-    let prom = Prometheus::start(root.path(), &format!("127.0.0.1:{}", serve.port));
+    let prom = Prometheus::start(fx.root.path(), &format!("127.0.0.1:{}", serve.port));
     let t0 = Instant::now();
     loop {
         let v = prom.query(&client, "quantmesh_events_dropped_total").await;
@@ -458,17 +464,9 @@ async fn full_outbox_drops_the_newest_counts_and_fires_the_alert() {
 
     // drop_newest: once a broker is there, what was kept is delivered, and it is the
     // oldest events (all 16 of the first phase).
-    broker.restart();
-    wait_metric(
-        &serve,
-        &client,
-        "quantmesh_events_outbox_depth",
-        &[],
-        |v| v == 0.0,
-        Duration::from_secs(120),
-    )
-    .await;
-    let c = consumer(&broker.addr(), "full-outbox", TOPIC);
+    fx.broker.restart();
+    drained(&serve, &client).await;
+    let c = consumer(&fx.broker.addr(), "full-outbox", TOPIC);
     let got = collect(&c, Duration::from_secs(60), |s| s.len() as f64 >= recorded).await;
     assert_eq!(got.len() as f64, recorded);
     let early = got
@@ -503,10 +501,9 @@ fn alert_rules_are_valid_and_unit_tested() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn events_tail_prints_json_lines_and_tables_and_resumes_a_group() {
-    let root = tempfile::tempdir().unwrap();
-    let model = model_dir(root.path());
-    let broker = Broker::start(root.path());
-    let serve = Serve::start(&model, &root.path().join("outbox"), &broker.addr(), &[]).await;
+    let fx = Fx::new(true, "");
+    let broker = &fx.broker;
+    let serve = fx.serve(&[]).await;
     let client = reqwest::Client::new();
     fire_events(&client, &serve.base, 1).await;
     let n = serve.decisions(&client).await;
