@@ -23,6 +23,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 pub enum OutboxError {
     #[error("outbox at {path}: {source}")]
     Open { path: String, source: sled::Error },
+    #[error("outbox at {path} is in use by another process (one engine per outbox directory)")]
+    Locked { path: String },
     #[error("outbox: {0}")]
     Storage(#[from] sled::Error),
     #[error("outbox record {seq} is unreadable: {reason}")]
@@ -99,9 +101,17 @@ impl Outbox {
             .path(dir)
             .flush_every_ms(Some(500))
             .open()
-            .map_err(|source| OutboxError::Open {
-                path: dir.display().to_string(),
-                source,
+            .map_err(|source| match &source {
+                // sled reports its flock failure as an Io error with this text.
+                sled::Error::Io(e) if e.to_string().contains("could not acquire lock") => {
+                    OutboxError::Locked {
+                        path: dir.display().to_string(),
+                    }
+                }
+                _ => OutboxError::Open {
+                    path: dir.display().to_string(),
+                    source,
+                },
             })?;
         let tree = db.open_tree("events")?;
         let next = match tree.last()? {
@@ -323,6 +333,38 @@ mod tests {
         assert_eq!(ob.stats.acked.load(Ordering::Relaxed), 2);
         let left: Vec<u64> = ob.peek(10).into_iter().map(|r| r.unwrap().0).collect();
         assert_eq!(left, vec![1, 3, 4]);
+    }
+
+    #[test]
+    fn a_second_opener_is_told_the_directory_is_in_use() {
+        let dir = tempfile::tempdir().unwrap();
+        let _first = Outbox::open(dir.path(), 1 << 20, FullPolicy::DropNewest).unwrap();
+        // sled locks per process with flock; a second open in the same process sees the
+        // same lock only through a child, so run it in one.
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "tests::helper_open_and_report",
+                "--ignored",
+                "--nocapture",
+            ])
+            .env("OUTBOX_HELPER_DIR", dir.path())
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains("in use by another process"), "{text}");
+    }
+
+    #[test]
+    #[ignore = "helper for a_second_opener_is_told_the_directory_is_in_use"]
+    fn helper_open_and_report() {
+        let Some(dir) = std::env::var_os("OUTBOX_HELPER_DIR") else {
+            return;
+        };
+        match Outbox::open(Path::new(&dir), 1 << 20, FullPolicy::DropNewest) {
+            Ok(_) => println!("OPENED"),
+            Err(e) => println!("ERROR {e}"),
+        }
     }
 
     #[test]
