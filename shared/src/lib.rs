@@ -8,6 +8,7 @@ pub mod generation;
 pub mod precision;
 pub mod sensitive;
 
+pub use events::{now_ms, wire_name};
 pub use events::{
     ConfigAction, ConfigEvent, EventSink, FallbackAction, FallbackEvent, FallbackReason,
     Granularity, CONFIG_EVENT_SCHEMA_VERSION, FALLBACK_EVENT_SCHEMA_VERSION,

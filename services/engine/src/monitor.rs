@@ -34,6 +34,7 @@
 use crate::block_manager::SeqId;
 use crate::mask::{DetectorParams, GroupDetector, PathMask};
 use crate::model::StepOutput;
+use quantmesh_shared::{now_ms, wire_name};
 use quantmesh_shared::{
     FallbackAction, FallbackEvent, FallbackReason, Granularity, GroupId, Residency,
     FALLBACK_EVENT_SCHEMA_VERSION,
@@ -219,13 +220,6 @@ pub struct Monitor {
     pub observations_dropped: u64,
 }
 
-pub(crate) fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
-
 /// Channels excluded by configuration: the global list for groups reading the residual
 /// stream, plus the group's own list.
 fn configured_channels(cfg: &MonitorConfig, g: GroupId) -> Vec<usize> {
@@ -367,9 +361,9 @@ impl Monitor {
     ) -> FallbackEvent {
         let key = format!(
             "{}/{}/{}",
-            enum_str(&granularity),
-            enum_str(&reason),
-            enum_str(&action)
+            wire_name(&granularity),
+            wire_name(&reason),
+            wire_name(&action)
         );
         *self.decisions.entry(key).or_default() += 1;
         let st = group.and_then(|g| self.groups.get(&g));
@@ -760,13 +754,6 @@ impl Monitor {
             observations_dropped: self.observations_dropped,
         }
     }
-}
-
-fn enum_str<T: Serialize>(v: &T) -> String {
-    serde_json::to_value(v)
-        .ok()
-        .and_then(|v| v.as_str().map(String::from))
-        .unwrap_or_default()
 }
 
 /// A random UUID v4 string.

@@ -27,10 +27,11 @@ use crate::events::EventSink;
 use crate::linear::DualLinear;
 use crate::messages::{Reconfigure, SwapGroups};
 use crate::model::load_group;
-use crate::monitor::{now_ms, uuid_v4};
+use crate::monitor::uuid_v4;
 use crate::plan::{resolve, LivePlan};
 use crate::stats::StatsCell;
 use actix::prelude::*;
+use quantmesh_shared::now_ms;
 use quantmesh_shared::{
     ConfigAction, ConfigEvent, GroupId, ModelShape, Residency, SensitiveLayers,
     CONFIG_EVENT_SCHEMA_VERSION,

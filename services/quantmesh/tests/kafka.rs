@@ -396,7 +396,7 @@ async fn full_outbox_drops_the_newest_counts_and_fires_the_alert() {
         Duration::from_secs(30),
     )
     .await;
-    let first_phase_end = quantmesh_kafka::sink::now_ms();
+    let first_phase_end = quantmesh_shared::now_ms();
     fire_events_from(&client, &serve.base, 1, 6).await;
     let created = serve.decisions(&client).await as f64;
     let dropped = wait_metric(

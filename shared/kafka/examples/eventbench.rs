@@ -17,7 +17,7 @@ fn event(i: u64) -> FallbackEvent {
     FallbackEvent {
         schema_version: 1,
         event_id: uuid::Uuid::new_v4().to_string(),
-        timestamp_ms: quantmesh_kafka::sink::now_ms(),
+        timestamp_ms: quantmesh_shared::now_ms(),
         model: "bench".into(),
         group: Some(format!("layers.{}.down", i % 32)),
         granularity: Granularity::Token,

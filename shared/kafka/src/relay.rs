@@ -11,8 +11,9 @@
 use crate::client::{self, Context};
 use crate::metrics::{DropReason, KafkaMetrics};
 use crate::settings::KafkaSettings;
-use crate::sink::{now_ms, EventType};
+use crate::sink::EventType;
 use quantmesh_outbox::{Outbox, OutboxError};
+use quantmesh_shared::now_ms;
 use rdkafka::admin::AdminClient;
 use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::message::{Header, OwnedHeaders};

@@ -5,7 +5,7 @@
 use crate::metrics::{DropReason, KafkaMetrics};
 use quantmesh_outbox::{Appended, Outbox, Record};
 use quantmesh_shared::{
-    ConfigEvent, EventSink, FallbackEvent, CONFIG_EVENT_SCHEMA_VERSION,
+    now_ms, wire_name, ConfigEvent, EventSink, FallbackEvent, CONFIG_EVENT_SCHEMA_VERSION,
     FALLBACK_EVENT_SCHEMA_VERSION,
 };
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -55,22 +55,8 @@ impl EventType {
 pub fn fallback_key(ev: &FallbackEvent) -> String {
     match &ev.group {
         Some(g) => format!("{}/{g}", ev.model),
-        None => format!(
-            "{}/{}",
-            ev.model,
-            serde_json::to_value(ev.granularity)
-                .ok()
-                .and_then(|v| v.as_str().map(String::from))
-                .unwrap_or_default()
-        ),
+        None => format!("{}/{}", ev.model, wire_name(&ev.granularity)),
     }
-}
-
-pub fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
 }
 
 fn record(

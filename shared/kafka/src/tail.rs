@@ -4,7 +4,7 @@
 use crate::client::{self, Context};
 use crate::settings::KafkaSettings;
 use crate::KafkaError;
-use quantmesh_shared::{ConfigEvent, FallbackEvent};
+use quantmesh_shared::{wire_name, ConfigEvent, FallbackEvent};
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::Message;
 use std::io::Write;
@@ -53,13 +53,6 @@ fn opt_f(v: Option<f64>, digits: usize) -> String {
         .unwrap_or_else(|| "-".into())
 }
 
-fn snake<T: serde::Serialize>(v: &T) -> String {
-    serde_json::to_value(v)
-        .ok()
-        .and_then(|v| v.as_str().map(String::from))
-        .unwrap_or_default()
-}
-
 pub fn table_header(config_events: bool) -> String {
     if config_events {
         format!(
@@ -92,7 +85,7 @@ pub fn table_row(payload: &str, config_events: bool) -> String {
                 "{:<24} {:<16} {:<8} {:<32} {:<32} {}",
                 ms_to_rfc3339(e.timestamp_ms),
                 e.model,
-                snake(&e.action),
+                wire_name(&e.action),
                 e.md5,
                 opt(&e.previous_md5),
                 e.error.unwrap_or(e.source)
@@ -106,9 +99,9 @@ pub fn table_row(payload: &str, config_events: bool) -> String {
                 ms_to_rfc3339(e.timestamp_ms),
                 e.model,
                 e.group.as_deref().unwrap_or("-"),
-                snake(&e.granularity),
-                snake(&e.action),
-                snake(&e.reason),
+                wire_name(&e.granularity),
+                wire_name(&e.action),
+                wire_name(&e.reason),
                 opt_f(e.outlier_rate, 3),
                 opt_f(e.kl, 4),
                 opt_f(e.k, 2),
