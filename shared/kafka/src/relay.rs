@@ -57,6 +57,21 @@ impl Relay {
         self.metrics.outbox_bytes.set(self.outbox.bytes() as i64);
     }
 
+    /// Ask the broker for our topics (creating missing ones). A broker that does not answer
+    /// within `SLOW_ROUND` marks `broker_up` 0; one that answers marks it 1.
+    async fn topics_ok(&self) -> bool {
+        match client::ensure_topics(&self.settings, &self.admin, Some(&self.metrics), SLOW_ROUND)
+            .await
+        {
+            Ok(_) => true,
+            Err(e) => {
+                self.metrics.broker_up.set(0);
+                tracing::debug!(target: "quantmesh::kafka", error = %e, "topic check failed");
+                false
+            }
+        }
+    }
+
     async fn pause(&mut self, d: Duration) {
         let mut stop = self.stop.clone();
         tokio::select! {
@@ -85,20 +100,10 @@ impl Relay {
                 if deadline.is_some() {
                     break;
                 }
-                if self.metrics.broker_up.get() == 0 {
-                    // Idle and the broker was down: find out when it is back (and
-                    // re-create topics a restarted broker lost).
-                    if client::ensure_topics(
-                        &self.settings,
-                        &self.admin,
-                        Some(&self.metrics),
-                        SLOW_ROUND,
-                    )
-                    .await
-                    .is_ok()
-                    {
-                        tracing::info!(target: "quantmesh::kafka", "broker reachable again");
-                    }
+                // Idle and the broker was down: find out when it is back (and re-create
+                // topics a restarted broker lost).
+                if self.metrics.broker_up.get() == 0 && self.topics_ok().await {
+                    tracing::info!(target: "quantmesh::kafka", "broker reachable again");
                 }
                 let mut stop = self.stop.clone();
                 tokio::select! {
@@ -165,13 +170,8 @@ impl Relay {
             let results = loop {
                 tokio::select! {
                     r = &mut all => break r,
-                    _ = tokio::time::sleep(SLOW_ROUND) => {
-                        // Slow: the broker is down, or up without our topics.
-                        if let Err(e) = client::ensure_topics(&self.settings, &self.admin, Some(&self.metrics), SLOW_ROUND).await {
-                            self.metrics.broker_up.set(0);
-                            tracing::debug!(target: "quantmesh::kafka", error = %e, "topic check failed");
-                        }
-                    }
+                    // Slow: the broker is down, or up without our topics.
+                    _ = tokio::time::sleep(SLOW_ROUND) => { self.topics_ok().await; }
                 }
             };
             let mut first_error = None;
@@ -230,17 +230,7 @@ impl Relay {
                     }
                     failing = true;
                     failed_rounds += 1;
-                    let reachable = client::ensure_topics(
-                        &self.settings,
-                        &self.admin,
-                        Some(&self.metrics),
-                        SLOW_ROUND,
-                    )
-                    .await
-                    .is_ok();
-                    if !reachable {
-                        self.metrics.broker_up.set(0);
-                    }
+                    let reachable = self.topics_ok().await;
                     // A new producer (new idempotent producer id) when the old one cannot
                     // recover: a fatal error, the broker forgot our producer id (restarted
                     // without its state), or deliveries keep failing although the broker

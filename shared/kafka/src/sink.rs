@@ -83,7 +83,7 @@ fn record(
 }
 
 pub(crate) enum WriterMsg {
-    Record(Record, EventType),
+    Record(Record),
     Stop,
 }
 
@@ -113,8 +113,8 @@ impl KafkaSink {
         }
     }
 
-    fn send(&self, rec: Record, kind: EventType) {
-        match self.tx.try_send(WriterMsg::Record(rec, kind)) {
+    fn send(&self, rec: Record) {
+        match self.tx.try_send(WriterMsg::Record(rec)) {
             Ok(()) => {
                 self.warned_full.store(false, Ordering::Relaxed);
             }
@@ -148,7 +148,7 @@ impl EventSink for KafkaSink {
             FALLBACK_EVENT_SCHEMA_VERSION,
             self.traceparent(),
         );
-        self.send(rec, EventType::Fallback);
+        self.send(rec);
     }
 
     fn publish_config(&self, ev: &ConfigEvent) {
@@ -162,7 +162,7 @@ impl EventSink for KafkaSink {
             CONFIG_EVENT_SCHEMA_VERSION,
             self.traceparent(),
         );
-        self.send(rec, EventType::Config);
+        self.send(rec);
     }
 }
 
@@ -188,22 +188,18 @@ pub(crate) fn run_writer(
         }
         let mut stop = false;
         let mut records = Vec::with_capacity(batch.len());
-        let mut kinds = Vec::with_capacity(batch.len());
         for m in batch {
             match m {
                 WriterMsg::Stop => stop = true,
-                WriterMsg::Record(r, k) => {
-                    records.push(r);
-                    kinds.push(k);
-                }
+                WriterMsg::Record(r) => records.push(r),
             }
         }
         let mut stored = [0u64; 2];
         match outbox.append_batch(&records) {
             Ok(results) => {
-                for (a, k) in results.iter().zip(&kinds) {
+                for (a, r) in results.iter().zip(&records) {
                     if matches!(a, Appended::Stored { .. }) {
-                        stored[*k as usize] += 1;
+                        stored[EventType::of(r) as usize] += 1;
                     }
                 }
             }
