@@ -214,11 +214,14 @@ impl Reloader {
             },
             Trigger::Manual => self.state.lock().await,
         };
+        let t0 = Instant::now();
+        let read = self.source.read().await;
         if trigger == Trigger::Poll {
+            // Counted once the source has been read: a change written after a client saw
+            // `polls == n` is seen by poll n + 1, never half-way through poll n.
             self.update_status(|s| s.polls += 1);
         }
-        let t0 = Instant::now();
-        let bytes = match self.source.read().await {
+        let bytes = match read {
             Ok(b) => b,
             Err(e) => {
                 let error = e.to_string();
