@@ -34,10 +34,9 @@
 use crate::block_manager::SeqId;
 use crate::mask::{DetectorParams, GroupDetector, PathMask};
 use crate::model::StepOutput;
-use quantmesh_shared::{now_ms, wire_name};
 use quantmesh_shared::{
-    FallbackAction, FallbackEvent, FallbackReason, Granularity, GroupId, Residency,
-    FALLBACK_EVENT_SCHEMA_VERSION,
+    now_ms, wire_name, FallbackAction, FallbackEvent, FallbackReason, Granularity, GroupId,
+    Residency, FALLBACK_EVENT_SCHEMA_VERSION,
 };
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap, HashSet};

@@ -31,9 +31,8 @@ use crate::monitor::uuid_v4;
 use crate::plan::{resolve, LivePlan};
 use crate::stats::StatsCell;
 use actix::prelude::*;
-use quantmesh_shared::now_ms;
 use quantmesh_shared::{
-    ConfigAction, ConfigEvent, GroupId, ModelShape, Residency, SensitiveLayers,
+    now_ms, ConfigAction, ConfigEvent, GroupId, ModelShape, Residency, SensitiveLayers,
     CONFIG_EVENT_SCHEMA_VERSION,
 };
 use quantmesh_store::Location;
