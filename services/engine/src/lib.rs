@@ -23,6 +23,7 @@ pub mod config;
 pub mod engine;
 pub mod error;
 pub mod events;
+pub mod gguf;
 pub mod kv_cache;
 pub mod linear;
 pub mod mask;

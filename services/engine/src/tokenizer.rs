@@ -1,6 +1,10 @@
 //! Tokenization: the `tokenizers` crate, the model's chat template (Jinja, from
-//! `tokenizer_config.json`, rendered with minijinja) and incremental detokenization that
-//! never emits broken UTF-8 mid-stream.
+//! `tokenizer_config.json` or a GGUF file's `tokenizer.chat_template`, rendered with
+//! minijinja) and incremental detokenization that never emits broken UTF-8 mid-stream.
+//!
+//! A GGUF model's tokenizer is built from its metadata (`tokenizer.ggml.*`, see
+//! [`crate::gguf::GgufFile::tokenizer_json`]); its token ids equal llama.cpp's for the same
+//! file (checked against llama-cpp-python in `scripts/parity.py`).
 
 use crate::error::{EngineError, Result};
 use serde::{Deserialize, Serialize};
@@ -32,7 +36,42 @@ pub struct TextTokenizer {
 }
 
 impl TextTokenizer {
-    pub fn load(dir: &Path) -> Result<Self> {
+    /// The tokenizer of the model at `path`: a GGUF file (or a directory holding one), or
+    /// a Hugging Face directory (`tokenizer.json`, `tokenizer_config.json`).
+    pub fn load(path: &Path) -> Result<Self> {
+        match crate::gguf::find_gguf(path)? {
+            Some(file) => Self::from_gguf(&crate::gguf::GgufFile::open(&file)?),
+            None => Self::load_dir(path),
+        }
+    }
+
+    /// Build the tokenizer a GGUF file describes.
+    pub fn from_gguf(g: &crate::gguf::GgufFile) -> Result<Self> {
+        let json = g.tokenizer_json()?;
+        let bytes = serde_json::to_vec(&json)
+            .map_err(|e| EngineError::Tokenizer(format!("{}: {e}", g.path.display())))?;
+        let inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| {
+            EngineError::Tokenizer(format!("{}: building the tokenizer: {e}", g.path.display()))
+        })?;
+        let config = TokenizerConfig {
+            chat_template: g.string("tokenizer.chat_template").map(str::to_string),
+            bos_token: g.token("tokenizer.ggml.bos_token_id")?,
+            eos_token: g.token("tokenizer.ggml.eos_token_id")?,
+            // llama.cpp's default: add BOS unless the file says not to.
+            add_bos_token: Some(g.bool("tokenizer.ggml.add_bos_token").unwrap_or(true)),
+        };
+        let bos_id = config
+            .bos_token
+            .as_deref()
+            .and_then(|t| inner.token_to_id(t));
+        Ok(Self {
+            inner,
+            config,
+            bos_id,
+        })
+    }
+
+    fn load_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("tokenizer.json");
         let inner = tokenizers::Tokenizer::from_file(&path)
             .map_err(|e| EngineError::Tokenizer(format!("{}: {e}", path.display())))?;

