@@ -92,35 +92,52 @@ fn is_gguf_file(path: &Path) -> bool {
         && &magic == b"GGUF"
 }
 
+/// Whole-model tensors: (GGUF name, Hugging Face name).
+const GLOBAL_NAMES: &[(&str, &str)] = &[
+    ("token_embd.weight", "model.embed_tokens.weight"),
+    ("output_norm.weight", "model.norm.weight"),
+    ("output.weight", "lm_head.weight"),
+];
+
+/// Per-layer tensors: (GGUF part of `blk.N.<part>.<suffix>`, Hugging Face member of
+/// `model.layers.N.<member>.<suffix>`).
+const LAYER_NAMES: &[(&str, &str)] = &[
+    ("attn_norm", "input_layernorm"),
+    ("ffn_norm", "post_attention_layernorm"),
+    ("attn_q", "self_attn.q_proj"),
+    ("attn_k", "self_attn.k_proj"),
+    ("attn_v", "self_attn.v_proj"),
+    ("attn_output", "self_attn.o_proj"),
+    ("ffn_gate", "mlp.gate_proj"),
+    ("ffn_up", "mlp.up_proj"),
+    ("ffn_down", "mlp.down_proj"),
+];
+
 /// The Hugging Face name of a GGUF tensor, or `None` for tensors the engine does not use
 /// (e.g. `rope_freqs.weight`).
-fn hf_name(gguf: &str) -> Option<String> {
-    let fixed = match gguf {
-        "token_embd.weight" => Some("model.embed_tokens.weight"),
-        "output_norm.weight" => Some("model.norm.weight"),
-        "output.weight" => Some("lm_head.weight"),
-        _ => None,
-    };
-    if let Some(n) = fixed {
-        return Some(n.to_string());
+pub fn hf_name(gguf: &str) -> Option<String> {
+    if let Some((_, hf)) = GLOBAL_NAMES.iter().find(|(g, _)| *g == gguf) {
+        return Some(hf.to_string());
     }
     let rest = gguf.strip_prefix("blk.")?;
     let (layer, tail) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
     let (part, suffix) = tail.rsplit_once('.')?;
-    let member = match part {
-        "attn_norm" => "input_layernorm",
-        "ffn_norm" => "post_attention_layernorm",
-        "attn_q" => "self_attn.q_proj",
-        "attn_k" => "self_attn.k_proj",
-        "attn_v" => "self_attn.v_proj",
-        "attn_output" => "self_attn.o_proj",
-        "ffn_gate" => "mlp.gate_proj",
-        "ffn_up" => "mlp.up_proj",
-        "ffn_down" => "mlp.down_proj",
-        _ => return None,
-    };
+    let (_, member) = LAYER_NAMES.iter().find(|(g, _)| *g == part)?;
     Some(format!("model.layers.{layer}.{member}.{suffix}"))
+}
+
+/// The GGUF name of a Hugging Face tensor (the inverse of [`hf_name`]), for writers.
+pub fn gguf_name(hf: &str) -> Option<String> {
+    if let Some((g, _)) = GLOBAL_NAMES.iter().find(|(_, h)| *h == hf) {
+        return Some(g.to_string());
+    }
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (layer, tail) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (member, suffix) = tail.rsplit_once('.')?;
+    let (part, _) = LAYER_NAMES.iter().find(|(_, h)| *h == member)?;
+    Some(format!("blk.{layer}.{part}.{suffix}"))
 }
 
 impl GgufFile {
@@ -508,6 +525,9 @@ mod tests {
             Some("model.embed_tokens.weight")
         );
         assert_eq!(hf_name("rope_freqs.weight"), None);
+        for g in ["blk.7.ffn_gate.weight", "output.weight", "blk.0.attn_v.bias"] {
+            assert_eq!(gguf_name(&hf_name(g).unwrap()).as_deref(), Some(g));
+        }
         assert_eq!(hf_name("blk.x.attn_q.weight"), None);
     }
 }

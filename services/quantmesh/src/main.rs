@@ -220,8 +220,8 @@ fn main() -> anyhow::Result<()> {
                     ""
                 };
                 println!(
-                    "{}{default}\n    {}\n    {} {}=={} · {}",
-                    e.name, e.description, "PyPI", e.package, e.version, e.license
+                    "{}{default}\n    {}\n    PyPI {}=={} · {}",
+                    e.name, e.description, e.package, e.version, e.license
                 );
             }
             Ok(())

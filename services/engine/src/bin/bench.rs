@@ -27,6 +27,7 @@ struct Args {
     ppl_text: Option<std::path::PathBuf>,
     ppl_tokens: usize,
     json: Option<std::path::PathBuf>,
+    plans: Vec<Residency>,
     prompt_len: usize,
     decode_steps: usize,
     batches: Vec<usize>,
@@ -40,6 +41,7 @@ fn parse() -> Result<Args, String> {
         ppl_text: None,
         ppl_tokens: 1024,
         json: None,
+        plans: vec![Residency::Float, Residency::Int8, Residency::Dual],
         prompt_len: 128,
         decode_steps: 32,
         batches: vec![1, 8, 32],
@@ -69,8 +71,14 @@ fn parse() -> Result<Args, String> {
                 a.ppl_tokens = v()?.parse().map_err(|e| format!("--ppl-tokens: {e}"))?
             }
             "--json" => a.json = Some(v()?.into()),
+            "--plans" => {
+                a.plans = v()?
+                    .split(',')
+                    .map(|s| s.parse().map_err(|e| format!("--plans: {e}")))
+                    .collect::<Result<_, _>>()?
+            }
             "-h" | "--help" => {
-                println!("quantmesh-engine-bench [--size tiny|small|medium | --model PATH] [--prompt-len N] [--decode-steps N] [--batches 1,8,32] [--per-group] [--ppl-text FILE] [--ppl-tokens N] [--json FILE]");
+                println!("quantmesh-engine-bench [--size tiny|small|medium | --model PATH] [--prompt-len N] [--decode-steps N] [--batches 1,8,32] [--per-group] [--ppl-text FILE] [--ppl-tokens N] [--json FILE] [--plans float,int8,dual]");
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument {other}")),
@@ -162,10 +170,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("|---|---|---|---|---|---|---|");
     let mut float_ref: Vec<(f64, f64)> = Vec::new();
     let mut dual_numbers = serde_json::Map::new();
-    for (pi, plan) in [Residency::Float, Residency::Int8, Residency::Dual]
-        .into_iter()
-        .enumerate()
-    {
+    for (pi, plan) in args.plans.iter().copied().enumerate() {
         let model = LlamaModel::load(&dir, &cfg, &|_| plan)?;
         let mib = model.resident_bytes() as f64 / (1 << 20) as f64;
         // Warm-up (thread pools, page faults of the freshly loaded weights), untimed.
@@ -215,7 +220,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     serde_json::json!({"prefill_tok_s": prefill, "decode_tok_s": decode, "weights_mib": mib}),
                 );
             }
-            let (fp, fd) = float_ref[bi];
+            let (fp, fd) = float_ref[bi]; // the first plan listed (float by default)
             println!(
                 "| {plan} | {mib:.1} | {b} | {prefill:.0} | {:.2} | {decode:.0} | {:.2} |",
                 prefill / fp,
