@@ -21,11 +21,11 @@ REQUESTS_PER_CLIENT="${BENCH_REQUESTS_PER_CLIENT:-2}"
 MAX_TOKENS="${BENCH_MAX_TOKENS:-64}"
 
 log "building release binaries"
-cargo build --release --quiet -p quantmesh -p quantmesh-engine --bin quantmesh-engine-bench \
-  -p quantmesh-gateway --bin quantmesh-loadgen
+cargo build --release --quiet -p quantmesh -p quantmesh-engine -p quantmesh-gateway \
+  --bin quantmesh --bin quantmesh-engine-bench --bin quantmesh-loadgen
 BIN=target/release
 
-if ! python3 -c 'import llama_cpp.server' >/dev/null 2>&1; then
+if ! python3 -c 'import uvicorn, fastapi, sse_starlette, starlette_context, pydantic_settings' >/dev/null 2>&1; then
   log "installing llama-cpp-python's server extra (fastapi, uvicorn, …)"
   python3 -m pip install --quiet --user "llama-cpp-python[server]==0.3.36" 2>/dev/null \
     || python3 -m pip install --quiet --user --break-system-packages "llama-cpp-python[server]==0.3.36"
@@ -42,8 +42,10 @@ if [ ! -f "$Q80" ]; then
   mv "$Q80.partial" "$Q80"
 fi
 
-OUT="$(mktemp -d)"
-trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$OUT"' EXIT
+# Raw outputs (engine bench tables, loadgen tables, server logs) stay here for inspection.
+OUT="${BENCH_OUT:-target/bench-llamacpp}"
+rm -rf "$OUT"; mkdir -p "$OUT"
+trap 'kill $(jobs -p) 2>/dev/null || true' EXIT
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 wait_ready() { # url, seconds
   for _ in $(seq 1 "$(( $2 * 5 ))"); do
@@ -52,9 +54,9 @@ wait_ready() { # url, seconds
   done
   return 1
 }
-loadgen() { # base url, concurrency, model name -> output tok/s
+loadgen() { # base url, concurrency -> the loadgen table (its last row is the result)
   "$BIN/quantmesh-loadgen" --url "$1" --concurrency "$2" --requests "$(( $2 * REQUESTS_PER_CLIENT ))" \
-    --max-tokens "$MAX_TOKENS" | tail -1 | awk -F'|' '{gsub(/ /,"",$7); print $7}'
+    --max-tokens "$MAX_TOKENS" 2>&1
 }
 
 for tag in Q4_1 Q8_0; do
@@ -82,8 +84,9 @@ EOF
   kill -TERM "$pid"; wait "$pid" || true
   log "$tag: HTTP throughput (llama.cpp server)"
   port="$(free_port)"
+  # interrupt_requests off: by default a new request aborts the running one.
   python3 -m llama_cpp.server --model "$file" --host 127.0.0.1 --port "$port" --n_threads "$THREADS" \
-    --n_ctx 4096 >"$OUT/llama-server-$tag.log" 2>&1 &
+    --n_ctx 4096 --interrupt_requests False >"$OUT/llama-server-$tag.log" 2>&1 &
   pid=$!
   wait_ready "http://127.0.0.1:$port/v1/models" 120 || { cat "$OUT/llama-server-$tag.log"; exit 1; }
   for c in 8 32; do loadgen "http://127.0.0.1:$port" "$c" > "$OUT/llama-http-$tag-$c.txt"; done
@@ -93,9 +96,14 @@ done
 python3 - "$OUT" "$THREADS" <<'EOF'
 import json, sys, pathlib
 out, threads = pathlib.Path(sys.argv[1]), sys.argv[2]
-def num(p):
-    try: return float(p.read_text().strip())
-    except Exception: return float("nan")
+def http(p):
+    """(output tok/s, ok, failed) from a loadgen table's last row."""
+    try:
+        row = [c.strip() for c in p.read_text().strip().splitlines()[-1].split("|")]
+        ok, failed = (int(x) for x in row[2].split("/"))
+        return float(row[6]), ok, failed
+    except Exception:
+        return float("nan"), 0, 0
 print(f"SmolLM2-135M-Instruct, {threads} threads each, same machine and run; ratio = quantmesh ÷ llama.cpp\n")
 print("| file | metric | quantmesh | llama.cpp | ratio |")
 print("|---|---|---|---|---|")
@@ -108,10 +116,11 @@ for tag in ("Q4_1", "Q8_0"):
     ours = json.loads((out / f"ours-{tag}-128.json").read_text())["dual"]["batch_1"]
     rows.append(("decode tok/s, batch 1", ours["decode_tok_s"], llama["decode_b1"]))
     for c in (8, 32):
-        rows.append((f"HTTP output tok/s, {c} concurrent", num(out / f"ours-http-{tag}-{c}.txt"),
-                     num(out / f"llama-http-{tag}-{c}.txt")))
+        a, b = http(out / f"ours-http-{tag}-{c}.txt"), http(out / f"llama-http-{tag}-{c}.txt")
+        note = "" if a[2] == b[2] == 0 else f" (failed requests: quantmesh {a[2]}, llama.cpp {b[2]})"
+        rows.append((f"HTTP output tok/s, {c} concurrent streams{note}", a[0], b[0]))
     for name, a, b in rows:
         print(f"| {tag} | {name} | {a:.0f} | {b:.0f} | {a / b:.2f}× |")
-print("\nquantmesh runs its default plan (every group INT8 + float copy, INT8 path; C8 KV);"
+print(f"\nRaw outputs: {out}. quantmesh runs its default plan (every group INT8 + float copy, INT8 path; C8 KV);"
       " the file's type is what the float copies are dequantized from.")
 EOF

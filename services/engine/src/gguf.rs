@@ -51,7 +51,15 @@ pub struct GgufFile {
 /// directory without `config.json`; `None` for a Hugging Face directory.
 pub fn find_gguf(path: &Path) -> Result<Option<PathBuf>> {
     if path.is_file() {
-        return Ok(is_gguf_file(path).then(|| path.to_path_buf()));
+        if is_gguf_file(path) {
+            return Ok(Some(path.to_path_buf()));
+        }
+        return Err(EngineError::checkpoint(
+            path,
+            None,
+            "is a file but not a GGUF file: give a .gguf file, a directory holding one, or a \
+             Hugging Face directory (config.json, *.safetensors, tokenizer.json)",
+        ));
     }
     if !path.is_dir() || path.join("config.json").exists() {
         return Ok(None);
@@ -525,7 +533,11 @@ mod tests {
             Some("model.embed_tokens.weight")
         );
         assert_eq!(hf_name("rope_freqs.weight"), None);
-        for g in ["blk.7.ffn_gate.weight", "output.weight", "blk.0.attn_v.bias"] {
+        for g in [
+            "blk.7.ffn_gate.weight",
+            "output.weight",
+            "blk.0.attn_v.bias",
+        ] {
             assert_eq!(gguf_name(&hf_name(g).unwrap()).as_deref(), Some(g));
         }
         assert_eq!(hf_name("blk.x.attn_q.weight"), None);

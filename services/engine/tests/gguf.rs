@@ -60,12 +60,27 @@ fn write_gguf(hf: &Path, out: &Path, dtype: GgmlDType) {
         ("general.architecture".into(), Value::String(arch.clone())),
         (a("block_count"), Value::U32(cfg.num_hidden_layers as u32)),
         (a("embedding_length"), Value::U32(cfg.hidden_size as u32)),
-        (a("feed_forward_length"), Value::U32(cfg.intermediate_size as u32)),
-        (a("attention.head_count"), Value::U32(cfg.num_attention_heads as u32)),
-        (a("attention.head_count_kv"), Value::U32(cfg.num_kv_heads() as u32)),
-        (a("attention.layer_norm_rms_epsilon"), Value::F32(cfg.rms_norm_eps as f32)),
+        (
+            a("feed_forward_length"),
+            Value::U32(cfg.intermediate_size as u32),
+        ),
+        (
+            a("attention.head_count"),
+            Value::U32(cfg.num_attention_heads as u32),
+        ),
+        (
+            a("attention.head_count_kv"),
+            Value::U32(cfg.num_kv_heads() as u32),
+        ),
+        (
+            a("attention.layer_norm_rms_epsilon"),
+            Value::F32(cfg.rms_norm_eps as f32),
+        ),
         (a("rope.freq_base"), Value::F32(cfg.rope_theta as f32)),
-        (a("context_length"), Value::U32(cfg.max_position_embeddings as u32)),
+        (
+            a("context_length"),
+            Value::U32(cfg.max_position_embeddings as u32),
+        ),
         (a("vocab_size"), Value::U32(cfg.vocab_size as u32)),
     ];
     let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
@@ -78,7 +93,13 @@ fn write_gguf(hf: &Path, out: &Path, dtype: GgmlDType) {
 fn logits(path: &Path, tokens: &[u32]) -> Vec<Vec<f32>> {
     let cfg = ModelConfig::load(path).unwrap();
     let model = LlamaModel::load(path, &cfg, &|_| Residency::Float).unwrap();
-    let mut kv = KvCache::new(cfg.num_hidden_layers, 8, 16, cfg.kv_dim(), KvFloatDtype::F32);
+    let mut kv = KvCache::new(
+        cfg.num_hidden_layers,
+        8,
+        16,
+        cfg.kv_dim(),
+        KvFloatDtype::F32,
+    );
     let mut bm = BlockManager::new(8, 16, false);
     bm.admit(0, &[], 64).unwrap();
     let mut out = Vec::new();
@@ -95,7 +116,9 @@ fn logits(path: &Path, tokens: &[u32]) -> Vec<Vec<f32>> {
             }],
             copies: a.copies,
         };
-        let mut o = model.forward(&step, &PathMask::default(), &mut kv, false).unwrap();
+        let mut o = model
+            .forward(&step, &PathMask::default(), &mut kv, false)
+            .unwrap();
         out.push(o.logits.remove(0).1);
     }
     out
@@ -128,22 +151,44 @@ fn f32_gguf_is_the_same_model_for_llama_and_qwen2() {
         });
         let file = hf.path().join("model.gguf");
         write_gguf(hf.path(), &file, GgmlDType::F32);
-        let (a, b) = (ModelConfig::load(hf.path()).unwrap(), ModelConfig::load(&file).unwrap());
+        let (a, b) = (
+            ModelConfig::load(hf.path()).unwrap(),
+            ModelConfig::load(&file).unwrap(),
+        );
         assert_eq!(b.model_type, if qkv_bias { "qwen2" } else { "llama" });
         assert_eq!(
-            (a.hidden_size, a.intermediate_size, a.num_hidden_layers, a.num_kv_heads(), a.head_dim()),
-            (b.hidden_size, b.intermediate_size, b.num_hidden_layers, b.num_kv_heads(), b.head_dim())
+            (
+                a.hidden_size,
+                a.intermediate_size,
+                a.num_hidden_layers,
+                a.num_kv_heads(),
+                a.head_dim()
+            ),
+            (
+                b.hidden_size,
+                b.intermediate_size,
+                b.num_hidden_layers,
+                b.num_kv_heads(),
+                b.head_dim()
+            )
         );
         assert_eq!(b.has_qkv_bias(), qkv_bias);
         assert!(!b.tie_word_embeddings, "output.weight is present");
         // Weights come back exactly, q/k rows in Hugging Face order.
-        let (ca, cb) = (Checkpoint::open(hf.path()).unwrap(), Checkpoint::open(&file).unwrap());
+        let (ca, cb) = (
+            Checkpoint::open(hf.path()).unwrap(),
+            Checkpoint::open(&file).unwrap(),
+        );
         for name in [
             "model.layers.1.self_attn.q_proj.weight",
             "model.layers.1.self_attn.k_proj.weight",
             "model.layers.2.mlp.down_proj.weight",
         ] {
-            assert_eq!(ca.read_f32(name).unwrap(), cb.read_f32(name).unwrap(), "{name}");
+            assert_eq!(
+                ca.read_f32(name).unwrap(),
+                cb.read_f32(name).unwrap(),
+                "{name}"
+            );
             let rows = ca.info(name).unwrap().shape[0];
             assert_eq!(
                 ca.read_rows_f32(name, 3, 5).unwrap(),
@@ -212,7 +257,10 @@ fn quantized_gguf_float_form_is_the_exact_dequantization() {
         }
         q.verify("model.layers.0.mlp.down_proj.weight").unwrap();
         // The model built from it runs and stays close to the source model.
-        let d = max_diff(&logits(hf.path(), &PROMPT[..6]), &logits(&file, &PROMPT[..6]));
+        let d = max_diff(
+            &logits(hf.path(), &PROMPT[..6]),
+            &logits(&file, &PROMPT[..6]),
+        );
         assert!(d.is_finite(), "{dtype:?}");
     }
 }
@@ -227,10 +275,21 @@ fn a_directory_holding_one_gguf_is_a_model_and_two_are_ambiguous() {
     std::fs::copy(dir.path().join("a.gguf"), dir.path().join("b.gguf")).unwrap();
     let err = ModelConfig::load(dir.path()).unwrap_err().to_string();
     assert!(err.contains("a.gguf") && err.contains("b.gguf"), "{err}");
+    // Another kind of file is named as such.
+    let err = ModelConfig::load(&hf.path().join("config.json"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("config.json") && err.contains("not a GGUF file"),
+        "{err}"
+    );
     // A GGUF without tokenizer metadata serves no text: the error says why.
     let err = match quantmesh_engine::tokenizer::TextTokenizer::load(&dir.path().join("a.gguf")) {
         Ok(_) => panic!("a GGUF without a tokenizer"),
         Err(e) => e.to_string(),
     };
-    assert!(err.contains("a.gguf") && err.contains("tokenizer.ggml.model"), "{err}");
+    assert!(
+        err.contains("a.gguf") && err.contains("tokenizer.ggml.model"),
+        "{err}"
+    );
 }
