@@ -321,11 +321,15 @@ fn perplexity_section(
         ("INT8 weights + C8 KV".into(), PathMask::default(), true),
         (
             format!(
-                "INT8 + monitor's decisions (float: {})",
+                "INT8 + monitor's decisions ({} of {} groups in float{})",
+                chosen.len(),
+                cfg.num_hidden_layers * GroupKind::ALL.len(),
                 if chosen.is_empty() {
-                    "none".to_string()
+                    String::new()
                 } else {
-                    chosen.join(", ")
+                    let head: Vec<&str> = chosen.iter().take(6).map(String::as_str).collect();
+                    let more = if chosen.len() > 6 { ", …" } else { "" };
+                    format!(": {}{more}", head.join(", "))
                 }
             ),
             monitored,
