@@ -600,8 +600,9 @@ fn required_kafka_that_is_unreachable_stops_start_up_with_a_clear_error() {
             "--kafka-brokers",
             &format!("127.0.0.1:{port}"),
         ])
-        .arg("--model")
-        .arg(root.path().join("model"))
+        // The model is never written: the broker check comes first.
+        .args(["--model", "bundled:tiny", "--models-dir"])
+        .arg(root.path().join("models"))
         .arg("--outbox-dir")
         .arg(root.path().join("outbox"))
         .env("QUANTMESH_CONFIG", &cfg)
@@ -613,4 +614,5 @@ fn required_kafka_that_is_unreachable_stops_start_up_with_a_clear_error() {
         err.contains("Kafka broker unreachable") && err.contains("kafka.required"),
         "{err}"
     );
+    assert!(!root.path().join("models").exists(), "stopped before the model");
 }
