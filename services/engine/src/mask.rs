@@ -50,6 +50,20 @@ pub struct PathMask {
     pub detector: Option<Arc<DetectorParams>>,
 }
 
+impl PathMask {
+    /// Every linear group of a `num_layers`-layer model on its float path (the reference
+    /// the INT8 path is measured against).
+    pub fn all_groups_float(num_layers: usize) -> Self {
+        let mut m = PathMask::default();
+        for l in 0..num_layers {
+            for k in quantmesh_shared::GroupKind::ALL {
+                m.float_groups.insert(GroupId::new(l, k));
+            }
+        }
+        m
+    }
+}
+
 /// Shared handle to the current mask.
 #[derive(Debug, Clone, Default)]
 pub struct MaskHandle {

@@ -60,15 +60,19 @@ impl TextTokenizer {
             // llama.cpp's default: add BOS unless the file says not to.
             add_bos_token: Some(g.bool("tokenizer.ggml.add_bos_token").unwrap_or(true)),
         };
+        Ok(Self::new(inner, config))
+    }
+
+    fn new(inner: tokenizers::Tokenizer, config: TokenizerConfig) -> Self {
         let bos_id = config
             .bos_token
             .as_deref()
             .and_then(|t| inner.token_to_id(t));
-        Ok(Self {
+        Self {
             inner,
             config,
             bos_id,
-        })
+        }
     }
 
     fn load_dir(dir: &Path) -> Result<Self> {
@@ -84,15 +88,7 @@ impl TextTokenizer {
         } else {
             TokenizerConfig::default()
         };
-        let bos_id = config
-            .bos_token
-            .as_deref()
-            .and_then(|t| inner.token_to_id(t));
-        Ok(Self {
-            inner,
-            config,
-            bos_id,
-        })
+        Ok(Self::new(inner, config))
     }
 
     pub fn vocab_size(&self) -> usize {

@@ -21,10 +21,16 @@ use quantmesh_shared::Residency;
 use std::path::Path;
 
 /// llama.cpp's `permute` in convert_hf_to_gguf.py, as tensor ops:
-/// `w.reshape(heads, 2, rows/heads/2, cols).swapaxes(1, 2).reshape(rows, cols)`.
-fn llama_permute(w: &Tensor, heads: usize) -> Tensor {
+/// `w.reshape(heads, 2, rows/heads/2, cols).swapaxes(1, 2).reshape(rows, cols)`; with
+/// `inverse`, the reshape `(heads, rows/heads/2, 2, cols)` that undoes it.
+fn interleave(w: &Tensor, heads: usize, inverse: bool) -> Tensor {
     let (rows, cols) = w.dims2().unwrap();
-    w.reshape((heads, 2, rows / heads / 2, cols))
+    let split = if inverse {
+        (heads, rows / heads / 2, 2, cols)
+    } else {
+        (heads, 2, rows / heads / 2, cols)
+    };
+    w.reshape(split)
         .unwrap()
         .transpose(1, 2)
         .unwrap()
@@ -32,6 +38,10 @@ fn llama_permute(w: &Tensor, heads: usize) -> Tensor {
         .unwrap()
         .reshape((rows, cols))
         .unwrap()
+}
+
+fn llama_permute(w: &Tensor, heads: usize) -> Tensor {
+    interleave(w, heads, false)
 }
 
 /// Write the checkpoint at `hf` as a GGUF file: 2-D weights in `dtype`, the rest F32.
@@ -237,18 +247,7 @@ fn quantized_gguf_float_form_is_the_exact_dequantization() {
                 .dequantize(&Device::Cpu)
                 .unwrap();
             let expected = match heads {
-                // Un-permute with the inverse reshape: (heads, rows/heads/2, 2, cols).
-                Some(h) => {
-                    let (rows, cols) = deq.dims2().unwrap();
-                    deq.reshape((h, rows / h / 2, 2, cols))
-                        .unwrap()
-                        .transpose(1, 2)
-                        .unwrap()
-                        .contiguous()
-                        .unwrap()
-                        .reshape((rows, cols))
-                        .unwrap()
-                }
+                Some(h) => interleave(&deq, h, true),
                 None => deq,
             };
             let expected: Vec<f32> = expected.flatten_all().unwrap().to_vec1().unwrap();

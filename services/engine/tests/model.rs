@@ -4,61 +4,14 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use candle_core::Tensor;
-use quantmesh_engine::block_manager::BlockManager;
 use quantmesh_engine::bundled::{init_model, InitOptions, StoreDtype};
 use quantmesh_engine::config::{KvFloatDtype, ModelConfig};
-use quantmesh_engine::kv_cache::KvCache;
-use quantmesh_engine::model::{LlamaModel, SeqChunk, StepInput, StepOutput};
+use quantmesh_engine::model::LlamaModel;
 use quantmesh_engine::{EngineError, PathMask};
 use quantmesh_shared::{GroupId, GroupKind, Residency};
-use std::path::Path;
 
-struct Rig {
-    model: LlamaModel,
-    kv: KvCache,
-    bm: BlockManager,
-}
-
-impl Rig {
-    fn new(dir: &Path, residency: Residency, kv_dtype: KvFloatDtype) -> Rig {
-        let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
-        let model = LlamaModel::load(dir, &cfg, &|_| residency).unwrap();
-        let kv = KvCache::new(cfg.num_hidden_layers, 256, 16, cfg.kv_dim(), kv_dtype);
-        Rig {
-            model,
-            kv,
-            bm: BlockManager::new(256, 16, false),
-        }
-    }
-
-    /// Run `tokens` of `seq` (appending to whatever it has) as one step.
-    fn step(&mut self, seq: u64, tokens: &[u32], mask: &PathMask, kv_int8: bool) -> StepOutput {
-        if !self.bm.contains(seq) {
-            self.bm.admit(seq, &[], 512).unwrap();
-        }
-        let start = self.bm.num_tokens(seq).unwrap();
-        let out = self.bm.append(seq, tokens.len()).unwrap();
-        let step = StepInput {
-            chunks: vec![SeqChunk {
-                seq,
-                tokens: tokens.to_vec(),
-                start_pos: start,
-                slots: out.slots,
-                block_table: self.bm.block_table(seq).unwrap().to_vec(),
-                want_logits: true,
-            }],
-            copies: out.copies,
-        };
-        self.model
-            .forward(&step, mask, &mut self.kv, kv_int8)
-            .unwrap()
-    }
-
-    /// Feed `tokens` of `seq` and return the last logits.
-    fn feed(&mut self, seq: u64, tokens: &[u32], mask: &PathMask, kv_int8: bool) -> Vec<f32> {
-        self.step(seq, tokens, mask, kv_int8).logits.remove(0).1
-    }
-}
+mod support;
+use support::Rig;
 
 fn model_dir(opts: InitOptions) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
@@ -67,13 +20,7 @@ fn model_dir(opts: InitOptions) -> tempfile::TempDir {
 }
 
 fn all_float(cfg_layers: usize) -> PathMask {
-    let mut m = PathMask::default();
-    for l in 0..cfg_layers {
-        for k in GroupKind::ALL {
-            m.float_groups.insert(GroupId::new(l, k));
-        }
-    }
-    m
+    PathMask::all_groups_float(cfg_layers)
 }
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {

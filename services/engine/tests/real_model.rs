@@ -9,18 +9,19 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use quantmesh_engine::block_manager::BlockManager;
 use quantmesh_engine::checkpoint::Checkpoint;
 use quantmesh_engine::config::{KvFloatDtype, ModelConfig};
-use quantmesh_engine::kv_cache::KvCache;
-use quantmesh_engine::model::{kl_logits, LlamaModel, SeqChunk, StepInput};
+use quantmesh_engine::model::{kl_logits, LlamaModel};
 use quantmesh_engine::tokenizer::{ChatMessage, TextTokenizer};
 use quantmesh_engine::{EngineError, PathMask};
-use quantmesh_shared::{GroupId, GroupKind, Residency};
+use quantmesh_shared::Residency;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
+
+mod support;
+use support::Rig;
 
 fn gguf() -> &'static Path {
     static PATH: OnceLock<PathBuf> = OnceLock::new();
@@ -123,61 +124,6 @@ fn tokenizer_ids_equal_llama_cpp() {
     );
 }
 
-/// One sequence through the model step by step.
-struct Rig {
-    model: LlamaModel,
-    kv: KvCache,
-    bm: BlockManager,
-}
-
-impl Rig {
-    fn new(residency: Residency) -> (Rig, ModelConfig) {
-        let cfg = ModelConfig::load(gguf()).unwrap();
-        let model = LlamaModel::load(gguf(), &cfg, &|_| residency).unwrap();
-        let kv = KvCache::new(
-            cfg.num_hidden_layers,
-            128,
-            16,
-            cfg.kv_dim(),
-            KvFloatDtype::F16,
-        );
-        let rig = Rig {
-            model,
-            kv,
-            bm: BlockManager::new(128, 16, false),
-        };
-        (rig, cfg)
-    }
-
-    fn feed(&mut self, seq: u64, tokens: &[u32], mask: &PathMask, kv_int8: bool) -> Vec<f32> {
-        if !self.bm.contains(seq) {
-            self.bm.admit(seq, &[], 1000).unwrap();
-        }
-        let start = self.bm.num_tokens(seq).unwrap();
-        let out = self.bm.append(seq, tokens.len()).unwrap();
-        let step = StepInput {
-            chunks: vec![SeqChunk {
-                seq,
-                tokens: tokens.to_vec(),
-                start_pos: start,
-                slots: out.slots,
-                block_table: self.bm.block_table(seq).unwrap().to_vec(),
-                want_logits: true,
-            }],
-            copies: out.copies,
-        };
-        let mut o = self
-            .model
-            .forward(&step, mask, &mut self.kv, kv_int8)
-            .unwrap();
-        o.logits.remove(0).1
-    }
-
-    fn free(&mut self, seq: u64) {
-        self.bm.free(seq);
-    }
-}
-
 fn argmax(l: &[f32]) -> u32 {
     let mut best = 0;
     for (i, v) in l.iter().enumerate() {
@@ -239,14 +185,10 @@ fn greedy_tokens_agree_with_llama_cpp() {
         .collect();
     assert_eq!(ref_logits.len(), prompts.len() * N * vocab);
 
-    let (mut rig, cfg) = Rig::new(Residency::Dual);
+    let mut rig = Rig::new(gguf(), Residency::Dual, KvFloatDtype::F16);
+    let cfg = rig.model.config().clone();
     let eos = cfg.eos_ids();
-    let mut float_mask = PathMask::default();
-    for l in 0..cfg.num_hidden_layers {
-        for k in GroupKind::ALL {
-            float_mask.float_groups.insert(GroupId::new(l, k));
-        }
-    }
+    let float_mask = PathMask::all_groups_float(cfg.num_hidden_layers);
     let int8_mask = PathMask::default();
     let mut report = Vec::new();
     for (name, mask, kv_int8) in [("float", &float_mask, false), ("int8", &int8_mask, true)] {

@@ -614,5 +614,8 @@ fn required_kafka_that_is_unreachable_stops_start_up_with_a_clear_error() {
         err.contains("Kafka broker unreachable") && err.contains("kafka.required"),
         "{err}"
     );
-    assert!(!root.path().join("models").exists(), "stopped before the model");
+    assert!(
+        !root.path().join("models").exists(),
+        "stopped before the model"
+    );
 }

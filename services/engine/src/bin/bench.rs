@@ -257,6 +257,47 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
+/// Run the activation monitor over `requests` (each its own sequence, `rounds` times, every
+/// group dual-resident) as served traffic; returns it and the mask it publishes.
+fn watch(
+    model: &LlamaModel,
+    cfg: &ModelConfig,
+    mcfg: quantmesh_engine::monitor::MonitorConfig,
+    requests: &[Vec<u32>],
+    rounds: u64,
+) -> Result<(quantmesh_engine::monitor::Monitor, PathMask), Box<dyn std::error::Error>> {
+    use quantmesh_shared::{GroupId, GroupKind};
+    let residencies: Vec<(GroupId, Residency)> = (0..cfg.num_hidden_layers)
+        .flat_map(|l| GroupKind::ALL.map(|k| (GroupId::new(l, k), Residency::Dual)))
+        .collect();
+    let mut monitor = quantmesh_engine::monitor::Monitor::new(mcfg, "bench", &residencies);
+    let page = 16;
+    for round in 0..rounds {
+        for (i, ids) in requests.iter().enumerate() {
+            let mut mask = PathMask::default();
+            monitor.apply_to(&mut mask);
+            let pages = ids.len().div_ceil(page) + 1;
+            let mut kv = KvCache::new(
+                cfg.num_hidden_layers,
+                pages,
+                page,
+                cfg.kv_dim(),
+                KvFloatDtype::F16,
+            );
+            let mut bm = BlockManager::new(pages, page, false);
+            let id = round * 1_000_000 + i as u64;
+            bm.admit(id, &[], ids.len()).map_err(|e| e.to_string())?;
+            let step = step_for(&mut bm, &[(id, ids.clone())]);
+            let out = model.forward(&step, &mask, &mut kv, true)?;
+            monitor.observe(&out);
+            monitor.requests_finished(&[id]);
+        }
+    }
+    let mut mask = PathMask::default();
+    monitor.apply_to(&mut mask);
+    Ok((monitor, mask))
+}
+
 /// Perplexity of `text` (its first `max_tokens` tokens, windows of 256, teacher-forced one
 /// token per step) on the float plan, INT8 only, and the plan the activation monitor
 /// reaches after watching the first half of the text.
@@ -266,7 +307,7 @@ fn perplexity_section(
     text: &std::path::Path,
     max_tokens: usize,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    use quantmesh_shared::{GroupId, GroupKind};
+    use quantmesh_shared::GroupKind;
     const WINDOW: usize = 256;
     let tok = quantmesh_engine::tokenizer::TextTokenizer::load(dir)?;
     let text = std::fs::read_to_string(text)?;
@@ -275,42 +316,16 @@ fn perplexity_section(
     let model = LlamaModel::load(dir, cfg, &|_| Residency::Dual)?;
     let page = 16;
     let pages = WINDOW.div_ceil(page) + 2;
-    let mut all_float = PathMask::default();
-    for l in 0..cfg.num_hidden_layers {
-        for k in GroupKind::ALL {
-            all_float.float_groups.insert(GroupId::new(l, k));
-        }
-    }
-    // The monitor watches the text in windows as served traffic, then its mask is used.
-    let residencies: Vec<(GroupId, Residency)> = (0..cfg.num_hidden_layers)
-        .flat_map(|l| GroupKind::ALL.map(|k| (GroupId::new(l, k), Residency::Dual)))
-        .collect();
+    let all_float = PathMask::all_groups_float(cfg.num_hidden_layers);
+    // The monitor watches the text in requests of 64 tokens as served traffic, then its
+    // mask is used.
     let mcfg = quantmesh_engine::monitor::MonitorConfig {
         window_requests: 4,
         shadow_sample_rate: 0.0,
         ..Default::default()
     };
-    let mut monitor = quantmesh_engine::monitor::Monitor::new(mcfg, "bench", &residencies);
-    for (i, chunk) in ids.chunks(64).enumerate() {
-        let mut mask = PathMask::default();
-        monitor.apply_to(&mut mask);
-        let mut kv = KvCache::new(
-            cfg.num_hidden_layers,
-            pages,
-            page,
-            cfg.kv_dim(),
-            KvFloatDtype::F16,
-        );
-        let mut bm = BlockManager::new(pages, page, false);
-        let id = i as u64;
-        bm.admit(id, &[], WINDOW).map_err(|e| e.to_string())?;
-        let step = step_for(&mut bm, &[(id, chunk.to_vec())]);
-        let out = model.forward(&step, &mask, &mut kv, true)?;
-        monitor.observe(&out);
-        monitor.requests_finished(&[id]);
-    }
-    let mut monitored = PathMask::default();
-    monitor.apply_to(&mut monitored);
+    let requests: Vec<Vec<u32>> = ids.chunks(64).map(<[u32]>::to_vec).collect();
+    let (_, monitored) = watch(&model, cfg, mcfg, &requests, 1)?;
     let chosen: Vec<String> = monitored
         .float_groups
         .iter()
@@ -538,18 +553,10 @@ fn monitor_section(
 
     // Quality: teacher-forced next-token KL to the float-only model.
     let tok = quantmesh_engine::tokenizer::TextTokenizer::load(dir)?;
-    let mut all_float = PathMask::default();
-    for l in 0..cfg.num_hidden_layers {
-        for k in GroupKind::ALL {
-            all_float.float_groups.insert(GroupId::new(l, k));
-        }
-    }
+    let all_float = PathMask::all_groups_float(cfg.num_hidden_layers);
     // What the real monitor decides on this traffic: run it over the prompts (warm-up,
     // windows), then serve with the mask it publishes (per-layer fallback, MLP coupling and
     // per-token routing at the learned bounds).
-    let residencies: Vec<(GroupId, Residency)> = (0..cfg.num_hidden_layers)
-        .flat_map(|l| GroupKind::ALL.map(|k| (GroupId::new(l, k), Residency::Dual)))
-        .collect();
     let mcfg = quantmesh_engine::monitor::MonitorConfig {
         window_requests: 4,
         warmup_tokens: 256,
@@ -557,30 +564,11 @@ fn monitor_section(
         shadow_sample_rate: 0.0,
         ..Default::default()
     };
-    let mut monitor = quantmesh_engine::monitor::Monitor::new(mcfg, "bench", &residencies);
-    for round in 0..4u64 {
-        for (i, p) in quantmesh_engine::bundled::SAMPLE_PROMPTS.iter().enumerate() {
-            let mut mask = PathMask::default();
-            monitor.apply_to(&mut mask);
-            let ids = tok.encode(p, true)?;
-            let mut kv = KvCache::new(
-                cfg.num_hidden_layers,
-                16,
-                page,
-                cfg.kv_dim(),
-                KvFloatDtype::F16,
-            );
-            let mut bm = BlockManager::new(16, page, false);
-            let id = round * 100 + i as u64;
-            bm.admit(id, &[], 200).map_err(|e| e.to_string())?;
-            let step = step_for(&mut bm, &[(id, ids)]);
-            let out = model.forward(&step, &mask, &mut kv, true)?;
-            monitor.observe(&out);
-            monitor.requests_finished(&[id]);
-        }
-    }
-    let mut monitored = PathMask::default();
-    monitor.apply_to(&mut monitored);
+    let prompts = quantmesh_engine::bundled::SAMPLE_PROMPTS
+        .iter()
+        .map(|p| tok.encode(p, true))
+        .collect::<Result<Vec<_>, _>>()?;
+    let (monitor, monitored) = watch(&model, cfg, mcfg, &prompts, 4)?;
     let chosen: Vec<String> = monitored
         .float_groups
         .iter()

@@ -1,0 +1,65 @@
+//! A model driven one sequence step at a time, straight through `LlamaModel::forward`
+//! (no actors): the rig the model-level tests share.
+
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use quantmesh_engine::block_manager::BlockManager;
+use quantmesh_engine::config::{KvFloatDtype, ModelConfig};
+use quantmesh_engine::kv_cache::KvCache;
+use quantmesh_engine::model::{LlamaModel, SeqChunk, StepInput, StepOutput};
+use quantmesh_engine::PathMask;
+use quantmesh_shared::Residency;
+use std::path::Path;
+
+pub struct Rig {
+    pub model: LlamaModel,
+    pub kv: KvCache,
+    pub bm: BlockManager,
+}
+
+impl Rig {
+    /// The model at `path` (any format) with every group in `residency`, a 256-page cache.
+    pub fn new(path: &Path, residency: Residency, kv_dtype: KvFloatDtype) -> Rig {
+        let cfg = ModelConfig::load(path).unwrap();
+        let model = LlamaModel::load(path, &cfg, &|_| residency).unwrap();
+        let kv = KvCache::new(cfg.num_hidden_layers, 256, 16, cfg.kv_dim(), kv_dtype);
+        Rig {
+            model,
+            kv,
+            bm: BlockManager::new(256, 16, false),
+        }
+    }
+
+    /// Run `tokens` of `seq` (appending to whatever it has) as one step.
+    pub fn step(&mut self, seq: u64, tokens: &[u32], mask: &PathMask, kv_int8: bool) -> StepOutput {
+        if !self.bm.contains(seq) {
+            self.bm.admit(seq, &[], 512).unwrap();
+        }
+        let start = self.bm.num_tokens(seq).unwrap();
+        let out = self.bm.append(seq, tokens.len()).unwrap();
+        let step = StepInput {
+            chunks: vec![SeqChunk {
+                seq,
+                tokens: tokens.to_vec(),
+                start_pos: start,
+                slots: out.slots,
+                block_table: self.bm.block_table(seq).unwrap().to_vec(),
+                want_logits: true,
+            }],
+            copies: out.copies,
+        };
+        self.model
+            .forward(&step, mask, &mut self.kv, kv_int8)
+            .unwrap()
+    }
+
+    /// Feed `tokens` of `seq` and return the last logits.
+    pub fn feed(&mut self, seq: u64, tokens: &[u32], mask: &PathMask, kv_int8: bool) -> Vec<f32> {
+        self.step(seq, tokens, mask, kv_int8).logits.remove(0).1
+    }
+
+    /// Forget `seq` and free its pages.
+    pub fn free(&mut self, seq: u64) {
+        self.bm.free(seq);
+    }
+}
