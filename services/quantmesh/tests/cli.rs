@@ -3,11 +3,13 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
+
+mod support;
 
 fn http(addr: &str, req: &str) -> String {
     let mut s = TcpStream::connect(addr).unwrap();
@@ -31,35 +33,7 @@ fn serve_writes_the_model_answers_and_stops_on_sigterm() {
         .stdout(Stdio::null())
         .spawn()
         .unwrap();
-    // Read the log until the server says where it listens and that it is ready.
-    let stderr = child.stderr.take().unwrap();
-    let (tx, rx) = mpsc::channel::<String>();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    let mut addr = None;
-    let mut log = Vec::new();
-    loop {
-        let line = rx
-            .recv_timeout(Duration::from_secs(60))
-            .expect("server log went quiet");
-        let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
-        if v["fields"]["message"] == "listening" {
-            addr = v["fields"]["addr"].as_str().map(String::from);
-        }
-        let ready = v["fields"]["message"]
-            .as_str()
-            .is_some_and(|m| m.starts_with("ready"));
-        log.push(line);
-        if ready {
-            break;
-        }
-    }
-    let addr = addr.expect("listening line with addr");
+    let (addr, log, rx) = support::wait_ready_in_log(&mut child, Duration::from_secs(60));
     assert!(
         model.join("planted.json").exists(),
         "first run wrote the bundled model"

@@ -9,10 +9,10 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
-use std::sync::mpsc;
 use std::time::Duration;
+
+mod support;
 
 fn python() -> String {
     std::env::var("QUANTMESH_TEST_PYTHON").unwrap_or_else(|_| "python3".into())
@@ -46,38 +46,7 @@ fn serve_with_no_arguments_fetches_the_real_model_and_answers_paris() {
         .stdout(Stdio::null())
         .spawn()
         .unwrap();
-    let stderr = child.stderr.take().unwrap();
-    let (tx, rx) = mpsc::channel::<String>();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    let mut addr = None;
-    let mut log = Vec::new();
-    loop {
-        let line = match rx.recv_timeout(Duration::from_secs(240)) {
-            Ok(l) => l,
-            Err(e) => panic!(
-                "server log went quiet ({e}); log so far:\n{}",
-                log.join("\n")
-            ),
-        };
-        let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
-        if v["fields"]["message"] == "listening" {
-            addr = v["fields"]["addr"].as_str().map(String::from);
-        }
-        let ready = v["fields"]["message"]
-            .as_str()
-            .is_some_and(|m| m.starts_with("ready"));
-        log.push(line);
-        if ready {
-            break;
-        }
-    }
-    let addr = addr.expect("listening line with addr");
+    let (addr, log, _rx) = support::wait_ready_in_log(&mut child, Duration::from_secs(240));
     let gguf = dir
         .path()
         .join("models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf");

@@ -495,3 +495,45 @@ impl Drop for Prometheus {
         let _ = self.child.wait();
     }
 }
+
+/// A `quantmesh serve --log-format json` child's stderr, read on a thread: waits until the
+/// server logs `ready`. Returns the address from its `listening` line, the lines so far and
+/// the channel the rest arrive on.
+pub fn wait_ready_in_log(
+    child: &mut Child,
+    quiet_for: Duration,
+) -> (String, Vec<String>, std::sync::mpsc::Receiver<String>) {
+    use std::io::{BufRead, BufReader};
+    let stderr = child.stderr.take().expect("stderr piped");
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut addr = None;
+    let mut log = Vec::new();
+    loop {
+        let line = match rx.recv_timeout(quiet_for) {
+            Ok(l) => l,
+            Err(e) => panic!(
+                "server log went quiet ({e}); log so far:\n{}",
+                log.join("\n")
+            ),
+        };
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
+        if v["fields"]["message"] == "listening" {
+            addr = v["fields"]["addr"].as_str().map(String::from);
+        }
+        let ready = v["fields"]["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("ready"));
+        log.push(line);
+        if ready {
+            break;
+        }
+    }
+    (addr.expect("listening line with addr"), log, rx)
+}
