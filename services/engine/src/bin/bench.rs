@@ -87,6 +87,20 @@ fn parse() -> Result<Args, String> {
     Ok(a)
 }
 
+/// An empty KV cache (f16 float pages) and its block manager: `pages` pages of `page` tokens.
+fn cache(cfg: &ModelConfig, pages: usize, page: usize) -> (KvCache, BlockManager) {
+    (
+        KvCache::new(
+            cfg.num_hidden_layers,
+            pages,
+            page,
+            cfg.kv_dim(),
+            KvFloatDtype::F16,
+        ),
+        BlockManager::new(pages, page, false),
+    )
+}
+
 /// `b` synthetic prompts of printable tokens, admitted with room for `decode_steps` more.
 fn admit_batch(
     bm: &mut BlockManager,
@@ -175,27 +189,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mib = model.resident_bytes() as f64 / (1 << 20) as f64;
         // Warm-up (thread pools, page faults of the freshly loaded weights), untimed.
         {
-            let mut kv = KvCache::new(
-                cfg.num_hidden_layers,
-                8,
-                page,
-                cfg.kv_dim(),
-                KvFloatDtype::F16,
-            );
-            let mut bm = BlockManager::new(8, page, false);
+            let (mut kv, mut bm) = cache(&cfg, 8, page);
             bm.admit(u64::MAX, &[], 64).map_err(|e| e.to_string())?;
             let step = step_for(&mut bm, &[(u64::MAX, (0..32).collect())]);
             model.forward(&step, &PathMask::default(), &mut kv, true)?;
         }
         for (bi, &b) in args.batches.iter().enumerate() {
-            let mut kv = KvCache::new(
-                cfg.num_hidden_layers,
-                pages,
-                page,
-                cfg.kv_dim(),
-                KvFloatDtype::F16,
-            );
-            let mut bm = BlockManager::new(pages, page, false);
+            let (mut kv, mut bm) = cache(&cfg, pages, page);
             let mask = PathMask::default();
             let prompts = admit_batch(&mut bm, b, args.prompt_len, args.decode_steps)?;
             let t0 = Instant::now();
@@ -277,14 +277,7 @@ fn watch(
             let mut mask = PathMask::default();
             monitor.apply_to(&mut mask);
             let pages = ids.len().div_ceil(page) + 1;
-            let mut kv = KvCache::new(
-                cfg.num_hidden_layers,
-                pages,
-                page,
-                cfg.kv_dim(),
-                KvFloatDtype::F16,
-            );
-            let mut bm = BlockManager::new(pages, page, false);
+            let (mut kv, mut bm) = cache(cfg, pages, page);
             let id = round * 1_000_000 + i as u64;
             bm.admit(id, &[], ids.len()).map_err(|e| e.to_string())?;
             let step = step_for(&mut bm, &[(id, ids.clone())]);
@@ -363,14 +356,7 @@ fn perplexity_section(
     for (name, mask, kv_int8) in &plans {
         let (mut nll, mut n) = (0f64, 0usize);
         for (w, window) in ids.chunks(WINDOW).enumerate() {
-            let mut kv = KvCache::new(
-                cfg.num_hidden_layers,
-                pages,
-                page,
-                cfg.kv_dim(),
-                KvFloatDtype::F16,
-            );
-            let mut bm = BlockManager::new(pages, page, false);
+            let (mut kv, mut bm) = cache(cfg, pages, page);
             let id = 1_000_000 + w as u64;
             bm.admit(id, &[], WINDOW).map_err(|e| e.to_string())?;
             for pair in window.windows(2) {
@@ -485,14 +471,7 @@ fn monitor_section(
         for k in 0..variants.len() {
             let vi = (k + rep) % variants.len();
             let mask = &variants[vi].1;
-            let mut kv = KvCache::new(
-                cfg.num_hidden_layers,
-                pages,
-                page,
-                cfg.kv_dim(),
-                KvFloatDtype::F16,
-            );
-            let mut bm = BlockManager::new(pages, page, false);
+            let (mut kv, mut bm) = cache(cfg, pages, page);
             let prompts = admit_batch(&mut bm, b, args.prompt_len, args.decode_steps)?;
             let t0 = Instant::now();
             let step = step_for(&mut bm, &prompts);
@@ -615,14 +594,7 @@ fn monitor_section(
         let ids = tok.encode(p, true)?;
         let mut logits: Vec<Vec<Vec<f32>>> = Vec::new();
         for mask in std::iter::once(&all_float).chain(quality.iter().map(|(_, m)| *m)) {
-            let mut kv = KvCache::new(
-                cfg.num_hidden_layers,
-                16,
-                page,
-                cfg.kv_dim(),
-                KvFloatDtype::F16,
-            );
-            let mut bm = BlockManager::new(16, page, false);
+            let (mut kv, mut bm) = cache(cfg, 16, page);
             bm.admit(0, &[], 200).map_err(|e| e.to_string())?;
             let mut per_pos = Vec::new();
             for t in &ids {
