@@ -507,14 +507,32 @@ impl Checkpoint {
             }
             Stored::Ggml {
                 dtype,
-                unpermute_heads: None,
+                unpermute_heads,
             } if cols.is_multiple_of(dtype.block_size()) => {
+                // Rows are whole blocks. llama.cpp's q/k interleave stays inside a head, so
+                // a permuted tensor is read in whole heads around the rows asked for.
+                let (lo, hi) = match unpermute_heads {
+                    Some(heads) if heads > 0 && rows.is_multiple_of(heads) => {
+                        let hd = rows / heads;
+                        (start / hd * hd, (start + n).div_ceil(hd) * hd)
+                    }
+                    // Heads that do not divide the rows: unpermute_rows names the problem.
+                    Some(_) => (0, rows),
+                    None => (start, start + n),
+                };
                 let row_bytes = cols / dtype.block_size() * dtype.type_size();
-                let from = e.start + start * row_bytes;
-                let bytes = &shard.mmap[from..from + n * row_bytes];
-                decode_ggml(bytes, dtype, n * cols, &shard.path, name, start * cols)
+                let from = e.start + lo * row_bytes;
+                let bytes = &shard.mmap[from..from + (hi - lo) * row_bytes];
+                let mut v =
+                    decode_ggml(bytes, dtype, (hi - lo) * cols, &shard.path, name, lo * cols)?;
+                if let Some(heads) = unpermute_heads {
+                    let span = heads * (hi - lo) / rows;
+                    v = unpermute_rows(v, &[hi - lo, cols], span)
+                        .map_err(|m| EngineError::checkpoint(&shard.path, Some(name), m))?;
+                }
+                Ok(v[(start - lo) * cols..(start - lo + n) * cols].to_vec())
             }
-            // Permuted rows (or blocks spanning rows): decode the whole tensor.
+            // Blocks spanning rows: decode the whole tensor.
             Stored::Ggml { .. } => {
                 let (all, _) = self.read_f32(name)?;
                 Ok(all[start * cols..(start + n) * cols].to_vec())

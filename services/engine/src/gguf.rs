@@ -25,8 +25,6 @@ pub const ARCHITECTURES: &[&str] = &["llama", "mistral", "qwen2"];
 /// One tensor of a GGUF file under its Hugging Face name.
 #[derive(Debug, Clone)]
 pub struct GgufTensor {
-    /// The name inside the GGUF file (for messages).
-    pub gguf_name: String,
     pub dtype: GgmlDType,
     /// `[rows, cols]` (PyTorch order).
     pub shape: Vec<usize>,
@@ -225,7 +223,6 @@ impl GgufFile {
             this.tensors.insert(
                 name,
                 GgufTensor {
-                    gguf_name,
                     dtype: info.ggml_dtype,
                     shape,
                     start: start as usize,
@@ -239,10 +236,6 @@ impl GgufFile {
 
     fn err(&self, m: impl Into<String>) -> EngineError {
         EngineError::checkpoint(&self.path, None, m)
-    }
-
-    pub fn get(&self, key: &str) -> Option<&Value> {
-        self.metadata.get(key)
     }
 
     fn u64_of(&self, key: &str, v: &Value) -> Result<u64> {

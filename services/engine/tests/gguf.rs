@@ -200,11 +200,15 @@ fn f32_gguf_is_the_same_model_for_llama_and_qwen2() {
                 "{name}"
             );
             let rows = ca.info(name).unwrap().shape[0];
-            assert_eq!(
-                ca.read_rows_f32(name, 3, 5).unwrap(),
-                cb.read_rows_f32(name, 3, 5).unwrap(),
-                "{name} rows 3..8 of {rows}"
-            );
+            // Inside one head, across a head boundary, and the last rows.
+            for (start, n) in [(3, 5), (30, 5), (rows - 7, 7)] {
+                assert_eq!(
+                    ca.read_rows_f32(name, start, n).unwrap(),
+                    cb.read_rows_f32(name, start, n).unwrap(),
+                    "{name} rows {start}..{} of {rows}",
+                    start + n
+                );
+            }
         }
         let d = max_diff(&logits(hf.path(), &PROMPT), &logits(&file, &PROMPT));
         assert!(d < 1e-3, "qkv_bias={qkv_bias}: logits differ by {d}");
@@ -252,6 +256,12 @@ fn quantized_gguf_float_form_is_the_exact_dequantization() {
             };
             let expected: Vec<f32> = expected.flatten_all().unwrap().to_vec1().unwrap();
             assert_eq!(q.read_f32(name).unwrap().0, expected, "{dtype:?} {name}");
+            let cols = q.info(name).unwrap().shape[1];
+            assert_eq!(
+                q.read_rows_f32(name, 30, 5).unwrap(),
+                expected[30 * cols..35 * cols].to_vec(),
+                "{dtype:?} {name} rows 30..35"
+            );
             assert_eq!(q.info(name).unwrap().dtype, format!("{dtype:?}"));
         }
         q.verify("model.layers.0.mlp.down_proj.weight").unwrap();
