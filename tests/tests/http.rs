@@ -445,7 +445,7 @@ async fn monitor_finds_sensitive_group_through_http_and_streams_survive_switches
     let long = actix_rt::spawn(async move { long.text().await.unwrap() });
     let mut found = false;
     for round in 0..8 {
-        let reqs = quantmesh_engine::bundled::SAMPLE_PROMPTS
+        let reqs = quantmesh_model::bundled::SAMPLE_PROMPTS
             .iter()
             .enumerate()
             .map(|(i, p)| {
@@ -500,4 +500,70 @@ async fn monitor_finds_sensitive_group_through_http_and_streams_survive_switches
     let (chunks, done) = parse_sse(&body);
     assert!(done);
     assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 400);
+}
+
+/// Counters are updated where things happen, not derived at scrape time: many scrapes at
+/// once all read the same totals, and scraping again changes nothing.
+#[actix_rt::test]
+async fn concurrent_scrapes_do_not_double_count() {
+    let s = Server::start(settings()).await;
+    let reqs = (0..4).map(|i| {
+        s.post(
+            "/v1/completions",
+            json!({"prompt": format!("Hello {i}"), "max_tokens": 8, "ignore_eos": true}),
+        )
+    });
+    for r in futures::future::join_all(reqs).await {
+        assert_eq!(r.status(), 200);
+    }
+    let totals = |scrape: &prometheus_parse::Scrape| {
+        let mut v: Vec<(String, String, u64)> = scrape
+            .samples
+            .iter()
+            .filter(|x| {
+                x.metric.ends_with("_total")
+                    && (x.metric.starts_with("quantmesh_engine")
+                        || x.metric.starts_with("quantmesh_linear")
+                        || x.metric.starts_with("quantmesh_generation")
+                        || x.metric.starts_with("quantmesh_prompt"))
+            })
+            .map(|x| {
+                let n = match x.value {
+                    prometheus_parse::Value::Counter(v) | prometheus_parse::Value::Untyped(v) => v,
+                    _ => f64::NAN,
+                };
+                (
+                    x.metric.clone(),
+                    format!("{:?}", x.labels.get("path")),
+                    n as u64,
+                )
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    let scrapes = futures::future::join_all((0..16).map(|_| s.metrics())).await;
+    let first = totals(&scrapes[0]);
+    let steps = first
+        .iter()
+        .find(|(m, _, _)| m == "quantmesh_engine_steps_total")
+        .map(|t| t.2)
+        .expect("steps counted");
+    assert!(
+        steps >= 8,
+        "8 tokens per request take at least 8 steps: {steps}"
+    );
+    let gen = first
+        .iter()
+        .find(|(m, _, _)| m == "quantmesh_generation_tokens_total")
+        .map(|t| t.2);
+    assert_eq!(gen, Some(32));
+    for sc in &scrapes[1..] {
+        assert_eq!(totals(sc), first, "concurrent scrapes disagree");
+    }
+    assert_eq!(
+        totals(&s.metrics().await),
+        first,
+        "a later scrape counted again"
+    );
 }

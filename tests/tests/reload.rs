@@ -7,9 +7,9 @@
 mod common;
 
 use common::{parse_sse, settings, wait_for, Server, ADMIN_TOKEN};
-use quantmesh_engine::checkpoint::Checkpoint;
-use quantmesh_engine::config::ModelConfig;
-use quantmesh_engine::plan::model_shape;
+use quantmesh_model::checkpoint::Checkpoint;
+use quantmesh_model::model_shape;
+use quantmesh_model::ModelConfig;
 use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -29,7 +29,7 @@ struct Fixture {
 fn fixture() -> Fixture {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("model");
-    quantmesh_engine::bundled::init_model(&model, &Default::default()).unwrap();
+    quantmesh_model::bundled::init_model(&model, &Default::default()).unwrap();
     let ck = Checkpoint::open(&model).unwrap();
     let mcfg = ModelConfig::from_file(&model.join("config.json")).unwrap();
     let layout_md5 = model_shape(&ck, &mcfg).unwrap().layout_md5;

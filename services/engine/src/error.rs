@@ -1,9 +1,13 @@
 //! The engine's error type.
 
-use std::path::PathBuf;
+pub use quantmesh_model::ModelError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
+    /// Reading the model: checkpoint (naming file and tensor), config, tokenizer, or input
+    /// the model cannot take (e.g. chat without a chat template).
+    #[error(transparent)]
+    Model(#[from] ModelError),
     #[error("{context}: {source}")]
     Io {
         context: String,
@@ -12,17 +16,9 @@ pub enum EngineError {
     },
     #[error("invalid configuration: {0}")]
     Config(String),
-    /// A checkpoint problem, always naming the file and, where known, the tensor.
-    #[error("checkpoint {file}: {tensor_part}{message}", tensor_part = tensor.as_ref().map(|t| format!("tensor {t:?}: ")).unwrap_or_default())]
-    Checkpoint {
-        file: PathBuf,
-        tensor: Option<String>,
-        message: String,
-    },
-    #[error("tokenizer: {0}")]
-    Tokenizer(String),
     #[error("tensor op failed: {0}")]
     Tensor(#[from] candle_core::Error),
+    /// The request cannot be served as given (the caller's mistake: HTTP 400).
     #[error("the request is invalid: {0}")]
     InvalidRequest(String),
     #[error("engine overloaded: {0}")]
@@ -39,16 +35,13 @@ impl EngineError {
         }
     }
 
-    pub fn checkpoint(
-        file: impl Into<PathBuf>,
-        tensor: Option<&str>,
-        message: impl Into<String>,
-    ) -> Self {
-        EngineError::Checkpoint {
-            file: file.into(),
-            tensor: tensor.map(str::to_string),
-            message: message.into(),
-        }
+    /// Whether the caller caused it (a bad request rather than a broken engine).
+    pub fn is_client_error(&self) -> bool {
+        matches!(
+            self,
+            EngineError::InvalidRequest(_)
+                | EngineError::Model(ModelError::Tokenizer(_) | ModelError::InvalidInput(_))
+        )
     }
 }
 

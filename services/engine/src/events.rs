@@ -1,10 +1,10 @@
-//! Where fallback events go. [`EventSink`] (defined in `quantmesh-shared` so transports need
+//! Where fallback events go. [`EventSink`] (defined in `quantmesh-types` so transports need
 //! not depend on the engine) is the seam: the engine always publishes to the structured log
 //! and an in-process broadcast; callers add more sinks at start (the gateway adds the Kafka
 //! outbox sink of `quantmesh-kafka` when brokers are configured).
 
-pub use quantmesh_shared::EventSink;
-use quantmesh_shared::{ConfigAction, ConfigEvent, FallbackEvent, Granularity};
+pub use quantmesh_types::EventSink;
+use quantmesh_types::{ConfigAction, ConfigEvent, FallbackEvent, Granularity};
 use tokio::sync::broadcast;
 
 /// Every event as one structured log line (target `quantmesh::fallback`).

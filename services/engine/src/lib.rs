@@ -1,45 +1,45 @@
 //! quantmesh inference engine.
 //!
-//! A real Llama-family forward pass on CPU (candle tensors) whose linear groups can hold
-//! an INT8 and an exact float form at once and switch per layer, token, request or batch
-//! at every step; a paged KV cache with per-layer INT8/float precision; and continuous
-//! batching, all behind actix actors:
+//! A Llama-family forward pass whose linear groups can hold an INT8 and an exact float form
+//! at once and switch per layer, token, request or batch at every step; a paged KV cache
+//! with per-layer INT8/float precision; continuous batching; an activation monitor that
+//! decides the fallbacks; hot reload of the precision plan — all behind actix actors.
 //!
-//! ```text
-//!  Engine handle ──Encode/ApplyChatTemplate──▶ TokenizerActor (2 sync threads)
-//!       │
-//!       └──Submit/Cancel/Drain──▶ SchedulerActor ──Execute(step)──▶ ExecutorActor (1 thread)
-//!                                  (queue, BlockManager)              (LlamaModel, KvCache, mask)
-//! ```
+//! Folders by capability (see ARCHITECTURE.md for the map):
 //!
-//! The backend boundary is [`model::LlamaModel::forward`] over a [`model::StepInput`]: a
-//! CUDA or Ascend backend implements the same step contract.
+//! * [`api`] — the [`Engine`] handle, requests, generations, status types: the only module
+//!   the gateway imports.
+//! * [`backend`] — the [`backend::Backend`] seam (one step's forward pass, asking a
+//!   [`backend::Router`] for every group's rows) and its CPU implementation.
+//! * [`precision`] — the fallback mask, routing, activation probes, the step policy.
+//! * [`monitor`] — the decision core, its parameters, its actor (the mask's one writer).
+//! * [`kv`] — page metadata and page bytes.
+//! * [`sched`] — the scheduler, sampling, the scheduler actor.
+//! * [`executor`], [`tokenize`] — the executor and tokenizer actors. Each actor's module
+//!   defines the messages it handles.
+//! * [`request`] — prompts and generation requests.
+//! * [`reload`] — the config actor (hot reload); [`plan`] — the live plan.
+//! * [`metrics`] — the engine's Prometheus series, updated where things happen.
 
-pub mod actors;
-pub mod block_manager;
-pub mod bundled;
-pub mod checkpoint;
+pub mod api;
+pub mod backend;
 pub mod config;
-pub mod engine;
 pub mod error;
 pub mod events;
-pub mod gguf;
-pub mod kv_cache;
-pub mod linear;
-pub mod mask;
-pub mod messages;
-pub mod model;
+pub mod executor;
+pub mod kv;
+pub mod metrics;
 pub mod monitor;
 pub mod plan;
+pub mod precision;
 pub mod reload;
-pub mod sampling;
-pub mod scheduler;
+pub mod request;
+pub mod sched;
 pub mod stats;
-pub mod tokenizer;
+pub mod tokenize;
 
-pub use config::{EngineConfig, KvFloatDtype, ModelConfig};
-pub use engine::{Engine, Generation, GenerationEvent, ModelInfo};
+pub use api::{
+    Engine, EngineStart, GenerateRequest, Generation, GenerationEvent, ModelInfo, Prompt,
+};
+pub use config::EngineConfig;
 pub use error::EngineError;
-pub use mask::{MaskHandle, PathMask};
-pub use stats::EngineStats;
-pub use tokenizer::ChatMessage;

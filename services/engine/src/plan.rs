@@ -2,11 +2,9 @@
 //! `sensitive_layers.json` in force. One pure function, so start-up and hot reload compute
 //! the plan the same way and a reload to the same file is a no-op (idempotent).
 
-use crate::checkpoint::Checkpoint;
-use crate::config::{EngineConfig, ModelConfig};
-use crate::error::Result;
+use crate::config::EngineConfig;
 use crate::monitor::{GroupOverride, MonitorConfig};
-use quantmesh_shared::{GroupId, GroupKind, ModelShape, Residency, ValidatedPlan};
+use quantmesh_types::{GroupId, GroupKind, Residency, ValidatedPlan};
 use std::collections::BTreeMap;
 
 /// What the engine runs with.
@@ -80,22 +78,11 @@ pub fn resolve(
     }
 }
 
-/// The facts `sensitive_layers.json` is validated against.
-pub fn model_shape(ck: &Checkpoint, cfg: &ModelConfig) -> Result<ModelShape> {
-    Ok(ModelShape {
-        num_layers: cfg.num_hidden_layers,
-        hidden_size: cfg.hidden_size,
-        intermediate_size: cfg.intermediate_size,
-        attn_dim: cfg.num_attention_heads * cfg.head_dim(),
-        layout_md5: ck.layout_md5()?,
-    })
-}
-
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use quantmesh_shared::SensitiveLayers;
+    use quantmesh_types::{ModelShape, SensitiveLayers};
 
     fn shape() -> ModelShape {
         ModelShape {

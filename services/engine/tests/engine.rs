@@ -2,9 +2,9 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use quantmesh_engine::bundled::{init_model, InitOptions};
 use quantmesh_engine::{Engine, EngineConfig, GenerationEvent};
-use quantmesh_shared::{FinishReason, Residency, SamplingParams};
+use quantmesh_model::bundled::{init_model, InitOptions};
+use quantmesh_types::{FinishReason, Residency, SamplingParams};
 use std::time::Duration;
 
 fn greedy(n: usize) -> SamplingParams {
@@ -194,27 +194,31 @@ async fn chat_template_renders() {
     let dir = tempfile::tempdir().unwrap();
     init_model(dir.path(), &InitOptions::default()).unwrap();
     let e = engine(dir.path(), EngineConfig::default()).await;
-    let p = e
-        .apply_chat_template(vec![quantmesh_engine::ChatMessage {
-            role: "user".into(),
-            content: "hi".into(),
-        }])
-        .await
-        .unwrap();
+    let messages = vec![quantmesh_model::ChatMessage {
+        role: "user".into(),
+        content: "hi".into(),
+    }];
+    let p = e.apply_chat_template(&messages).unwrap();
     assert_eq!(p, "<s><|user|>\nhi<|end|>\n<|assistant|>\n");
     let ids = e.encode(p, false).await.unwrap();
     assert_eq!(ids[0], 256, "<s> is one special token");
+    // Serving renders and encodes in one tokenizer call: the same ids.
+    let chat = e
+        .tokenize(quantmesh_engine::Prompt::Chat(messages))
+        .await
+        .unwrap();
+    assert_eq!(chat, ids);
 }
 
 #[test]
 fn incremental_detokenization_never_splits_utf8() {
     let dir = tempfile::tempdir().unwrap();
     init_model(dir.path(), &InitOptions::default()).unwrap();
-    let tok = quantmesh_engine::tokenizer::TextTokenizer::load(dir.path()).unwrap();
+    let tok = quantmesh_model::tokenizer::TextTokenizer::load(dir.path()).unwrap();
     let text = "héllo wörld — 日本語 🎉!";
     let ids = tok.encode(text, false).unwrap();
     assert_eq!(ids.len(), text.len(), "byte-level vocabulary");
-    let mut dec = quantmesh_engine::tokenizer::IncrementalDecoder::default();
+    let mut dec = quantmesh_model::tokenizer::IncrementalDecoder::default();
     let mut out = String::new();
     for id in ids {
         if let Some(d) = dec.push(&tok, id).unwrap() {

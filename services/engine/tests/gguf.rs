@@ -9,15 +9,17 @@
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use quantmesh_engine::block_manager::BlockManager;
-use quantmesh_engine::bundled::{init_model, InitOptions, ModelSize, StoreDtype};
-use quantmesh_engine::checkpoint::Checkpoint;
-use quantmesh_engine::config::{KvFloatDtype, ModelConfig};
-use quantmesh_engine::gguf::gguf_name;
-use quantmesh_engine::kv_cache::KvCache;
-use quantmesh_engine::model::{LlamaModel, SeqChunk, StepInput};
-use quantmesh_engine::PathMask;
-use quantmesh_shared::Residency;
+use quantmesh_engine::backend::cpu::LlamaModel;
+use quantmesh_engine::backend::{SeqChunk, StepInput};
+use quantmesh_engine::kv::BlockManager;
+use quantmesh_engine::kv::KvCache;
+use quantmesh_engine::kv::KvFloatDtype;
+use quantmesh_engine::precision::{PathMask, StepRunner};
+use quantmesh_model::bundled::{init_model, InitOptions, ModelSize, StoreDtype};
+use quantmesh_model::checkpoint::Checkpoint;
+use quantmesh_model::gguf::gguf_name;
+use quantmesh_model::ModelConfig;
+use quantmesh_types::Residency;
 use std::path::Path;
 
 /// llama.cpp's `permute` in convert_hf_to_gguf.py, as tensor ops:
@@ -103,6 +105,7 @@ fn write_gguf(hf: &Path, out: &Path, dtype: GgmlDType) {
 fn logits(path: &Path, tokens: &[u32]) -> Vec<Vec<f32>> {
     let cfg = ModelConfig::load(path).unwrap();
     let model = LlamaModel::load(path, &cfg, &|_| Residency::Float).unwrap();
+    let mut runner = StepRunner::default();
     let mut kv = KvCache::new(
         cfg.num_hidden_layers,
         8,
@@ -126,8 +129,8 @@ fn logits(path: &Path, tokens: &[u32]) -> Vec<Vec<f32>> {
             }],
             copies: a.copies,
         };
-        let mut o = model
-            .forward(&step, &PathMask::default(), &mut kv, false)
+        let mut o = runner
+            .run(&model, &step, &PathMask::default(), &mut kv, false)
             .unwrap();
         out.push(o.logits.remove(0).1);
     }
@@ -293,7 +296,7 @@ fn a_directory_holding_one_gguf_is_a_model_and_two_are_ambiguous() {
         "{err}"
     );
     // A GGUF without tokenizer metadata serves no text: the error says why.
-    let err = match quantmesh_engine::tokenizer::TextTokenizer::load(&dir.path().join("a.gguf")) {
+    let err = match quantmesh_model::tokenizer::TextTokenizer::load(&dir.path().join("a.gguf")) {
         Ok(_) => panic!("a GGUF without a tokenizer"),
         Err(e) => e.to_string(),
     };

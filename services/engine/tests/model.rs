@@ -4,11 +4,15 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use candle_core::Tensor;
-use quantmesh_engine::bundled::{init_model, InitOptions, StoreDtype};
-use quantmesh_engine::config::{KvFloatDtype, ModelConfig};
-use quantmesh_engine::model::LlamaModel;
-use quantmesh_engine::{EngineError, PathMask};
-use quantmesh_shared::{GroupId, GroupKind, Residency};
+use quantmesh_engine::backend::cpu::LlamaModel;
+use quantmesh_engine::backend::Backend;
+use quantmesh_engine::kv::KvFloatDtype;
+use quantmesh_engine::precision::PathMask;
+use quantmesh_engine::EngineError;
+use quantmesh_model::bundled::{init_model, InitOptions, StoreDtype};
+use quantmesh_model::ModelConfig;
+use quantmesh_model::ModelError;
+use quantmesh_types::{GroupId, GroupKind, Residency};
 
 mod support;
 use support::Rig;
@@ -236,10 +240,10 @@ fn truncated_checkpoint_names_file_and_tensor() {
     assert!(
         matches!(
             err,
-            EngineError::Checkpoint {
+            EngineError::Model(ModelError::Checkpoint {
                 tensor: Some(_),
                 ..
-            }
+            })
         ),
         "{msg}"
     );
@@ -305,10 +309,10 @@ fn massive_channels_are_really_massive() {
         dtype: StoreDtype::F32,
         ..Default::default()
     });
-    let planted: quantmesh_engine::bundled::Planted =
+    let planted: quantmesh_model::bundled::Planted =
         serde_json::from_str(&std::fs::read_to_string(dir.path().join("planted.json")).unwrap())
             .unwrap();
-    let ck = quantmesh_engine::checkpoint::Checkpoint::open(dir.path()).unwrap();
+    let ck = quantmesh_model::checkpoint::Checkpoint::open(dir.path()).unwrap();
     let emb: Tensor = ck.load_f32("model.embed_tokens.weight").unwrap();
     let row = emb.get(65).unwrap().to_vec1::<f32>().unwrap();
     let c = planted.massive_channels[0];
@@ -323,17 +327,20 @@ fn massive_channels_are_really_massive() {
     assert!(bos[planted.bos_massive_channel] > 50.0);
 }
 
-fn detector_for(g: GroupId, bound: f32) -> std::sync::Arc<quantmesh_engine::mask::DetectorParams> {
+fn detector_for(
+    g: GroupId,
+    bound: f32,
+) -> std::sync::Arc<quantmesh_engine::precision::DetectorParams> {
     let mut groups = std::collections::BTreeMap::new();
     groups.insert(
         g,
-        quantmesh_engine::mask::GroupDetector {
+        quantmesh_engine::precision::GroupDetector {
             excluded_channels: vec![],
             token_bound: bound,
             learn_channels: false,
         },
     );
-    std::sync::Arc::new(quantmesh_engine::mask::DetectorParams {
+    std::sync::Arc::new(quantmesh_engine::precision::DetectorParams {
         groups,
         skip_positions: vec![],
         shadow_sample_rate: 0.0,
@@ -421,7 +428,7 @@ fn non_finite_activations_recompute_the_step_in_float() {
         ..Default::default()
     });
     // Corrupt (finite but absurd) norm gains overflow to Inf inside the forward pass.
-    let ck = quantmesh_engine::checkpoint::Checkpoint::open(dir.path()).unwrap();
+    let ck = quantmesh_model::checkpoint::Checkpoint::open(dir.path()).unwrap();
     let mut names: Vec<String> = ck.names().map(String::from).collect();
     names.sort();
     let tensors: Vec<(String, Vec<usize>, Vec<f32>)> = names
@@ -436,7 +443,7 @@ fn non_finite_activations_recompute_the_step_in_float() {
         })
         .collect();
     drop(ck);
-    quantmesh_engine::checkpoint::write_safetensors(
+    quantmesh_model::checkpoint::write_safetensors(
         &dir.path().join("model.safetensors"),
         &tensors,
         safetensors::Dtype::F32,

@@ -2,10 +2,10 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use quantmesh_engine::bundled::{init_model, InitOptions, Planted};
 use quantmesh_engine::monitor::{GroupMode, MonitorConfig, MonitorReport};
 use quantmesh_engine::{Engine, EngineConfig};
-use quantmesh_shared::SamplingParams;
+use quantmesh_model::bundled::{init_model, InitOptions, Planted};
+use quantmesh_types::SamplingParams;
 
 fn monitor_cfg() -> MonitorConfig {
     MonitorConfig {
@@ -32,7 +32,7 @@ async fn run(cfg: MonitorConfig, rounds: usize, prefix_caching: bool) -> (Monito
     .await
     .unwrap();
     for r in 0..rounds {
-        let gens = quantmesh_engine::bundled::SAMPLE_PROMPTS
+        let gens = quantmesh_model::bundled::SAMPLE_PROMPTS
             .iter()
             .enumerate()
             .map(|(i, p)| {
@@ -54,7 +54,7 @@ async fn run(cfg: MonitorConfig, rounds: usize, prefix_caching: bool) -> (Monito
     for _ in 0..100 {
         let rep = e.monitor_report().unwrap();
         if rep.windows_completed as usize * 8 + rep.requests_in_window
-            >= rounds * quantmesh_engine::bundled::SAMPLE_PROMPTS.len()
+            >= rounds * quantmesh_model::bundled::SAMPLE_PROMPTS.len()
         {
             return (rep, planted);
         }
@@ -62,11 +62,8 @@ async fn run(cfg: MonitorConfig, rounds: usize, prefix_caching: bool) -> (Monito
     }
     panic!(
         "monitor did not catch up: {:?} {:?}",
-        e.monitor_report().map(|r| (
-            r.windows_completed,
-            r.requests_in_window,
-            r.observations_dropped
-        )),
+        e.monitor_report()
+            .map(|r| (r.windows_completed, r.requests_in_window, r.groups_in_float)),
         e.stats()
     );
 }

@@ -9,12 +9,17 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use quantmesh_engine::checkpoint::Checkpoint;
-use quantmesh_engine::config::{KvFloatDtype, ModelConfig};
-use quantmesh_engine::model::{kl_logits, LlamaModel};
-use quantmesh_engine::tokenizer::{ChatMessage, TextTokenizer};
-use quantmesh_engine::{EngineError, PathMask};
-use quantmesh_shared::Residency;
+use quantmesh_engine::backend::cpu::LlamaModel;
+use quantmesh_engine::backend::Backend;
+use quantmesh_engine::kv::KvFloatDtype;
+use quantmesh_engine::precision::PathMask;
+use quantmesh_engine::EngineError;
+use quantmesh_model::checkpoint::Checkpoint;
+use quantmesh_model::ops::kl_logits;
+use quantmesh_model::tokenizer::{ChatMessage, TextTokenizer};
+use quantmesh_model::ModelConfig;
+use quantmesh_model::ModelError;
+use quantmesh_types::Residency;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -275,7 +280,7 @@ fn truncated_gguf_names_file_and_tensor() {
     };
     let msg = err.to_string();
     assert!(
-        matches!(&err, EngineError::Checkpoint { tensor: Some(t), .. } if t.starts_with("blk.")),
+        matches!(&err, ModelError::Checkpoint { tensor: Some(t), .. } if t.starts_with("blk.")),
         "{msg}"
     );
     assert!(
@@ -283,6 +288,7 @@ fn truncated_gguf_names_file_and_tensor() {
         "{msg}"
     );
     let err = match ModelConfig::load(&cut)
+        .map_err(EngineError::from)
         .and_then(|c| LlamaModel::load(&cut, &c, &|_| Residency::Int8))
     {
         Err(e) => e.to_string(),

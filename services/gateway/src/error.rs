@@ -3,7 +3,7 @@
 
 use actix_web::http::StatusCode;
 use actix_web::{HttpResponse, ResponseError};
-use quantmesh_engine::EngineError;
+use quantmesh_engine::api::{EngineError, ModelError};
 use serde_json::json;
 
 #[derive(Debug, thiserror::Error)]
@@ -80,10 +80,13 @@ impl From<EngineError> for ApiError {
             EngineError::InvalidRequest(m) => ApiError::BadRequest(m),
             EngineError::Overloaded(m) => ApiError::Overloaded(m),
             EngineError::Stopped => ApiError::ShuttingDown,
-            EngineError::Tokenizer(m) => ApiError::BadRequest(format!("tokenization failed: {m}")),
-            e @ (EngineError::Io { .. }
+            EngineError::Model(ModelError::Tokenizer(m)) => {
+                ApiError::BadRequest(format!("tokenization failed: {m}"))
+            }
+            EngineError::Model(ModelError::InvalidInput(m)) => ApiError::BadRequest(m),
+            e @ (EngineError::Model(_)
+            | EngineError::Io { .. }
             | EngineError::Config(_)
-            | EngineError::Checkpoint { .. }
             | EngineError::Tensor(_)) => ApiError::Internal(e.to_string()),
         }
     }

@@ -9,7 +9,7 @@
 
 use crate::settings::ModelSettings;
 use anyhow::Context;
-use quantmesh_engine::bundled::{init_model, model_present, InitOptions, ModelSize};
+use quantmesh_model::bundled::{init_model, model_present, InitOptions, ModelSize};
 use std::path::{Path, PathBuf};
 
 /// A resolved `model.source`.

@@ -1,6 +1,6 @@
 //! OpenAI-compatible request and response shapes.
 
-use quantmesh_engine::ChatMessage;
+use quantmesh_engine::api::ChatMessage;
 use serde::{Deserialize, Serialize};
 
 /// `prompt` / `stop` may be a string or a list of strings.
@@ -67,8 +67,8 @@ pub struct UsageBody {
     pub total_tokens: usize,
 }
 
-impl From<quantmesh_shared::Usage> for UsageBody {
-    fn from(u: quantmesh_shared::Usage) -> Self {
+impl From<quantmesh_types::Usage> for UsageBody {
+    fn from(u: quantmesh_types::Usage) -> Self {
         Self {
             prompt_tokens: u.prompt_tokens,
             completion_tokens: u.completion_tokens,

@@ -7,10 +7,10 @@ use actix_web::http::StatusCode;
 use actix_web::{web, HttpRequest, HttpResponse};
 use bytes::Bytes;
 use futures::StreamExt;
-use quantmesh_engine::monitor::ForceMode;
-use quantmesh_engine::reload::ReloadOutcome;
-use quantmesh_engine::{Generation, GenerationEvent};
-use quantmesh_shared::{FinishReason, GroupId, SamplingParams};
+use quantmesh_engine::api::{
+    ForceMode, GenerateRequest, Generation, GenerationEvent, Prompt, ReloadOutcome,
+};
+use quantmesh_types::{FinishReason, GroupId, SamplingParams};
 use serde_json::json;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::OwnedSemaphorePermit;
@@ -48,13 +48,6 @@ async fn ready(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
 }
 
 async fn metrics(state: web::Data<AppState>) -> HttpResponse {
-    let stats = state.engine_if_loaded().map(|e| e.stats());
-    if let Some(e) = state.engine_if_loaded() {
-        state
-            .metrics
-            .observe_monitor(e.monitor_report().as_ref(), &e.drain_shadow_kl());
-        state.metrics.observe_config(&e.config_status());
-    }
     let in_flight = state
         .server
         .max_concurrent_requests
@@ -62,7 +55,7 @@ async fn metrics(state: web::Data<AppState>) -> HttpResponse {
     state.metrics.in_flight().set(in_flight as i64);
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4; charset=utf-8")
-        .body(state.metrics.render(stats.as_ref()))
+        .body(state.metrics.render(state.engine_if_loaded().is_some()))
 }
 
 fn now_secs() -> u64 {
@@ -182,16 +175,14 @@ fn sampling_params(f: &SamplingFields, default_max: u32) -> Result<SamplingParam
         seed: f.seed,
         stop_at_eos: !f.ignore_eos,
     };
-    p.validate()
-        .map_err(|e| ApiError::BadRequest(e.to_string()))?;
     Ok(p)
 }
 
+/// Translate, admit and submit a request; the engine validates and tokenizes it.
 async fn prepare(
     state: &AppState,
     f: &SamplingFields,
-    prompt: String,
-    add_bos: bool,
+    prompt: Prompt,
     default_max: u32,
 ) -> Result<Prepared, ApiError> {
     let arrived = Instant::now();
@@ -202,45 +193,34 @@ async fn prepare(
         }
     }
     let params = sampling_params(f, default_max)?;
-    if prompt.is_empty() {
-        return Err(ApiError::BadRequest("the prompt is empty".into()));
-    }
     let permit = state.admission.clone().try_acquire_owned().map_err(|_| {
         ApiError::Overloaded(format!(
             "{} requests in flight (max_concurrent_requests)",
             state.server.max_concurrent_requests
         ))
     })?;
-    let ids = engine.encode(prompt, add_bos).await?;
-    let limits = &state.server;
-    if ids.len() > limits.max_input_tokens {
-        return Err(ApiError::BadRequest(format!(
-            "the prompt has {} tokens; max_input_tokens is {}",
-            ids.len(),
-            limits.max_input_tokens
-        )));
-    }
-    if ids.len() + params.max_tokens > limits.max_total_tokens {
-        return Err(ApiError::BadRequest(format!(
-            "prompt ({} tokens) + max_tokens ({}) exceeds max_total_tokens {}",
-            ids.len(),
-            params.max_tokens,
-            limits.max_total_tokens
-        )));
-    }
-    state.metrics.prompt_tokens.inc_by(ids.len() as u64);
-    let stream = f.stream;
+    let generation = engine
+        .submit(GenerateRequest {
+            prompt,
+            params,
+            max_input_tokens: Some(state.server.max_input_tokens),
+            max_total_tokens: Some(state.server.max_total_tokens),
+        })
+        .await?;
+    state
+        .metrics
+        .prompt_tokens
+        .inc_by(generation.prompt_tokens() as u64);
     let include_usage = f
         .stream_options
         .as_ref()
         .and_then(|o| o.include_usage)
         .unwrap_or(true);
-    let generation = engine.generate(ids, params).await?;
     Ok(Prepared {
         generation,
         permit,
         arrived,
-        stream,
+        stream: f.stream,
         include_usage,
     })
 }
@@ -319,8 +299,10 @@ async fn completions(
     let p = prepare(
         &state,
         &r.sampling,
-        prompt,
-        true,
+        Prompt::Text {
+            text: prompt,
+            add_bos: true,
+        },
         DEFAULT_COMPLETION_MAX_TOKENS,
     )
     .await?;
@@ -334,21 +316,13 @@ async fn chat_completions(
 ) -> Result<HttpResponse, ApiError> {
     check_api_key(&req, &state)?;
     let r: ChatRequest = json_body(payload, &state).await?;
-    if r.messages.is_empty() {
-        return Err(ApiError::BadRequest("messages must not be empty".into()));
-    }
-    if let Some(m) = r
-        .messages
-        .iter()
-        .find(|m| !matches!(m.role.as_str(), "system" | "user" | "assistant"))
-    {
-        return Err(ApiError::BadRequest(format!(
-            "unknown role {:?}: expected system, user or assistant",
-            m.role
-        )));
-    }
-    let prompt = state.engine()?.apply_chat_template(r.messages).await?;
-    let p = prepare(&state, &r.sampling, prompt, false, DEFAULT_CHAT_MAX_TOKENS).await?;
+    let p = prepare(
+        &state,
+        &r.sampling,
+        Prompt::Chat(r.messages),
+        DEFAULT_CHAT_MAX_TOKENS,
+    )
+    .await?;
     respond(state, p, Endpoint::Chat).await
 }
 
@@ -515,7 +489,7 @@ async fn respond(
 
 async fn get_mask(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     check_admin(&req, &state)?;
-    let m = state.engine()?.mask().load();
+    let m = state.engine()?.mask();
     Ok(HttpResponse::Ok().json(json!({
         "version": m.version,
         "float_groups": m.float_groups.iter().map(|g| g.to_string()).collect::<Vec<_>>(),

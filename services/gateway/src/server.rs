@@ -11,8 +11,7 @@ use actix_web::http::header::{HeaderName, HeaderValue};
 use actix_web::middleware::Next;
 use actix_web::{web, App, HttpMessage, HttpServer};
 use anyhow::Context;
-use quantmesh_engine::events::EventSink;
-use quantmesh_engine::Engine;
+use quantmesh_engine::api::{Engine, EngineStart, EventSink};
 use quantmesh_kafka::{EventPipeline, KafkaMetrics};
 use std::future::Future;
 use std::net::TcpListener;
@@ -99,19 +98,26 @@ pub fn start_http(
 }
 
 /// Make `source` present on disk (fetching or writing it when allowed), load it and start
-/// the engine, served as `name`; its events also go to `sinks`.
+/// the engine, served as `name`; its events also go to `sinks`, its metrics into
+/// `registry`.
 pub async fn load_engine(
     settings: &Settings,
     source: ModelSource,
     name: &str,
     sinks: Vec<Arc<dyn EventSink>>,
+    registry: Option<prometheus::Registry>,
 ) -> anyhow::Result<Engine> {
     let fetch = settings.model.fetch_if_missing;
     let dir = tokio::task::spawn_blocking(move || source.materialize(fetch))
         .await
         .context("model fetch task")??;
     tracing::info!(path = %dir.display(), model = %name, "loading model");
-    Engine::start_with_sinks(&dir, settings.engine.clone(), name, sinks)
+    let start = EngineStart {
+        name: name.to_string(),
+        sinks,
+        registry,
+    };
+    Engine::start_with(&dir, settings.engine.clone(), start)
         .await
         .with_context(|| format!("loading the model from {}", dir.display()))
 }
@@ -171,7 +177,8 @@ pub async fn run_embedded(
             }
         };
         let sinks = pipeline.iter().map(|p| p.sink()).collect();
-        let engine = load_engine(&settings, source, &model_name, sinks).await?;
+        let registry = Some(state.metrics.registry().clone());
+        let engine = load_engine(&settings, source, &model_name, sinks, registry).await?;
         anyhow::Ok((engine, pipeline))
     };
     let (engine, pipeline) = tokio::select! {

@@ -1,7 +1,7 @@
 //! Layered configuration: built-in defaults → TOML file → `QUANTMESH_*` environment →
 //! command-line flags (applied by the binary). Validated once at start-up.
 
-use quantmesh_engine::EngineConfig;
+use quantmesh_engine::api::EngineConfig;
 use quantmesh_kafka::KafkaSettings;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -344,7 +344,7 @@ pub struct ServeFlags {
     /// Residency of every linear group: int8 (smallest), dual (INT8 + exact float copy,
     /// switchable) or float [default: dual].
     #[arg(long)]
-    pub residency: Option<quantmesh_shared::Residency>,
+    pub residency: Option<quantmesh_types::Residency>,
     /// sensitive_layers.json to serve with: a path, or an object-store URL (file://; s3://,
     /// gs://, az:// in builds with `--features cloud`). Polled for changes and applied
     /// without restart; SIGHUP or `POST /admin/config/reload` reloads at once.

@@ -3,7 +3,7 @@
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::settings::ServerSettings;
-use quantmesh_engine::Engine;
+use quantmesh_engine::api::Engine;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use tokio::sync::Semaphore;

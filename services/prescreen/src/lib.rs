@@ -1,7 +1,7 @@
 //! Offline weight pre-screen (SPEC §1): score every linear group of a checkpoint — weight
 //! dispersion R, output KL of pseudo-quantized weights on a calibration set, energy ratio,
 //! input activation statistics — classify it by configurable rules, and write
-//! `sensitive_layers.json` (schema v1, `quantmesh_shared::sensitive`).
+//! `sensitive_layers.json` (schema v1, `quantmesh_types::sensitive`).
 //!
 //! See `metrics` for the exact definitions, `rules` for the classification, `scan` for how
 //! the checkpoint is walked in bounded memory.
@@ -11,13 +11,9 @@ pub mod quant;
 pub mod rules;
 pub mod scan;
 
-use quantmesh_engine::checkpoint::Checkpoint;
-use quantmesh_engine::config::ModelConfig;
-use quantmesh_engine::plan::model_shape;
-use quantmesh_engine::tokenizer::TextTokenizer;
-use quantmesh_engine::EngineError;
-use quantmesh_shared::sensitive::{CalibrationInfo, Generator, HookThresholds, ModelFingerprint};
-use quantmesh_shared::{
+use quantmesh_model::{model_shape, Checkpoint, ModelConfig, ModelError, TextTokenizer};
+use quantmesh_types::sensitive::{CalibrationInfo, Generator, HookThresholds, ModelFingerprint};
+use quantmesh_types::{
     GroupEntry, PrecisionClass, Residency, SensitiveLayers, SENSITIVE_LAYERS_SCHEMA_VERSION,
 };
 use rules::Rules;
@@ -28,7 +24,7 @@ use std::path::{Path, PathBuf};
 pub enum PrescreenError {
     /// Checkpoint problems: the message names the file and the tensor.
     #[error(transparent)]
-    Engine(#[from] EngineError),
+    Model(#[from] ModelError),
     #[error("calibration: {0}")]
     Calibration(String),
     #[error("tensor computation: {0}")]
@@ -75,8 +71,8 @@ pub struct Outcome {
     pub calibration_tokens: usize,
 }
 
-/// The calibration set bundled with quantmesh (`infra/calibration/prompts.jsonl`).
-pub const BUNDLED_CALIBRATION: &str = include_str!("../../../infra/calibration/prompts.jsonl");
+/// The calibration set bundled with quantmesh (`services/prescreen/calibration/prompts.jsonl`).
+pub const BUNDLED_CALIBRATION: &str = include_str!("../calibration/prompts.jsonl");
 
 /// Prompts from a JSON-lines file (`{"prompt": "..."}` per line) or plain text (one per
 /// line); `None` reads the bundled set. Blank lines are skipped. Returns the prompts and the

@@ -15,7 +15,7 @@
 //! they are monotone and is conservative elsewhere.
 
 use crate::quant::Format;
-use quantmesh_shared::PrecisionClass;
+use quantmesh_types::PrecisionClass;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 

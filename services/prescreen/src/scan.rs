@@ -9,12 +9,11 @@ use crate::metrics::{activation_stats, dispersion, kl_hist, Gram, Hist, Quantile
 use crate::quant::{fake_quant, Format};
 use crate::rules::{Rules, Scores};
 use crate::PrescreenError;
-use candle_core::{Device, Tensor, D};
-use quantmesh_engine::checkpoint::Checkpoint;
-use quantmesh_engine::config::ModelConfig;
-use quantmesh_engine::model::{member_shapes, rms_norm, rope, rope_tables};
-use quantmesh_shared::sensitive::{ActivationStats, GroupMetrics, KlByFormat};
-use quantmesh_shared::{GroupEntry, GroupId, GroupKind, PrecisionClass};
+use candle_core::{Device, Tensor};
+use quantmesh_model::ops::{causal_attention, member_shapes, rms_norm, rope, rope_tables, swiglu};
+use quantmesh_model::{names, Checkpoint, ModelConfig, ModelError};
+use quantmesh_types::sensitive::{ActivationStats, GroupMetrics, KlByFormat};
+use quantmesh_types::{GroupEntry, GroupId, GroupKind, PrecisionClass};
 
 /// Output rows computed per block when projecting pseudo-quantized weights (bounds the
 /// dequantized copy to `ROW_BLOCK × in` floats).
@@ -103,18 +102,13 @@ struct Member {
 }
 
 fn members(ck: &Checkpoint, cfg: &ModelConfig, g: GroupId) -> Vec<Member> {
-    let p = format!("model.layers.{}.", g.layer);
-    g.kind
-        .members()
-        .iter()
+    names::group_tensors(g)
+        .into_iter()
         .zip(member_shapes(cfg, g.kind))
-        .map(|(m, shape)| {
-            let b = format!("{p}{m}.bias");
-            Member {
-                weight: format!("{p}{m}.weight"),
-                bias: ck.contains(&b).then_some(b),
-                shape,
-            }
+        .map(|((weight, b), shape)| Member {
+            weight,
+            bias: ck.contains(&b).then_some(b),
+            shape,
         })
         .collect()
 }
@@ -129,16 +123,14 @@ fn rows(ck: &Checkpoint, m: &Member, start: usize, n: usize) -> Result<Vec<f32>,
 fn check_shape(ck: &Checkpoint, m: &Member) -> Result<usize, PrescreenError> {
     let info = ck.info(&m.weight)?;
     if info.shape != m.shape {
-        return Err(PrescreenError::Engine(
-            quantmesh_engine::EngineError::checkpoint(
-                &info.file,
-                Some(&m.weight),
-                format!(
-                    "shape {:?} does not match the config's {:?}",
-                    info.shape, m.shape
-                ),
+        return Err(PrescreenError::Model(ModelError::checkpoint(
+            &info.file,
+            Some(&m.weight),
+            format!(
+                "shape {:?} does not match the config's {:?}",
+                info.shape, m.shape
             ),
-        ));
+        )));
     }
     Ok(info.bytes)
 }
@@ -335,42 +327,6 @@ fn round9(v: f64) -> f64 {
     (v * 1e9).round() / 1e9
 }
 
-/// Causal attention of one sequence: q `[n, nh, hd]`, k/v `[n, nkv, hd]` → `[n, nh·hd]`.
-fn attend(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    nh: usize,
-    nkv: usize,
-) -> candle_core::Result<Tensor> {
-    let (n, _, hd) = q.dims3()?;
-    let rep = nh / nkv;
-    let expand = |t: &Tensor| -> candle_core::Result<Tensor> {
-        let t = t.transpose(0, 1)?.contiguous()?; // [nkv, n, hd]
-        t.unsqueeze(1)?
-            .expand((nkv, rep, n, hd))?
-            .reshape((nh, n, hd))
-    };
-    let q = q.transpose(0, 1)?.contiguous()?;
-    let (k, v) = (expand(k)?, expand(v)?);
-    let scores = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?;
-    let mask: Vec<f32> = (0..n * n)
-        .map(|i| {
-            if i % n > i / n {
-                f32::NEG_INFINITY
-            } else {
-                0.0
-            }
-        })
-        .collect();
-    let mask = Tensor::from_vec(mask, (n, n), q.device())?;
-    let scores = scores.broadcast_add(&mask)?;
-    let max = scores.max_keepdim(D::Minus1)?;
-    let e = scores.broadcast_sub(&max)?.exp()?;
-    let p = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
-    p.matmul(&v)?.transpose(0, 1)?.reshape((n, nh * hd))
-}
-
 /// Score every group of one layer and return the layer's output hidden states.
 pub fn layer(
     ctx: &Ctx<'_>,
@@ -378,12 +334,11 @@ pub fn layer(
     h: Tensor,
 ) -> Result<(Tensor, Vec<(GroupId, Scored)>), PrescreenError> {
     let (ck, cfg, batch, rope_cs) = (ctx.ck, ctx.cfg, ctx.batch, ctx.rope);
-    let p = format!("model.layers.{l}.");
     let hsz = cfg.hidden_size;
     let eps = cfg.rms_norm_eps;
     let (hd, nh, nkv) = (cfg.head_dim(), cfg.num_attention_heads, cfg.num_kv_heads());
     let mut scored = Vec::with_capacity(4);
-    let norm_in = ck.load_f32_shaped(&format!("{p}input_layernorm.weight"), &[hsz])?;
+    let norm_in = ck.load_f32_shaped(&names::input_norm(l), &[hsz])?;
     let x = rms_norm(&h, &norm_in, eps)?;
     let g = GroupId::new(l, GroupKind::Qkv);
     let (qkv, s) = score_group(ctx, g, &x)?;
@@ -399,7 +354,7 @@ pub fn layer(
     drop(qkv);
     let mut outs = Vec::with_capacity(batch.seqs.len());
     for &(start, len) in &batch.seqs {
-        outs.push(attend(
+        outs.push(causal_attention(
             &q.narrow(0, start, len)?,
             &k.narrow(0, start, len)?,
             &v.narrow(0, start, len)?,
@@ -413,14 +368,12 @@ pub fn layer(
     let (o, s) = score_group(ctx, g, &a)?;
     scored.push((g, s));
     let h = (h + &o[0])?;
-    let norm_post = ck.load_f32_shaped(&format!("{p}post_attention_layernorm.weight"), &[hsz])?;
+    let norm_post = ck.load_f32_shaped(&names::post_norm(l), &[hsz])?;
     let x = rms_norm(&h, &norm_post, eps)?;
     let g = GroupId::new(l, GroupKind::GateUp);
     let (gu, s) = score_group(ctx, g, &x)?;
     scored.push((g, s));
-    let gate = &gu[0];
-    let silu = (gate / (gate.neg()?.exp()? + 1.0)?)?;
-    let m = (silu * &gu[1])?;
+    let m = swiglu(&gu[0], &gu[1])?;
     drop(gu);
     let g = GroupId::new(l, GroupKind::Down);
     let (d, s) = score_group(ctx, g, &m)?;
@@ -431,7 +384,7 @@ pub fn layer(
 
 /// Embed the calibration tokens (one read of the embedding table).
 pub fn embed(ck: &Checkpoint, cfg: &ModelConfig, batch: &Batch) -> Result<Tensor, PrescreenError> {
-    let name = "model.embed_tokens.weight";
+    let name = names::EMBED;
     let e = ck.load_f32_shaped(name, &[cfg.vocab_size, cfg.hidden_size])?;
     let ids = Tensor::from_slice(&batch.tokens, batch.tokens.len(), &Device::Cpu)?;
     let h = e.index_select(&ids, 0)?;

@@ -3,9 +3,9 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use quantmesh_engine::bundled::{init_model, InitOptions, Planted, StoreDtype};
+use quantmesh_model::bundled::{init_model, InitOptions, Planted, StoreDtype};
 use quantmesh_prescreen::{run, scan::Progress, Options, PrescreenError};
-use quantmesh_shared::{GroupId, PrecisionClass, Residency, SensitiveLayers};
+use quantmesh_types::{GroupId, PrecisionClass, Residency, SensitiveLayers};
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -77,7 +77,7 @@ fn planted_groups_are_classified_and_output_is_reproducible() {
         // The every-token massive channel is found where the residual stream enters.
         if matches!(
             g.kind,
-            quantmesh_shared::GroupKind::Qkv | quantmesh_shared::GroupKind::GateUp
+            quantmesh_types::GroupKind::Qkv | quantmesh_types::GroupKind::GateUp
         ) {
             for c in &planted.massive_channels {
                 assert!(
@@ -137,7 +137,7 @@ fn corrupt_and_truncated_shards_name_file_and_tensor() {
         .unwrap();
     let msg = err.to_string();
     let file = shard.file_name().unwrap().to_str().unwrap();
-    assert!(matches!(err, PrescreenError::Engine(_)));
+    assert!(matches!(err, PrescreenError::Model(_)));
     assert!(
         msg.contains(file) && msg.contains("NaN") && msg.contains("model."),
         "{msg}"
@@ -183,11 +183,11 @@ async fn the_engine_serves_with_the_resulting_plan() {
     let all_float_f32 = (out.bytes_all_fp16 * 2.0) as usize;
     assert!(engine.stats().linear_weight_bytes < all_float_f32);
     let ids = engine.encode("Hello, world.".into(), true).await.unwrap();
-    let params = quantmesh_shared::SamplingParams {
+    let params = quantmesh_types::SamplingParams {
         max_tokens: 8,
         ..Default::default()
     };
     let (_, finish, usage, _) = engine.generate(ids, params).await.unwrap().collect().await;
-    assert_eq!(finish, quantmesh_shared::FinishReason::Length);
+    assert_eq!(finish, quantmesh_types::FinishReason::Length);
     assert_eq!(usage.completion_tokens, 8);
 }

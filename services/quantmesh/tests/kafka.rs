@@ -398,7 +398,7 @@ async fn full_outbox_drops_the_newest_counts_and_fires_the_alert() {
     .await;
     // Event timestamps have millisecond resolution: step past the boundary so that no
     // second-phase event can carry the same millisecond as the last first-phase one.
-    let first_phase_end = quantmesh_shared::now_ms();
+    let first_phase_end = quantmesh_types::now_ms();
     tokio::time::sleep(Duration::from_millis(20)).await;
     fire_events_from(&client, &serve.base, 1, 6).await;
     let created = serve.decisions(&client).await as f64;

@@ -8,7 +8,7 @@
 //! ```
 
 use quantmesh_kafka::{EventPipeline, KafkaMetrics, KafkaSettings};
-use quantmesh_shared::{FallbackAction, FallbackEvent, FallbackReason, Granularity};
+use quantmesh_types::{FallbackAction, FallbackEvent, FallbackReason, Granularity};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::ClientConfig;
 use std::time::{Duration, Instant};
@@ -17,7 +17,7 @@ fn event(i: u64) -> FallbackEvent {
     FallbackEvent {
         schema_version: 1,
         event_id: uuid::Uuid::new_v4().to_string(),
-        timestamp_ms: quantmesh_shared::now_ms(),
+        timestamp_ms: quantmesh_types::now_ms(),
         model: "bench".into(),
         group: Some(format!("layers.{}.down", i % 32)),
         granularity: Granularity::Token,

@@ -27,7 +27,7 @@ pub use settings::{KafkaSettings, DEFAULT_CONFIG_TOPIC, DEFAULT_TOPIC};
 pub use sink::{EventType, KafkaSink, TraceContext};
 
 use quantmesh_outbox::Outbox;
-use quantmesh_shared::EventSink;
+use quantmesh_types::EventSink;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use tokio::sync::{watch, Notify};

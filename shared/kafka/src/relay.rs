@@ -13,7 +13,7 @@ use crate::metrics::{DropReason, KafkaMetrics};
 use crate::settings::KafkaSettings;
 use crate::sink::EventType;
 use quantmesh_outbox::{Outbox, OutboxError};
-use quantmesh_shared::now_ms;
+use quantmesh_types::now_ms;
 use rdkafka::admin::AdminClient;
 use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::message::{Header, OwnedHeaders};

@@ -4,7 +4,7 @@
 
 use crate::metrics::{DropReason, KafkaMetrics};
 use quantmesh_outbox::{Appended, Outbox, Record};
-use quantmesh_shared::{
+use quantmesh_types::{
     now_ms, wire_name, ConfigEvent, EventSink, FallbackEvent, CONFIG_EVENT_SCHEMA_VERSION,
     FALLBACK_EVENT_SCHEMA_VERSION,
 };
@@ -247,7 +247,7 @@ pub(crate) fn run_writer(
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use quantmesh_shared::{FallbackAction, FallbackReason, Granularity};
+    use quantmesh_types::{FallbackAction, FallbackReason, Granularity};
 
     pub(crate) fn event(group: Option<&str>, g: Granularity) -> FallbackEvent {
         FallbackEvent {

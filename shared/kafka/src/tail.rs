@@ -4,7 +4,7 @@
 use crate::client::{self, Context};
 use crate::settings::KafkaSettings;
 use crate::KafkaError;
-use quantmesh_shared::{wire_name, ConfigEvent, FallbackEvent};
+use quantmesh_types::{wire_name, ConfigEvent, FallbackEvent};
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::Message;
 use std::io::Write;

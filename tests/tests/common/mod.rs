@@ -29,7 +29,7 @@ impl Server {
         let mut model = None;
         if settings.model.source.is_empty() {
             let dir = tempfile::tempdir().expect("tempdir");
-            quantmesh_engine::bundled::init_model(dir.path(), &Default::default())
+            quantmesh_model::bundled::init_model(dir.path(), &Default::default())
                 .expect("init model");
             settings.model.source = dir.path().display().to_string();
             model = Some(dir);

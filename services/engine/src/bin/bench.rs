@@ -12,13 +12,13 @@
 //! monitor-driven plans. `--json` writes the dual plan's numbers (what `quantmesh serve`
 //! runs) for scripts/bench-llamacpp.sh.
 
-use quantmesh_engine::block_manager::BlockManager;
-use quantmesh_engine::bundled::{init_model, InitOptions, ModelSize};
-use quantmesh_engine::config::{KvFloatDtype, ModelConfig};
-use quantmesh_engine::kv_cache::KvCache;
-use quantmesh_engine::model::{LlamaModel, SeqChunk, StepInput};
-use quantmesh_engine::PathMask;
-use quantmesh_shared::Residency;
+use quantmesh_engine::backend::cpu::LlamaModel;
+use quantmesh_engine::backend::{Backend, SeqChunk, StepInput};
+use quantmesh_engine::kv::{BlockManager, KvCache, KvFloatDtype};
+use quantmesh_engine::precision::{PathMask, StepRunner};
+use quantmesh_model::bundled::{init_model, InitOptions, ModelSize};
+use quantmesh_model::ModelConfig;
+use quantmesh_types::Residency;
 use std::time::Instant;
 
 struct Args {
@@ -150,9 +150,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     });
     let planted_ok = std::fs::read_to_string(dir.join("planted.json"))
         .ok()
-        .and_then(|t| serde_json::from_str::<quantmesh_engine::bundled::Planted>(&t).ok())
+        .and_then(|t| serde_json::from_str::<quantmesh_model::bundled::Planted>(&t).ok())
         .is_some();
-    if bundled && (!quantmesh_engine::bundled::model_present(&dir) || !planted_ok) {
+    if bundled && (!quantmesh_model::bundled::model_present(&dir) || !planted_ok) {
         eprintln!("writing bundled {:?} model to {}", args.size, dir.display());
         init_model(
             &dir,
@@ -186,13 +186,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut dual_numbers = serde_json::Map::new();
     for (pi, plan) in args.plans.iter().copied().enumerate() {
         let model = LlamaModel::load(&dir, &cfg, &|_| plan)?;
+        let mut runner = StepRunner::default();
         let mib = model.resident_bytes() as f64 / (1 << 20) as f64;
         // Warm-up (thread pools, page faults of the freshly loaded weights), untimed.
         {
             let (mut kv, mut bm) = cache(&cfg, 8, page);
             bm.admit(u64::MAX, &[], 64).map_err(|e| e.to_string())?;
             let step = step_for(&mut bm, &[(u64::MAX, (0..32).collect())]);
-            model.forward(&step, &PathMask::default(), &mut kv, true)?;
+            runner.run(&model, &step, &PathMask::default(), &mut kv, true)?;
         }
         for (bi, &b) in args.batches.iter().enumerate() {
             let (mut kv, mut bm) = cache(&cfg, pages, page);
@@ -200,7 +201,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let prompts = admit_batch(&mut bm, b, args.prompt_len, args.decode_steps)?;
             let t0 = Instant::now();
             let step = step_for(&mut bm, &prompts);
-            model.forward(&step, &mask, &mut kv, true)?;
+            runner.run(&model, &step, &mask, &mut kv, true)?;
             let prefill = (b * args.prompt_len) as f64 / t0.elapsed().as_secs_f64();
             let t1 = Instant::now();
             for s in 0..args.decode_steps {
@@ -208,7 +209,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     .map(|i| (i, vec![(s as u32 + i as u32) % 256]))
                     .collect();
                 let step = step_for(&mut bm, &toks);
-                model.forward(&step, &mask, &mut kv, true)?;
+                runner.run(&model, &step, &mask, &mut kv, true)?;
             }
             let decode = (b * args.decode_steps) as f64 / t1.elapsed().as_secs_f64();
             if pi == 0 {
@@ -266,11 +267,12 @@ fn watch(
     requests: &[Vec<u32>],
     rounds: u64,
 ) -> Result<(quantmesh_engine::monitor::Monitor, PathMask), Box<dyn std::error::Error>> {
-    use quantmesh_shared::{GroupId, GroupKind};
+    use quantmesh_types::{GroupId, GroupKind};
     let residencies: Vec<(GroupId, Residency)> = (0..cfg.num_hidden_layers)
         .flat_map(|l| GroupKind::ALL.map(|k| (GroupId::new(l, k), Residency::Dual)))
         .collect();
     let mut monitor = quantmesh_engine::monitor::Monitor::new(mcfg, "bench", &residencies);
+    let mut runner = StepRunner::default();
     let page = 16;
     for round in 0..rounds {
         for (i, ids) in requests.iter().enumerate() {
@@ -281,7 +283,7 @@ fn watch(
             let id = round * 1_000_000 + i as u64;
             bm.admit(id, &[], ids.len()).map_err(|e| e.to_string())?;
             let step = step_for(&mut bm, &[(id, ids.clone())]);
-            let out = model.forward(&step, &mask, &mut kv, true)?;
+            let out = runner.run(model, &step, &mask, &mut kv, true)?;
             monitor.observe(&out);
             monitor.requests_finished(&[id]);
         }
@@ -300,13 +302,14 @@ fn perplexity_section(
     text: &std::path::Path,
     max_tokens: usize,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    use quantmesh_shared::GroupKind;
+    use quantmesh_types::GroupKind;
     const WINDOW: usize = 256;
-    let tok = quantmesh_engine::tokenizer::TextTokenizer::load(dir)?;
+    let tok = quantmesh_model::tokenizer::TextTokenizer::load(dir)?;
     let text = std::fs::read_to_string(text)?;
     let mut ids = tok.encode(&text, true)?;
     ids.truncate(max_tokens);
     let model = LlamaModel::load(dir, cfg, &|_| Residency::Dual)?;
+    let mut runner = StepRunner::default();
     let page = 16;
     let pages = WINDOW.div_ceil(page) + 2;
     let all_float = PathMask::all_groups_float(cfg.num_hidden_layers);
@@ -361,7 +364,7 @@ fn perplexity_section(
             bm.admit(id, &[], WINDOW).map_err(|e| e.to_string())?;
             for pair in window.windows(2) {
                 let step = step_for(&mut bm, &[(id, vec![pair[0]])]);
-                let mut out = model.forward(&step, mask, &mut kv, *kv_int8)?;
+                let mut out = runner.run(&model, &step, mask, &mut kv, *kv_int8)?;
                 let logits = out.logits.remove(0).1;
                 let m = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
                 let z: f64 = logits.iter().map(|x| (*x as f64 - m).exp()).sum();
@@ -380,8 +383,8 @@ fn detector(
     cfg: &ModelConfig,
     planted_massive: &[usize],
     shadow: f64,
-) -> std::sync::Arc<quantmesh_engine::mask::DetectorParams> {
-    use quantmesh_shared::{GroupId, GroupKind};
+) -> std::sync::Arc<quantmesh_engine::precision::DetectorParams> {
+    use quantmesh_types::{GroupId, GroupKind};
     let groups = (0..cfg.num_hidden_layers)
         .flat_map(|l| GroupKind::ALL.map(|k| GroupId::new(l, k)))
         .map(|g| {
@@ -392,7 +395,7 @@ fn detector(
             };
             (
                 g,
-                quantmesh_engine::mask::GroupDetector {
+                quantmesh_engine::precision::GroupDetector {
                     excluded_channels: excluded,
                     token_bound: f32::INFINITY,
                     learn_channels: false,
@@ -400,7 +403,7 @@ fn detector(
             )
         })
         .collect();
-    std::sync::Arc::new(quantmesh_engine::mask::DetectorParams {
+    std::sync::Arc::new(quantmesh_engine::precision::DetectorParams {
         groups,
         skip_positions: vec![0],
         shadow_sample_rate: shadow,
@@ -414,8 +417,8 @@ fn monitor_section(
     cfg: &ModelConfig,
     args: &Args,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    use quantmesh_shared::{GroupId, GroupKind};
-    let planted: quantmesh_engine::bundled::Planted =
+    use quantmesh_types::{GroupId, GroupKind};
+    let planted: quantmesh_model::bundled::Planted =
         serde_json::from_str(&std::fs::read_to_string(dir.join("planted.json"))?)?;
     let sensitive: Vec<GroupId> = planted
         .sensitive_groups
@@ -423,6 +426,7 @@ fn monitor_section(
         .filter_map(|g| g.parse().ok())
         .collect();
     let model = LlamaModel::load(dir, cfg, &|_| Residency::Dual)?;
+    let mut runner = StepRunner::default();
     let page = 16;
     let b = 8usize;
     let pages = b * (args.prompt_len + args.decode_steps).div_ceil(page) + 8;
@@ -475,7 +479,7 @@ fn monitor_section(
             let prompts = admit_batch(&mut bm, b, args.prompt_len, args.decode_steps)?;
             let t0 = Instant::now();
             let step = step_for(&mut bm, &prompts);
-            let o = model.forward(&step, mask, &mut kv, true)?;
+            let o = runner.run(&model, &step, mask, &mut kv, true)?;
             prefill_ms[vi].push(t0.elapsed().as_secs_f64() * 1e3);
             if vi == 1 {
                 instrumented[0] += o.stats_ns;
@@ -489,7 +493,7 @@ fn monitor_section(
                     .collect();
                 let step = step_for(&mut bm, &toks);
                 let ts = Instant::now();
-                let o = model.forward(&step, mask, &mut kv, true)?;
+                let o = runner.run(&model, &step, mask, &mut kv, true)?;
                 if vi == 1 {
                     instrumented[0] += o.stats_ns;
                     instrumented[1] += o.mask_check_ns;
@@ -531,7 +535,7 @@ fn monitor_section(
     );
 
     // Quality: teacher-forced next-token KL to the float-only model.
-    let tok = quantmesh_engine::tokenizer::TextTokenizer::load(dir)?;
+    let tok = quantmesh_model::tokenizer::TextTokenizer::load(dir)?;
     let all_float = PathMask::all_groups_float(cfg.num_hidden_layers);
     // What the real monitor decides on this traffic: run it over the prompts (warm-up,
     // windows), then serve with the mask it publishes (per-layer fallback, MLP coupling and
@@ -543,7 +547,7 @@ fn monitor_section(
         shadow_sample_rate: 0.0,
         ..Default::default()
     };
-    let prompts = quantmesh_engine::bundled::SAMPLE_PROMPTS
+    let prompts = quantmesh_model::bundled::SAMPLE_PROMPTS
         .iter()
         .map(|p| tok.encode(p, true))
         .collect::<Result<Vec<_>, _>>()?;
@@ -590,7 +594,7 @@ fn monitor_section(
     let quality: Vec<(&str, &PathMask)> = quality.iter().map(|(n, m)| (n.as_str(), m)).collect();
     let mut sums = vec![0f64; quality.len()];
     let mut n = 0usize;
-    for p in quantmesh_engine::bundled::SAMPLE_PROMPTS {
+    for p in quantmesh_model::bundled::SAMPLE_PROMPTS {
         let ids = tok.encode(p, true)?;
         let mut logits: Vec<Vec<Vec<f32>>> = Vec::new();
         for mask in std::iter::once(&all_float).chain(quality.iter().map(|(_, m)| *m)) {
@@ -599,7 +603,7 @@ fn monitor_section(
             let mut per_pos = Vec::new();
             for t in &ids {
                 let step = step_for(&mut bm, &[(0, vec![*t])]);
-                let mut out = model.forward(&step, mask, &mut kv, true)?;
+                let mut out = runner.run(&model, &step, mask, &mut kv, true)?;
                 per_pos.push(out.logits.remove(0).1);
             }
             logits.push(per_pos);
@@ -607,13 +611,13 @@ fn monitor_section(
         let (reference, served) = logits.split_at(1);
         for (pos, want) in reference[0].iter().enumerate().skip(1) {
             for (s, got) in sums.iter_mut().zip(served) {
-                *s += quantmesh_engine::model::kl_logits(want, &got[pos]);
+                *s += quantmesh_model::ops::kl_logits(want, &got[pos]);
             }
             n += 1;
         }
     }
     println!();
-    println!("Quality: mean next-token KL(P_float-only ‖ P) over {} prompts, {n} positions (teacher-forced):", quantmesh_engine::bundled::SAMPLE_PROMPTS.len());
+    println!("Quality: mean next-token KL(P_float-only ‖ P) over {} prompts, {n} positions (teacher-forced):", quantmesh_model::bundled::SAMPLE_PROMPTS.len());
     println!();
     println!("| plan | mean KL (nats) | × INT8 only |");
     println!("|---|---|---|");

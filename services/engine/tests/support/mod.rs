@@ -3,18 +3,22 @@
 
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
-use quantmesh_engine::block_manager::BlockManager;
-use quantmesh_engine::config::{KvFloatDtype, ModelConfig};
-use quantmesh_engine::kv_cache::KvCache;
-use quantmesh_engine::model::{LlamaModel, SeqChunk, StepInput, StepOutput};
-use quantmesh_engine::PathMask;
-use quantmesh_shared::Residency;
+use quantmesh_engine::backend::cpu::LlamaModel;
+use quantmesh_engine::backend::{SeqChunk, StepInput};
+use quantmesh_engine::kv::BlockManager;
+use quantmesh_engine::kv::KvCache;
+use quantmesh_engine::kv::KvFloatDtype;
+use quantmesh_engine::precision::StepOutput;
+use quantmesh_engine::precision::{PathMask, StepRunner};
+use quantmesh_model::ModelConfig;
+use quantmesh_types::Residency;
 use std::path::Path;
 
 pub struct Rig {
     pub model: LlamaModel,
     pub kv: KvCache,
     pub bm: BlockManager,
+    pub runner: StepRunner,
 }
 
 impl Rig {
@@ -27,6 +31,7 @@ impl Rig {
             model,
             kv,
             bm: BlockManager::new(256, 16, false),
+            runner: StepRunner::default(),
         }
     }
 
@@ -48,8 +53,8 @@ impl Rig {
             }],
             copies: out.copies,
         };
-        self.model
-            .forward(&step, mask, &mut self.kv, kv_int8)
+        self.runner
+            .run(&self.model, &step, mask, &mut self.kv, kv_int8)
             .unwrap()
     }
 

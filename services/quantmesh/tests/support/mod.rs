@@ -419,7 +419,7 @@ pub fn ids(m: &HashMap<String, Consumed>) -> HashSet<String> {
 /// A model directory written once per test binary run (the bundled tiny model).
 pub fn model_dir(root: &Path) -> PathBuf {
     let dir = root.join("model");
-    quantmesh_engine::bundled::init_model(&dir, &Default::default()).unwrap();
+    quantmesh_model::bundled::init_model(&dir, &Default::default()).unwrap();
     dir
 }
 

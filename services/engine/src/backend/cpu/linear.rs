@@ -1,0 +1,279 @@
+//! Dual-precision linear groups: an INT8 form and an exact float form, either or both
+//! resident, chosen per step and per row.
+//!
+//! INT8 form: candle's Q8_0 quantized matmul (blocks of 32 weights sharing one scale; the
+//! activations are quantized to Q8_0 blocks on the fly, so this is W8A8 with per-block
+//! scales, finer than per-channel). Chosen over a hand-written per-channel W8A8 kernel
+//! because it is measured at 0.08–0.28× the time of the f32 matmul on this CPU
+//! (AVX-512 VNNI) and is maintained upstream; see ARCHITECTURE.md.
+//!
+//! Float form: f32, loaded from the checkpoint (never dequantized INT8). f16 storage is
+//! not faster on CPU and bf16 is much slower (`../shared/notes`), so the float path is f32.
+
+use crate::backend::{GroupOutcome, RowPath};
+use crate::error::Result;
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{Module, Tensor};
+use quantmesh_types::Residency;
+
+pub struct DualLinear {
+    int8: Option<QMatMul>,
+    float: Option<Tensor>,
+    bias: Option<Tensor>,
+    out_dim: usize,
+    in_dim: usize,
+}
+
+impl DualLinear {
+    /// Build from the float weight `[out, in]` (and optional bias `[out]`) with the given
+    /// residency. The float tensor is kept as is when the residency has a float form.
+    pub fn new(weight: Tensor, bias: Option<Tensor>, residency: Residency) -> Result<Self> {
+        let (out_dim, in_dim) = weight.dims2()?;
+        let int8 = if residency.has_int8() {
+            Some(QMatMul::from_qtensor(QTensor::quantize(
+                &weight,
+                GgmlDType::Q8_0,
+            )?)?)
+        } else {
+            None
+        };
+        let float = residency.has_float().then_some(weight);
+        Ok(Self {
+            int8,
+            float,
+            bias,
+            out_dim,
+            in_dim,
+        })
+    }
+
+    pub fn residency(&self) -> Residency {
+        match (self.int8.is_some(), self.float.is_some()) {
+            (true, true) => Residency::Dual,
+            (true, false) => Residency::Int8,
+            _ => Residency::Float,
+        }
+    }
+
+    pub fn out_dim(&self) -> usize {
+        self.out_dim
+    }
+
+    pub fn in_dim(&self) -> usize {
+        self.in_dim
+    }
+
+    /// Bytes of resident weights (INT8 form counted at Q8_0's 34 bytes per 32 weights).
+    pub fn resident_bytes(&self) -> usize {
+        let n = self.out_dim * self.in_dim;
+        let q = if self.int8.is_some() { n / 32 * 34 } else { 0 };
+        let f = if self.float.is_some() { n * 4 } else { 0 };
+        let b = self.bias.as_ref().map_or(0, |b| b.elem_count() * 4);
+        q + f + b
+    }
+
+    fn float_mm(&self, x: &Tensor) -> Result<Option<Tensor>> {
+        match &self.float {
+            Some(w) => Ok(Some(x.matmul(&w.t()?)?)),
+            None => Ok(None),
+        }
+    }
+
+    fn int8_mm(&self, x: &Tensor) -> Result<Option<Tensor>> {
+        match &self.int8 {
+            Some(q) => Ok(Some(q.forward(x)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// The preferred path, falling back to whichever form is resident.
+    fn whole(&self, x: &Tensor, want_float: bool) -> Result<Tensor> {
+        let first = if want_float {
+            self.float_mm(x)?
+        } else {
+            self.int8_mm(x)?
+        };
+        match first {
+            Some(y) => Ok(y),
+            None => {
+                let other = if want_float {
+                    self.int8_mm(x)?
+                } else {
+                    self.float_mm(x)?
+                };
+                other.ok_or_else(|| {
+                    candle_core::Error::Msg("linear group has no resident weights".into()).into()
+                })
+            }
+        }
+    }
+
+    /// `x` is `[rows, in]`; returns `[rows, out]`.
+    pub fn forward(&self, x: &Tensor, path: &RowPath) -> Result<(Tensor, GroupOutcome)> {
+        let rows = x.dim(0)?;
+        let has_float = self.float.is_some();
+        let has_int8 = self.int8.is_some();
+        let mut outcome = GroupOutcome::default();
+        let y = match path {
+            RowPath::AllInt8 => {
+                if has_int8 {
+                    outcome.int8_rows = rows
+                } else {
+                    outcome.float_rows = rows
+                }
+                self.whole(x, false)?
+            }
+            RowPath::AllFloat => {
+                if has_float {
+                    outcome.float_rows = rows;
+                } else {
+                    outcome.int8_rows = rows;
+                    outcome.fallback_unavailable_rows = rows;
+                }
+                self.whole(x, true)?
+            }
+            RowPath::FloatRows(float_rows) if float_rows.is_empty() => {
+                return self.forward(x, &RowPath::AllInt8);
+            }
+            RowPath::FloatRows(float_rows) if float_rows.len() == rows => {
+                return self.forward(x, &RowPath::AllFloat);
+            }
+            RowPath::FloatRows(float_rows) => {
+                if !(has_float && has_int8) {
+                    // Only one form resident: every row takes it.
+                    let forced_float = has_float;
+                    outcome.float_rows = if forced_float { rows } else { 0 };
+                    outcome.int8_rows = rows - outcome.float_rows;
+                    if !has_float {
+                        outcome.fallback_unavailable_rows = float_rows.len();
+                    }
+                    self.whole(x, forced_float)?
+                } else {
+                    outcome.float_rows = float_rows.len();
+                    outcome.int8_rows = rows - float_rows.len();
+                    self.split_rows(x, float_rows)?
+                }
+            }
+        };
+        let y = match &self.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        };
+        Ok((y, outcome))
+    }
+
+    /// Rows in `float_rows` through the float form, the rest through INT8, merged back
+    /// into the original row order.
+    fn split_rows(&self, x: &Tensor, float_rows: &[usize]) -> Result<Tensor> {
+        let rows = x.dim(0)?;
+        let mut is_float = vec![false; rows];
+        for &r in float_rows {
+            is_float[r] = true;
+        }
+        let int_rows: Vec<u32> = (0..rows as u32)
+            .filter(|&r| !is_float[r as usize])
+            .collect();
+        let flt_rows: Vec<u32> = float_rows.iter().map(|&r| r as u32).collect();
+        let dev = x.device();
+        let xi = x.index_select(&Tensor::new(int_rows.as_slice(), dev)?, 0)?;
+        let xf = x.index_select(&Tensor::new(flt_rows.as_slice(), dev)?, 0)?;
+        let yi = self.whole(&xi, false)?;
+        let yf = self.whole(&xf, true)?;
+        let stacked = Tensor::cat(&[&yi, &yf], 0)?;
+        // position of original row r inside `stacked`
+        let mut inverse = vec![0u32; rows];
+        for (i, &r) in int_rows.iter().enumerate() {
+            inverse[r as usize] = i as u32;
+        }
+        for (i, &r) in flt_rows.iter().enumerate() {
+            inverse[r as usize] = (int_rows.len() + i) as u32;
+        }
+        Ok(stacked.index_select(&Tensor::new(inverse.as_slice(), dev)?, 0)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    fn rand(rows: usize, cols: usize, seed: u64) -> Tensor {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let v: Vec<f32> = (0..rows * cols).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        Tensor::from_vec(v, (rows, cols), &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn row_mask_gives_exactly_float_or_int8_per_row() {
+        let w = rand(64, 128, 1);
+        let x = rand(9, 128, 2);
+        let lin =
+            DualLinear::new(w, Some(rand(1, 64, 3).squeeze(0).unwrap()), Residency::Dual).unwrap();
+        let (all_f, _) = lin.forward(&x, &RowPath::AllFloat).unwrap();
+        let (all_i, _) = lin.forward(&x, &RowPath::AllInt8).unwrap();
+        let float_rows = vec![0, 3, 8];
+        let (mixed, outcome) = lin
+            .forward(&x, &RowPath::FloatRows(float_rows.clone()))
+            .unwrap();
+        assert_eq!(outcome.float_rows, 3);
+        assert_eq!(outcome.int8_rows, 6);
+        // Compare row by row against the row computed on its own path.
+        for r in 0..9 {
+            let want = if float_rows.contains(&r) {
+                &all_f
+            } else {
+                &all_i
+            };
+            let a = mixed.get(r).unwrap().to_vec1::<f32>().unwrap();
+            let b = want.get(r).unwrap().to_vec1::<f32>().unwrap();
+            for (p, q) in a.iter().zip(&b) {
+                assert!(
+                    (p - q).abs() <= 1e-5 * (1.0 + q.abs()),
+                    "row {r}: {p} vs {q}"
+                );
+            }
+        }
+        // and the two paths really differ (quantization error is not zero)
+        let diff = (all_f - all_i)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(diff > 0.0);
+    }
+
+    #[test]
+    fn int8_only_group_reports_unavailable_fallback() {
+        let lin = DualLinear::new(rand(32, 64, 4), None, Residency::Int8).unwrap();
+        let x = rand(4, 64, 5);
+        let (_, o) = lin.forward(&x, &RowPath::AllFloat).unwrap();
+        assert_eq!(o.fallback_unavailable_rows, 4);
+        let (_, o) = lin.forward(&x, &RowPath::FloatRows(vec![1])).unwrap();
+        assert_eq!(o.fallback_unavailable_rows, 1);
+        assert_eq!(lin.residency(), Residency::Int8);
+    }
+
+    #[test]
+    fn float_only_group_is_exact() {
+        let w = rand(32, 64, 6);
+        let x = rand(3, 64, 7);
+        let lin = DualLinear::new(w.clone(), None, Residency::Float).unwrap();
+        let (y, _) = lin.forward(&x, &RowPath::AllInt8).unwrap();
+        let want = x.matmul(&w.t().unwrap()).unwrap();
+        let d = (y - want)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert_eq!(d, 0.0);
+    }
+}

@@ -1,0 +1,339 @@
+//! The CPU backend: a Llama-family decoder (RMSNorm, RoPE, grouped-query attention,
+//! SwiGLU; Qwen2-style q/k/v biases) on candle tensors, over a flattened batch of tokens
+//! from many sequences, reading and writing the paged KV cache.
+//!
+//! Linear groups run once over all rows of the step, each row on the path the [`Router`]
+//! chose ([`linear::DualLinear`]: Q8_0 and exact f32 forms); attention runs per sequence
+//! over that sequence's cached K/V (`KvCache::attend`). The layer's operations are
+//! `quantmesh_model::ops`, shared with the pre-screen.
+
+pub mod linear;
+
+use crate::backend::{
+    Backend, GroupLoader, GroupOutcome, PassOutput, PreparedGroup, Router, RowPath, StepInput,
+};
+use crate::error::{EngineError, Result};
+use crate::kv::KvCache;
+use candle_core::{DType, Device, Tensor};
+use linear::DualLinear;
+use quantmesh_model::ops::{rms_norm, rope, rope_tables, swiglu_fused, GroupWeights};
+use quantmesh_model::{names, Checkpoint, ModelConfig};
+use quantmesh_types::{GroupId, GroupKind, Residency};
+use std::path::Path;
+
+/// `base` with the rows listed in `rows` replaced by the rows of `with` (same order).
+fn replace_rows(base: &Tensor, rows: &[usize], with: &Tensor) -> Result<Tensor> {
+    let n = base.dim(0)?;
+    let mut map: Vec<u32> = (0..n as u32).collect();
+    for (i, &r) in rows.iter().enumerate() {
+        map[r] = (n + i) as u32;
+    }
+    let stacked = Tensor::cat(&[base, with], 0)?;
+    Ok(stacked.index_select(&Tensor::new(map.as_slice(), base.device())?, 0)?)
+}
+
+/// Load one fused linear group from the checkpoint with the given residency. Used at model
+/// load and, in the background, when a hot reload changes a group's residency.
+pub fn load_group(
+    ck: &Checkpoint,
+    cfg: &ModelConfig,
+    g: GroupId,
+    residency: Residency,
+) -> Result<DualLinear> {
+    let w = GroupWeights::load(ck, cfg, g)?;
+    DualLinear::new(w.weight, w.bias, residency)
+}
+
+fn prepare_group(
+    ck: &Checkpoint,
+    cfg: &ModelConfig,
+    g: GroupId,
+    residency: Residency,
+) -> Result<PreparedGroup> {
+    Ok(PreparedGroup {
+        group: g,
+        residency,
+        inner: Box::new(load_group(ck, cfg, g, residency)?),
+    })
+}
+
+struct Layer {
+    input_norm: Tensor,
+    post_norm: Tensor,
+    groups: [DualLinear; 4],
+}
+
+pub struct LlamaModel {
+    cfg: ModelConfig,
+    embed: Tensor,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    lm_head: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl LlamaModel {
+    /// Load from a model path (Hugging Face directory or GGUF); `residency` decides each
+    /// group's resident forms.
+    pub fn load(
+        dir: &Path,
+        cfg: &ModelConfig,
+        residency: &dyn Fn(GroupId) -> Residency,
+    ) -> Result<Self> {
+        Self::load_from(&Checkpoint::open(dir)?, cfg, residency)
+    }
+
+    /// Load from an opened checkpoint.
+    pub fn load_from(
+        ck: &Checkpoint,
+        cfg: &ModelConfig,
+        residency: &dyn Fn(GroupId) -> Residency,
+    ) -> Result<Self> {
+        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
+        let embed = ck.load_f32_shaped(names::EMBED, &[v, h])?;
+        let norm = ck.load_f32_shaped(names::FINAL_NORM, &[h])?;
+        let lm_head = if ck.contains(names::LM_HEAD) && !cfg.tie_word_embeddings {
+            ck.load_f32_shaped(names::LM_HEAD, &[v, h])?
+        } else {
+            embed.clone()
+        };
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for l in 0..cfg.num_hidden_layers {
+            let group = |kind| {
+                let g = GroupId::new(l, kind);
+                load_group(ck, cfg, g, residency(g))
+            };
+            let qkv = group(GroupKind::Qkv)?;
+            let o = group(GroupKind::O)?;
+            let gate_up = group(GroupKind::GateUp)?;
+            let down = group(GroupKind::Down)?;
+            layers.push(Layer {
+                input_norm: ck.load_f32_shaped(&names::input_norm(l), &[h])?,
+                post_norm: ck.load_f32_shaped(&names::post_norm(l), &[h])?,
+                groups: [qkv, o, gate_up, down],
+            });
+        }
+        let (cos, sin) = rope_tables(cfg, cfg.max_position_embeddings)?;
+        Ok(Self {
+            cfg: cfg.clone(),
+            embed,
+            layers,
+            norm,
+            lm_head,
+            cos,
+            sin,
+        })
+    }
+
+    fn slot(&self, g: GroupId) -> Result<&DualLinear> {
+        self.layers
+            .get(g.layer)
+            .map(|l| &l.groups[g.kind.index()])
+            .ok_or_else(|| EngineError::Config(format!("no group {g} in this model")))
+    }
+
+    /// Whether `new` can replace group `g` (the group exists, same shape).
+    fn check_replacement(&self, g: GroupId, new: &DualLinear) -> Result<()> {
+        let slot = self.slot(g)?;
+        if (slot.out_dim(), slot.in_dim()) != (new.out_dim(), new.in_dim()) {
+            return Err(EngineError::Config(format!(
+                "replacement for {g} has shape [{}, {}], expected [{}, {}]",
+                new.out_dim(),
+                new.in_dim(),
+                slot.out_dim(),
+                slot.in_dim()
+            )));
+        }
+        Ok(())
+    }
+
+    fn run_group(
+        layer: &Layer,
+        g: GroupId,
+        input: &Tensor,
+        router: &mut dyn Router,
+    ) -> Result<Tensor> {
+        let path = router.route(g, input)?;
+        let (y, o) = layer.groups[g.kind.index()].forward(input, &path)?;
+        router.record(g, o);
+        Ok(y)
+    }
+}
+
+impl Backend for LlamaModel {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn residency(&self, g: GroupId) -> Residency {
+        self.layers[g.layer].groups[g.kind.index()].residency()
+    }
+
+    fn linear_bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .flat_map(|l| l.groups.iter())
+            .map(DualLinear::resident_bytes)
+            .sum()
+    }
+
+    /// Linear groups + float embeddings, norms, lm_head.
+    fn resident_bytes(&self) -> usize {
+        let float = self.embed.elem_count()
+            + self.norm.elem_count()
+            + if self.cfg.tie_word_embeddings {
+                0
+            } else {
+                self.lm_head.elem_count()
+            }
+            + self
+                .layers
+                .iter()
+                .map(|l| l.input_norm.elem_count() + l.post_norm.elem_count())
+                .sum::<usize>();
+        self.linear_bytes() + float * 4
+    }
+
+    fn replace_groups(&mut self, groups: Vec<PreparedGroup>) -> Result<()> {
+        let mut ready = Vec::with_capacity(groups.len());
+        for p in groups {
+            let g = p.group;
+            let new = p.inner.downcast::<DualLinear>().map_err(|_| {
+                EngineError::Config(format!("replacement for {g} was built by another backend"))
+            })?;
+            self.check_replacement(g, &new)?;
+            ready.push((g, *new));
+        }
+        for (g, new) in ready {
+            // The replaced forms (e.g. a float copy no longer wanted) are freed here.
+            self.layers[g.layer].groups[g.kind.index()] = new;
+        }
+        Ok(())
+    }
+
+    fn group_loader(&self) -> GroupLoader {
+        prepare_group
+    }
+
+    fn pass(
+        &self,
+        step: &StepInput,
+        router: &mut dyn Router,
+        kv: &mut KvCache,
+    ) -> Result<PassOutput> {
+        let dev = Device::Cpu;
+        let cfg = &self.cfg;
+        let (hd, nh, nkv) = (cfg.head_dim(), cfg.num_attention_heads, cfg.num_kv_heads());
+        let kv_dim = nkv * hd;
+        let ids: Vec<u32> = step
+            .chunks
+            .iter()
+            .flat_map(|c| c.tokens.iter().copied())
+            .collect();
+        let n = ids.len();
+        let mut out = PassOutput::default();
+        if n == 0 {
+            return Ok(out);
+        }
+        let rows = step.rows();
+        if let Some(&(_, p)) = rows.iter().find(|(_, p)| *p >= cfg.max_position_embeddings) {
+            return Err(EngineError::InvalidRequest(format!(
+                "position {p} exceeds max_position_embeddings {}",
+                cfg.max_position_embeddings
+            )));
+        }
+        let pos: Vec<u32> = rows.iter().map(|(_, p)| *p as u32).collect();
+        let pos = Tensor::new(pos.as_slice(), &dev)?;
+        let cos = self.cos.index_select(&pos, 0)?;
+        let sin = self.sin.index_select(&pos, 0)?;
+        let mut x = self
+            .embed
+            .index_select(&Tensor::new(ids.as_slice(), &dev)?, 0)?;
+
+        for (l, layer) in self.layers.iter().enumerate() {
+            let g = |kind| GroupId::new(l, kind);
+            // --- attention ---
+            let h = rms_norm(&x, &layer.input_norm, cfg.rms_norm_eps)?;
+            let qkv = Self::run_group(layer, g(GroupKind::Qkv), &h, router)?;
+            let q = qkv.narrow(1, 0, nh * hd)?.reshape((n, nh, hd))?;
+            let k = qkv.narrow(1, nh * hd, kv_dim)?.reshape((n, nkv, hd))?;
+            let v = qkv.narrow(1, nh * hd + kv_dim, kv_dim)?;
+            let q = rope(&q, &cos, &sin)?;
+            let k = rope(&k, &cos, &sin)?.reshape((n, kv_dim))?;
+            let k_rows = k.flatten_all()?.to_vec1::<f32>()?;
+            let v_rows = v.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+            let layer_int8 = router.kv_int8(l);
+            let q_rows = q.flatten_all()?.to_vec1::<f32>()?;
+            let mut attn = vec![0f32; n * nh * hd];
+            let mut row = 0;
+            for c in &step.chunks {
+                for (i, slot) in c.slots.iter().enumerate() {
+                    let r = (row + i) * kv_dim;
+                    kv.write(
+                        l,
+                        *slot,
+                        &k_rows[r..r + kv_dim],
+                        &v_rows[r..r + kv_dim],
+                        layer_int8,
+                    );
+                }
+                let m = c.tokens.len();
+                let span = row * nh * hd..(row + m) * nh * hd;
+                kv.attend(
+                    l,
+                    &c.block_table,
+                    c.start_pos,
+                    &q_rows[span.clone()],
+                    m,
+                    nh,
+                    hd,
+                    &mut attn[span],
+                );
+                row += m;
+            }
+            let attn = Tensor::from_vec(attn, (n, nh * hd), &dev)?;
+            x = (x + Self::run_group(layer, g(GroupKind::O), &attn, router)?)?;
+            // --- MLP ---
+            let h = rms_norm(&x, &layer.post_norm, cfg.rms_norm_eps)?;
+            let gu = Self::run_group(layer, g(GroupKind::GateUp), &h, router)?;
+            let inter = cfg.intermediate_size;
+            let mut act = swiglu_fused(&gu, inter)?;
+            let down = g(GroupKind::Down);
+            let down_path = router.route(down, &act)?;
+            let coupled = router.coupled_gate_up_rows(l);
+            let gate_up = &layer.groups[GroupKind::GateUp.index()];
+            if !coupled.is_empty() && gate_up.residency().has_float() {
+                let idx: Vec<u32> = coupled.iter().map(|&r| r as u32).collect();
+                let idx = Tensor::new(idx.as_slice(), &dev)?;
+                let (gu_f, o) = gate_up.forward(&h.index_select(&idx, 0)?, &RowPath::AllFloat)?;
+                router.record(g(GroupKind::GateUp), o);
+                act = replace_rows(&act, &coupled, &swiglu_fused(&gu_f, inter)?)?;
+            }
+            let (y, o): (Tensor, GroupOutcome) =
+                layer.groups[GroupKind::Down.index()].forward(&act, &down_path)?;
+            router.record(down, o);
+            x = (x + y)?;
+        }
+
+        let mut want = Vec::new();
+        let mut row = 0;
+        for c in &step.chunks {
+            row += c.tokens.len();
+            if c.want_logits {
+                want.push((c.seq, (row - 1) as u32));
+            }
+        }
+        if !want.is_empty() {
+            let idx: Vec<u32> = want.iter().map(|(_, r)| *r).collect();
+            let last = x.index_select(&Tensor::new(idx.as_slice(), &dev)?, 0)?;
+            let last = rms_norm(&last, &self.norm, cfg.rms_norm_eps)?;
+            let logits = last
+                .matmul(&self.lm_head.t()?)?
+                .to_dtype(DType::F32)?
+                .to_vec2::<f32>()?;
+            out.logits = want.into_iter().map(|(s, _)| s).zip(logits).collect();
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,132 @@
+//! The backend seam: what a device has to implement to serve quantmesh's precision plan.
+//!
+//! A backend owns the model's weights in its own forms (for every linear group an INT8
+//! form, a float form, or both — its [`Residency`]) and runs one step's forward pass over
+//! the flattened tokens of many sequences, reading and writing the paged KV cache. It
+//! decides nothing about precision: before every linear group it asks the [`Router`] which
+//! rows take the float path, and before writing a layer's K/V whether that layer stores
+//! INT8. The policy (the fallback mask, per-token bounds, MLP coupling, shadow passes,
+//! recomputation after NaN/Inf) lives in `precision/` and is the same for every backend.
+//!
+//! [`cpu`] is the first implementation (candle tensors, Q8_0 quantized matmuls). A CUDA or
+//! Ascend backend implements [`Backend`] and [`GroupLoader`]; nothing else changes.
+
+pub mod cpu;
+
+use crate::error::Result;
+use crate::kv::{KvCache, PageId, SeqId, Slot};
+use candle_core::Tensor;
+use quantmesh_model::{Checkpoint, ModelConfig};
+use quantmesh_types::{GroupId, Residency};
+use std::any::Any;
+
+/// One sequence's part of a step.
+#[derive(Debug, Clone)]
+pub struct SeqChunk {
+    pub seq: SeqId,
+    pub tokens: Vec<u32>,
+    /// Absolute position of `tokens[0]`.
+    pub start_pos: usize,
+    /// KV slots for `tokens`, one each.
+    pub slots: Vec<Slot>,
+    pub block_table: Vec<PageId>,
+    /// Compute logits for the last token of the chunk.
+    pub want_logits: bool,
+}
+
+/// One step of the batch: sequence chunks (prefill chunks and single decode tokens).
+#[derive(Debug, Clone, Default)]
+pub struct StepInput {
+    pub chunks: Vec<SeqChunk>,
+    /// Copy-on-write page copies to do before the step.
+    pub copies: Vec<(PageId, PageId)>,
+}
+
+impl StepInput {
+    pub fn num_tokens(&self) -> usize {
+        self.chunks.iter().map(|c| c.tokens.len()).sum()
+    }
+
+    /// (sequence, absolute position) of every row, in row order.
+    pub fn rows(&self) -> Vec<(SeqId, usize)> {
+        self.chunks
+            .iter()
+            .flat_map(|c| (0..c.tokens.len()).map(move |i| (c.seq, c.start_pos + i)))
+            .collect()
+    }
+}
+
+/// Which rows of a step's activations take the float path through one group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RowPath {
+    AllInt8,
+    AllFloat,
+    /// Row indices (ascending, unique) computed in float; the rest in INT8.
+    FloatRows(Vec<usize>),
+}
+
+/// What happened inside one group on one step: used for counting "wanted fallback,
+/// unavailable" and for tests.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GroupOutcome {
+    pub float_rows: usize,
+    pub int8_rows: usize,
+    /// Rows that asked for float but the group holds no float copy.
+    pub fallback_unavailable_rows: usize,
+}
+
+/// The precision policy as a backend sees it, asked in the order the layer runs.
+pub trait Router {
+    /// Which rows take the float path through group `g`, given its input `[rows, in]`
+    /// (measured here when the group is monitored).
+    fn route(&mut self, g: GroupId, input: &Tensor) -> Result<RowPath>;
+    /// After `down` of `layer` was routed: the rows whose `gate_up` must be recomputed in
+    /// float first (MLP coupling per token; the backend does it when `gate_up` holds a float
+    /// copy). Empty when nothing is coupled.
+    fn coupled_gate_up_rows(&mut self, layer: usize) -> Vec<usize>;
+    /// Whether `layer` stores this step's new K/V entries in INT8 (C8).
+    fn kv_int8(&self, layer: usize) -> bool;
+    /// What group `g` did (rows per path).
+    fn record(&mut self, g: GroupId, outcome: GroupOutcome);
+}
+
+/// What one pass produced: logits of the last token of each chunk that asked for them.
+#[derive(Debug, Clone, Default)]
+pub struct PassOutput {
+    pub logits: Vec<(SeqId, Vec<f32>)>,
+}
+
+/// A linear group built off the serving thread, in its backend's own form, waiting to be
+/// swapped in by [`Backend::replace_groups`].
+pub struct PreparedGroup {
+    pub group: GroupId,
+    pub residency: Residency,
+    pub(crate) inner: Box<dyn Any + Send>,
+}
+
+/// Builds a group's resident forms from the checkpoint (runs on a background thread during
+/// hot reload, so it takes no backend reference).
+pub type GroupLoader = fn(&Checkpoint, &ModelConfig, GroupId, Residency) -> Result<PreparedGroup>;
+
+/// A device that runs the Llama-family forward pass with per-group dual precision.
+pub trait Backend: Send + 'static {
+    fn config(&self) -> &ModelConfig;
+    /// One forward pass over `step` (page copies already done), asking `router` for every
+    /// linear group's rows and every layer's KV precision.
+    fn pass(
+        &self,
+        step: &StepInput,
+        router: &mut dyn Router,
+        kv: &mut KvCache,
+    ) -> Result<PassOutput>;
+    fn residency(&self, g: GroupId) -> Residency;
+    /// Bytes of resident linear-group weights (the part the precision plan changes).
+    fn linear_bytes(&self) -> usize;
+    /// All resident weight bytes.
+    fn resident_bytes(&self) -> usize;
+    /// Put prepared groups in place, all or nothing (every replacement checked first).
+    /// Called between two steps, so a step never sees a half-applied plan.
+    fn replace_groups(&mut self, groups: Vec<PreparedGroup>) -> Result<()>;
+    /// How this backend builds a group for [`Backend::replace_groups`].
+    fn group_loader(&self) -> GroupLoader;
+}

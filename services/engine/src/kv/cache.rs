@@ -1,0 +1,455 @@
+//! KV-cache storage: the bytes behind the pages the block manager hands out.
+//!
+//! One page id addresses the same page in every layer. Each layer writes new tokens in its
+//! current precision: INT8 ("C8": symmetric, zero point 0, one scale = max|x|/127 per
+//! token) or float (f16 by default, f32 for exactness tests). A layer can switch at any
+//! step. Tokens already written keep the precision they were written in — every slot
+//! carries a tag — and are dequantized on read, so a page may hold both kinds. Nothing is
+//! rewritten on a switch: the switch is free and takes effect for the next token.
+
+use crate::kv::blocks::{PageId, Slot};
+use half::f16;
+use serde::{Deserialize, Serialize};
+
+/// Precision of the float KV path. The seed's "FP16"; f32 exists for exactness tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KvFloatDtype {
+    F16,
+    F32,
+}
+
+const EMPTY: u8 = 0;
+const INT8: u8 = 1;
+const FLOAT: u8 = 2;
+
+#[derive(Debug, Clone)]
+enum FloatBuf {
+    F16(Vec<f16>),
+    F32(Vec<f32>),
+}
+
+impl FloatBuf {
+    fn new(dtype: KvFloatDtype, n: usize) -> Self {
+        match dtype {
+            KvFloatDtype::F16 => FloatBuf::F16(vec![f16::ZERO; n]),
+            KvFloatDtype::F32 => FloatBuf::F32(vec![0.0; n]),
+        }
+    }
+    fn write(&mut self, at: usize, x: &[f32]) {
+        match self {
+            FloatBuf::F16(b) => b[at..at + x.len()]
+                .iter_mut()
+                .zip(x)
+                .for_each(|(d, s)| *d = f16::from_f32(*s)),
+            FloatBuf::F32(b) => b[at..at + x.len()].copy_from_slice(x),
+        }
+    }
+    fn read(&self, at: usize, out: &mut [f32]) {
+        match self {
+            FloatBuf::F16(b) => {
+                let n = out.len();
+                out.iter_mut()
+                    .zip(&b[at..at + n])
+                    .for_each(|(d, s)| *d = s.to_f32())
+            }
+            FloatBuf::F32(b) => {
+                let n = out.len();
+                out.copy_from_slice(&b[at..at + n])
+            }
+        }
+    }
+    fn bytes(&self) -> usize {
+        match self {
+            FloatBuf::F16(b) => b.len() * 2,
+            FloatBuf::F32(b) => b.len() * 4,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Quant {
+    k: Vec<i8>,
+    v: Vec<i8>,
+    k_scale: Vec<f32>,
+    v_scale: Vec<f32>,
+}
+
+/// One page of one layer. Buffers for each precision are allocated on first use.
+#[derive(Debug, Clone, Default)]
+struct PageData {
+    tag: Vec<u8>,
+    quant: Option<Quant>,
+    float: Option<(FloatBuf, FloatBuf)>,
+}
+
+/// Quantize one token's vector: returns the scale (max|x|/127; 0 for an all-zero vector).
+pub fn quantize_c8(x: &[f32], out: &mut [i8]) -> f32 {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    if amax == 0.0 {
+        out.iter_mut().for_each(|o| *o = 0);
+        return 0.0;
+    }
+    let scale = amax / 127.0;
+    let inv = 1.0 / scale;
+    for (o, v) in out.iter_mut().zip(x) {
+        *o = (v * inv).round().clamp(-127.0, 127.0) as i8;
+    }
+    scale
+}
+
+/// Dot product with 8 independent accumulators, so the compiler can vectorize it.
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for k in 0..8 {
+            lanes[k] += x[k] * y[k];
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
+}
+
+pub struct KvCache {
+    page_size: usize,
+    kv_dim: usize,
+    float_dtype: KvFloatDtype,
+    /// `layers[l][page]`
+    layers: Vec<Vec<PageData>>,
+}
+
+impl KvCache {
+    pub fn new(
+        num_layers: usize,
+        num_pages: usize,
+        page_size: usize,
+        kv_dim: usize,
+        float_dtype: KvFloatDtype,
+    ) -> Self {
+        Self {
+            page_size,
+            kv_dim,
+            float_dtype,
+            layers: (0..num_layers)
+                .map(|_| vec![PageData::default(); num_pages])
+                .collect(),
+        }
+    }
+
+    /// Bytes one token occupies in one layer (K and V) in each precision.
+    pub fn bytes_per_token_layer(&self, int8: bool) -> usize {
+        Self::bytes_per_token_layer_for(self.kv_dim, self.float_dtype, int8)
+    }
+
+    /// [`KvCache::bytes_per_token_layer`] for a cache of this geometry, without one.
+    pub fn bytes_per_token_layer_for(
+        kv_dim: usize,
+        float_dtype: KvFloatDtype,
+        int8: bool,
+    ) -> usize {
+        if int8 {
+            2 * (kv_dim + 4)
+        } else {
+            let w = match float_dtype {
+                KvFloatDtype::F16 => 2,
+                KvFloatDtype::F32 => 4,
+            };
+            2 * kv_dim * w
+        }
+    }
+
+    /// Bytes currently allocated for page buffers.
+    pub fn allocated_bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .flatten()
+            .map(|p| {
+                p.tag.len()
+                    + p.quant.as_ref().map_or(0, |q| {
+                        q.k.len() + q.v.len() + 4 * (q.k_scale.len() + q.v_scale.len())
+                    })
+                    + p.float.as_ref().map_or(0, |(k, v)| k.bytes() + v.bytes())
+            })
+            .sum()
+    }
+
+    /// Write one token's K and V into `slot` of `layer`, in INT8 when `int8`.
+    pub fn write(&mut self, layer: usize, slot: Slot, k: &[f32], v: &[f32], int8: bool) {
+        let (ps, d, dtype) = (self.page_size, self.kv_dim, self.float_dtype);
+        let page = &mut self.layers[layer][slot.page as usize];
+        if page.tag.is_empty() {
+            page.tag = vec![EMPTY; ps];
+        }
+        let at = slot.offset * d;
+        if int8 {
+            let q = page.quant.get_or_insert_with(|| Quant {
+                k: vec![0; ps * d],
+                v: vec![0; ps * d],
+                k_scale: vec![0.0; ps],
+                v_scale: vec![0.0; ps],
+            });
+            q.k_scale[slot.offset] = quantize_c8(k, &mut q.k[at..at + d]);
+            q.v_scale[slot.offset] = quantize_c8(v, &mut q.v[at..at + d]);
+            page.tag[slot.offset] = INT8;
+        } else {
+            let (fk, fv) = page.float.get_or_insert_with(|| {
+                (FloatBuf::new(dtype, ps * d), FloatBuf::new(dtype, ps * d))
+            });
+            fk.write(at, k);
+            fv.write(at, v);
+            page.tag[slot.offset] = FLOAT;
+        }
+    }
+
+    /// The first `len` tokens of a sequence with block table `table`, as `[len, kv_dim]`
+    /// row-major K and V, dequantized where stored in INT8.
+    pub fn gather(&self, layer: usize, table: &[PageId], len: usize) -> (Vec<f32>, Vec<f32>) {
+        let d = self.kv_dim;
+        let mut k = vec![0f32; len * d];
+        let mut v = vec![0f32; len * d];
+        for (pos, (ko, vo)) in k.chunks_exact_mut(d).zip(v.chunks_exact_mut(d)).enumerate() {
+            // the whole row is one "head" of width kv_dim
+            self.read_head(layer, table, pos, 0, ko, vo);
+        }
+        (k, v)
+    }
+
+    /// Dequantize token `pos`'s K and V for KV head `g` (`hd` wide) into `k` and `v`.
+    #[inline]
+    fn read_head(
+        &self,
+        layer: usize,
+        table: &[PageId],
+        pos: usize,
+        g: usize,
+        k: &mut [f32],
+        v: &mut [f32],
+    ) {
+        let hd = k.len();
+        let page = &self.layers[layer][table[pos / self.page_size] as usize];
+        let off = pos % self.page_size;
+        let at = off * self.kv_dim + g * hd;
+        match page.tag.get(off).copied().unwrap_or(EMPTY) {
+            INT8 => {
+                if let Some(q) = &page.quant {
+                    let (ks, vs) = (q.k_scale[off], q.v_scale[off]);
+                    k.iter_mut()
+                        .zip(&q.k[at..at + hd])
+                        .for_each(|(o, x)| *o = *x as f32 * ks);
+                    v.iter_mut()
+                        .zip(&q.v[at..at + hd])
+                        .for_each(|(o, x)| *o = *x as f32 * vs);
+                }
+            }
+            FLOAT => {
+                if let Some((fk, fv)) = &page.float {
+                    fk.read(at, k);
+                    fv.read(at, v);
+                }
+            }
+            _ => {
+                k.fill(0.0);
+                v.fill(0.0);
+            }
+        }
+    }
+
+    /// Paged causal attention for one sequence, straight from the pages.
+    ///
+    /// `q` holds `m` query tokens at absolute positions `start..start + m`, laid out
+    /// `[m, num_heads, head_dim]`; the result goes to `out` in the same layout. Query head
+    /// `h` reads KV head `h / (num_heads / num_kv_heads)` (grouped-query attention, HF's
+    /// `repeat_kv` order). Each query attends to positions `0..=its own`. Per KV head, the
+    /// sequence's K/V rows are dequantized once into a contiguous scratch buffer; then one
+    /// pass with an online softmax per query head. Every query row is computed the same way
+    /// whatever the chunking, so a token's result does not depend on how its sequence was
+    /// split into steps.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend(
+        &self,
+        layer: usize,
+        table: &[PageId],
+        start: usize,
+        q: &[f32],
+        m: usize,
+        num_heads: usize,
+        head_dim: usize,
+        out: &mut [f32],
+    ) {
+        let hd = head_dim;
+        let nkv = self.kv_dim / hd;
+        let rep = num_heads / nkv;
+        let total = start + m;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut kb = vec![0f32; total * hd];
+        let mut vb = vec![0f32; total * hd];
+        let mut acc = vec![0f32; hd];
+        for g in 0..nkv {
+            for j in 0..total {
+                let (k, v) = (&mut kb[j * hd..(j + 1) * hd], &mut vb[j * hd..(j + 1) * hd]);
+                self.read_head(layer, table, j, g, k, v);
+            }
+            for i in 0..m {
+                let ctx = start + i + 1;
+                for r in 0..rep {
+                    let h = g * rep + r;
+                    let qh = &q[(i * num_heads + h) * hd..(i * num_heads + h + 1) * hd];
+                    let mut mx = f32::NEG_INFINITY;
+                    let mut l = 0f32;
+                    acc.fill(0.0);
+                    for j in 0..ctx {
+                        let s = dot(qh, &kb[j * hd..(j + 1) * hd]) * scale;
+                        if s > mx {
+                            let corr = (mx - s).exp();
+                            l *= corr;
+                            acc.iter_mut().for_each(|x| *x *= corr);
+                            mx = s;
+                        }
+                        let p = (s - mx).exp();
+                        l += p;
+                        acc.iter_mut()
+                            .zip(&vb[j * hd..(j + 1) * hd])
+                            .for_each(|(x, v)| *x += p * v);
+                    }
+                    let inv = if l > 0.0 { 1.0 / l } else { 0.0 };
+                    let o = &mut out[(i * num_heads + h) * hd..(i * num_heads + h + 1) * hd];
+                    o.iter_mut().zip(&acc).for_each(|(o, a)| *o = a * inv);
+                }
+            }
+        }
+    }
+
+    /// Precision tags of the first `len` tokens (`Some(true)` = INT8), for tests and metrics.
+    pub fn slot_precisions(&self, layer: usize, table: &[PageId], len: usize) -> Vec<Option<bool>> {
+        (0..len)
+            .map(|pos| {
+                let page = &self.layers[layer][table[pos / self.page_size] as usize];
+                match page.tag.get(pos % self.page_size).copied().unwrap_or(EMPTY) {
+                    INT8 => Some(true),
+                    FLOAT => Some(false),
+                    _ => None,
+                }
+            })
+            .collect()
+    }
+
+    /// Copy-on-write: duplicate page `src` into `dst` in every layer.
+    pub fn copy_page(&mut self, src: PageId, dst: PageId) {
+        for layer in &mut self.layers {
+            layer[dst as usize] = layer[src as usize].clone();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn c8_round_trip_error_is_bounded_by_half_a_step() {
+        let x: Vec<f32> = (0..64).map(|i| ((i as f32) * 0.37).sin() * 3.0).collect();
+        let mut q = vec![0i8; 64];
+        let s = quantize_c8(&x, &mut q);
+        for (a, b) in x.iter().zip(&q) {
+            assert!((a - *b as f32 * s).abs() <= s / 2.0 + 1e-6);
+        }
+        let mut z = vec![1i8; 4];
+        assert_eq!(quantize_c8(&[0.0; 4], &mut z), 0.0);
+        assert_eq!(z, vec![0; 4]);
+    }
+
+    #[test]
+    fn switching_precision_keeps_old_tokens_readable() {
+        let mut kv = KvCache::new(1, 2, 4, 8, KvFloatDtype::F32);
+        let table = [1u32, 0];
+        let tok =
+            |i: usize| -> Vec<f32> { (0..8).map(|j| (i * 8 + j) as f32 / 10.0 - 2.0).collect() };
+        for pos in 0..6 {
+            let int8 = pos < 3; // switch to float after 3 tokens, mid-page
+            let slot = Slot {
+                page: table[pos / 4],
+                offset: pos % 4,
+            };
+            kv.write(0, slot, &tok(pos), &tok(pos + 100), int8);
+        }
+        let (k, v) = kv.gather(0, &table, 6);
+        for pos in 0..6 {
+            let want = tok(pos);
+            let tol = if pos < 3 { 6.0 / 127.0 } else { 0.0 };
+            for j in 0..8 {
+                assert!((k[pos * 8 + j] - want[j]).abs() <= tol, "pos {pos}");
+            }
+            assert!((v[pos * 8] - tok(pos + 100)[0]).abs() <= tol.max(1e-6) * 30.0);
+        }
+        assert_eq!(
+            kv.slot_precisions(0, &table, 6),
+            vec![
+                Some(true),
+                Some(true),
+                Some(true),
+                Some(false),
+                Some(false),
+                Some(false)
+            ]
+        );
+        assert!(kv.bytes_per_token_layer(true) < kv.bytes_per_token_layer(false));
+    }
+
+    #[test]
+    fn paged_attention_matches_naive_softmax() {
+        // 2 KV heads, 4 query heads (GQA rep 2), head_dim 4, 7 tokens over pages of 3.
+        let (nkv, nh, hd, n) = (2, 4, 4, 7);
+        let mut kv = KvCache::new(1, 4, 3, nkv * hd, KvFloatDtype::F32);
+        let table = [2u32, 0, 3];
+        let val = |t: usize, c: usize, salt: f32| ((t * 13 + c * 7) as f32 * 0.37 + salt).sin();
+        for t in 0..n {
+            let k: Vec<f32> = (0..nkv * hd).map(|c| val(t, c, 0.1)).collect();
+            let v: Vec<f32> = (0..nkv * hd).map(|c| val(t, c, 0.9)).collect();
+            kv.write(
+                0,
+                Slot {
+                    page: table[t / 3],
+                    offset: t % 3,
+                },
+                &k,
+                &v,
+                false,
+            );
+        }
+        let start = 4;
+        let m = n - start;
+        let q: Vec<f32> = (0..m * nh * hd).map(|i| (i as f32 * 0.21).cos()).collect();
+        let mut out = vec![0f32; m * nh * hd];
+        kv.attend(0, &table, start, &q, m, nh, hd, &mut out);
+        for i in 0..m {
+            for h in 0..nh {
+                let g = h / (nh / nkv);
+                let qh = &q[(i * nh + h) * hd..][..hd];
+                let ctx = start + i + 1;
+                let scores: Vec<f32> = (0..ctx)
+                    .map(|j| {
+                        (0..hd)
+                            .map(|d| qh[d] * val(j, g * hd + d, 0.1))
+                            .sum::<f32>()
+                            / (hd as f32).sqrt()
+                    })
+                    .collect();
+                let mx = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                let e: Vec<f32> = scores.iter().map(|s| (s - mx).exp()).collect();
+                let z: f32 = e.iter().sum();
+                for d in 0..hd {
+                    let want: f32 = (0..ctx).map(|j| e[j] / z * val(j, g * hd + d, 0.9)).sum();
+                    let got = out[(i * nh + h) * hd + d];
+                    assert!((want - got).abs() < 1e-5, "q{i} h{h} d{d}: {got} vs {want}");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,940 @@
+//! The activation monitor's decision logic (pure; the monitor actor drives it).
+//!
+//! Statistic: per token and per monitored linear group, the abs-max of the group's input
+//! row, computed in the forward pass, **excluding** massive fixed channels and skipped
+//! positions. Real LLMs carry massive, input-invariant activations on a few channels and on
+//! the first token (Sun et al. 2024); a naive detector fires on them constantly. So:
+//!
+//! 1. Warm-up phase A (`warmup_tokens / 2` rows per group): learn the fixed channels — a
+//!    channel that is the row's abs-argmax in at least `massive_channel_share` of the rows
+//!    is massive and excluded from then on (plus any channels listed in the config).
+//!    Positions in `skip_positions` (default: 0, the attention-sink token) never count.
+//! 2. Warm-up phase B (`warmup_tokens / 2` rows): collect the statistic with exclusions; set
+//!    the running mean to the median and σ to 1.4826 × MAD (robust to the outliers we are
+//!    looking for).
+//! 3. Running: a row is an outlier when `x > mean + k·σ`; non-outlier rows update mean and
+//!    variance as exponential moving averages (α = 1/256). Rows above
+//!    `mean + token_k·σ` are routed to the float path *in the same step* by the executor
+//!    (per-token granularity).
+//!
+//! Windows end every `window_requests` finished requests. Per group, rate = outliers /
+//! tokens in the window (windows with fewer than `min_window_tokens` tokens decide
+//! nothing). Hysteresis: rate > `trigger_rate` → fallback (float path, and that layer's
+//! KV cache takes new tokens in float); in fallback, `recovery_windows` consecutive
+//! windows with rate < `trigger_rate / 2` → back to INT8. A window in between resets the
+//! quiet count, so a group cannot flap faster than once per `recovery_windows` windows.
+//!
+//! MLP coupling: `down`'s input is the SwiGLU product `silu(gate) · up`, so outliers
+//! there are products of `gate_up` outputs, and an INT8 error in `gate_up` is multiplied
+//! exactly on the rows that spike. When `down` falls back on its outlier rate, its layer's
+//! `gate_up` follows it into float (mode `coupled`) and returns with it. The executor does
+//! the same per token: rows routed to float at `down` get their `gate_up` recomputed in
+//! float first.
+
+use crate::kv::SeqId;
+use crate::monitor::config::MonitorConfig;
+use crate::precision::{DetectorParams, GroupDetector, PathMask, StepOutput};
+use quantmesh_types::{
+    now_ms, FallbackAction, FallbackEvent, FallbackReason, Granularity, GroupId, Residency,
+    FALLBACK_EVENT_SCHEMA_VERSION,
+};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
+
+const EMA_ALPHA: f64 = 1.0 / 256.0;
+
+/// How an operator pinned a group (admin API).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ForceMode {
+    Float,
+    Int8,
+    Auto,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GroupMode {
+    Int8,
+    Fallback,
+    /// `gate_up` following its layer's `down` into float (see "MLP coupling").
+    Coupled,
+    ForcedFloat,
+    ForcedInt8,
+}
+
+#[derive(Debug, Clone)]
+struct GroupState {
+    residency: Residency,
+    residual_input: bool,
+    k: f64,
+    trigger: f64,
+    argmax_counts: HashMap<u32, u32>,
+    learn_rows: usize,
+    warm: Vec<f32>,
+    /// Channels left out of the statistic: configured ∪ learned, sorted.
+    excluded: Vec<usize>,
+    /// Massive channels learned during warm-up (kept across reconfigurations).
+    learned: Vec<usize>,
+    ready: bool,
+    mean: f64,
+    var: f64,
+    window_tokens: u64,
+    window_outliers: u64,
+    last_rate: Option<f64>,
+    mode: GroupMode,
+    quiet: usize,
+    reason: Option<FallbackReason>,
+    wanted_unavailable: bool,
+    /// Per-token bound published to the executor; refreshed when the group becomes ready
+    /// and at every window end (not every step, so the mask is not republished per step).
+    token_bound: f32,
+}
+
+impl GroupState {
+    fn sigma(&self) -> f64 {
+        self.var.max(0.0).sqrt()
+    }
+    fn bound(&self, k: f64) -> f64 {
+        self.mean + k * self.sigma()
+    }
+    fn in_float(&self) -> bool {
+        matches!(
+            self.mode,
+            GroupMode::Fallback | GroupMode::Coupled | GroupMode::ForcedFloat
+        ) && self.residency.has_float()
+    }
+}
+
+/// A group's state for the admin API and metrics.
+#[derive(Debug, Clone, Serialize)]
+pub struct GroupReport {
+    pub group: String,
+    pub residency: Residency,
+    pub mode: GroupMode,
+    pub ready: bool,
+    pub mean: f64,
+    pub sigma: f64,
+    pub k: f64,
+    pub trigger_rate: f64,
+    pub last_window_rate: Option<f64>,
+    pub window_tokens: u64,
+    pub window_outliers: u64,
+    pub excluded_channels: Vec<usize>,
+    pub reason: Option<FallbackReason>,
+    pub wanted_fallback_unavailable: bool,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct MonitorReport {
+    pub enabled: bool,
+    pub windows_completed: u64,
+    pub requests_in_window: usize,
+    pub groups: Vec<GroupReport>,
+    pub float_requests: usize,
+    pub batch_float: bool,
+    /// Decisions taken since start, by kind.
+    pub decisions: Vec<DecisionCount>,
+    /// Groups running their float path (in fallback, coupled or forced, and holding a
+    /// float copy).
+    pub groups_in_float: usize,
+}
+
+/// The kind of a fallback decision (the labels of `quantmesh_fallback_decisions_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub struct Decision {
+    pub granularity: Granularity,
+    pub reason: FallbackReason,
+    pub action: FallbackAction,
+}
+
+impl Decision {
+    pub fn of(ev: &FallbackEvent) -> Self {
+        Self {
+            granularity: ev.granularity,
+            reason: ev.reason,
+            action: ev.action,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DecisionCount {
+    #[serde(flatten)]
+    pub decision: Decision,
+    pub count: u64,
+}
+
+pub struct Monitor {
+    cfg: MonitorConfig,
+    model: String,
+    groups: BTreeMap<GroupId, GroupState>,
+    requests_in_window: usize,
+    windows: u64,
+    float_requests: HashSet<SeqId>,
+    batch_float: bool,
+    decisions: BTreeMap<Decision, u64>,
+    pub config_md5: Option<String>,
+}
+
+/// Channels excluded by configuration: the global list for groups reading the residual
+/// stream, plus the group's own list.
+fn configured_channels(cfg: &MonitorConfig, g: GroupId) -> Vec<usize> {
+    let residual_input = matches!(
+        g.kind,
+        quantmesh_types::GroupKind::Qkv | quantmesh_types::GroupKind::GateUp
+    );
+    let mut v = if residual_input {
+        cfg.massive_channels.clone()
+    } else {
+        Vec::new()
+    };
+    if let Some(o) = cfg.overrides.get(&g.to_string()) {
+        v.extend(&o.massive_channels);
+    }
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+fn union(a: &[usize], b: &[usize]) -> Vec<usize> {
+    let mut v: Vec<usize> = a.iter().chain(b).copied().collect();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+fn median(v: &mut [f32]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    if v.is_empty() {
+        0.0
+    } else {
+        v[v.len() / 2] as f64
+    }
+}
+
+impl Monitor {
+    pub fn new(cfg: MonitorConfig, model: &str, residencies: &[(GroupId, Residency)]) -> Self {
+        let groups = residencies
+            .iter()
+            .map(|(g, r)| {
+                let o = cfg
+                    .overrides
+                    .get(&g.to_string())
+                    .cloned()
+                    .unwrap_or_default();
+                let residual_input = matches!(
+                    g.kind,
+                    quantmesh_types::GroupKind::Qkv | quantmesh_types::GroupKind::GateUp
+                );
+                let excluded = configured_channels(&cfg, *g);
+                (
+                    *g,
+                    GroupState {
+                        residency: *r,
+                        residual_input,
+                        k: o.k.unwrap_or(cfg.k),
+                        trigger: o.trigger_rate.unwrap_or(cfg.trigger_rate),
+                        argmax_counts: HashMap::new(),
+                        learn_rows: 0,
+                        warm: Vec::new(),
+                        excluded,
+                        learned: Vec::new(),
+                        ready: false,
+                        mean: 0.0,
+                        var: 0.0,
+                        window_tokens: 0,
+                        window_outliers: 0,
+                        last_rate: None,
+                        mode: GroupMode::Int8,
+                        quiet: 0,
+                        reason: None,
+                        wanted_unavailable: false,
+                        token_bound: f32::INFINITY,
+                    },
+                )
+            })
+            .collect();
+        Self {
+            cfg,
+            model: model.to_string(),
+            groups,
+            requests_in_window: 0,
+            windows: 0,
+            float_requests: HashSet::new(),
+            batch_float: false,
+            decisions: BTreeMap::new(),
+            config_md5: None,
+        }
+    }
+
+    pub fn config(&self) -> &MonitorConfig {
+        &self.cfg
+    }
+
+    /// Hot reload: new thresholds and residencies. Learned state (running statistics,
+    /// learned channels, modes) is kept. `k` applies from the next observation, the
+    /// trigger rate and window size at the next window end; a group that lost its float
+    /// copy leaves fallback and is marked "wanted, unavailable".
+    pub fn reconfigure(
+        &mut self,
+        cfg: MonitorConfig,
+        residencies: &[(GroupId, Residency)],
+        config_md5: Option<String>,
+    ) {
+        for (g, r) in residencies {
+            if let Some(s) = self.groups.get_mut(g) {
+                if s.residency.has_float() && !r.has_float() && s.in_float() {
+                    s.mode = GroupMode::Int8;
+                    s.wanted_unavailable = true;
+                }
+                s.residency = *r;
+            }
+        }
+        for (g, s) in self.groups.iter_mut() {
+            let o = cfg
+                .overrides
+                .get(&g.to_string())
+                .cloned()
+                .unwrap_or_default();
+            s.k = o.k.unwrap_or(cfg.k);
+            s.trigger = o.trigger_rate.unwrap_or(cfg.trigger_rate);
+            s.excluded = union(&configured_channels(&cfg, *g), &s.learned);
+            if s.ready {
+                s.token_bound = s.bound(cfg.token_k) as f32;
+            }
+        }
+        self.cfg = cfg;
+        self.config_md5 = config_md5;
+    }
+
+    fn event(
+        &mut self,
+        group: Option<GroupId>,
+        granularity: Granularity,
+        action: FallbackAction,
+        reason: FallbackReason,
+    ) -> FallbackEvent {
+        *self
+            .decisions
+            .entry(Decision {
+                granularity,
+                reason,
+                action,
+            })
+            .or_default() += 1;
+        let st = group.and_then(|g| self.groups.get(&g));
+        FallbackEvent {
+            schema_version: FALLBACK_EVENT_SCHEMA_VERSION,
+            event_id: uuid_v4(),
+            timestamp_ms: now_ms(),
+            model: self.model.clone(),
+            group: group.map(|g| g.to_string()),
+            granularity,
+            action,
+            reason,
+            outlier_rate: st.and_then(|s| s.last_rate),
+            mean: st.filter(|s| s.ready).map(|s| s.mean),
+            sigma: st.filter(|s| s.ready).map(|s| s.sigma()),
+            k: st.map(|s| s.k),
+            kl: None,
+            token_ids: Vec::new(),
+            positions: Vec::new(),
+            request_id: None,
+            config_md5: self.config_md5.clone(),
+        }
+    }
+
+    /// The detector parameters the executor needs (published inside the mask).
+    pub fn detector_params(&self) -> Option<Arc<DetectorParams>> {
+        if !self.cfg.enabled {
+            return None;
+        }
+        let groups = self
+            .groups
+            .iter()
+            .map(|(g, s)| {
+                let learning = !s.ready && s.learn_rows < self.cfg.warmup_tokens / 2;
+                let token_bound = if s.mode == GroupMode::ForcedInt8 {
+                    f32::INFINITY
+                } else {
+                    s.token_bound
+                };
+                (
+                    *g,
+                    GroupDetector {
+                        excluded_channels: s.excluded.clone(),
+                        token_bound,
+                        learn_channels: learning,
+                    },
+                )
+            })
+            .collect();
+        Some(Arc::new(DetectorParams {
+            groups,
+            skip_positions: self.cfg.skip_positions.clone(),
+            shadow_sample_rate: self.cfg.shadow_sample_rate,
+        }))
+    }
+
+    /// Write the monitor's decisions into a mask (keeps explicit per-token rows).
+    pub fn apply_to(&self, mask: &mut PathMask) {
+        mask.float_groups = self
+            .groups
+            .iter()
+            .filter(|(_, s)| s.in_float())
+            .map(|(g, _)| *g)
+            .collect();
+        mask.kv_float_layers = mask.float_groups.iter().map(|g| g.layer).collect();
+        mask.float_requests = self.float_requests.clone();
+        mask.float_batch = self.batch_float;
+        mask.detector = self.detector_params();
+    }
+
+    /// Feed one step's observations. Returns the decisions taken.
+    pub fn observe(&mut self, out: &StepOutput) -> Vec<FallbackEvent> {
+        let mut events = Vec::new();
+        let half = self.cfg.warmup_tokens / 2;
+        for obs in &out.obs {
+            let Some(s) = self.groups.get_mut(&obs.group) else {
+                continue;
+            };
+            for (i, &x) in obs.stats.iter().enumerate() {
+                if !x.is_finite() {
+                    continue; // skipped position (NaN marker) or non-finite (handled below)
+                }
+                if !s.ready {
+                    if s.learn_rows < half {
+                        if let Some(&c) = obs.argmax.get(i) {
+                            *s.argmax_counts.entry(c).or_default() += 1;
+                        }
+                        s.learn_rows += 1;
+                        if s.learn_rows == half {
+                            let need = (self.cfg.massive_channel_share * half as f64).ceil() as u32;
+                            let mut learned: Vec<usize> = s
+                                .argmax_counts
+                                .iter()
+                                .filter(|(_, &n)| n >= need.max(1))
+                                .map(|(&c, _)| c as usize)
+                                .collect();
+                            if !s.residual_input {
+                                learned.clear();
+                            }
+                            learned.sort_unstable();
+                            s.learned = learned;
+                            s.excluded = union(&s.excluded, &s.learned);
+                        }
+                        // Rows seen while learning were measured without exclusions.
+                        continue;
+                    }
+                    s.warm.push(x);
+                    if s.warm.len() >= half.max(1) {
+                        let med = median(&mut s.warm);
+                        let mut dev: Vec<f32> = s
+                            .warm
+                            .iter()
+                            .map(|v| (*v as f64 - med).abs() as f32)
+                            .collect();
+                        let mad = median(&mut dev);
+                        let sigma = (1.4826 * mad).max(1e-3 * med.abs()).max(1e-6);
+                        s.mean = med;
+                        s.var = sigma * sigma;
+                        s.ready = true;
+                        s.warm = Vec::new();
+                        s.token_bound = s.bound(self.cfg.token_k) as f32;
+                    }
+                    continue;
+                }
+                s.window_tokens += 1;
+                let x = x as f64;
+                if x > s.bound(s.k) {
+                    s.window_outliers += 1;
+                } else {
+                    let d = x - s.mean;
+                    s.mean += EMA_ALPHA * d;
+                    s.var = (1.0 - EMA_ALPHA) * (s.var + EMA_ALPHA * d * d);
+                }
+            }
+            if !obs.token_float_rows.is_empty() {
+                // Group the routed rows by request: one per-token event per (group, request).
+                let mut by_seq: BTreeMap<SeqId, (Vec<u32>, Vec<usize>)> = BTreeMap::new();
+                for &r in &obs.token_float_rows {
+                    if let Some(&(seq, pos, tok)) = out.rows.get(r) {
+                        let e = by_seq.entry(seq).or_default();
+                        e.0.push(tok);
+                        e.1.push(pos);
+                    }
+                }
+                let group = obs.group;
+                let has_float = s.residency.has_float();
+                for (seq, (toks, pos)) in by_seq {
+                    let action = if has_float {
+                        FallbackAction::Enter
+                    } else {
+                        FallbackAction::Unavailable
+                    };
+                    let mut ev = self.event(
+                        Some(group),
+                        Granularity::Token,
+                        action,
+                        FallbackReason::ExtremeToken,
+                    );
+                    ev.token_ids = toks;
+                    ev.positions = pos;
+                    ev.request_id = Some(seq);
+                    events.push(ev);
+                }
+            }
+        }
+        for &(seq, kl) in &out.shadow_kl {
+            if kl > self.cfg.request_kl_limit && self.float_requests.insert(seq) {
+                let mut ev = self.event(
+                    None,
+                    Granularity::Request,
+                    FallbackAction::Enter,
+                    FallbackReason::ShadowKl,
+                );
+                ev.kl = Some(kl);
+                ev.request_id = Some(seq);
+                events.push(ev);
+            }
+        }
+        if out.non_finite {
+            events.push(self.event(
+                None,
+                Granularity::Batch,
+                FallbackAction::Enter,
+                FallbackReason::NonFinite,
+            ));
+        }
+        events
+    }
+
+    /// Requests finished: forget their per-request flags; end the window every
+    /// `window_requests` requests.
+    pub fn requests_finished(&mut self, seqs: &[SeqId]) -> Vec<FallbackEvent> {
+        let mut events = Vec::new();
+        for s in seqs {
+            self.float_requests.remove(s);
+            self.requests_in_window += 1;
+            if self.requests_in_window >= self.cfg.window_requests.max(1) {
+                events.extend(self.end_window());
+            }
+        }
+        events
+    }
+
+    /// Close the current window: decide per group, then the batch flag.
+    pub fn end_window(&mut self) -> Vec<FallbackEvent> {
+        self.windows += 1;
+        self.requests_in_window = 0;
+        let mut events = Vec::new();
+        let ids: Vec<GroupId> = self.groups.keys().copied().collect();
+        for g in ids {
+            let Some(s) = self.groups.get_mut(&g) else {
+                continue;
+            };
+            let decided = s.ready && s.window_tokens >= self.cfg.min_window_tokens;
+            let rate = if s.window_tokens > 0 {
+                s.window_outliers as f64 / s.window_tokens as f64
+            } else {
+                0.0
+            };
+            if decided {
+                s.last_rate = Some(rate);
+            }
+            s.window_tokens = 0;
+            s.window_outliers = 0;
+            if s.ready {
+                s.token_bound = s.bound(self.cfg.token_k) as f32;
+            }
+            if !decided {
+                continue;
+            }
+            let mut ev = None;
+            match s.mode {
+                GroupMode::Int8 if rate > s.trigger => {
+                    if s.residency.has_float() {
+                        s.mode = GroupMode::Fallback;
+                        s.quiet = 0;
+                        s.reason = Some(FallbackReason::OutlierRate);
+                        ev = Some((FallbackAction::Enter, FallbackReason::OutlierRate));
+                    } else {
+                        s.wanted_unavailable = true;
+                        s.reason = Some(FallbackReason::OutlierRate);
+                        ev = Some((FallbackAction::Unavailable, FallbackReason::OutlierRate));
+                    }
+                }
+                GroupMode::Fallback => {
+                    if rate < s.trigger / 2.0 {
+                        s.quiet += 1;
+                        if s.quiet >= self.cfg.recovery_windows {
+                            s.mode = GroupMode::Int8;
+                            s.quiet = 0;
+                            s.reason = Some(FallbackReason::Recovered);
+                            ev = Some((FallbackAction::Exit, FallbackReason::Recovered));
+                        }
+                    } else {
+                        s.quiet = 0;
+                    }
+                }
+                _ => {}
+            }
+            if let Some((action, reason)) = ev {
+                let e = self.event(Some(g), Granularity::Layer, action, reason);
+                tracing::info!(group = %g, ?action, ?reason, rate, "layer fallback decision");
+                events.push(e);
+            }
+        }
+        events.extend(self.couple_mlp());
+        let share = self.groups.values().filter(|s| s.in_float()).count() as f64
+            / self.groups.len().max(1) as f64;
+        let want_batch = share > self.cfg.batch_group_share;
+        if want_batch != self.batch_float {
+            self.batch_float = want_batch;
+            let action = if want_batch {
+                FallbackAction::Enter
+            } else {
+                FallbackAction::Exit
+            };
+            events.push(self.event(None, Granularity::Batch, action, FallbackReason::LayerShare));
+        }
+        events
+    }
+
+    /// `gate_up` follows its layer's `down` in and out of an automatic fallback.
+    fn couple_mlp(&mut self) -> Vec<FallbackEvent> {
+        let mut events = Vec::new();
+        let layers: Vec<usize> = self
+            .groups
+            .keys()
+            .map(|g| g.layer)
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        for l in layers {
+            let down = GroupId::new(l, quantmesh_types::GroupKind::Down);
+            let gu = GroupId::new(l, quantmesh_types::GroupKind::GateUp);
+            let down_auto_float = self
+                .groups
+                .get(&down)
+                .is_some_and(|s| s.mode == GroupMode::Fallback && s.in_float());
+            let Some(g) = self.groups.get_mut(&gu) else {
+                continue;
+            };
+            let change = match (g.mode, down_auto_float) {
+                (GroupMode::Int8, true) if g.residency.has_float() => Some((
+                    GroupMode::Coupled,
+                    FallbackAction::Enter,
+                    FallbackReason::OutlierRate,
+                )),
+                (GroupMode::Coupled, false) => Some((
+                    GroupMode::Int8,
+                    FallbackAction::Exit,
+                    FallbackReason::Recovered,
+                )),
+                _ => None,
+            };
+            if let Some((mode, action, reason)) = change {
+                g.mode = mode;
+                g.reason = Some(reason);
+                events.push(self.event(Some(gu), Granularity::Layer, action, reason));
+            }
+        }
+        events
+    }
+
+    /// Pin a group (admin API).
+    pub fn force(&mut self, g: GroupId, mode: ForceMode) -> Result<Vec<FallbackEvent>, String> {
+        let s = self
+            .groups
+            .get_mut(&g)
+            .ok_or_else(|| format!("no group {g}"))?;
+        if mode == ForceMode::Float && !s.residency.has_float() {
+            return Err(format!(
+                "{g} holds only INT8 weights (residency int8): no float path to force"
+            ));
+        }
+        let was_float = s.in_float();
+        s.mode = match mode {
+            ForceMode::Float => GroupMode::ForcedFloat,
+            ForceMode::Int8 => GroupMode::ForcedInt8,
+            ForceMode::Auto => GroupMode::Int8,
+        };
+        s.quiet = 0;
+        s.reason = Some(FallbackReason::Admin);
+        let now_float = s.in_float();
+        let mut events = Vec::new();
+        if was_float != now_float {
+            let action = if now_float {
+                FallbackAction::Enter
+            } else {
+                FallbackAction::Exit
+            };
+            events.push(self.event(Some(g), Granularity::Layer, action, FallbackReason::Admin));
+        }
+        Ok(events)
+    }
+
+    pub fn mode(&self, g: GroupId) -> Option<GroupMode> {
+        self.groups.get(&g).map(|s| s.mode)
+    }
+
+    pub fn report(&self) -> MonitorReport {
+        MonitorReport {
+            enabled: self.cfg.enabled,
+            windows_completed: self.windows,
+            requests_in_window: self.requests_in_window,
+            groups: self
+                .groups
+                .iter()
+                .map(|(g, s)| GroupReport {
+                    group: g.to_string(),
+                    residency: s.residency,
+                    mode: s.mode,
+                    ready: s.ready,
+                    mean: s.mean,
+                    sigma: s.sigma(),
+                    k: s.k,
+                    trigger_rate: s.trigger,
+                    last_window_rate: s.last_rate,
+                    window_tokens: s.window_tokens,
+                    window_outliers: s.window_outliers,
+                    excluded_channels: s.excluded.clone(),
+                    reason: s.reason,
+                    wanted_fallback_unavailable: s.wanted_unavailable,
+                })
+                .collect(),
+            float_requests: self.float_requests.len(),
+            batch_float: self.batch_float,
+            decisions: self
+                .decisions
+                .iter()
+                .map(|(d, n)| DecisionCount {
+                    decision: *d,
+                    count: *n,
+                })
+                .collect(),
+            groups_in_float: self.groups.values().filter(|s| s.in_float()).count(),
+        }
+    }
+}
+
+/// A random UUID v4 string.
+pub fn uuid_v4() -> String {
+    uuid::Uuid::new_v4().to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::precision::GroupObs;
+    use quantmesh_types::GroupKind;
+
+    fn groups() -> Vec<(GroupId, Residency)> {
+        (0..2)
+            .flat_map(|l| GroupKind::ALL.map(|k| (GroupId::new(l, k), Residency::Dual)))
+            .collect()
+    }
+
+    fn cfg() -> MonitorConfig {
+        MonitorConfig {
+            window_requests: 1,
+            warmup_tokens: 200,
+            min_window_tokens: 50,
+            recovery_windows: 2,
+            ..Default::default()
+        }
+    }
+
+    /// A step of `n` rows where group `hot` has every `every`-th row at 50 (others ≈ 1),
+    /// and channel 3 is the abs-argmax of every row (a massive fixed channel).
+    fn step(n: usize, hot: Option<GroupId>, every: usize, seed: usize) -> StepOutput {
+        let rows: Vec<(SeqId, usize, u32)> = (0..n).map(|i| (1, i + 1, 7)).collect();
+        let obs = groups()
+            .into_iter()
+            .map(|(g, _)| GroupObs {
+                group: g,
+                stats: (0..n)
+                    .map(|i| {
+                        let base = 1.0 + 0.1 * (((i + seed) * 37 % 17) as f32 / 17.0);
+                        if Some(g) == hot && every > 0 && i % every == 0 {
+                            50.0
+                        } else {
+                            base
+                        }
+                    })
+                    .collect(),
+                token_float_rows: Vec::new(),
+                argmax: vec![3; n],
+            })
+            .collect();
+        StepOutput {
+            rows,
+            obs,
+            num_tokens: n,
+            ..Default::default()
+        }
+    }
+
+    fn warm(m: &mut Monitor) {
+        m.observe(&step(200, None, 0, 0));
+        m.end_window();
+    }
+
+    #[test]
+    fn planted_outliers_in_one_group_trigger_exactly_that_group() {
+        let mut m = Monitor::new(cfg(), "t", &groups());
+        warm(&mut m);
+        let hot = GroupId::new(1, GroupKind::O);
+        m.observe(&step(100, Some(hot), 20, 1)); // 5 % outliers
+        let ev = m.requests_finished(&[1]);
+        assert_eq!(ev.len(), 1, "{ev:?}");
+        assert_eq!(ev[0].group.as_deref(), Some("layers.1.o"));
+        assert_eq!(
+            (ev[0].granularity, ev[0].action, ev[0].reason),
+            (
+                Granularity::Layer,
+                FallbackAction::Enter,
+                FallbackReason::OutlierRate
+            )
+        );
+        assert!(ev[0].outlier_rate.unwrap() > 0.04);
+        let mut mask = PathMask::default();
+        m.apply_to(&mut mask);
+        assert_eq!(
+            mask.float_groups.iter().copied().collect::<Vec<_>>(),
+            vec![hot]
+        );
+        assert_eq!(
+            mask.kv_float_layers.iter().copied().collect::<Vec<_>>(),
+            vec![1]
+        );
+        // channel 3 was learned as massive in every residual-input group, not elsewhere
+        let d = mask.detector.unwrap();
+        assert_eq!(
+            d.groups[&GroupId::new(0, GroupKind::Qkv)].excluded_channels,
+            vec![3]
+        );
+        assert!(d.groups[&GroupId::new(0, GroupKind::Down)]
+            .excluded_channels
+            .is_empty());
+    }
+
+    #[test]
+    fn down_fallback_takes_its_gate_up_along_and_back() {
+        let mut m = Monitor::new(cfg(), "t", &groups());
+        warm(&mut m);
+        let down = GroupId::new(0, GroupKind::Down);
+        let gu = GroupId::new(0, GroupKind::GateUp);
+        m.observe(&step(100, Some(down), 10, 1));
+        let ev = m.end_window();
+        assert_eq!(
+            ev.iter()
+                .map(|e| e.group.clone().unwrap())
+                .collect::<Vec<_>>(),
+            vec!["layers.0.down", "layers.0.gate_up"]
+        );
+        assert_eq!(m.mode(gu), Some(GroupMode::Coupled));
+        let mut mask = PathMask::default();
+        m.apply_to(&mut mask);
+        assert!(mask.float_groups.contains(&gu) && mask.float_groups.contains(&down));
+        for i in 0..2 {
+            m.observe(&step(100, None, 0, 10 + i));
+            m.end_window();
+        }
+        assert_eq!(m.mode(down), Some(GroupMode::Int8));
+        assert_eq!(m.mode(gu), Some(GroupMode::Int8));
+    }
+
+    #[test]
+    fn recovery_after_m_quiet_windows_and_not_before() {
+        let mut m = Monitor::new(cfg(), "t", &groups());
+        warm(&mut m);
+        let hot = GroupId::new(0, GroupKind::O);
+        m.observe(&step(100, Some(hot), 10, 2));
+        m.end_window();
+        assert_eq!(m.mode(hot), Some(GroupMode::Fallback));
+        // one quiet window: still in fallback
+        m.observe(&step(100, None, 0, 3));
+        assert!(m.end_window().is_empty());
+        assert_eq!(m.mode(hot), Some(GroupMode::Fallback));
+        // a noisy window in between resets the count (rate ≥ trigger/2 but ≤ trigger)
+        m.observe(&step(200, Some(hot), 200, 4)); // 0.5 %... exactly trigger/2
+        m.end_window();
+        m.observe(&step(100, None, 0, 5));
+        assert!(m.end_window().is_empty(), "count restarted");
+        assert_eq!(m.mode(hot), Some(GroupMode::Fallback));
+        m.observe(&step(100, None, 0, 6));
+        let ev = m.end_window();
+        assert_eq!(ev.len(), 1);
+        assert_eq!(
+            (ev[0].action, ev[0].reason),
+            (FallbackAction::Exit, FallbackReason::Recovered)
+        );
+        assert_eq!(m.mode(hot), Some(GroupMode::Int8));
+    }
+
+    #[test]
+    fn int8_only_group_reports_unavailable() {
+        let mut gs = groups();
+        gs[0].1 = Residency::Int8;
+        let g0 = gs[0].0;
+        let mut m = Monitor::new(cfg(), "t", &gs);
+        warm(&mut m);
+        m.observe(&step(100, Some(g0), 10, 1));
+        let ev = m.end_window();
+        assert_eq!(ev[0].action, FallbackAction::Unavailable);
+        let mut mask = PathMask::default();
+        m.apply_to(&mut mask);
+        assert!(mask.float_groups.is_empty());
+        assert!(m.report().groups[0].wanted_fallback_unavailable);
+        assert!(m.force(g0, ForceMode::Float).is_err());
+    }
+
+    #[test]
+    fn nan_kl_and_batch_share_decisions() {
+        let mut m = Monitor::new(
+            MonitorConfig {
+                batch_group_share: 0.1,
+                ..cfg()
+            },
+            "t",
+            &groups(),
+        );
+        warm(&mut m);
+        let mut s = step(10, None, 0, 1);
+        s.non_finite = true;
+        s.shadow_kl = vec![(5, 0.5), (6, 0.001)];
+        let ev = m.observe(&s);
+        assert!(ev
+            .iter()
+            .any(|e| e.granularity == Granularity::Batch && e.reason == FallbackReason::NonFinite));
+        let req: Vec<_> = ev
+            .iter()
+            .filter(|e| e.granularity == Granularity::Request)
+            .collect();
+        assert_eq!(req.len(), 1);
+        assert_eq!(req[0].request_id, Some(5));
+        let mut mask = PathMask::default();
+        m.apply_to(&mut mask);
+        assert!(mask.float_requests.contains(&5) && !mask.float_requests.contains(&6));
+        m.requests_finished(&[5]);
+        m.apply_to(&mut mask);
+        assert!(mask.float_requests.is_empty());
+        // two of 8 groups forced to float > 10 % share → whole batch float at window end
+        m.force(GroupId::new(0, GroupKind::O), ForceMode::Float)
+            .unwrap();
+        m.force(GroupId::new(1, GroupKind::O), ForceMode::Float)
+            .unwrap();
+        let ev = m.end_window();
+        assert!(
+            ev.iter()
+                .any(|e| e.granularity == Granularity::Batch
+                    && e.reason == FallbackReason::LayerShare)
+        );
+        m.apply_to(&mut mask);
+        assert!(mask.float_batch);
+    }
+}

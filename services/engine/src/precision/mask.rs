@@ -1,0 +1,92 @@
+//! The fallback mask: which path every layer group, token, request and batch takes.
+//!
+//! Published as an immutable snapshot through `arc-swap`: writers (the activation monitor,
+//! admin routes, tests) build a new snapshot and swap it in; the executor loads it once
+//! per step, so a decision takes effect at the next step and a step never sees a
+//! half-applied mask.
+
+use crate::kv::SeqId;
+use arc_swap::ArcSwap;
+use quantmesh_types::GroupId;
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::Arc;
+
+/// What the executor needs to compute the monitor's statistics and the per-token bound.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct GroupDetector {
+    /// Input channels left out of the statistic (massive fixed channels).
+    pub excluded_channels: Vec<usize>,
+    /// Rows whose statistic exceeds this run this group in float in the same step
+    /// (`f32::INFINITY` until the group is warmed up).
+    pub token_bound: f32,
+    /// Report each row's abs-argmax channel (warm-up, learning the massive channels).
+    pub learn_channels: bool,
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DetectorParams {
+    pub groups: std::collections::BTreeMap<GroupId, GroupDetector>,
+    /// Positions whose rows are never measured (attention sinks).
+    pub skip_positions: Vec<usize>,
+    /// Fraction of steps that also compute float-path logits (shadow KL).
+    pub shadow_sample_rate: f64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PathMask {
+    /// Per-layer granularity: groups that run their float path for every row.
+    pub float_groups: BTreeSet<GroupId>,
+    /// Layers whose KV cache takes new tokens in float.
+    pub kv_float_layers: BTreeSet<usize>,
+    /// Per-token granularity: (sequence, absolute position) rows computed in float in a group.
+    pub float_tokens: HashMap<GroupId, HashSet<(SeqId, usize)>>,
+    /// Per-request granularity: every remaining token of these sequences runs in float.
+    pub float_requests: HashSet<SeqId>,
+    /// Per-batch granularity (last resort): the whole step runs in float.
+    pub float_batch: bool,
+    /// Bumped by every publish; reported with step results.
+    pub version: u64,
+    /// Activation monitoring parameters; `None` = monitoring off.
+    pub detector: Option<Arc<DetectorParams>>,
+}
+
+impl PathMask {
+    /// Every linear group of a `num_layers`-layer model on its float path (the reference
+    /// the INT8 path is measured against).
+    pub fn all_groups_float(num_layers: usize) -> Self {
+        let mut m = PathMask::default();
+        for l in 0..num_layers {
+            for k in quantmesh_types::GroupKind::ALL {
+                m.float_groups.insert(GroupId::new(l, k));
+            }
+        }
+        m
+    }
+}
+
+/// Shared handle to the current mask.
+#[derive(Debug, Clone, Default)]
+pub struct MaskHandle {
+    inner: Arc<ArcSwap<PathMask>>,
+}
+
+impl MaskHandle {
+    pub fn load(&self) -> Arc<PathMask> {
+        self.inner.load_full()
+    }
+
+    /// Apply `f` to a copy of the current mask and publish it atomically. Only the monitor
+    /// actor writes the mask.
+    pub(crate) fn update(&self, f: impl Fn(&mut PathMask)) -> Arc<PathMask> {
+        let mut published = None;
+        self.inner.rcu(|cur| {
+            let mut next = PathMask::clone(cur);
+            f(&mut next);
+            next.version = cur.version + 1;
+            let next = Arc::new(next);
+            published = Some(next.clone());
+            next
+        });
+        published.unwrap_or_else(|| self.load())
+    }
+}

@@ -1,0 +1,141 @@
+//! One step under the precision policy, the same for every backend: the served pass under
+//! the mask; on a sampled share of steps a float-only shadow pass first (KL to the float
+//! model per sequence); after a NaN/Inf in activations or logits the whole step again in
+//! float.
+
+use crate::backend::{Backend, GroupOutcome, StepInput};
+use crate::error::Result;
+use crate::kv::{KvCache, SeqId};
+use crate::precision::mask::PathMask;
+use crate::precision::probe::GroupObs;
+use crate::precision::router::MaskRouter;
+use quantmesh_model::ops::kl_logits;
+use quantmesh_types::GroupId;
+
+/// What a step produced.
+#[derive(Debug, Clone, Default)]
+pub struct StepOutput {
+    /// Logits of the last token of each chunk that asked for them.
+    pub logits: Vec<(SeqId, Vec<f32>)>,
+    /// Row counts per group and path.
+    pub outcomes: Vec<(GroupId, GroupOutcome)>,
+    /// The mask version this step ran under.
+    pub mask_version: u64,
+    pub num_tokens: usize,
+    /// (sequence, position, token id) of every row, in row order.
+    pub rows: Vec<(SeqId, usize, u32)>,
+    /// Activation statistics per monitored group (empty when monitoring is off).
+    pub obs: Vec<GroupObs>,
+    /// Sampled KL(P_float ‖ P_served) per sequence with logits (shadow steps only).
+    pub shadow_kl: Vec<(SeqId, f64)>,
+    /// NaN/Inf seen in activations or logits: the step was recomputed in float.
+    pub non_finite: bool,
+    /// Time spent choosing paths (mask checks and per-token routing).
+    pub mask_check_ns: u64,
+    /// Time spent computing activation statistics (monitoring).
+    pub stats_ns: u64,
+}
+
+/// Runs steps on a backend under the mask. Holds the step counter that spreads shadow
+/// passes evenly (a Weyl sequence: deterministic, no RNG).
+#[derive(Debug, Default)]
+pub struct StepRunner {
+    steps: u64,
+}
+
+impl StepRunner {
+    /// Run one step. `kv_int8`: whether new KV entries are stored in INT8 (layers listed in
+    /// `mask.kv_float_layers` store float regardless).
+    ///
+    /// With monitoring on, a deterministic `shadow_sample_rate` share of steps first runs a
+    /// float-only pass to get `KL(P_float ‖ P_served)` for each sequence's next token (the
+    /// served pass then rewrites the step's KV slots, so the cache holds served values). A
+    /// NaN/Inf in activations or logits makes the whole step recompute in float.
+    pub fn run(
+        &mut self,
+        backend: &dyn Backend,
+        step: &StepInput,
+        mask: &PathMask,
+        kv: &mut KvCache,
+        kv_int8: bool,
+    ) -> Result<StepOutput> {
+        for &(src, dst) in &step.copies {
+            kv.copy_page(src, dst);
+        }
+        let n = self.steps;
+        self.steps += 1;
+        let float_mask = || PathMask {
+            float_batch: true,
+            detector: None,
+            ..mask.clone()
+        };
+        let shadow = match &mask.detector {
+            Some(d) if d.shadow_sample_rate > 0.0 && !mask.float_batch => {
+                ((n as f64 * 0.618_033_988_749_895) % 1.0) < d.shadow_sample_rate
+            }
+            _ => false,
+        };
+        let shadow_logits = if shadow {
+            Some(pass(backend, step, &float_mask(), kv, kv_int8)?.logits)
+        } else {
+            None
+        };
+        let mut out = pass(backend, step, mask, kv, kv_int8)?;
+        let bad_logits = out
+            .logits
+            .iter()
+            .any(|(_, l)| l.iter().any(|x| !x.is_finite()));
+        if out.non_finite || bad_logits {
+            tracing::warn!(
+                tokens = out.num_tokens,
+                "non-finite activations or logits: recomputing the step in float"
+            );
+            let again = pass(backend, step, &float_mask(), kv, kv_int8)?;
+            out.logits = again.logits;
+            out.outcomes.extend(again.outcomes);
+            out.non_finite = true;
+        }
+        if let Some(fl) = shadow_logits {
+            out.shadow_kl = fl
+                .iter()
+                .zip(&out.logits)
+                .filter(|((a, _), (b, _))| a == b)
+                .map(|((s, f), (_, q))| (*s, kl_logits(f, q)))
+                .collect();
+        }
+        Ok(out)
+    }
+}
+
+/// One pass of the backend under one mask.
+fn pass(
+    backend: &dyn Backend,
+    step: &StepInput,
+    mask: &PathMask,
+    kv: &mut KvCache,
+    kv_int8: bool,
+) -> Result<StepOutput> {
+    let mut router = MaskRouter::new(mask, step.rows(), kv_int8);
+    let logits = backend.pass(step, &mut router, kv)?.logits;
+    Ok(StepOutput {
+        logits,
+        outcomes: router.outcomes,
+        mask_version: mask.version,
+        num_tokens: step.num_tokens(),
+        rows: step
+            .chunks
+            .iter()
+            .flat_map(|c| {
+                c.tokens
+                    .iter()
+                    .enumerate()
+                    .map(move |(i, t)| (c.seq, c.start_pos + i, *t))
+            })
+            .collect(),
+        obs: router.obs,
+        shadow_kl: Vec::new(),
+        non_finite: router.non_finite,
+        mask_check_ns: router.mask_check_ns,
+        stats_ns: router.stats_ns,
+    })
+}

@@ -1,0 +1,411 @@
+//! Config hot reload: the `ConfigActor` polls the `sensitive_layers.json` source, and on a
+//! new version (md5 of its bytes) validates it against the loaded model and applies it with
+//! no restart.
+//!
+//! ```text
+//!  ConfigActor ──(timer: Poll, or ReloadNow from SIGHUP / POST /admin/config/reload)
+//!     │  read source (object_store) → md5 → unchanged? done
+//!     │  parse + validate (schema v1, against the model's layout) → invalid? keep old, count, event
+//!     │  resolve plan → groups whose residency changes
+//!     ├─ background thread: load those groups from the memory-mapped checkpoint
+//!     │  (float copy read / INT8 quantized) ── nothing is swapped until all are ready
+//!     ├─ SwapGroups ──▶ ExecutorActor   (between two steps: a step sees the old plan or the new)
+//!     ├─ Reconfigure ─▶ MonitorActor    (thresholds; k at once, rates at the next window)
+//!     └─ status (md5 in force, counters) + ConfigEvent to the event sinks
+//! ```
+//!
+//! Reloads are serialized. A poll that finds a reload in progress skips its turn. A poll
+//! that sees new bytes re-reads them after a short settle time (a quarter of the interval,
+//! at most 250 ms) and skips its turn if they changed meanwhile (a writer is still busy);
+//! a half-written file that stays half-written fails validation and is rejected.
+
+use crate::backend::{GroupLoader, PreparedGroup};
+use crate::config::EngineConfig;
+use crate::error::{EngineError, Result};
+use crate::events::EventSink;
+use crate::executor::ExecutorActor;
+use crate::executor::SwapGroups;
+use crate::metrics::{EngineMetrics, ReloadResult};
+use crate::monitor::Reconfigure;
+use crate::monitor::{uuid_v4, MonitorActor};
+use crate::plan::{resolve, LivePlan};
+use actix::prelude::*;
+use quantmesh_model::{Checkpoint, ModelConfig};
+use quantmesh_store::Location;
+use quantmesh_types::{
+    now_ms, ConfigAction, ConfigEvent, GroupId, ModelShape, Residency, SensitiveLayers,
+    CONFIG_EVENT_SCHEMA_VERSION,
+};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// What started a reload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Trigger {
+    Poll,
+    /// SIGHUP or the admin API.
+    Manual,
+}
+
+/// The result of one reload attempt.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "result", rename_all = "snake_case")]
+pub enum ReloadOutcome {
+    Applied {
+        md5: String,
+        changed_groups: Vec<String>,
+        /// From reading the source to the new plan in force.
+        seconds: f64,
+    },
+    Unchanged {
+        md5: String,
+    },
+    Rejected {
+        md5: String,
+        error: String,
+    },
+    /// Valid, but applying it failed (checkpoint unreadable, engine stopping).
+    Failed {
+        md5: String,
+        error: String,
+    },
+    /// The source could not be read; the plan in force stays.
+    FetchFailed {
+        error: String,
+    },
+    /// The bytes changed while being read (a writer is busy): try again next poll.
+    Settling,
+    /// Another reload is running (polls only).
+    Busy,
+}
+
+/// What `/metrics` and `GET /admin/config` show.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ConfigStatus {
+    pub source: Option<String>,
+    pub interval_ms: u64,
+    /// md5 of the file in force (`None`: none loaded).
+    pub md5: Option<String>,
+    /// Unix ms when it was applied.
+    pub applied_at_ms: Option<u64>,
+    pub polls: u64,
+    pub applied_total: u64,
+    pub rejected_total: u64,
+    pub failed_total: u64,
+    pub fetch_errors_total: u64,
+    pub last_error: Option<String>,
+    /// Seconds from read to applied, for the last applied version.
+    pub last_apply_seconds: Option<f64>,
+    /// Live thresholds and residencies (the plan in force).
+    pub k: f64,
+    pub trigger_rate: f64,
+    pub window_requests: usize,
+    pub residency: BTreeMap<String, Residency>,
+}
+
+/// What a [`Reloader`] is built from.
+pub struct ReloaderParts {
+    pub source: Location,
+    /// The engine's own configuration (the base the file is overlaid on).
+    pub base: EngineConfig,
+    pub model_dir: PathBuf,
+    pub model_config: ModelConfig,
+    pub shape: ModelShape,
+    pub model_name: String,
+    /// The plan the engine started with.
+    pub live: LivePlan,
+    pub executor: Addr<ExecutorActor>,
+    pub monitor: Option<Addr<MonitorActor>>,
+    /// How the backend builds a group whose residency changes.
+    pub loader: GroupLoader,
+    pub sinks: Vec<Arc<dyn EventSink>>,
+    pub status: Arc<Mutex<ConfigStatus>>,
+    pub metrics: EngineMetrics,
+}
+
+/// Everything a reload needs; shared by the actor and its futures.
+pub struct Reloader {
+    parts: ReloaderParts,
+    /// The plan in force and the last rejected md5. Held for the whole of a reload, which
+    /// serializes them.
+    state: tokio::sync::Mutex<ReloadState>,
+}
+
+struct ReloadState {
+    live: LivePlan,
+    rejected: Option<(String, String)>,
+}
+
+impl std::ops::Deref for Reloader {
+    type Target = ReloaderParts;
+    fn deref(&self) -> &ReloaderParts {
+        &self.parts
+    }
+}
+
+impl Reloader {
+    pub fn new(parts: ReloaderParts) -> Self {
+        let live = parts.live.clone();
+        let r = Self {
+            state: tokio::sync::Mutex::new(ReloadState {
+                live: live.clone(),
+                rejected: None,
+            }),
+            parts,
+        };
+        r.metrics.set_config_md5(live.md5.as_deref());
+        if live.md5.is_some() {
+            r.metrics.config_applied_at.set(now_ms() as f64 / 1000.0);
+        }
+        let interval = r.base.reload_interval;
+        r.update_status(|s| {
+            s.source = Some(r.source.to_string());
+            s.interval_ms = interval.as_millis() as u64;
+            s.applied_at_ms = live.md5.as_ref().map(|_| now_ms());
+            describe(s, &live);
+        });
+        r
+    }
+
+    fn update_status(&self, f: impl FnOnce(&mut ConfigStatus)) {
+        if let Ok(mut s) = self.status.lock() {
+            f(&mut s);
+        }
+    }
+
+    fn event(
+        &self,
+        action: ConfigAction,
+        md5: &str,
+        previous: Option<String>,
+        error: Option<String>,
+        changed: Vec<String>,
+    ) {
+        let ev = ConfigEvent {
+            schema_version: CONFIG_EVENT_SCHEMA_VERSION,
+            event_id: uuid_v4(),
+            timestamp_ms: now_ms(),
+            model: self.model_name.clone(),
+            action,
+            source: self.source.to_string(),
+            md5: md5.to_string(),
+            previous_md5: previous,
+            error,
+            changed_groups: changed,
+        };
+        for s in &self.sinks {
+            s.publish_config(&ev);
+        }
+    }
+
+    /// One reload attempt. Never panics, never leaves a half-applied plan.
+    pub async fn reload(&self, trigger: Trigger) -> ReloadOutcome {
+        let mut state = match trigger {
+            Trigger::Poll => match self.state.try_lock() {
+                Ok(s) => s,
+                Err(_) => return ReloadOutcome::Busy,
+            },
+            Trigger::Manual => self.state.lock().await,
+        };
+        let t0 = Instant::now();
+        let read = self.source.read().await;
+        if trigger == Trigger::Poll {
+            // Counted once the source has been read: a change written after a client saw
+            // `polls == n` is seen by poll n + 1, never half-way through poll n.
+            self.update_status(|s| s.polls += 1);
+            self.metrics.config_polls.inc();
+        }
+        let bytes = match read {
+            Ok(b) => b,
+            Err(e) => {
+                let error = e.to_string();
+                tracing::warn!(source = %self.source, %error, "config source unreadable; keeping the plan in force");
+                self.metrics.reload(ReloadResult::FetchError);
+                self.update_status(|s| {
+                    s.fetch_errors_total += 1;
+                    s.last_error = Some(error.clone());
+                });
+                return ReloadOutcome::FetchFailed { error };
+            }
+        };
+        let md5 = format!("{:x}", md5::compute(&bytes));
+        if state.live.md5.as_deref() == Some(md5.as_str()) {
+            return ReloadOutcome::Unchanged { md5 };
+        }
+        if let Some((bad, error)) = &state.rejected {
+            if *bad == md5 {
+                // Already rejected (and counted, logged, evented) once.
+                return ReloadOutcome::Rejected {
+                    md5,
+                    error: error.clone(),
+                };
+            }
+        }
+        if trigger == Trigger::Poll {
+            let settle = (self.base.reload_interval / 4).min(Duration::from_millis(250));
+            tokio::time::sleep(settle).await;
+            match self.source.read().await {
+                Ok(again) if again == bytes => {}
+                _ => return ReloadOutcome::Settling,
+            }
+        }
+        let previous = state.live.md5.clone();
+        let plan = match SensitiveLayers::parse_for(&bytes, &self.shape) {
+            Ok(p) => p,
+            Err(e) => {
+                let error = e.to_string();
+                self.refuse(ConfigAction::Rejected, &md5, previous, &error);
+                state.rejected = Some((md5.clone(), error.clone()));
+                return ReloadOutcome::Rejected { md5, error };
+            }
+        };
+        let live = resolve(
+            &self.base,
+            self.model_config.num_hidden_layers,
+            Some((&plan, &md5)),
+        );
+        match self.apply(&state.live, &live).await {
+            Ok(changed) => {
+                let seconds = t0.elapsed().as_secs_f64();
+                let names: Vec<String> = changed.iter().map(|g| g.to_string()).collect();
+                tracing::info!(source = %self.source, %md5, changed_groups = ?names, seconds, "sensitive_layers.json applied");
+                self.metrics.reload(ReloadResult::Applied);
+                self.metrics.set_config_md5(Some(&md5));
+                self.metrics.config_apply_seconds.set(seconds);
+                self.metrics.config_applied_at.set(now_ms() as f64 / 1000.0);
+                self.update_status(|s| {
+                    s.applied_total += 1;
+                    s.applied_at_ms = Some(now_ms());
+                    s.last_apply_seconds = Some(seconds);
+                    s.last_error = None;
+                    describe(s, &live);
+                });
+                self.event(ConfigAction::Applied, &md5, previous, None, names.clone());
+                state.live = live;
+                state.rejected = None;
+                ReloadOutcome::Applied {
+                    md5,
+                    changed_groups: names,
+                    seconds,
+                }
+            }
+            Err(e) => {
+                let error = e.to_string();
+                self.refuse(ConfigAction::Failed, &md5, previous, &error);
+                ReloadOutcome::Failed { md5, error }
+            }
+        }
+    }
+
+    /// A version that does not take effect (rejected or failed): log, count, event; the plan
+    /// in force stays.
+    fn refuse(&self, action: ConfigAction, md5: &str, previous: Option<String>, error: &str) {
+        let what = match action {
+            ConfigAction::Rejected => "sensitive_layers.json rejected",
+            _ => "could not apply sensitive_layers.json",
+        };
+        tracing::error!(source = %self.source, %md5, %error, "{what}; keeping the plan in force");
+        self.metrics.reload(match action {
+            ConfigAction::Rejected => ReloadResult::Rejected,
+            _ => ReloadResult::Failed,
+        });
+        self.update_status(|s| {
+            match action {
+                ConfigAction::Rejected => s.rejected_total += 1,
+                _ => s.failed_total += 1,
+            }
+            s.last_error = Some(error.to_string());
+        });
+        self.event(action, md5, previous, Some(error.to_string()), vec![]);
+    }
+
+    /// Build the changed groups off the actors' threads, then swap them in one message and
+    /// reconfigure the monitor. Returns the groups whose residency changed.
+    async fn apply(&self, old: &LivePlan, new: &LivePlan) -> Result<Vec<GroupId>> {
+        let changed: Vec<(GroupId, Residency)> = new
+            .residency
+            .iter()
+            .filter(|(g, r)| old.residency.get(g) != Some(r))
+            .map(|(g, r)| (*g, *r))
+            .collect();
+        if !changed.is_empty() {
+            let dir = self.model_dir.clone();
+            let mcfg = self.model_config.clone();
+            let todo = changed.clone();
+            let load = self.loader;
+            let built: Vec<PreparedGroup> = tokio::task::spawn_blocking(move || {
+                let ck = Checkpoint::open(&dir)?;
+                todo.into_iter()
+                    .map(|(g, r)| load(&ck, &mcfg, g, r))
+                    .collect::<Result<Vec<_>>>()
+            })
+            .await
+            .map_err(|e| EngineError::Config(format!("group loading task failed: {e}")))??;
+            self.executor
+                .send(SwapGroups(built))
+                .await
+                .map_err(|_| EngineError::Stopped)??;
+        }
+        if let Some(m) = &self.monitor {
+            m.send(Reconfigure {
+                config: new.monitor.clone(),
+                residencies: new.residency.iter().map(|(g, r)| (*g, *r)).collect(),
+                md5: new.md5.clone(),
+            })
+            .await
+            .map_err(|_| EngineError::Stopped)?;
+        }
+        Ok(changed.into_iter().map(|(g, _)| g).collect())
+    }
+}
+
+fn describe(s: &mut ConfigStatus, live: &LivePlan) {
+    s.md5 = live.md5.clone();
+    s.k = live.monitor.k;
+    s.trigger_rate = live.monitor.trigger_rate;
+    s.window_requests = live.monitor.window_requests;
+    s.residency = live
+        .residency
+        .iter()
+        .map(|(g, r)| (g.to_string(), *r))
+        .collect();
+}
+
+/// Polls the source on a timer and answers manual reloads.
+pub struct ConfigActor {
+    pub reloader: Arc<Reloader>,
+}
+
+impl Actor for ConfigActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        ctx.set_mailbox_capacity(16);
+        ctx.run_interval(self.reloader.base.reload_interval, |act, ctx| {
+            let r = act.reloader.clone();
+            ctx.spawn(
+                async move {
+                    r.reload(Trigger::Poll).await;
+                }
+                .into_actor(act),
+            );
+        });
+    }
+}
+
+/// Reload now (SIGHUP, `POST /admin/config/reload`).
+#[derive(Message)]
+#[rtype(result = "ReloadOutcome")]
+pub struct ReloadNow;
+
+impl Handler<ReloadNow> for ConfigActor {
+    type Result = ResponseFuture<ReloadOutcome>;
+    fn handle(&mut self, _: ReloadNow, _: &mut Self::Context) -> Self::Result {
+        let r = self.reloader.clone();
+        Box::pin(async move { r.reload(Trigger::Manual).await })
+    }
+}
