@@ -8,12 +8,6 @@ pub enum EngineError {
     /// the model cannot take (e.g. chat without a chat template).
     #[error(transparent)]
     Model(#[from] ModelError),
-    #[error("{context}: {source}")]
-    Io {
-        context: String,
-        #[source]
-        source: std::io::Error,
-    },
     #[error("invalid configuration: {0}")]
     Config(String),
     #[error("tensor op failed: {0}")]
@@ -28,13 +22,6 @@ pub enum EngineError {
 }
 
 impl EngineError {
-    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
-        EngineError::Io {
-            context: context.into(),
-            source,
-        }
-    }
-
     /// Whether the caller caused it (a bad request rather than a broken engine).
     pub fn is_client_error(&self) -> bool {
         matches!(

@@ -84,10 +84,9 @@ impl From<EngineError> for ApiError {
                 ApiError::BadRequest(format!("tokenization failed: {m}"))
             }
             EngineError::Model(ModelError::InvalidInput(m)) => ApiError::BadRequest(m),
-            e @ (EngineError::Model(_)
-            | EngineError::Io { .. }
-            | EngineError::Config(_)
-            | EngineError::Tensor(_)) => ApiError::Internal(e.to_string()),
+            e @ (EngineError::Model(_) | EngineError::Config(_) | EngineError::Tensor(_)) => {
+                ApiError::Internal(e.to_string())
+            }
         }
     }
 }

@@ -4,7 +4,7 @@
 //!
 //! A GGUF model's tokenizer is built from its metadata (`tokenizer.ggml.*`, see
 //! [`crate::gguf::GgufFile::tokenizer_json`]); its token ids equal llama.cpp's for the same
-//! file (checked against llama-cpp-python in `tests/real_model.rs`).
+//! file (checked against llama-cpp-python in `services/engine/tests/real_model.rs`).
 
 use crate::error::{ModelError, Result};
 use serde::{Deserialize, Serialize};

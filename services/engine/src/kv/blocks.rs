@@ -2,7 +2,7 @@
 //! copy-on-write, prefix caching by page hash and budget-aware reservations.
 //!
 //! This module owns only metadata (which page belongs to which sequence); the bytes live
-//! in [`crate::kv_cache::KvCache`], owned by the executor. The scheduler tells the
+//! in [`crate::kv::KvCache`], owned by the executor. The scheduler tells the
 //! executor which pages to copy (copy-on-write) before each step.
 //!
 //! Accounting: `available = free pages + evictable cached pages − outstanding reservations`.
