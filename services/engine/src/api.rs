@@ -35,6 +35,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use tokio::sync::mpsc;
 
+pub use crate::backend::{EmbeddingDtype, FloatDtype, Forms, WeightBytes};
+pub use crate::budget::FloatBudget;
 pub use crate::config::EngineConfig;
 pub use crate::error::{EngineError, ModelError};
 pub use crate::events::EventSink;
@@ -146,18 +148,14 @@ pub fn load_parts(
         }
         None => None,
     };
-    let live = resolve(
-        cfg,
-        mcfg.num_hidden_layers,
-        validated.as_ref().map(|(p, m)| (p, m.as_str())),
-    );
+    let live = resolve(cfg, &mcfg, validated.as_ref().map(|(p, m)| (p, m.as_str())));
     let residency = |g: GroupId| {
         live.residency
             .get(&g)
             .copied()
             .unwrap_or(cfg.default_residency)
     };
-    let backend = Box::new(LlamaModel::load_from(&ck, &mcfg, &residency)?);
+    let backend = Box::new(LlamaModel::load_from(&ck, &mcfg, &residency, cfg.forms())?);
     let tokenizer = TextTokenizer::load(model_dir)?;
     Ok(LoadedParts {
         backend,
@@ -166,6 +164,49 @@ pub fn load_parts(
         shape,
         live,
     })
+}
+
+/// The plan in force, in one log table: residencies, what the budget did, bytes by form.
+fn log_plan(live: &LivePlan, cfg: &EngineConfig, w: &crate::backend::WeightBytes) {
+    let count = |r: Residency| live.residency.values().filter(|x| **x == r).count();
+    let mib = |b: usize| b as f64 / (1 << 20) as f64;
+    let budget = match live.budget.budget_bytes {
+        Some(b) => format!("{} ({:.1} MiB)", cfg.float_budget, mib(b)),
+        None => "unlimited".into(),
+    };
+    let table = format!(
+        "\n| form | groups | MiB |\n|---|---|---|\n\
+         | int8 only | {} | |\n| dual (int8 + {} copy) | {} | |\n| float only | {} | |\n\
+         | int8 weights | | {:.1} |\n| float copies | | {:.1} |\n\
+         | embeddings, norms, lm_head | | {:.1} |\n\
+         | total | | {:.1} = {:.2}× all-f16 ({:.1}) |\n\
+         float budget {budget}: {} group(s) over it are INT8-only{}",
+        count(Residency::Int8),
+        cfg.float_dtype.as_str(),
+        count(Residency::Dual),
+        count(Residency::Float),
+        mib(w.int8),
+        mib(w.float),
+        mib(w.other),
+        mib(w.total()),
+        w.ratio_to_f16(),
+        mib(w.all_f16),
+        live.budget.demoted.len(),
+        if live.budget.demoted.is_empty() {
+            String::new()
+        } else {
+            format!(
+                " ({})",
+                live.budget
+                    .demoted
+                    .iter()
+                    .map(|g| g.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        }
+    );
+    tracing::info!(sensitive_layers_md5 = ?live.md5, "precision plan in force:{table}");
 }
 
 /// Where the engine's model came from, for the handle and the config actor.
@@ -198,7 +239,8 @@ impl Wiring {
     ) -> Result<Self> {
         let metrics = EngineMetrics::register(registry, &start.name)
             .map_err(|e| EngineError::Config(format!("registering the engine's metrics: {e}")))?;
-        metrics.resident_bytes.set(backend.resident_bytes() as i64);
+        let weights = backend.weight_bytes();
+        metrics.set_weights(&weights);
         let layers = mcfg.num_hidden_layers;
         let kv_bytes = |int8| {
             KvCache::bytes_per_token_layer_for(mcfg.kv_dim(), cfg.kv_float_dtype, int8) * layers
@@ -208,6 +250,7 @@ impl Wiring {
             kv_pages_free: cfg.num_pages,
             resident_weight_bytes: backend.resident_bytes(),
             linear_weight_bytes: backend.linear_bytes(),
+            weights,
             kv_bytes_per_token_int8: kv_bytes(true),
             kv_bytes_per_token_float: kv_bytes(false),
             ..Default::default()
@@ -378,6 +421,10 @@ impl Engine {
         } = parts;
         let registry = start.registry.clone().unwrap_or_default();
         let wiring = Wiring::new(&start, &registry, &cfg, &mcfg, backend.as_ref())?;
+        if let Ok(mut st) = wiring.config_status.lock() {
+            crate::reload::describe(&mut st, &live, &cfg);
+        }
+        log_plan(&live, &cfg, &backend.weight_bytes());
         let monitor = wiring.start_monitor(&cfg, &live, backend.as_ref());
         let loader = backend.group_loader();
         let executor = wiring.start_executor(&cfg, &mcfg, backend, monitor.as_ref());
@@ -448,13 +495,17 @@ impl Engine {
         a.send(ReloadNow).await.map_err(|_| EngineError::Stopped)
     }
 
-    /// The hot-reload state: md5 in force, counters, live thresholds and residencies.
+    /// The plan in force (md5, thresholds, residencies, float budget), the reload counters,
+    /// and the resident weights by form.
     pub fn config_status(&self) -> ConfigStatus {
-        self.inner
+        let mut st = self
+            .inner
             .config_status
             .lock()
             .map(|s| s.clone())
-            .unwrap_or_default()
+            .unwrap_or_default();
+        st.weights = Some(self.inner.stats.get().weights);
+        st
     }
 
     /// Configuration changes (applied / rejected) from now on.

@@ -1,5 +1,7 @@
 //! Engine configuration: cache geometry, batching limits, the default precision plan.
 
+use crate::backend::{EmbeddingDtype, FloatDtype, Forms};
+use crate::budget::FloatBudget;
 use crate::error::EngineError;
 use crate::kv::KvFloatDtype;
 use quantmesh_types::Residency;
@@ -23,6 +25,14 @@ pub struct EngineConfig {
     pub default_residency: Residency,
     /// Per-group overrides, keyed like `layers.1.down`.
     pub group_residency: std::collections::BTreeMap<String, Residency>,
+    /// How float copies of linear groups are stored (`f16`, `bf16`, `f32`).
+    pub float_dtype: FloatDtype,
+    /// Most bytes the float copies of linear groups may take: `unlimited`, a share of the
+    /// INT8 linear weights (`"10%"`), or bytes (`"64MiB"`). Groups over budget become
+    /// INT8-only, weakest pre-screen evidence first.
+    pub float_budget: FloatBudget,
+    /// How the token embedding and `lm_head` are stored (`q8_0`, `f16`, `f32`).
+    pub embeddings: EmbeddingDtype,
     /// KV cache precision at start for every layer: `true` = INT8 (C8).
     pub kv_int8: bool,
     pub kv_float_dtype: KvFloatDtype,
@@ -49,6 +59,9 @@ impl Default for EngineConfig {
             max_waiting: 256,
             default_residency: Residency::Dual,
             group_residency: Default::default(),
+            float_dtype: FloatDtype::default(),
+            float_budget: FloatBudget::default(),
+            embeddings: EmbeddingDtype::default(),
             kv_int8: true,
             kv_float_dtype: KvFloatDtype::F16,
             prefix_caching: true,
@@ -60,6 +73,14 @@ impl Default for EngineConfig {
 }
 
 impl EngineConfig {
+    /// How the backend stores what the plan does not decide.
+    pub fn forms(&self) -> Forms {
+        Forms {
+            float: self.float_dtype,
+            embeddings: self.embeddings,
+        }
+    }
+
     pub fn validate(&self) -> Result<(), EngineError> {
         let bad = |m: &str| Err(EngineError::Config(m.to_string()));
         if self.page_size == 0 || self.page_size > 1024 {

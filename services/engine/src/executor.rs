@@ -117,10 +117,12 @@ impl Handler<SwapGroups> for ExecutorActor {
         let st = &mut *guard;
         st.backend.replace_groups(msg.0)?;
         let (resident, linear) = (st.backend.resident_bytes(), st.backend.linear_bytes());
-        st.metrics.resident_bytes.set(resident as i64);
+        let weights = st.backend.weight_bytes();
+        st.metrics.set_weights(&weights);
         st.stats.update(|s| {
             s.resident_weight_bytes = resident;
             s.linear_weight_bytes = linear;
+            s.weights = weights;
         });
         Ok((resident, linear))
     }

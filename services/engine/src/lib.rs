@@ -18,11 +18,13 @@
 //! * [`executor`], [`tokenize`] — the executor and tokenizer actors. Each actor's module
 //!   defines the messages it handles.
 //! * [`request`] — prompts and generation requests.
-//! * [`reload`] — the config actor (hot reload); [`plan`] — the live plan.
+//! * [`reload`] — the config actor (hot reload); [`plan`] — the live plan; [`budget`] —
+//!   the memory budget for float copies.
 //! * [`metrics`] — the engine's Prometheus series, updated where things happen.
 
 pub mod api;
 pub mod backend;
+pub mod budget;
 pub mod config;
 pub mod error;
 pub mod events;

@@ -3,9 +3,10 @@
 //! the monitor per decision, the config actor per reload. Nothing is derived at scrape
 //! time, so concurrent scrapes cannot double-count. Label values come from enums.
 
+use crate::backend::WeightBytes;
 use prometheus::{
-    Counter, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts,
-    Registry,
+    Counter, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry,
 };
 use quantmesh_types::FallbackEvent;
 
@@ -61,6 +62,8 @@ pub struct EngineMetrics {
     pub mask_check_seconds: Counter,
     pub batch_recomputes: IntCounter,
     pub resident_bytes: IntGauge,
+    weight_bytes: IntGaugeVec,
+    pub weight_f16_ratio: Gauge,
     pub monitor_dropped: IntCounter,
     outlier_rate: GaugeVec,
     pub groups_in_fallback: IntGauge,
@@ -143,6 +146,17 @@ impl EngineMetrics {
                 "quantmesh_weight_resident_bytes",
                 "Bytes of resident model weights under the current precision plan.",
             ),
+            weight_bytes: must(IntGaugeVec::new(
+                o(
+                    "quantmesh_weight_bytes",
+                    "Resident weight bytes by form: int8 (linear groups' Q8_0), float (their float copies), other (embeddings, norms, lm_head, biases).",
+                ),
+                &["form"],
+            )),
+            weight_f16_ratio: g(
+                "quantmesh_weight_f16_ratio",
+                "Resident weight bytes / the same model with every weight in 16 bits.",
+            ),
             monitor_dropped: ic(
                 "quantmesh_monitor_observations_dropped_total",
                 "Step observations the monitor's full mailbox did not take.",
@@ -216,6 +230,8 @@ impl EngineMetrics {
             Box::new(m.mask_check_seconds.clone()),
             Box::new(m.batch_recomputes.clone()),
             Box::new(m.resident_bytes.clone()),
+            Box::new(m.weight_bytes.clone()),
+            Box::new(m.weight_f16_ratio.clone()),
             Box::new(m.monitor_dropped.clone()),
             Box::new(m.outlier_rate.clone()),
             Box::new(m.groups_in_fallback.clone()),
@@ -232,6 +248,15 @@ impl EngineMetrics {
         }
         m.set_config_md5(None);
         Ok(m)
+    }
+
+    /// The resident weights by form (at start and after every swap).
+    pub fn set_weights(&self, w: &WeightBytes) {
+        self.resident_bytes.set(w.total() as i64);
+        for (form, b) in [("int8", w.int8), ("float", w.float), ("other", w.other)] {
+            self.weight_bytes.with_label_values(&[form]).set(b as i64);
+        }
+        self.weight_f16_ratio.set(w.ratio_to_f16());
     }
 
     pub fn rows(&self, path: RowPathLabel, n: u64) {

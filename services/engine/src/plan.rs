@@ -2,8 +2,11 @@
 //! `sensitive_layers.json` in force. One pure function, so start-up and hot reload compute
 //! the plan the same way and a reload to the same file is a no-op (idempotent).
 
+use crate::budget::{self, BudgetOutcome};
 use crate::config::EngineConfig;
 use crate::monitor::{GroupOverride, MonitorConfig};
+use quantmesh_model::ops::member_shapes;
+use quantmesh_model::ModelConfig;
 use quantmesh_types::{GroupId, GroupKind, Residency, ValidatedPlan};
 use std::collections::BTreeMap;
 
@@ -14,17 +17,26 @@ pub struct LivePlan {
     pub md5: Option<String>,
     pub monitor: MonitorConfig,
     pub residency: BTreeMap<GroupId, Residency>,
+    /// What `engine.float_budget` did to the residencies.
+    pub budget: BudgetOutcome,
+}
+
+/// Parameters of a group's weight (all members).
+pub fn group_params(cfg: &ModelConfig, kind: GroupKind) -> usize {
+    member_shapes(cfg, kind).iter().map(|s| s[0] * s[1]).sum()
 }
 
 /// Overlay `file` on `base`. Precedence, lowest first: `engine.default_residency`,
 /// `engine.group_residency`, the file's groups (class → residency, or the explicit
 /// `residency`); monitor thresholds: `engine.monitor`, the file's `thresholds`, the file's
-/// per-group `monitor` overrides and `massive_channels`.
+/// per-group `monitor` overrides and `massive_channels`. Then `engine.float_budget` decides
+/// which float copies stay (`budget.rs`).
 pub fn resolve(
     base: &EngineConfig,
-    num_layers: usize,
+    cfg: &ModelConfig,
     file: Option<(&ValidatedPlan, &str)>,
 ) -> LivePlan {
+    let num_layers = cfg.num_hidden_layers;
     let mut residency = BTreeMap::new();
     for l in 0..num_layers {
         for kind in GroupKind::ALL {
@@ -71,10 +83,23 @@ pub fn resolve(
             }
         }
     }
+    let int8_bytes: usize = (0..num_layers)
+        .flat_map(|_| GroupKind::ALL)
+        .map(|k| group_params(cfg, k) / 32 * 34)
+        .sum();
+    let float_size = base.float_dtype.bytes();
+    let wanted = residency.clone();
+    let budget = budget::apply(
+        &mut residency,
+        base.float_budget.bytes(int8_bytes),
+        &|g| group_params(cfg, g.kind) * float_size,
+        &|g| budget::rank(wanted[&g], file.and_then(|(p, _)| p.groups.get(&g))),
+    );
     LivePlan {
         md5: file.map(|(_, md5)| md5.to_string()),
         monitor,
         residency,
+        budget,
     }
 }
 
@@ -83,6 +108,14 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
     use quantmesh_types::{ModelShape, SensitiveLayers};
+
+    fn model() -> ModelConfig {
+        serde_json::from_value(serde_json::json!({
+            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "vocab_size": 100
+        }))
+        .unwrap()
+    }
 
     fn shape() -> ModelShape {
         ModelShape {
@@ -103,7 +136,7 @@ mod tests {
             "groups": {"layers.1.down": {"class": "fp16", "monitor": {"k": 9}},
                        "layers.0.qkv": {"class": "w8a8", "massive_channels": [3, 1]}}}"#;
         let plan = SensitiveLayers::parse_for(text.as_bytes(), &shape()).unwrap();
-        let live = resolve(&base, 2, Some((&plan, "m")));
+        let live = resolve(&base, &model(), Some((&plan, "m")));
         assert_eq!(live.md5.as_deref(), Some("m"));
         assert_eq!(live.monitor.k, 6.0);
         assert_eq!(live.monitor.window_requests, 10);
@@ -130,8 +163,38 @@ mod tests {
             vec![1, 3]
         );
         // Without a file: the engine's configuration alone.
-        let none = resolve(&base, 2, None);
+        let none = resolve(&base, &model(), None);
         assert_eq!(none.monitor, base.monitor);
         assert_eq!(none.residency.len(), 8);
+        assert!(none.budget.demoted.is_empty(), "unlimited by default");
+    }
+
+    /// A budget keeps the float copies with the strongest pre-screen evidence: here room
+    /// for one `o`-sized copy (64×64 f16 = 8 KiB) and two dual groups competing for it.
+    #[test]
+    fn budget_demotes_the_weaker_dual_group() {
+        let base = EngineConfig {
+            default_residency: Residency::Int8,
+            float_budget: "8KiB".parse().unwrap(),
+            ..Default::default()
+        };
+        let m = |kl: f64| {
+            format!(
+                r#"{{"class": "w8a8_per_channel", "metrics": {{"r": 5, "energy": 0.1,
+                   "kl": {{"w8a8": {kl}, "w8a8_per_channel": {kl}, "w4a16": {kl}}}}}}}"#
+            )
+        };
+        let text = format!(
+            r#"{{"schema_version": 1, "groups": {{"layers.0.o": {}, "layers.1.o": {}}}}}"#,
+            m(0.001),
+            m(0.2)
+        );
+        let plan = SensitiveLayers::parse_for(text.as_bytes(), &shape()).unwrap();
+        let live = resolve(&base, &model(), Some((&plan, "m")));
+        let g = |s: &str| s.parse::<GroupId>().unwrap();
+        assert_eq!(live.residency[&g("layers.1.o")], Residency::Dual);
+        assert_eq!(live.residency[&g("layers.0.o")], Residency::Int8);
+        assert_eq!(live.budget.demoted, vec![g("layers.0.o")]);
+        assert_eq!(live.budget.float_bytes, 64 * 64 * 2);
     }
 }

@@ -20,6 +20,8 @@ pub struct EngineStats {
     pub fallback_unavailable_rows: u64,
     pub mask_version: u64,
     pub resident_weight_bytes: usize,
+    /// Resident weights by form, and the all-f16 baseline.
+    pub weights: crate::backend::WeightBytes,
     pub linear_weight_bytes: usize,
     pub kv_bytes_per_token_int8: usize,
     pub kv_bytes_per_token_float: usize,

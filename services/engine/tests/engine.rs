@@ -50,9 +50,12 @@ async fn run_alone(e: &Engine, p: &str, n: usize) -> Vec<u32> {
 async fn batched_greedy_equals_each_alone() {
     let dir = tempfile::tempdir().unwrap();
     init_model(dir.path(), &InitOptions::default()).unwrap();
-    // Float plan: the batched path must be bit-for-bit the single path.
+    // Float plan in f32 (float copies and vocabulary tables): the batched path must be
+    // bit-for-bit the single path. (16-bit and Q8_0 kernels round differently by row count.)
     let cfg = EngineConfig {
         default_residency: Residency::Float,
+        float_dtype: quantmesh_engine::api::FloatDtype::F32,
+        embeddings: quantmesh_engine::api::EmbeddingDtype::F32,
         kv_int8: false,
         max_num_batched_tokens: 64,
         ..Default::default()

@@ -1,6 +1,7 @@
 //! quantmesh gateway: the OpenAI-compatible HTTP API in front of the engine.
 
 pub mod error;
+pub mod first_plan;
 pub mod metrics;
 pub mod model_source;
 pub mod openai;

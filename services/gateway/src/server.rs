@@ -1,8 +1,10 @@
 //! The HTTP server as a library function: it takes its listener and a shutdown future, so
 //! tests start it in-process on port 0.
 
+use crate::first_plan;
 use crate::model_source::ModelSource;
 use crate::routes;
+use crate::settings::PlanMode;
 use crate::settings::Settings;
 use crate::state::AppState;
 use actix_web::body::MessageBody;
@@ -11,7 +13,7 @@ use actix_web::http::header::{HeaderName, HeaderValue};
 use actix_web::middleware::Next;
 use actix_web::{web, App, HttpMessage, HttpServer};
 use anyhow::Context;
-use quantmesh_engine::api::{Engine, EngineStart, EventSink};
+use quantmesh_engine::api::{Engine, EngineStart, EventSink, FloatBudget};
 use quantmesh_kafka::{EventPipeline, KafkaMetrics};
 use std::future::Future;
 use std::net::TcpListener;
@@ -111,13 +113,25 @@ pub async fn load_engine(
     let dir = tokio::task::spawn_blocking(move || source.materialize(fetch))
         .await
         .context("model fetch task")??;
+    let mut engine_cfg = settings.engine.clone();
+    if engine_cfg.sensitive_layers.is_none() && settings.model.plan == PlanMode::Auto {
+        let (model, prompts) = (dir.clone(), settings.model.plan_prompts);
+        let plan = tokio::task::spawn_blocking(move || first_plan::ensure(&model, prompts))
+            .await
+            .context("first-load plan task")?
+            .context("computing the first-load precision plan (`--plan none` skips it)")?;
+        engine_cfg.sensitive_layers = Some(plan.path.display().to_string());
+        if engine_cfg.float_budget == FloatBudget::Unlimited {
+            engine_cfg.float_budget = settings.model.plan_float_budget;
+        }
+    }
     tracing::info!(path = %dir.display(), model = %name, "loading model");
     let start = EngineStart {
         name: name.to_string(),
         sinks,
         registry,
     };
-    Engine::start_with(&dir, settings.engine.clone(), start)
+    Engine::start_with(&dir, engine_cfg, start)
         .await
         .with_context(|| format!("loading the model from {}", dir.display()))
 }

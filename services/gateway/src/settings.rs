@@ -56,6 +56,26 @@ pub struct ModelSettings {
     pub name: String,
     /// Fetch (or write, for `bundled:`) the model on first run when it is not there yet.
     pub fetch_if_missing: bool,
+    /// The precision plan when no `engine.sensitive_layers` is given: `auto` runs the
+    /// pre-screen on the model on first load and caches the result beside it
+    /// (`.quantmesh/sensitive_layers.<md5>.json`); `none` serves `engine.default_residency`
+    /// everywhere. `--residency` implies `none`.
+    pub plan: PlanMode,
+    /// Calibration prompts the first-load pre-screen uses (0 = all 304 bundled prompts).
+    pub plan_prompts: usize,
+    /// The float budget with the first-load plan, unless `engine.float_budget` is set.
+    pub plan_float_budget: quantmesh_engine::api::FloatBudget,
+}
+
+/// Where the precision plan comes from when none is given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum PlanMode {
+    /// Pre-screen on first load, cached beside the model.
+    #[default]
+    Auto,
+    /// `engine.default_residency` for every group.
+    None,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, clap::ValueEnum)]
@@ -98,6 +118,9 @@ impl Default for ModelSettings {
             models_dir: PathBuf::from("models"),
             name: String::new(),
             fetch_if_missing: true,
+            plan: PlanMode::Auto,
+            plan_prompts: 64,
+            plan_float_budget: quantmesh_engine::api::FloatBudget::Percent(10.0),
         }
     }
 }
@@ -171,6 +194,21 @@ impl Settings {
         }
         if let Some(v) = get("QUANTMESH_MODEL_NAME") {
             self.model.name = v;
+        }
+        if let Some(v) = get("QUANTMESH_PLAN") {
+            self.model.plan = match v.as_str() {
+                "auto" => PlanMode::Auto,
+                "none" => PlanMode::None,
+                other => {
+                    return Err(SettingsError::Env {
+                        var: "QUANTMESH_PLAN".into(),
+                        message: format!("{other:?} is not auto or none"),
+                    })
+                }
+            };
+        }
+        if let Some(v) = get("QUANTMESH_FLOAT_BUDGET") {
+            self.engine.float_budget = parse("QUANTMESH_FLOAT_BUDGET", v)?;
         }
         if let Some(v) = get("QUANTMESH_API_KEYS") {
             self.server.api_keys = v
@@ -341,10 +379,19 @@ pub struct ServeFlags {
     /// smollm2-135m-instruct or quantmesh-tiny].
     #[arg(long)]
     pub model_name: Option<String>,
-    /// Residency of every linear group: int8 (smallest), dual (INT8 + exact float copy,
-    /// switchable) or float [default: dual].
+    /// Residency of every linear group: int8 (smallest), dual (INT8 + float copy,
+    /// switchable) or float. Replaces the first-load plan (implies `--plan none`).
     #[arg(long)]
     pub residency: Option<quantmesh_types::Residency>,
+    /// Precision plan when no --sensitive-layers is given: `auto` [default] pre-screens the
+    /// model on first load and caches the plan beside it; `none` serves --residency
+    /// (default dual) everywhere.
+    #[arg(long, value_enum, env = "QUANTMESH_PLAN")]
+    pub plan: Option<PlanMode>,
+    /// Most memory the float copies may take: `unlimited`, a share of the INT8 weights
+    /// (`10%`) or bytes (`64MiB`) [default: 10% with the first-load plan, else unlimited].
+    #[arg(long, env = "QUANTMESH_FLOAT_BUDGET")]
+    pub float_budget: Option<quantmesh_engine::api::FloatBudget>,
     /// sensitive_layers.json to serve with: a path, or an object-store URL (file://; s3://,
     /// gs://, az:// in builds with `--features cloud`). Polled for changes and applied
     /// without restart; SIGHUP or `POST /admin/config/reload` reloads at once.
@@ -394,6 +441,13 @@ impl ServeFlags {
         }
         if let Some(r) = self.residency {
             s.engine.default_residency = r;
+            s.model.plan = PlanMode::None;
+        }
+        if let Some(p) = self.plan {
+            s.model.plan = p;
+        }
+        if let Some(b) = self.float_budget {
+            s.engine.float_budget = b;
         }
         if let Some(f) = self.log_format {
             s.log.format = f;

@@ -52,6 +52,22 @@ fn serve_with_no_arguments_fetches_the_real_model_and_answers_paris() {
         .join("models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf");
     assert!(gguf.exists(), "first run fetched the model into ./models");
     assert!(log.iter().any(|l| l.contains("model fetched")), "{log:?}");
+    // No plan was given: the pre-screen ran on first load and its plan is cached beside
+    // the model, keyed by the model's md5.
+    let plans: Vec<_> = std::fs::read_dir(gguf.parent().unwrap().join(".quantmesh"))
+        .expect("the first-load plan directory")
+        .filter_map(|e| e.ok())
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with("sensitive_layers.")
+        })
+        .collect();
+    assert_eq!(plans.len(), 1, "{plans:?}");
+    assert!(
+        log.iter().any(|l| l.contains("first-load plan computed")),
+        "{log:?}"
+    );
 
     let out = Command::new(python())
         .args(["-c", CLIENT, &format!("http://{addr}/v1")])

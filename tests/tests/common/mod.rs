@@ -19,6 +19,9 @@ pub fn settings() -> Settings {
     s.model.source = String::new();
     s.model.fetch_if_missing = false;
     s.engine.num_pages = 256;
+    // These tests drive the monitor and hot reload on an all-dual model; the first-load
+    // plan has its own tests (gateway `first_plan`, the CLI's real-model test).
+    s.model.plan = quantmesh_gateway::settings::PlanMode::None;
     s.server.workers = 2;
     s.server.shutdown_timeout_secs = 10;
     s

@@ -15,9 +15,10 @@ pub mod cpu;
 
 use crate::error::Result;
 use crate::kv::{KvCache, PageId, SeqId, Slot};
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use quantmesh_model::{Checkpoint, ModelConfig};
 use quantmesh_types::{GroupId, Residency};
+use serde::{Deserialize, Serialize};
 use std::any::Any;
 
 /// One sequence's part of a step.
@@ -96,6 +97,96 @@ pub struct PassOutput {
     pub logits: Vec<(SeqId, Vec<f32>)>,
 }
 
+/// How float copies are stored; the float path computes in this dtype (f32 in and out).
+/// 16-bit halves the memory of a float copy; measured on the CPU backend as fast as f32 at
+/// batch 1–32 (`quantmesh-engine-bench --float-dtypes`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FloatDtype {
+    #[default]
+    F16,
+    Bf16,
+    F32,
+}
+
+impl FloatDtype {
+    pub fn dtype(self) -> DType {
+        match self {
+            FloatDtype::F16 => DType::F16,
+            FloatDtype::Bf16 => DType::BF16,
+            FloatDtype::F32 => DType::F32,
+        }
+    }
+
+    pub fn bytes(self) -> usize {
+        match self {
+            FloatDtype::F16 | FloatDtype::Bf16 => 2,
+            FloatDtype::F32 => 4,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FloatDtype::F16 => "f16",
+            FloatDtype::Bf16 => "bf16",
+            FloatDtype::F32 => "f32",
+        }
+    }
+}
+
+/// How the vocabulary tables (token embedding, `lm_head`) are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EmbeddingDtype {
+    /// 8 bits with a scale per 32 values (llama.cpp's usual output format).
+    #[default]
+    #[serde(rename = "q8_0")]
+    Q8_0,
+    F16,
+    F32,
+}
+
+/// How a backend stores what the precision plan does not decide.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Forms {
+    /// Float copies of linear groups.
+    pub float: FloatDtype,
+    /// Token embedding and `lm_head`.
+    pub embeddings: EmbeddingDtype,
+}
+
+impl Forms {
+    /// f32 everywhere: the exact reference the tests and benchmarks compare against.
+    pub const EXACT: Forms = Forms {
+        float: FloatDtype::F32,
+        embeddings: EmbeddingDtype::F32,
+    };
+}
+
+/// Resident weight bytes by form.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct WeightBytes {
+    /// INT8 (Q8_0) forms of linear groups.
+    pub int8: usize,
+    /// Float copies of linear groups.
+    pub float: usize,
+    /// Everything else: embeddings, norms, lm_head, biases.
+    pub other: usize,
+    /// The same model with every weight in 16 bits (the usual serving baseline).
+    pub all_f16: usize,
+}
+
+impl WeightBytes {
+    pub fn total(&self) -> usize {
+        self.int8 + self.float + self.other
+    }
+
+    /// Resident bytes ÷ all-f16 bytes.
+    pub fn ratio_to_f16(&self) -> f64 {
+        self.total() as f64 / self.all_f16.max(1) as f64
+    }
+}
+
 /// A linear group built off the serving thread, in its backend's own form, waiting to be
 /// swapped in by [`Backend::replace_groups`].
 pub struct PreparedGroup {
@@ -106,7 +197,8 @@ pub struct PreparedGroup {
 
 /// Builds a group's resident forms from the checkpoint (runs on a background thread during
 /// hot reload, so it takes no backend reference).
-pub type GroupLoader = fn(&Checkpoint, &ModelConfig, GroupId, Residency) -> Result<PreparedGroup>;
+pub type GroupLoader =
+    fn(&Checkpoint, &ModelConfig, GroupId, Residency, FloatDtype) -> Result<PreparedGroup>;
 
 /// A device that runs the Llama-family forward pass with per-group dual precision.
 pub trait Backend: Send + 'static {
@@ -124,6 +216,10 @@ pub trait Backend: Send + 'static {
     fn linear_bytes(&self) -> usize;
     /// All resident weight bytes.
     fn resident_bytes(&self) -> usize;
+    /// Resident weight bytes by form, and the all-f16 baseline.
+    fn weight_bytes(&self) -> WeightBytes;
+    /// How this backend stores float copies.
+    fn float_dtype(&self) -> FloatDtype;
     /// Put prepared groups in place, all or nothing (every replacement checked first).
     /// Called between two steps, so a step never sees a half-applied plan.
     fn replace_groups(&mut self, groups: Vec<PreparedGroup>) -> Result<()>;

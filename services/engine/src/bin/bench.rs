@@ -13,7 +13,7 @@
 //! runs) for scripts/bench-llamacpp.sh.
 
 use quantmesh_engine::backend::cpu::LlamaModel;
-use quantmesh_engine::backend::{Backend, SeqChunk, StepInput};
+use quantmesh_engine::backend::{Backend, FloatDtype, SeqChunk, StepInput};
 use quantmesh_engine::kv::{BlockManager, KvCache, KvFloatDtype};
 use quantmesh_engine::precision::{PathMask, StepRunner};
 use quantmesh_model::bundled::{init_model, InitOptions, ModelSize};
@@ -32,6 +32,9 @@ struct Args {
     decode_steps: usize,
     batches: Vec<usize>,
     per_group: bool,
+    float_dtype: FloatDtype,
+    embeddings: quantmesh_engine::backend::EmbeddingDtype,
+    float_dtypes: bool,
 }
 
 fn parse() -> Result<Args, String> {
@@ -46,6 +49,9 @@ fn parse() -> Result<Args, String> {
         decode_steps: 32,
         batches: vec![1, 8, 32],
         per_group: false,
+        float_dtype: FloatDtype::F16,
+        embeddings: Default::default(),
+        float_dtypes: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -65,6 +71,24 @@ fn parse() -> Result<Args, String> {
                     .collect::<Result<_, _>>()?
             }
             "--per-group" => a.per_group = true,
+            "--float-dtypes" => a.float_dtypes = true,
+            "--embeddings" => {
+                use quantmesh_engine::backend::EmbeddingDtype;
+                a.embeddings = match v()?.as_str() {
+                    "q8_0" => EmbeddingDtype::Q8_0,
+                    "f16" => EmbeddingDtype::F16,
+                    "f32" => EmbeddingDtype::F32,
+                    other => return Err(format!("--embeddings {other:?}: q8_0, f16 or f32")),
+                }
+            }
+            "--float-dtype" => {
+                a.float_dtype = match v()?.as_str() {
+                    "f16" => FloatDtype::F16,
+                    "bf16" => FloatDtype::Bf16,
+                    "f32" => FloatDtype::F32,
+                    other => return Err(format!("--float-dtype {other:?}: f16, bf16 or f32")),
+                }
+            }
             "--model" => a.model = Some(v()?.into()),
             "--ppl-text" => a.ppl_text = Some(v()?.into()),
             "--ppl-tokens" => {
@@ -78,7 +102,7 @@ fn parse() -> Result<Args, String> {
                     .collect::<Result<_, _>>()?
             }
             "-h" | "--help" => {
-                println!("quantmesh-engine-bench [--size tiny|small|medium | --model PATH] [--prompt-len N] [--decode-steps N] [--batches 1,8,32] [--per-group] [--ppl-text FILE] [--ppl-tokens N] [--json FILE] [--plans float,int8,dual]");
+                println!("quantmesh-engine-bench [--size tiny|small|medium | --model PATH] [--prompt-len N] [--decode-steps N] [--batches 1,8,32] [--per-group] [--ppl-text FILE] [--ppl-tokens N] [--json FILE] [--plans float,int8,dual] [--float-dtype f16|bf16|f32] [--embeddings q8_0|f16|f32] [--float-dtypes]");
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument {other}")),
@@ -185,7 +209,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut float_ref: Vec<(f64, f64)> = Vec::new();
     let mut dual_numbers = serde_json::Map::new();
     for (pi, plan) in args.plans.iter().copied().enumerate() {
-        let model = LlamaModel::load(&dir, &cfg, &|_| plan)?;
+        let ck = quantmesh_model::Checkpoint::open(&dir)?;
+        let forms = quantmesh_engine::backend::Forms {
+            float: args.float_dtype,
+            embeddings: args.embeddings,
+        };
+        let model = LlamaModel::load_from(&ck, &cfg, &|_| plan, forms)?;
         let mut runner = StepRunner::default();
         let mib = model.resident_bytes() as f64 / (1 << 20) as f64;
         // Warm-up (thread pools, page faults of the freshly loaded weights), untimed.
@@ -255,6 +284,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if bundled {
         monitor_section(&dir, &cfg, &args)?;
     }
+    if args.float_dtypes {
+        float_dtype_section(&cfg)?;
+    }
+    println!();
+    println!(
+        "float copies stored as {}; peak RSS of this process {:.1} MiB",
+        args.float_dtype.as_str(),
+        peak_rss_mib().unwrap_or(f64::NAN)
+    );
     Ok(())
 }
 
@@ -624,6 +662,79 @@ fn monitor_section(
     for (qi, (name, _)) in quality.iter().enumerate() {
         let m = sums[qi] / n as f64;
         println!("| {name} | {m:.5} | {:.3} |", m / (sums[0] / n as f64));
+    }
+    Ok(())
+}
+
+/// Peak resident set size of this process (`VmHWM`), MiB.
+fn peak_rss_mib() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / 1024.0)
+}
+
+/// How fast and how exact a float copy is in each storage dtype, on this model's group
+/// shapes: the float path casts its input to the weight's dtype, multiplies with candle's
+/// CPU gemm, casts back. Errors are against the f32 product, relative to its abs-max.
+fn float_dtype_section(cfg: &ModelConfig) -> Result<(), Box<dyn std::error::Error>> {
+    use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+    use candle_core::{DType, Device, Module, Tensor};
+    use quantmesh_types::GroupKind;
+    println!();
+    println!("Float copy storage: matmul time per call (median of 15) and error vs f32:");
+    println!();
+    println!("| group | batch | f32 µs | f16 µs | × f32 | bf16 µs | × f32 | Q8_0 µs | × f32 | f16 rel. err | bf16 rel. err |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    let time =
+        |f: &dyn Fn() -> candle_core::Result<Tensor>| -> Result<(f64, Tensor), candle_core::Error> {
+            let mut v = Vec::new();
+            let mut last = f()?;
+            for _ in 0..15 {
+                let t = Instant::now();
+                last = f()?;
+                v.push(t.elapsed().as_secs_f64() * 1e6);
+            }
+            v.sort_by(|a, b| a.total_cmp(b));
+            Ok((v[v.len() / 2], last))
+        };
+    for kind in GroupKind::ALL {
+        let out: usize = quantmesh_model::ops::member_shapes(cfg, kind)
+            .iter()
+            .map(|s| s[0])
+            .sum();
+        let inp = quantmesh_model::ops::member_shapes(cfg, kind)[0][1];
+        let w = Tensor::randn(0f32, 0.02, (out, inp), &Device::Cpu)?;
+        let (w16, wb16) = (w.to_dtype(DType::F16)?, w.to_dtype(DType::BF16)?);
+        let q = QMatMul::from_qtensor(QTensor::quantize(&w, GgmlDType::Q8_0)?)?;
+        for b in [1usize, 8, 32] {
+            let x = Tensor::randn(0f32, 1.0, (b, inp), &Device::Cpu)?;
+            let (t32, y32) = time(&|| x.matmul(&w.t()?))?;
+            let (t16, y16) = time(&|| {
+                x.to_dtype(DType::F16)?
+                    .matmul(&w16.t()?)?
+                    .to_dtype(DType::F32)
+            })?;
+            let (tb, yb) = time(&|| {
+                x.to_dtype(DType::BF16)?
+                    .matmul(&wb16.t()?)?
+                    .to_dtype(DType::F32)
+            })?;
+            let (tq, _) = time(&|| q.forward(&x))?;
+            let scale = y32.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-12);
+            let err = |y: &Tensor| -> candle_core::Result<f32> {
+                Ok((y - &y32)?.abs()?.max_all()?.to_scalar::<f32>()? / scale)
+            };
+            println!(
+                "| {} | {b} | {t32:.0} | {t16:.0} | {:.2} | {tb:.0} | {:.2} | {tq:.0} | {:.2} | {:.1e} | {:.1e} |",
+                kind.name(),
+                t16 / t32,
+                tb / t32,
+                tq / t32,
+                err(&y16)?,
+                err(&yb)?
+            );
+        }
     }
     Ok(())
 }

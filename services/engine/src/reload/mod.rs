@@ -19,7 +19,7 @@
 //! at most 250 ms) and skips its turn if they changed meanwhile (a writer is still busy);
 //! a half-written file that stays half-written fails validation and is rejected.
 
-use crate::backend::{GroupLoader, PreparedGroup};
+use crate::backend::{FloatDtype, GroupLoader, PreparedGroup, WeightBytes};
 use crate::config::EngineConfig;
 use crate::error::{EngineError, Result};
 use crate::events::EventSink;
@@ -105,6 +105,16 @@ pub struct ConfigStatus {
     pub trigger_rate: f64,
     pub window_requests: usize,
     pub residency: BTreeMap<String, Residency>,
+    /// How float copies are stored and what the float budget allows.
+    pub float_dtype: Option<FloatDtype>,
+    pub float_budget: Option<String>,
+    pub float_budget_bytes: Option<usize>,
+    /// Bytes of the float copies the plan keeps.
+    pub float_bytes: usize,
+    /// Groups that wanted a float copy and are INT8-only because of the budget.
+    pub over_budget: Vec<String>,
+    /// Resident weights by form (filled in by `Engine::config_status`).
+    pub weights: Option<WeightBytes>,
 }
 
 /// What a [`Reloader`] is built from.
@@ -166,7 +176,7 @@ impl Reloader {
             s.source = Some(r.source.to_string());
             s.interval_ms = interval.as_millis() as u64;
             s.applied_at_ms = live.md5.as_ref().map(|_| now_ms());
-            describe(s, &live);
+            describe(s, &live, &r.base);
         });
         r
     }
@@ -263,11 +273,7 @@ impl Reloader {
                 return ReloadOutcome::Rejected { md5, error };
             }
         };
-        let live = resolve(
-            &self.base,
-            self.model_config.num_hidden_layers,
-            Some((&plan, &md5)),
-        );
+        let live = resolve(&self.base, &self.model_config, Some((&plan, &md5)));
         match self.apply(&state.live, &live).await {
             Ok(changed) => {
                 let seconds = t0.elapsed().as_secs_f64();
@@ -282,7 +288,7 @@ impl Reloader {
                     s.applied_at_ms = Some(now_ms());
                     s.last_apply_seconds = Some(seconds);
                     s.last_error = None;
-                    describe(s, &live);
+                    describe(s, &live, &self.base);
                 });
                 self.event(ConfigAction::Applied, &md5, previous, None, names.clone());
                 state.live = live;
@@ -337,10 +343,11 @@ impl Reloader {
             let mcfg = self.model_config.clone();
             let todo = changed.clone();
             let load = self.loader;
+            let float_dtype = self.base.float_dtype;
             let built: Vec<PreparedGroup> = tokio::task::spawn_blocking(move || {
                 let ck = Checkpoint::open(&dir)?;
                 todo.into_iter()
-                    .map(|(g, r)| load(&ck, &mcfg, g, r))
+                    .map(|(g, r)| load(&ck, &mcfg, g, r, float_dtype))
                     .collect::<Result<Vec<_>>>()
             })
             .await
@@ -363,7 +370,13 @@ impl Reloader {
     }
 }
 
-fn describe(s: &mut ConfigStatus, live: &LivePlan) {
+/// Write the plan in force into the status.
+pub(crate) fn describe(s: &mut ConfigStatus, live: &LivePlan, base: &EngineConfig) {
+    s.float_dtype = Some(base.float_dtype);
+    s.float_budget = Some(base.float_budget.to_string());
+    s.float_budget_bytes = live.budget.budget_bytes;
+    s.float_bytes = live.budget.float_bytes;
+    s.over_budget = live.budget.demoted.iter().map(|g| g.to_string()).collect();
     s.md5 = live.md5.clone();
     s.k = live.monitor.k;
     s.trigger_rate = live.monitor.trigger_rate;

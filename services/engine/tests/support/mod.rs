@@ -1,5 +1,5 @@
-//! A model driven one sequence step at a time, straight through `LlamaModel::forward`
-//! (no actors): the rig the model-level tests share.
+//! A model driven one sequence step at a time, straight through the CPU backend and the
+//! step policy (`StepRunner`; no actors): the rig the model-level tests share.
 
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
@@ -26,6 +26,11 @@ impl Rig {
     pub fn new(path: &Path, residency: Residency, kv_dtype: KvFloatDtype) -> Rig {
         let cfg = ModelConfig::load(path).unwrap();
         let model = LlamaModel::load(path, &cfg, &|_| residency).unwrap();
+        Self::with_model(model, &cfg, kv_dtype)
+    }
+
+    /// A rig around a model loaded elsewhere.
+    pub fn with_model(model: LlamaModel, cfg: &ModelConfig, kv_dtype: KvFloatDtype) -> Rig {
         let kv = KvCache::new(cfg.num_hidden_layers, 256, 16, cfg.kv_dim(), kv_dtype);
         Rig {
             model,

@@ -162,6 +162,8 @@ impl Serve {
             .arg(outbox)
             .env("QUANTMESH_ADMIN_TOKEN", ADMIN_TOKEN)
             .env("QUANTMESH_KV_PAGES", "256")
+            // The event-path tests drive the monitor on an all-dual model.
+            .env("QUANTMESH_PLAN", "none")
             .env("RUST_LOG", "info,quantmesh::fallback=warn")
             .stdout(f.try_clone().unwrap())
             .stderr(f);

@@ -7,13 +7,15 @@
 //! because it is measured at 0.08–0.28× the time of the f32 matmul on this CPU
 //! (AVX-512 VNNI) and is maintained upstream; see ARCHITECTURE.md.
 //!
-//! Float form: f32, loaded from the checkpoint (never dequantized INT8). f16 storage is
-//! not faster on CPU and bf16 is much slower (`../shared/notes`), so the float path is f32.
+//! Float form: the checkpoint's values (never dequantized INT8), stored in the engine's
+//! `float_dtype` (f16 by default: half the bytes of f32 at the same speed on the CPU backend,
+//! measured by `quantmesh-engine-bench --float-dtypes`); the float path casts its input rows
+//! to that dtype, multiplies, and casts the output back to f32.
 
-use crate::backend::{GroupOutcome, RowPath};
+use crate::backend::{FloatDtype, GroupOutcome, RowPath};
 use crate::error::Result;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-use candle_core::{Module, Tensor};
+use candle_core::{DType, Module, Tensor};
 use quantmesh_types::Residency;
 
 pub struct DualLinear {
@@ -25,9 +27,14 @@ pub struct DualLinear {
 }
 
 impl DualLinear {
-    /// Build from the float weight `[out, in]` (and optional bias `[out]`) with the given
-    /// residency. The float tensor is kept as is when the residency has a float form.
-    pub fn new(weight: Tensor, bias: Option<Tensor>, residency: Residency) -> Result<Self> {
+    /// Build from the f32 weight `[out, in]` (and optional bias `[out]`) with the given
+    /// residency; the float copy (when the residency has one) is stored as `float_dtype`.
+    pub fn new(
+        weight: Tensor,
+        bias: Option<Tensor>,
+        residency: Residency,
+        float_dtype: FloatDtype,
+    ) -> Result<Self> {
         let (out_dim, in_dim) = weight.dims2()?;
         let int8 = if residency.has_int8() {
             Some(QMatMul::from_qtensor(QTensor::quantize(
@@ -37,7 +44,11 @@ impl DualLinear {
         } else {
             None
         };
-        let float = residency.has_float().then_some(weight);
+        let float = if residency.has_float() {
+            Some(weight.to_dtype(float_dtype.dtype())?)
+        } else {
+            None
+        };
         Ok(Self {
             int8,
             float,
@@ -65,16 +76,30 @@ impl DualLinear {
 
     /// Bytes of resident weights (INT8 form counted at Q8_0's 34 bytes per 32 weights).
     pub fn resident_bytes(&self) -> usize {
+        let (q, f, b) = self.bytes_by_form();
+        q + f + b
+    }
+
+    /// (INT8 form, float copy, bias) bytes.
+    pub fn bytes_by_form(&self) -> (usize, usize, usize) {
         let n = self.out_dim * self.in_dim;
         let q = if self.int8.is_some() { n / 32 * 34 } else { 0 };
-        let f = if self.float.is_some() { n * 4 } else { 0 };
+        let f = self
+            .float
+            .as_ref()
+            .map_or(0, |w| n * w.dtype().size_in_bytes());
         let b = self.bias.as_ref().map_or(0, |b| b.elem_count() * 4);
-        q + f + b
+        (q, f, b)
     }
 
     fn float_mm(&self, x: &Tensor) -> Result<Option<Tensor>> {
         match &self.float {
-            Some(w) => Ok(Some(x.matmul(&w.t()?)?)),
+            Some(w) if w.dtype() == DType::F32 => Ok(Some(x.matmul(&w.t()?)?)),
+            Some(w) => Ok(Some(
+                x.to_dtype(w.dtype())?
+                    .matmul(&w.t()?)?
+                    .to_dtype(DType::F32)?,
+            )),
             None => Ok(None),
         }
     }
@@ -208,8 +233,13 @@ mod tests {
     fn row_mask_gives_exactly_float_or_int8_per_row() {
         let w = rand(64, 128, 1);
         let x = rand(9, 128, 2);
-        let lin =
-            DualLinear::new(w, Some(rand(1, 64, 3).squeeze(0).unwrap()), Residency::Dual).unwrap();
+        let lin = DualLinear::new(
+            w,
+            Some(rand(1, 64, 3).squeeze(0).unwrap()),
+            Residency::Dual,
+            FloatDtype::F32,
+        )
+        .unwrap();
         let (all_f, _) = lin.forward(&x, &RowPath::AllFloat).unwrap();
         let (all_i, _) = lin.forward(&x, &RowPath::AllInt8).unwrap();
         let float_rows = vec![0, 3, 8];
@@ -248,7 +278,7 @@ mod tests {
 
     #[test]
     fn int8_only_group_reports_unavailable_fallback() {
-        let lin = DualLinear::new(rand(32, 64, 4), None, Residency::Int8).unwrap();
+        let lin = DualLinear::new(rand(32, 64, 4), None, Residency::Int8, FloatDtype::F32).unwrap();
         let x = rand(4, 64, 5);
         let (_, o) = lin.forward(&x, &RowPath::AllFloat).unwrap();
         assert_eq!(o.fallback_unavailable_rows, 4);
@@ -261,7 +291,7 @@ mod tests {
     fn float_only_group_is_exact() {
         let w = rand(32, 64, 6);
         let x = rand(3, 64, 7);
-        let lin = DualLinear::new(w.clone(), None, Residency::Float).unwrap();
+        let lin = DualLinear::new(w.clone(), None, Residency::Float, FloatDtype::F32).unwrap();
         let (y, _) = lin.forward(&x, &RowPath::AllInt8).unwrap();
         let want = x.matmul(&w.t().unwrap()).unwrap();
         let d = (y - want)

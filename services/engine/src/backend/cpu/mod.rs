@@ -8,9 +8,11 @@
 //! `quantmesh_model::ops`, shared with the pre-screen.
 
 pub mod linear;
+pub mod table;
 
 use crate::backend::{
-    Backend, GroupLoader, GroupOutcome, PassOutput, PreparedGroup, Router, RowPath, StepInput,
+    Backend, FloatDtype, Forms, GroupLoader, GroupOutcome, PassOutput, PreparedGroup, Router,
+    RowPath, StepInput, WeightBytes,
 };
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
@@ -20,6 +22,8 @@ use quantmesh_model::ops::{rms_norm, rope, rope_tables, swiglu_fused, GroupWeigh
 use quantmesh_model::{names, Checkpoint, ModelConfig};
 use quantmesh_types::{GroupId, GroupKind, Residency};
 use std::path::Path;
+use std::sync::Arc;
+use table::Table;
 
 /// `base` with the rows listed in `rows` replaced by the rows of `with` (same order).
 fn replace_rows(base: &Tensor, rows: &[usize], with: &Tensor) -> Result<Tensor> {
@@ -39,9 +43,10 @@ pub fn load_group(
     cfg: &ModelConfig,
     g: GroupId,
     residency: Residency,
+    float_dtype: FloatDtype,
 ) -> Result<DualLinear> {
     let w = GroupWeights::load(ck, cfg, g)?;
-    DualLinear::new(w.weight, w.bias, residency)
+    DualLinear::new(w.weight, w.bias, residency, float_dtype)
 }
 
 fn prepare_group(
@@ -49,11 +54,12 @@ fn prepare_group(
     cfg: &ModelConfig,
     g: GroupId,
     residency: Residency,
+    float_dtype: FloatDtype,
 ) -> Result<PreparedGroup> {
     Ok(PreparedGroup {
         group: g,
         residency,
-        inner: Box::new(load_group(ck, cfg, g, residency)?),
+        inner: Box::new(load_group(ck, cfg, g, residency, float_dtype)?),
     })
 }
 
@@ -65,44 +71,54 @@ struct Layer {
 
 pub struct LlamaModel {
     cfg: ModelConfig,
-    embed: Tensor,
+    embed: Arc<Table>,
     layers: Vec<Layer>,
     norm: Tensor,
-    lm_head: Tensor,
+    lm_head: Arc<Table>,
     cos: Tensor,
     sin: Tensor,
+    forms: Forms,
 }
 
 impl LlamaModel {
     /// Load from a model path (Hugging Face directory or GGUF); `residency` decides each
-    /// group's resident forms.
+    /// group's resident forms. Float copies in f32: the exact reference the tests and the
+    /// benchmarks compare against.
     pub fn load(
         dir: &Path,
         cfg: &ModelConfig,
         residency: &dyn Fn(GroupId) -> Residency,
     ) -> Result<Self> {
-        Self::load_from(&Checkpoint::open(dir)?, cfg, residency)
+        Self::load_from(&Checkpoint::open(dir)?, cfg, residency, Forms::EXACT)
     }
 
-    /// Load from an opened checkpoint.
+    /// Load from an opened checkpoint, float copies and vocabulary tables stored as `forms`
+    /// says.
     pub fn load_from(
         ck: &Checkpoint,
         cfg: &ModelConfig,
         residency: &dyn Fn(GroupId) -> Residency,
+        forms: Forms,
     ) -> Result<Self> {
+        let float_dtype = forms.float;
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
-        let embed = ck.load_f32_shaped(names::EMBED, &[v, h])?;
+        let embed_w = ck.load_f32_shaped(names::EMBED, &[v, h])?;
+        let embed = Arc::new(Table::new(&embed_w, forms.embeddings)?);
         let norm = ck.load_f32_shaped(names::FINAL_NORM, &[h])?;
         let lm_head = if ck.contains(names::LM_HEAD) && !cfg.tie_word_embeddings {
-            ck.load_f32_shaped(names::LM_HEAD, &[v, h])?
+            Arc::new(Table::new(
+                &ck.load_f32_shaped(names::LM_HEAD, &[v, h])?,
+                forms.embeddings,
+            )?)
         } else {
             embed.clone()
         };
+        drop(embed_w);
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for l in 0..cfg.num_hidden_layers {
             let group = |kind| {
                 let g = GroupId::new(l, kind);
-                load_group(ck, cfg, g, residency(g))
+                load_group(ck, cfg, g, residency(g), float_dtype)
             };
             let qkv = group(GroupKind::Qkv)?;
             let o = group(GroupKind::O)?;
@@ -123,6 +139,7 @@ impl LlamaModel {
             lm_head,
             cos,
             sin,
+            forms,
         })
     }
 
@@ -180,19 +197,44 @@ impl Backend for LlamaModel {
 
     /// Linear groups + float embeddings, norms, lm_head.
     fn resident_bytes(&self) -> usize {
-        let float = self.embed.elem_count()
-            + self.norm.elem_count()
-            + if self.cfg.tie_word_embeddings {
-                0
-            } else {
-                self.lm_head.elem_count()
-            }
+        self.weight_bytes().total()
+    }
+
+    fn weight_bytes(&self) -> WeightBytes {
+        let tied = Arc::ptr_eq(&self.lm_head, &self.embed);
+        let norms = self.norm.elem_count()
             + self
                 .layers
                 .iter()
                 .map(|l| l.input_norm.elem_count() + l.post_norm.elem_count())
                 .sum::<usize>();
-        self.linear_bytes() + float * 4
+        let (tables, table_params) = if tied {
+            (self.embed.bytes(), self.embed.elem_count())
+        } else {
+            (
+                self.embed.bytes() + self.lm_head.bytes(),
+                self.embed.elem_count() + self.lm_head.elem_count(),
+            )
+        };
+        let other_params = norms + table_params;
+        let mut wb = WeightBytes {
+            other: norms * 4 + tables,
+            ..Default::default()
+        };
+        let mut linear_params = 0;
+        for g in self.layers.iter().flat_map(|l| l.groups.iter()) {
+            let (q, f, b) = g.bytes_by_form();
+            wb.int8 += q;
+            wb.float += f;
+            wb.other += b;
+            linear_params += g.out_dim() * g.in_dim() + b / 4;
+        }
+        wb.all_f16 = (other_params + linear_params) * 2;
+        wb
+    }
+
+    fn float_dtype(&self) -> FloatDtype {
+        self.forms.float
     }
 
     fn replace_groups(&mut self, groups: Vec<PreparedGroup>) -> Result<()> {
@@ -247,9 +289,7 @@ impl Backend for LlamaModel {
         let pos = Tensor::new(pos.as_slice(), &dev)?;
         let cos = self.cos.index_select(&pos, 0)?;
         let sin = self.sin.index_select(&pos, 0)?;
-        let mut x = self
-            .embed
-            .index_select(&Tensor::new(ids.as_slice(), &dev)?, 0)?;
+        let mut x = self.embed.rows(&ids)?;
 
         for (l, layer) in self.layers.iter().enumerate() {
             let g = |kind| GroupId::new(l, kind);
@@ -328,8 +368,9 @@ impl Backend for LlamaModel {
             let idx: Vec<u32> = want.iter().map(|(_, r)| *r).collect();
             let last = x.index_select(&Tensor::new(idx.as_slice(), &dev)?, 0)?;
             let last = rms_norm(&last, &self.norm, cfg.rms_norm_eps)?;
-            let logits = last
-                .matmul(&self.lm_head.t()?)?
+            let logits = self
+                .lm_head
+                .project(&last)?
                 .to_dtype(DType::F32)?
                 .to_vec2::<f32>()?;
             out.logits = want.into_iter().map(|(s, _)| s).zip(logits).collect();

@@ -1,0 +1,257 @@
+//! The memory budget for float copies: which groups that want a float copy (residency
+//! `float` or `dual`) keep one when not all fit. The rest become INT8-only; when they later
+//! want the float path, their rows are counted as "wanted fallback, unavailable" (metrics
+//! and fallback events), which is the evidence the evolution job uses to promote them.
+//!
+//! Ranking (most deserving first): `float` groups (their class says INT8 is not good
+//! enough at all), then `dual` groups by the pre-screen's KL of the INT8 form the engine
+//! serves (`w8a8_per_channel`, closest to Q8_0's per-block scales), then by R; groups
+//! without pre-screen evidence last, in layer order. Greedy in rank order: a group is kept
+//! when its float copy still fits, so a large group that does not fit does not block
+//! smaller ones behind it.
+
+use quantmesh_types::{GroupEntry, GroupId, Residency};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+
+/// `engine.float_budget`: how many bytes float copies of linear groups may take.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub enum FloatBudget {
+    /// Every group keeps the float copy its residency asks for.
+    #[default]
+    Unlimited,
+    /// A share of the model's INT8 linear weights, in percent (`"10%"`).
+    Percent(f64),
+    /// Bytes (`"64MiB"`, `"1000000"`).
+    Bytes(u64),
+}
+
+impl FloatBudget {
+    /// The budget in bytes for a model whose linear weights take `int8_bytes` in INT8.
+    pub fn bytes(self, int8_bytes: usize) -> Option<usize> {
+        match self {
+            FloatBudget::Unlimited => None,
+            FloatBudget::Percent(p) => Some((p / 100.0 * int8_bytes as f64).floor() as usize),
+            FloatBudget::Bytes(b) => Some(b as usize),
+        }
+    }
+}
+
+impl FromStr for FloatBudget {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let t = s.trim();
+        if t.eq_ignore_ascii_case("unlimited") || t.eq_ignore_ascii_case("none") {
+            return Ok(FloatBudget::Unlimited);
+        }
+        if let Some(p) = t.strip_suffix('%') {
+            let v: f64 = p.trim().parse().map_err(|_| bad(s))?;
+            if !(0.0..=1000.0).contains(&v) {
+                return Err(format!("float_budget {s:?}: a share must be in 0%..=1000%"));
+            }
+            return Ok(FloatBudget::Percent(v));
+        }
+        let (num, mult) = [
+            ("GiB", 1u64 << 30),
+            ("MiB", 1 << 20),
+            ("KiB", 1 << 10),
+            ("GB", 1_000_000_000),
+            ("MB", 1_000_000),
+            ("kB", 1_000),
+            ("B", 1),
+        ]
+        .iter()
+        .find_map(|(suf, m)| t.strip_suffix(suf).map(|n| (n.trim(), *m)))
+        .unwrap_or((t, 1));
+        let v: f64 = num.parse().map_err(|_| bad(s))?;
+        if !(v >= 0.0 && v.is_finite()) {
+            return Err(bad(s));
+        }
+        Ok(FloatBudget::Bytes((v * mult as f64) as u64))
+    }
+}
+
+fn bad(s: &str) -> String {
+    format!(
+        "float_budget {s:?}: expected \"unlimited\", a share like \"10%\", or bytes like \"64MiB\""
+    )
+}
+
+impl fmt::Display for FloatBudget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            FloatBudget::Unlimited => f.write_str("unlimited"),
+            FloatBudget::Percent(p) => write!(f, "{p}%"),
+            FloatBudget::Bytes(b) => write!(f, "{b}"),
+        }
+    }
+}
+
+impl Serialize for FloatBudget {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for FloatBudget {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// How deserving a group's float copy is; higher first.
+#[derive(Debug, Clone, Copy, PartialEq, PartialOrd)]
+pub struct Rank {
+    /// 2 = `float` residency, 1 = `dual` with evidence, 0 = `dual` without.
+    tier: u8,
+    kl: f64,
+    r: f64,
+}
+
+/// The rank of a group from its plan entry (`None`: no pre-screen evidence).
+pub fn rank(residency: Residency, entry: Option<&GroupEntry>) -> Rank {
+    let metrics = entry.and_then(|e| e.metrics.as_ref());
+    let tier = match (residency, metrics) {
+        (Residency::Float, _) => 2,
+        (_, Some(_)) => 1,
+        _ => 0,
+    };
+    let finite = |v: f64| if v.is_finite() { v } else { f64::MAX };
+    Rank {
+        tier,
+        kl: metrics.map_or(0.0, |m| finite(m.kl.w8a8_per_channel)),
+        r: metrics.map_or(0.0, |m| finite(m.r)),
+    }
+}
+
+/// What the budget did.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct BudgetOutcome {
+    /// Groups that wanted a float copy and became INT8-only.
+    pub demoted: Vec<GroupId>,
+    /// Bytes of the float copies kept.
+    pub float_bytes: usize,
+    /// The budget in bytes (`None`: unlimited).
+    pub budget_bytes: Option<usize>,
+}
+
+/// Fit the float copies in `residency` into `budget_bytes`. `float_bytes(g)` is what group
+/// `g`'s float copy costs; `rank(g)` how deserving it is. Pure; demoted groups become
+/// `int8`.
+pub fn apply(
+    residency: &mut BTreeMap<GroupId, Residency>,
+    budget_bytes: Option<usize>,
+    float_bytes: &dyn Fn(GroupId) -> usize,
+    rank: &dyn Fn(GroupId) -> Rank,
+) -> BudgetOutcome {
+    let mut wanting: Vec<GroupId> = residency
+        .iter()
+        .filter(|(_, r)| r.has_float())
+        .map(|(g, _)| *g)
+        .collect();
+    let mut out = BudgetOutcome {
+        budget_bytes,
+        ..Default::default()
+    };
+    let Some(budget) = budget_bytes else {
+        out.float_bytes = wanting.iter().map(|g| float_bytes(*g)).sum();
+        return out;
+    };
+    // Highest rank first; ties in layer order (stable sort over the BTreeMap order).
+    wanting.sort_by(|a, b| {
+        rank(*b)
+            .partial_cmp(&rank(*a))
+            .unwrap_or(std::cmp::Ordering::Equal)
+    });
+    for g in wanting {
+        let cost = float_bytes(g);
+        if out.float_bytes + cost <= budget {
+            out.float_bytes += cost;
+        } else {
+            residency.insert(g, Residency::Int8);
+            out.demoted.push(g);
+        }
+    }
+    out.demoted.sort();
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use quantmesh_types::GroupKind;
+
+    #[test]
+    fn budgets_parse() {
+        assert_eq!("10%".parse(), Ok(FloatBudget::Percent(10.0)));
+        assert_eq!(FloatBudget::Percent(10.0).to_string(), "10%");
+        assert_eq!("64MiB".parse(), Ok(FloatBudget::Bytes(64 << 20)));
+        assert_eq!("1000".parse(), Ok(FloatBudget::Bytes(1000)));
+        assert_eq!("unlimited".parse(), Ok(FloatBudget::Unlimited));
+        assert!("ten".parse::<FloatBudget>().is_err());
+        assert!("-5%".parse::<FloatBudget>().is_err());
+        assert_eq!(FloatBudget::Percent(10.0).bytes(1000), Some(100));
+    }
+
+    fn gid(i: usize) -> GroupId {
+        GroupId::new(i / 4, GroupKind::ALL[i % 4])
+    }
+
+    proptest! {
+        /// For any plan, sizes, ranks and budget: the kept float copies fit, only groups
+        /// that wanted a float copy are demoted, and no demoted group would have fitted
+        /// in what was left (greedy in rank order).
+        #[test]
+        fn budget_is_respected(
+            plan in proptest::collection::vec((0u8..3, 1usize..5000, 0u32..100), 1..40),
+            budget in 0usize..60_000,
+        ) {
+            let mut residency = BTreeMap::new();
+            let mut sizes = BTreeMap::new();
+            let mut ranks = BTreeMap::new();
+            for (i, (r, size, kl)) in plan.iter().enumerate() {
+                let g = gid(i);
+                residency.insert(g, [Residency::Int8, Residency::Dual, Residency::Float][*r as usize]);
+                sizes.insert(g, *size);
+                ranks.insert(g, Rank { tier: 1, kl: *kl as f64, r: 0.0 });
+            }
+            let before = residency.clone();
+            let out = apply(&mut residency, Some(budget), &|g| sizes[&g], &|g| ranks[&g]);
+            let kept: usize = residency.iter().filter(|(_, r)| r.has_float()).map(|(g, _)| sizes[g]).sum();
+            prop_assert!(kept <= budget);
+            prop_assert_eq!(kept, out.float_bytes);
+            for g in &out.demoted {
+                prop_assert!(before[g].has_float());
+                prop_assert_eq!(residency[g], Residency::Int8);
+                // It did not fit when its turn came; at the end even less room is left.
+                prop_assert!(sizes[g] > budget - out.float_bytes);
+            }
+            for (g, r) in &residency {
+                if !out.demoted.contains(g) {
+                    prop_assert_eq!(*r, before[g]);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn higher_kl_keeps_its_copy() {
+        let mut residency = BTreeMap::new();
+        for i in 0..3 {
+            residency.insert(gid(i), Residency::Dual);
+        }
+        let kl = [0.01, 0.5, 0.1];
+        let out = apply(&mut residency, Some(100), &|_| 60, &|g| Rank {
+            tier: 1,
+            kl: kl[g.kind.index()],
+            r: 0.0,
+        });
+        assert_eq!(out.demoted, vec![gid(0), gid(2)]);
+        assert_eq!(residency[&gid(1)], Residency::Dual);
+        assert_eq!(out.float_bytes, 60);
+    }
+}

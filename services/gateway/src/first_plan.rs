@@ -1,0 +1,199 @@
+//! The precision plan on first load. Served without a `sensitive_layers.json`, the gateway
+//! runs the pre-screen on the loaded model once (bundled calibration prompts, progress in
+//! the log), writes the result beside the model keyed by the md5 of the model's weight
+//! files, and serves with it; the next start with the same files finds it and starts at
+//! once. Different bytes (a new download, a re-quantized file) get a new plan.
+
+use anyhow::Context;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// What [`ensure`] found or made.
+#[derive(Debug, Clone)]
+pub struct FirstPlan {
+    /// The plan file (`<model dir>/.quantmesh/sensitive_layers.<md5>.json`).
+    pub path: PathBuf,
+    /// The md5 of the model's weight files the plan is keyed by.
+    pub model_md5: String,
+    /// `true`: the pre-screen ran now; `false`: a cached plan was reused.
+    pub computed: bool,
+}
+
+/// The weight files of a model path: the `.gguf` file, or a Hugging Face directory's
+/// `*.safetensors`, sorted.
+fn weight_files(model: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    if let Some(g) = quantmesh_model::gguf::find_gguf(model)? {
+        return Ok(vec![g]);
+    }
+    let mut files: Vec<PathBuf> = std::fs::read_dir(model)
+        .with_context(|| format!("reading {}", model.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    anyhow::ensure!(
+        !files.is_empty(),
+        "{}: no .gguf or .safetensors files to plan for",
+        model.display()
+    );
+    Ok(files)
+}
+
+/// md5 over the bytes of `files` in order.
+pub fn model_md5(files: &[PathBuf]) -> anyhow::Result<String> {
+    let mut ctx = md5::Context::new();
+    let mut buf = vec![0u8; 1 << 22];
+    for f in files {
+        let mut file =
+            std::fs::File::open(f).with_context(|| format!("opening {}", f.display()))?;
+        loop {
+            let n = file
+                .read(&mut buf)
+                .with_context(|| format!("reading {}", f.display()))?;
+            if n == 0 {
+                break;
+            }
+            ctx.consume(&buf[..n]);
+        }
+    }
+    Ok(format!("{:x}", ctx.finalize()))
+}
+
+/// Where plans for `model` are cached: `.quantmesh/` in the model's directory.
+pub fn cache_dir(model: &Path) -> PathBuf {
+    let dir = if model.is_dir() {
+        model
+    } else {
+        model.parent().unwrap_or(Path::new("."))
+    };
+    dir.join(".quantmesh")
+}
+
+/// Logs the pre-screen's progress every tenth of the way.
+struct LogProgress {
+    total: usize,
+    done: std::sync::atomic::AtomicUsize,
+    started: Instant,
+}
+
+impl quantmesh_prescreen::scan::Progress for LogProgress {
+    fn tensor_done(&self, name: &str) {
+        let n = self.done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        let step = (self.total / 10).max(1);
+        if n.is_multiple_of(step) || n == self.total {
+            tracing::info!(
+                tensors = n,
+                of = self.total,
+                last = name,
+                seconds = self.started.elapsed().as_secs_f64(),
+                "first-load plan: pre-screen progress"
+            );
+        }
+    }
+}
+
+/// The cached plan for `model`, computing it first when there is none for these bytes.
+/// `prompts`: calibration prompts the pre-screen uses (0 = the whole bundled set).
+pub fn ensure(model: &Path, prompts: usize) -> anyhow::Result<FirstPlan> {
+    let t0 = Instant::now();
+    let files = weight_files(model)?;
+    let md5 = model_md5(&files)?;
+    let dir = cache_dir(model);
+    let path = dir.join(format!("sensitive_layers.{md5}.json"));
+    if path.is_file() {
+        let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+        match quantmesh_types::SensitiveLayers::parse(&bytes) {
+            Ok(_) => {
+                tracing::info!(plan = %path.display(), model_md5 = %md5, "first-load plan: reusing the cached plan");
+                return Ok(FirstPlan {
+                    path,
+                    model_md5: md5,
+                    computed: false,
+                });
+            }
+            Err(e) => {
+                tracing::warn!(plan = %path.display(), error = %e, "first-load plan: the cached plan is unreadable; computing it again")
+            }
+        }
+    }
+    let mcfg = quantmesh_model::ModelConfig::load(model)?;
+    tracing::info!(
+        model = %model.display(),
+        model_md5 = %md5,
+        "first-load plan: no sensitive_layers.json given, running the pre-screen once (cached for later starts; `--plan none` skips it)"
+    );
+    let progress = LogProgress {
+        total: mcfg.num_hidden_layers * 7,
+        done: Default::default(),
+        started: Instant::now(),
+    };
+    let opts = quantmesh_prescreen::Options {
+        model: model.to_path_buf(),
+        calibration: None,
+        rules: Default::default(),
+        max_prompts: prompts,
+        max_tokens_per_prompt: 64,
+        kl_tokens: 1024,
+        timestamp: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
+    };
+    let outcome = quantmesh_prescreen::run(&opts, &progress)?;
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let tmp = dir.join(format!(
+        ".sensitive_layers.{md5}.{}.tmp",
+        std::process::id()
+    ));
+    std::fs::write(&tmp, &outcome.bytes).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, &path).with_context(|| format!("writing {}", path.display()))?;
+    tracing::info!(
+        plan = %path.display(),
+        seconds = t0.elapsed().as_secs_f64(),
+        "first-load plan computed:\n{}",
+        quantmesh_prescreen::summary_table(&outcome)
+    );
+    Ok(FirstPlan {
+        path,
+        model_md5: md5,
+        computed: true,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use quantmesh_model::bundled::{init_model, InitOptions};
+
+    /// Computed once, reused while the weights are the same bytes, recomputed when they
+    /// change.
+    #[test]
+    fn cached_plan_follows_the_model_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        init_model(dir.path(), &InitOptions::default()).unwrap();
+        let first = ensure(dir.path(), 8).unwrap();
+        assert!(first.computed);
+        assert!(first.path.starts_with(dir.path().join(".quantmesh")));
+        let bytes = std::fs::read(&first.path).unwrap();
+        quantmesh_types::SensitiveLayers::parse(&bytes).unwrap();
+        let again = ensure(dir.path(), 8).unwrap();
+        assert!(!again.computed, "same bytes: the cached plan is reused");
+        assert_eq!(again.path, first.path);
+        assert_eq!(std::fs::read(&again.path).unwrap(), bytes);
+        // Other weights in the same place (another seed): a new md5, a new plan.
+        init_model(
+            dir.path(),
+            &InitOptions {
+                seed: 7,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let other = ensure(dir.path(), 8).unwrap();
+        assert!(other.computed);
+        assert_ne!(other.model_md5, first.model_md5);
+        assert_ne!(other.path, first.path);
+        // A damaged cache file is recomputed, not trusted.
+        std::fs::write(&other.path, b"{").unwrap();
+        assert!(ensure(dir.path(), 8).unwrap().computed);
+    }
+}
