@@ -35,6 +35,8 @@ struct Args {
     float_dtype: FloatDtype,
     embeddings: quantmesh_engine::backend::EmbeddingDtype,
     float_dtypes: bool,
+    memory_table: Option<std::path::PathBuf>,
+    float_budget: quantmesh_engine::budget::FloatBudget,
 }
 
 fn parse() -> Result<Args, String> {
@@ -52,6 +54,8 @@ fn parse() -> Result<Args, String> {
         float_dtype: FloatDtype::F16,
         embeddings: Default::default(),
         float_dtypes: false,
+        memory_table: None,
+        float_budget: quantmesh_engine::budget::FloatBudget::Percent(10.0),
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -72,6 +76,8 @@ fn parse() -> Result<Args, String> {
             }
             "--per-group" => a.per_group = true,
             "--float-dtypes" => a.float_dtypes = true,
+            "--memory-table" => a.memory_table = Some(v()?.into()),
+            "--float-budget" => a.float_budget = v()?.parse()?,
             "--embeddings" => {
                 use quantmesh_engine::backend::EmbeddingDtype;
                 a.embeddings = match v()?.as_str() {
@@ -102,7 +108,7 @@ fn parse() -> Result<Args, String> {
                     .collect::<Result<_, _>>()?
             }
             "-h" | "--help" => {
-                println!("quantmesh-engine-bench [--size tiny|small|medium | --model PATH] [--prompt-len N] [--decode-steps N] [--batches 1,8,32] [--per-group] [--ppl-text FILE] [--ppl-tokens N] [--json FILE] [--plans float,int8,dual] [--float-dtype f16|bf16|f32] [--embeddings q8_0|f16|f32] [--float-dtypes]");
+                println!("quantmesh-engine-bench [--size tiny|small|medium | --model PATH] [--prompt-len N] [--decode-steps N] [--batches 1,8,32] [--per-group] [--ppl-text FILE] [--ppl-tokens N] [--json FILE] [--plans float,int8,dual] [--float-dtype f16|bf16|f32] [--embeddings q8_0|f16|f32] [--float-dtypes] [--memory-table PLAN.json --ppl-text FILE [--float-budget 10%]]");
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument {other}")),
@@ -286,6 +292,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     if args.float_dtypes {
         float_dtype_section(&cfg)?;
+    }
+    if let Some(plan) = &args.memory_table {
+        let text = args
+            .ppl_text
+            .as_deref()
+            .ok_or("--memory-table needs --ppl-text FILE")?;
+        memory_table(&dir, &cfg, plan, text, &args)?;
     }
     println!();
     println!(
@@ -735,6 +748,177 @@ fn float_dtype_section(cfg: &ModelConfig) -> Result<(), Box<dyn std::error::Erro
                 err(&yb)?
             );
         }
+    }
+    Ok(())
+}
+
+fn rss_mib(key: &str) -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with(key))?;
+    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / 1024.0)
+}
+
+/// The memory configurations side by side on one text: resident bytes by form and against
+/// all-f16, RSS growth at load, batch-1 prefill/decode speed, perplexity and mean next-token
+/// KL to the exact f32 float model. Monitor-driven rows let the monitor watch the text as
+/// served traffic first, then run under its mask (as `perplexity_section` does).
+fn memory_table(
+    dir: &std::path::Path,
+    cfg: &ModelConfig,
+    plan_path: &std::path::Path,
+    text: &std::path::Path,
+    args: &Args,
+) -> Result<(), Box<dyn std::error::Error>> {
+    use quantmesh_engine::backend::{EmbeddingDtype, Forms};
+    use quantmesh_engine::plan::resolve;
+    use quantmesh_types::{GroupId, SensitiveLayers};
+    const WINDOW: usize = 256;
+    let tok = quantmesh_model::tokenizer::TextTokenizer::load(dir)?;
+    let mut ids = tok.encode(&std::fs::read_to_string(text)?, true)?;
+    ids.truncate(args.ppl_tokens);
+    let ck = quantmesh_model::Checkpoint::open(dir)?;
+    let shape = quantmesh_model::model_shape(&ck, cfg)?;
+    let plan = SensitiveLayers::parse_for(&std::fs::read(plan_path)?, &shape)
+        .map_err(|e| format!("{}: {e}", plan_path.display()))?;
+    let base = quantmesh_engine::EngineConfig {
+        float_budget: args.float_budget,
+        ..Default::default()
+    };
+    let live = resolve(&base, cfg, Some((&plan, "plan")));
+    let q = Forms {
+        float: FloatDtype::F16,
+        embeddings: EmbeddingDtype::Q8_0,
+    };
+    let f16 = Forms {
+        float: FloatDtype::F16,
+        embeddings: EmbeddingDtype::F16,
+    };
+    type Resid = Box<dyn Fn(GroupId) -> Residency>;
+    // (name, residency, forms, monitor-driven, kv_int8)
+    let configs: Vec<(String, Resid, Forms, bool, bool)> = vec![
+        (
+            "all-f16 float".into(),
+            Box::new(|_| Residency::Float),
+            f16,
+            false,
+            false,
+        ),
+        (
+            "all-dual f32 (previous default), monitor-driven".into(),
+            Box::new(|_| Residency::Dual),
+            Forms::EXACT,
+            true,
+            true,
+        ),
+        (
+            format!(
+                "first-load plan, budget {} ({} over), monitor-driven",
+                args.float_budget,
+                live.budget.demoted.len()
+            ),
+            Box::new({
+                let r = live.residency.clone();
+                move |g| r[&g]
+            }),
+            q,
+            true,
+            true,
+        ),
+        (
+            "INT8 only".into(),
+            Box::new(|_| Residency::Int8),
+            q,
+            false,
+            true,
+        ),
+    ];
+    let reference = LlamaModel::load(dir, cfg, &|_| Residency::Float)?;
+    let all_float = PathMask::all_groups_float(cfg.num_hidden_layers);
+    let page = 16;
+    println!();
+    println!(
+        "Memory configurations on {} ({} tokens of {}; KL to the f32 float model, teacher-forced):",
+        dir.display(),
+        ids.len(),
+        text.display()
+    );
+    println!();
+    println!("| configuration | int8 / float / other MiB | total MiB | × all-f16 | RSS at load MiB | prefill tok/s (b1, 128) | decode tok/s (b1) | perplexity | mean KL |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for (name, resid, forms, monitored, kv_int8) in configs {
+        let rss0 = rss_mib("VmRSS:").unwrap_or(f64::NAN);
+        let model = LlamaModel::load_from(&ck, cfg, &*resid, forms)?;
+        let rss = rss_mib("VmRSS:").unwrap_or(f64::NAN) - rss0;
+        let w = model.weight_bytes();
+        let mask = if monitored {
+            let mcfg = quantmesh_engine::monitor::MonitorConfig {
+                window_requests: 4,
+                shadow_sample_rate: 0.0,
+                ..Default::default()
+            };
+            let requests: Vec<Vec<u32>> = ids.chunks(64).map(<[u32]>::to_vec).collect();
+            watch(&model, cfg, mcfg, &requests, 1)?.1
+        } else if forms == f16 {
+            all_float.clone()
+        } else {
+            PathMask::default()
+        };
+        // Speed: a 128-token prefill, then 32 decode steps, batch 1.
+        let (mut runner, mut ref_runner) = (StepRunner::default(), StepRunner::default());
+        let (prefill, decode) = {
+            let (mut kv, mut bm) = cache(cfg, 16, page);
+            bm.admit(7, &[], 200).map_err(|e| e.to_string())?;
+            let prompt: Vec<u32> = ids.iter().copied().cycle().take(128).collect();
+            let t = Instant::now();
+            let step = step_for(&mut bm, &[(7, prompt)]);
+            runner.run(&model, &step, &mask, &mut kv, kv_int8)?;
+            let prefill = 128.0 / t.elapsed().as_secs_f64();
+            let t = Instant::now();
+            for i in 0..32u32 {
+                let step = step_for(&mut bm, &[(7, vec![32 + i])]);
+                runner.run(&model, &step, &mask, &mut kv, kv_int8)?;
+            }
+            (prefill, 32.0 / t.elapsed().as_secs_f64())
+        };
+        let (mut nll, mut kl, mut n) = (0f64, 0f64, 0usize);
+        for (wi, window) in ids.chunks(WINDOW).enumerate() {
+            let (mut kv, mut bm) = cache(cfg, WINDOW.div_ceil(page) + 2, page);
+            let (mut rkv, mut rbm) = cache(cfg, WINDOW.div_ceil(page) + 2, page);
+            let id = 1_000_000 + wi as u64;
+            bm.admit(id, &[], WINDOW).map_err(|e| e.to_string())?;
+            rbm.admit(id, &[], WINDOW).map_err(|e| e.to_string())?;
+            for pair in window.windows(2) {
+                let step = step_for(&mut bm, &[(id, vec![pair[0]])]);
+                let logits = runner
+                    .run(&model, &step, &mask, &mut kv, kv_int8)?
+                    .logits
+                    .remove(0)
+                    .1;
+                let rstep = step_for(&mut rbm, &[(id, vec![pair[0]])]);
+                let want = ref_runner
+                    .run(&reference, &rstep, &all_float, &mut rkv, false)?
+                    .logits
+                    .remove(0)
+                    .1;
+                let m = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+                let z: f64 = logits.iter().map(|x| (*x as f64 - m).exp()).sum();
+                nll -= logits[pair[1] as usize] as f64 - m - z.ln();
+                kl += quantmesh_model::ops::kl_logits(&want, &logits);
+                n += 1;
+            }
+        }
+        let mib = |b: usize| b as f64 / (1 << 20) as f64;
+        println!(
+            "| {name} | {:.1} / {:.1} / {:.1} | {:.1} | {:.2} | {rss:.0} | {prefill:.0} | {decode:.1} | {:.3} | {:.5} |",
+            mib(w.int8),
+            mib(w.float),
+            mib(w.other),
+            mib(w.total()),
+            w.ratio_to_f16(),
+            (nll / n as f64).exp(),
+            kl / n as f64
+        );
     }
     Ok(())
 }
