@@ -195,15 +195,20 @@ fn log_plan(live: &LivePlan, cfg: &EngineConfig, w: &crate::backend::WeightBytes
         if live.budget.demoted.is_empty() {
             String::new()
         } else {
-            format!(
-                " ({})",
-                live.budget
-                    .demoted
-                    .iter()
-                    .map(|g| g.to_string())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )
+            let names: Vec<String> = live
+                .budget
+                .demoted
+                .iter()
+                .take(8)
+                .map(|g| g.to_string())
+                .collect();
+            let more = live.budget.demoted.len().saturating_sub(names.len());
+            let tail = if more > 0 {
+                format!(", … {more} more: GET /admin/config")
+            } else {
+                String::new()
+            };
+            format!(" ({}{tail})", names.join(", "))
         }
     );
     tracing::info!(sensitive_layers_md5 = ?live.md5, "precision plan in force:{table}");

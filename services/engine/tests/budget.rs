@@ -16,6 +16,14 @@ use quantmesh_model::{Checkpoint, ModelConfig};
 use quantmesh_types::{GroupKind, Residency};
 use support::Rig;
 
+/// The next-token logits after `text` (bytes as token ids), every group on its float path
+/// where it has one, f32 KV.
+fn last_logits(model: LlamaModel, cfg: &ModelConfig, text: &str) -> Vec<f32> {
+    let tokens: Vec<u32> = text.bytes().map(u32::from).collect();
+    let mask = PathMask::all_groups_float(cfg.num_hidden_layers);
+    Rig::with_model(model, cfg, KvFloatDtype::F32).feed(1, &tokens, &mask, false)
+}
+
 /// Groups over budget are INT8-only; when the float path is wanted there (every group in
 /// float), their rows are counted as "wanted fallback, unavailable" and the kept groups run
 /// in float.
@@ -79,15 +87,7 @@ fn f16_float_copies_halve_memory_and_keep_quality() {
     let f16m = load(Residency::Float, FloatDtype::F16);
     assert_eq!(f16m.weight_bytes().float * 2, f32m.weight_bytes().float);
     let int8 = load(Residency::Int8, FloatDtype::F32);
-    let tokens: Vec<u32> = "The quick brown fox jumps over the lazy dog."
-        .bytes()
-        .map(u32::from)
-        .collect();
-    let mask = PathMask::all_groups_float(cfg.num_hidden_layers);
-    let logits = |m| {
-        let mut rig = Rig::with_model(m, &cfg, KvFloatDtype::F32);
-        rig.feed(1, &tokens, &mask, false)
-    };
+    let logits = |m| last_logits(m, &cfg, "The quick brown fox jumps over the lazy dog.");
     let (a, b, c) = (logits(f32m), logits(f16m), logits(int8));
     let kl16 = kl_logits(&a, &b);
     let kl8 = kl_logits(&a, &c);
@@ -115,15 +115,7 @@ fn q8_0_vocabulary_tables_are_small_and_close() {
     let int8 = load(EmbeddingDtype::F32, Residency::Int8);
     let f16 = load(EmbeddingDtype::F16, Residency::Float);
     assert!(q8.weight_bytes().other * 10 < f16.weight_bytes().other * 6);
-    let tokens: Vec<u32> = "Pack my box with five dozen liquor jugs."
-        .bytes()
-        .map(u32::from)
-        .collect();
-    let mask = PathMask::all_groups_float(cfg.num_hidden_layers);
-    let logits = |m| {
-        let mut rig = Rig::with_model(m, &cfg, KvFloatDtype::F32);
-        rig.feed(1, &tokens, &mask, false)
-    };
+    let logits = |m| last_logits(m, &cfg, "Pack my box with five dozen liquor jugs.");
     let (a, b, c) = (logits(exact), logits(q8), logits(int8));
     assert!(
         kl_logits(&a, &b) < kl_logits(&a, &c),
