@@ -156,6 +156,7 @@ pub fn load_parts(
             .unwrap_or(cfg.default_residency)
     };
     let backend = Box::new(LlamaModel::load_from(&ck, &mcfg, &residency, cfg.forms())?);
+    note_float_rounding(&ck, cfg.float_dtype);
     let tokenizer = TextTokenizer::load(model_dir)?;
     Ok(LoadedParts {
         backend,
@@ -164,6 +165,30 @@ pub fn load_parts(
         shape,
         live,
     })
+}
+
+/// Say so when float copies are not the checkpoint's exact values (a 16-bit copy of f32 or
+/// quantized weights); a 16-bit checkpoint stored in its own dtype loses nothing.
+fn note_float_rounding(ck: &Checkpoint, float: crate::backend::FloatDtype) {
+    use crate::backend::FloatDtype;
+    let q = quantmesh_model::names::members(GroupKind::Qkv)[0];
+    let name = quantmesh_model::names::member_weight(0, q);
+    let Ok(info) = ck.info(&name) else { return };
+    let exact = match float {
+        FloatDtype::F32 => true,
+        FloatDtype::F16 => info.dtype == "F16",
+        FloatDtype::Bf16 => info.dtype == "BF16",
+    };
+    if !exact {
+        tracing::info!(
+            stored = %info.dtype,
+            float_dtype = float.as_str(),
+            "float copies are the checkpoint's {} values rounded to {} (relative error about 5e-4 \
+             for f16); engine.float_dtype = \"f32\" keeps them exact",
+            info.dtype,
+            float.as_str()
+        );
+    }
 }
 
 /// The plan in force, in one log table: residencies, what the budget did, bytes by form.

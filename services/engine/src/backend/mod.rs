@@ -98,8 +98,9 @@ pub struct PassOutput {
 }
 
 /// How float copies are stored; the float path computes in this dtype (f32 in and out).
-/// 16-bit halves the memory of a float copy; measured on the CPU backend as fast as f32 at
-/// batch 1–32 (`quantmesh-engine-bench --float-dtypes`).
+/// 16-bit halves the memory of a float copy. Measured on the CPU backend
+/// (`quantmesh-engine-bench --float-dtypes`): f16 0.75–0.97× the f32 time at batch 1, 2–4× at
+/// batch 8–32; bf16 slower still.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FloatDtype {

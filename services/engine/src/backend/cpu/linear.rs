@@ -8,9 +8,9 @@
 //! (AVX-512 VNNI) and is maintained upstream; see ARCHITECTURE.md.
 //!
 //! Float form: the checkpoint's values (never dequantized INT8), stored in the engine's
-//! `float_dtype` (f16 by default: half the bytes of f32 at the same speed on the CPU backend,
-//! measured by `quantmesh-engine-bench --float-dtypes`); the float path casts its input rows
-//! to that dtype, multiplies, and casts the output back to f32.
+//! `float_dtype` (f16 by default: half the bytes of f32; as fast at batch 1, 2–4× slower at
+//! batch 8–32 on the CPU backend, measured by `quantmesh-engine-bench --float-dtypes`); the
+//! float path casts its input rows to that dtype, multiplies, and casts the output back.
 
 use crate::backend::{FloatDtype, GroupOutcome, RowPath};
 use crate::error::Result;
