@@ -603,7 +603,6 @@ impl Engine {
             Prompt::Text { text, .. } if text.is_empty() => {
                 return invalid("the prompt is empty".into())
             }
-            Prompt::Tokens(ids) if ids.is_empty() => return invalid("the prompt is empty".into()),
             Prompt::Chat(messages) => {
                 if messages.is_empty() {
                     return invalid("messages must not be empty".into());
@@ -620,7 +619,11 @@ impl Engine {
             }
             _ => {}
         }
-        let ids = self.tokenize(prompt).await?;
+        let ids = match prompt {
+            // Already ids: no tokenizer round trip.
+            Prompt::Tokens(ids) => ids,
+            p => self.tokenize(p).await?,
+        };
         if ids.is_empty() {
             return invalid("the prompt is empty".into());
         }

@@ -76,16 +76,22 @@ impl ExecutorState {
     }
 
     /// Hand the step's statistics to the monitor without waiting; a full mailbox drops
-    /// them (counted).
-    fn observe(&self, out: &StepOutput) {
+    /// them (counted). They are moved out of `out`: the scheduler only reads the logits.
+    fn observe(&self, out: &mut StepOutput) {
         let Some(monitor) = &self.monitor else { return };
         if out.obs.is_empty() && out.shadow_kl.is_empty() && !out.non_finite {
             return;
         }
         let obs = StepOutput {
-            logits: Vec::new(),
-            outcomes: Vec::new(),
-            ..out.clone()
+            obs: std::mem::take(&mut out.obs),
+            rows: std::mem::take(&mut out.rows),
+            shadow_kl: std::mem::take(&mut out.shadow_kl),
+            mask_version: out.mask_version,
+            num_tokens: out.num_tokens,
+            non_finite: out.non_finite,
+            mask_check_ns: out.mask_check_ns,
+            stats_ns: out.stats_ns,
+            ..Default::default()
         };
         if monitor.try_send(Observe(obs)).is_err() {
             self.metrics.monitor_dropped.inc();
@@ -101,11 +107,11 @@ impl Handler<Execute> for ExecutorActor {
         let st = &mut *guard;
         // The mask is read once per step: a decision takes effect at the next step.
         let mask = st.mask.load();
-        let out = st
+        let mut out = st
             .runner
             .run(st.backend.as_ref(), &msg.0, &mask, &mut st.kv, st.kv_int8)?;
         st.record(&out);
-        st.observe(&out);
+        st.observe(&mut out);
         Ok(out)
     }
 }

@@ -60,6 +60,51 @@ pub fn model_md5(files: &[PathBuf]) -> anyhow::Result<String> {
     Ok(format!("{:x}", ctx.finalize()))
 }
 
+/// (path, length, modification time in ns) of each file: what must not change for a
+/// remembered md5 to still be the files' md5.
+fn stamps(files: &[PathBuf]) -> anyhow::Result<Vec<(String, u64, u128)>> {
+    files
+        .iter()
+        .map(|f| {
+            let m = std::fs::metadata(f).with_context(|| format!("reading {}", f.display()))?;
+            let mtime = m
+                .modified()
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map_or(0, |d| d.as_nanos());
+            Ok((f.display().to_string(), m.len(), mtime))
+        })
+        .collect()
+}
+
+/// [`model_md5`], remembered in `dir/weights.md5.json` against the files' stamps, so a
+/// later start over unchanged files does not read gigabytes again.
+fn stamped_md5(files: &[PathBuf], dir: &Path) -> anyhow::Result<String> {
+    #[derive(serde::Serialize, serde::Deserialize)]
+    struct Remembered {
+        stamps: Vec<(String, u64, u128)>,
+        md5: String,
+    }
+    let path = dir.join("weights.md5.json");
+    let now = stamps(files)?;
+    if let Some(r) = std::fs::read(&path)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<Remembered>(&b).ok())
+    {
+        if r.stamps == now {
+            return Ok(r.md5);
+        }
+    }
+    let md5 = model_md5(files)?;
+    let bytes = serde_json::to_vec(&Remembered {
+        stamps: now,
+        md5: md5.clone(),
+    })?;
+    // Best effort: a read-only model directory only costs the hash next time.
+    let _ = std::fs::create_dir_all(dir).and_then(|()| std::fs::write(&path, bytes));
+    Ok(md5)
+}
+
 /// Where plans for `model` are cached: `.quantmesh/` in the model's directory.
 pub fn cache_dir(model: &Path) -> PathBuf {
     let dir = if model.is_dir() {
@@ -98,8 +143,8 @@ impl quantmesh_prescreen::scan::Progress for LogProgress {
 pub fn ensure(model: &Path, prompts: usize) -> anyhow::Result<FirstPlan> {
     let t0 = Instant::now();
     let files = weight_files(model)?;
-    let md5 = model_md5(&files)?;
     let dir = cache_dir(model);
+    let md5 = stamped_md5(&files, &dir)?;
     let path = dir.join(format!("sensitive_layers.{md5}.json"));
     if path.is_file() {
         let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
@@ -175,6 +220,9 @@ mod tests {
         assert!(first.path.starts_with(dir.path().join(".quantmesh")));
         let bytes = std::fs::read(&first.path).unwrap();
         quantmesh_types::SensitiveLayers::parse(&bytes).unwrap();
+        let files = weight_files(dir.path()).unwrap();
+        assert_eq!(first.model_md5, model_md5(&files).unwrap());
+        assert!(dir.path().join(".quantmesh/weights.md5.json").is_file());
         let again = ensure(dir.path(), 8).unwrap();
         assert!(!again.computed, "same bytes: the cached plan is reused");
         assert_eq!(again.path, first.path);
@@ -191,6 +239,11 @@ mod tests {
         let other = ensure(dir.path(), 8).unwrap();
         assert!(other.computed);
         assert_ne!(other.model_md5, first.model_md5);
+        assert_eq!(
+            other.model_md5,
+            model_md5(&files).unwrap(),
+            "not the remembered md5"
+        );
         assert_ne!(other.path, first.path);
         // A damaged cache file is recomputed, not trusted.
         std::fs::write(&other.path, b"{").unwrap();
