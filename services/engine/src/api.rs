@@ -27,7 +27,7 @@ use quantmesh_model::{model_shape, Checkpoint, IncrementalDecoder, TextTokenizer
 use quantmesh_store::Location;
 use quantmesh_types::{
     ConfigEvent, FallbackEvent, FinishReason, GroupId, GroupKind, ModelShape, Residency,
-    SamplingParams, SensitiveLayers, Usage,
+    SamplingParams, SensitiveLayers, TokenLogprobs, Usage,
 };
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -84,6 +84,7 @@ impl EngineStart {
 
 struct Inner {
     scheduler: Addr<SchedulerActor>,
+    executor: Addr<ExecutorActor>,
     tokenizer_actor: Addr<TokenizerActor>,
     tokenizer: Arc<TextTokenizer>,
     info: ModelInfo,
@@ -483,7 +484,7 @@ impl Engine {
         let tokenizer_actor = SyncArbiter::start(2, move || TokenizerActor {
             tokenizer: t2.clone(),
         });
-        let scheduler = wiring.start_scheduler(&cfg, executor, monitor.as_ref());
+        let scheduler = wiring.start_scheduler(&cfg, executor.clone(), monitor.as_ref());
         let max_model_len = mcfg
             .max_position_embeddings
             .min(cfg.num_pages * cfg.page_size);
@@ -491,6 +492,7 @@ impl Engine {
         Ok(Engine {
             inner: Arc::new(Inner {
                 scheduler,
+                executor,
                 tokenizer_actor,
                 tokenizer,
                 info: ModelInfo {
@@ -549,6 +551,32 @@ impl Engine {
 
     pub fn stats(&self) -> EngineStats {
         self.inner.stats.get()
+    }
+
+    /// The text of one token as the tokenizer decodes it alone (for log-probabilities;
+    /// a byte-level token that is part of a multi-byte character decodes lossily).
+    pub fn token_text(&self, id: u32) -> String {
+        self.inner.tokenizer.decode(&[id]).unwrap_or_default()
+    }
+
+    /// Whether the engine can serve: every actor on the request path is alive. A panicking
+    /// step does not make it unready (the panic is contained to that step's requests); an
+    /// actor whose thread or context has stopped does.
+    pub fn readiness(&self) -> std::result::Result<(), String> {
+        let i = &self.inner;
+        let dead = [
+            ("scheduler", i.scheduler.connected()),
+            ("executor", i.executor.connected()),
+            ("tokenizer", i.tokenizer_actor.connected()),
+        ]
+        .into_iter()
+        .filter(|(_, up)| !up)
+        .map(|(name, _)| name)
+        .collect::<Vec<_>>();
+        match dead.is_empty() {
+            true => Ok(()),
+            false => Err(format!("engine actors stopped: {}", dead.join(", "))),
+        }
     }
 
     /// The registry holding the engine's metrics (the caller's, when it passed one).
@@ -628,6 +656,11 @@ impl Engine {
             return invalid("the prompt is empty".into());
         }
         let vocab = self.inner.info.config.vocab_size as u32;
+        if let Some((bad, _)) = params.logit_bias.iter().find(|(t, _)| *t >= vocab) {
+            return invalid(format!(
+                "logit_bias names token id {bad}, outside the vocabulary (size {vocab})"
+            ));
+        }
         if let Some(bad) = ids.iter().find(|&&t| t >= vocab) {
             return invalid(format!(
                 "token id {bad} is outside the vocabulary (size {vocab})"
@@ -733,8 +766,13 @@ impl Engine {
 #[derive(Debug, Clone, PartialEq)]
 pub enum GenerationEvent {
     /// New text; may be empty while a multi-byte character or a possible stop string is
-    /// held back. `token` is the sampled token, `None` for text flushed at the end.
-    Text { text: String, token: Option<u32> },
+    /// held back. `token` is the sampled token, `None` for text flushed at the end;
+    /// `logprobs` its log-probabilities when the request asked for them.
+    Text {
+        text: String,
+        token: Option<u32>,
+        logprobs: Option<TokenLogprobs>,
+    },
     Done {
         reason: FinishReason,
         usage: Usage,
@@ -826,7 +864,9 @@ impl Generation {
             });
         }
         match self.rx.recv().await {
-            Some(SeqEvent::Token { token, .. }) => {
+            Some(SeqEvent::Token {
+                token, logprobs, ..
+            }) => {
                 self.completion_tokens += 1;
                 let delta = self
                     .decoder
@@ -850,6 +890,7 @@ impl Generation {
                 Some(GenerationEvent::Text {
                     text,
                     token: Some(token),
+                    logprobs,
                 })
             }
             Some(SeqEvent::Finished {
@@ -875,7 +916,11 @@ impl Generation {
                     });
                 }
                 self.finish = Some((reason, cached_tokens));
-                Some(GenerationEvent::Text { text, token: None })
+                Some(GenerationEvent::Text {
+                    text,
+                    token: None,
+                    logprobs: None,
+                })
             }
             None => {
                 self.done = true;

@@ -19,6 +19,9 @@ pub enum EngineError {
     Overloaded(String),
     #[error("the engine has stopped")]
     Stopped,
+    /// A step panicked; the panic was contained to the requests of that step.
+    #[error("internal error: the step serving this request panicked ({0})")]
+    StepPanicked(String),
 }
 
 impl EngineError {

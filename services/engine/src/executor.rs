@@ -6,12 +6,13 @@ use crate::backend::Backend;
 use crate::backend::{PreparedGroup, StepInput};
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
-use crate::metrics::{EngineMetrics, RowPathLabel};
+use crate::metrics::{EngineMetrics, RowPathLabel, StepFailureCause};
 use crate::monitor::Observe;
 use crate::precision::{MaskHandle, StepOutput, StepRunner};
 use crate::stats::StatsCell;
 use actix::prelude::*;
-use std::sync::{Arc, Mutex};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 /// Scheduler → executor: run one step of the batch.
 #[derive(Message)]
@@ -27,6 +28,13 @@ pub struct SwapGroups(pub Vec<PreparedGroup>);
 
 /// Everything the executor owns. Behind a mutex only so the sync arbiter's factory can
 /// hand it to its single thread; nothing else touches it.
+///
+/// Supervision: every message is handled under `catch_unwind`, so a panic fails only the
+/// requests of that step (the scheduler frees their pages; pages enter the prefix cache only
+/// after a step succeeds, so half-written KV is never shared) and the thread, the weights
+/// and the other sequences' KV carry on. The state holds nothing a panic can leave half
+/// updated besides the failed step's own KV slots: the weights change only by
+/// [`SwapGroups`], which replaces them whole.
 pub struct ExecutorState {
     pub backend: Box<dyn Backend>,
     pub kv: KvCache,
@@ -75,61 +83,164 @@ impl ExecutorState {
         });
     }
 
-    /// Hand the step's statistics to the monitor without waiting; a full mailbox drops
-    /// them (counted). They are moved out of `out`: the scheduler only reads the logits.
+    /// Hand the step's statistics to the monitor without waiting (see [`hand_to_monitor`]).
     fn observe(&self, out: &mut StepOutput) {
-        let Some(monitor) = &self.monitor else { return };
-        if out.obs.is_empty() && out.shadow_kl.is_empty() && !out.non_finite {
-            return;
+        if let Some(monitor) = &self.monitor {
+            hand_to_monitor(monitor, out, &self.metrics, &self.stats);
         }
-        let obs = StepOutput {
-            obs: std::mem::take(&mut out.obs),
-            rows: std::mem::take(&mut out.rows),
-            shadow_kl: std::mem::take(&mut out.shadow_kl),
-            mask_version: out.mask_version,
-            num_tokens: out.num_tokens,
-            non_finite: out.non_finite,
-            mask_check_ns: out.mask_check_ns,
-            stats_ns: out.stats_ns,
-            ..Default::default()
-        };
-        if monitor.try_send(Observe(obs)).is_err() {
-            self.metrics.monitor_dropped.inc();
-            self.stats.update(|s| s.monitor_observations_dropped += 1);
-        }
+    }
+}
+
+/// Hand a step's statistics to the monitor without waiting; a full (or closed) mailbox drops
+/// them, counted in `quantmesh_monitor_observations_dropped_total` and the engine stats. They
+/// are moved out of `out`: the scheduler only reads the logits. Returns whether they were
+/// delivered (or there was nothing to deliver).
+pub(crate) fn hand_to_monitor(
+    monitor: &Recipient<Observe>,
+    out: &mut StepOutput,
+    metrics: &EngineMetrics,
+    stats: &StatsCell,
+) -> bool {
+    if out.obs.is_empty() && out.shadow_kl.is_empty() && !out.non_finite {
+        return true;
+    }
+    let obs = StepOutput {
+        obs: std::mem::take(&mut out.obs),
+        rows: std::mem::take(&mut out.rows),
+        shadow_kl: std::mem::take(&mut out.shadow_kl),
+        shadow_reference: out.shadow_reference,
+        mask_version: out.mask_version,
+        num_tokens: out.num_tokens,
+        non_finite: out.non_finite,
+        mask_check_ns: out.mask_check_ns,
+        stats_ns: out.stats_ns,
+        ..Default::default()
+    };
+    if monitor.try_send(Observe(obs)).is_err() {
+        metrics.monitor_dropped.inc();
+        stats.update(|s| s.monitor_observations_dropped += 1);
+        false
+    } else {
+        true
+    }
+}
+
+impl ExecutorActor {
+    /// The state, also after a panic that escaped `catch_unwind`'s protection elsewhere
+    /// (nothing is left half-updated across messages: see [`ExecutorState`]).
+    fn state(&self) -> MutexGuard<'_, ExecutorState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// The text of a caught panic.
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "non-string panic payload".into())
+}
+
+/// Run `f` with panics contained: a panic becomes [`EngineError::StepPanicked`]. On failure
+/// also says whether it was a panic or a typed error.
+fn contained<T>(f: impl FnOnce() -> Result<T>) -> Result<T, (EngineError, StepFailureCause)> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err((e, StepFailureCause::Error)),
+        Err(p) => Err((
+            EngineError::StepPanicked(panic_message(p.as_ref())),
+            StepFailureCause::Panic,
+        )),
     }
 }
 
 impl Handler<Execute> for ExecutorActor {
     type Result = Result<StepOutput>;
     fn handle(&mut self, msg: Execute, _: &mut Self::Context) -> Self::Result {
-        let mut guard = self.state.lock().map_err(|_| EngineError::Stopped)?;
+        let mut guard = self.state();
         let st = &mut *guard;
-        // The mask is read once per step: a decision takes effect at the next step.
-        let mask = st.mask.load();
-        let mut out = st
-            .runner
-            .run(st.backend.as_ref(), &msg.0, &mask, &mut st.kv, st.kv_int8)?;
-        st.record(&out);
-        st.observe(&mut out);
-        Ok(out)
+        let (metrics, stats) = (st.metrics.clone(), st.stats.clone());
+        contained(|| {
+            crate::faults::before_step();
+            // The mask is read once per step: a decision takes effect at the next step.
+            let mask = st.mask.load();
+            let mut out =
+                st.runner
+                    .run(st.backend.as_ref(), &msg.0, &mask, &mut st.kv, st.kv_int8)?;
+            st.record(&out);
+            st.observe(&mut out);
+            Ok(out)
+        })
+        .map_err(|(e, cause)| {
+            tracing::error!(error = %e, cause = cause.as_str(), "step failed");
+            metrics.step_failed(cause);
+            stats.update(|s| {
+                s.step_failures += 1;
+                s.step_panics += u64::from(cause == StepFailureCause::Panic);
+            });
+            e
+        })
     }
 }
 
 impl Handler<SwapGroups> for ExecutorActor {
     type Result = Result<(usize, usize)>;
     fn handle(&mut self, msg: SwapGroups, _: &mut Self::Context) -> Self::Result {
-        let mut guard = self.state.lock().map_err(|_| EngineError::Stopped)?;
+        let mut guard = self.state();
         let st = &mut *guard;
-        st.backend.replace_groups(msg.0)?;
-        let (resident, linear) = (st.backend.resident_bytes(), st.backend.linear_bytes());
-        let weights = st.backend.weight_bytes();
-        st.metrics.set_weights(&weights);
-        st.stats.update(|s| {
-            s.resident_weight_bytes = resident;
-            s.linear_weight_bytes = linear;
-            s.weights = weights;
-        });
-        Ok((resident, linear))
+        contained(|| {
+            st.backend.replace_groups(msg.0)?;
+            let (resident, linear) = (st.backend.resident_bytes(), st.backend.linear_bytes());
+            let weights = st.backend.weight_bytes();
+            st.metrics.set_weights(&weights);
+            st.stats.update(|s| {
+                s.resident_weight_bytes = resident;
+                s.linear_weight_bytes = linear;
+                s.weights = weights;
+            });
+            Ok((resident, linear))
+        })
+        .map_err(|(e, _)| e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::monitor::MonitorActor;
+
+    /// A monitor that never gets to run (its context is never started) with a one-message
+    /// mailbox: the first observation queues, the rest are dropped and counted — the
+    /// executor never waits.
+    #[actix_rt::test]
+    async fn a_full_monitor_mailbox_drops_and_counts_observations() {
+        let mut ctx = Context::<MonitorActor>::new();
+        ctx.set_mailbox_capacity(1);
+        let monitor: Recipient<Observe> = ctx.address().recipient();
+        let registry = prometheus::Registry::new();
+        let metrics = EngineMetrics::register(&registry, "t").expect("metrics");
+        let stats = StatsCell::new(Default::default());
+        let step = || StepOutput {
+            non_finite: true,
+            num_tokens: 1,
+            ..Default::default()
+        };
+        let delivered: Vec<bool> = (0..5)
+            .map(|_| hand_to_monitor(&monitor, &mut step(), &metrics, &stats))
+            .collect();
+        let dropped = delivered.iter().filter(|d| !**d).count() as u64;
+        assert!(delivered[0], "{delivered:?}");
+        assert!(dropped >= 3, "{delivered:?}");
+        assert_eq!(stats.get().monitor_observations_dropped, dropped);
+        assert_eq!(metrics.monitor_dropped.get(), dropped);
+        // Nothing to say: nothing sent, nothing dropped.
+        assert!(hand_to_monitor(
+            &monitor,
+            &mut StepOutput::default(),
+            &metrics,
+            &stats
+        ));
+        assert_eq!(stats.get().monitor_observations_dropped, dropped);
+        drop(ctx);
     }
 }

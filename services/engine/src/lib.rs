@@ -16,19 +16,22 @@
 //! * [`kv`] — page metadata and page bytes.
 //! * [`sched`] — the scheduler, sampling, the scheduler actor.
 //! * [`executor`], [`tokenize`] — the executor and tokenizer actors. Each actor's module
-//!   defines the messages it handles.
+//!   defines the messages it handles. [`faults`] — the test-only panic hook.
 //! * [`request`] — prompts and generation requests.
 //! * [`reload`] — the config actor (hot reload); [`plan`] — the live plan; [`budget`] —
 //!   the memory budget for float copies.
 //! * [`metrics`] — the engine's Prometheus series, updated where things happen.
+//! * [`evaluation`] — the monitor's evaluation suite on planted-truth checkpoints.
 
 pub mod api;
 pub mod backend;
 pub mod budget;
 pub mod config;
 pub mod error;
+pub mod evaluation;
 pub mod events;
 pub mod executor;
+pub mod faults;
 pub mod kv;
 pub mod metrics;
 pub mod monitor;

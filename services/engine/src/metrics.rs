@@ -5,7 +5,7 @@
 
 use crate::backend::WeightBytes;
 use prometheus::{
-    Counter, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge,
+    Counter, Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry,
 };
 use quantmesh_types::FallbackEvent;
@@ -47,6 +47,22 @@ impl ReloadResult {
 }
 
 /// Every series the engine owns. Cheap to clone (handles to shared cells).
+/// Why a step failed (the `cause` label of `quantmesh_engine_step_failures_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepFailureCause {
+    Panic,
+    Error,
+}
+
+impl StepFailureCause {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StepFailureCause::Panic => "panic",
+            StepFailureCause::Error => "error",
+        }
+    }
+}
+
 #[derive(Clone)]
 pub struct EngineMetrics {
     pub running: IntGauge,
@@ -61,6 +77,7 @@ pub struct EngineMetrics {
     pub fallback_unavailable: IntCounter,
     pub mask_check_seconds: Counter,
     pub batch_recomputes: IntCounter,
+    step_failures: IntCounterVec,
     pub resident_bytes: IntGauge,
     weight_bytes: IntGaugeVec,
     pub weight_f16_ratio: Gauge,
@@ -68,7 +85,7 @@ pub struct EngineMetrics {
     outlier_rate: GaugeVec,
     pub groups_in_fallback: IntGauge,
     decisions: IntCounterVec,
-    pub shadow_kl: Histogram,
+    pub shadow_kl: HistogramVec,
     config_info: GaugeVec,
     config_reloads: IntCounterVec,
     pub config_polls: IntCounter,
@@ -142,6 +159,13 @@ impl EngineMetrics {
                 "quantmesh_batch_recomputes_total",
                 "Steps recomputed in float after NaN/Inf.",
             ),
+            step_failures: must(IntCounterVec::new(
+                o(
+                    "quantmesh_engine_step_failures_total",
+                    "Steps that failed, by cause (panic: caught and contained; error: a typed error). Only the requests in the failed step fail.",
+                ),
+                &["cause"],
+            )),
             resident_bytes: ig(
                 "quantmesh_weight_resident_bytes",
                 "Bytes of resident model weights under the current precision plan.",
@@ -179,15 +203,16 @@ impl EngineMetrics {
                 ),
                 &["granularity", "reason", "action"],
             )),
-            shadow_kl: must(Histogram::with_opts(
+            shadow_kl: must(HistogramVec::new(
                 HistogramOpts::new(
                     "quantmesh_shadow_kl",
-                    "Sampled KL(P_float || P_served) of the next-token distribution, in nats.",
+                    "Sampled KL(P_float || P_served) of the next-token distribution, in nats; reference: float_weights (every group on its float copy) or partial_float_weights (groups without a float copy ran INT8 in the reference too). Earlier tokens' K/V are the served cache's in both.",
                 )
                 .const_label("model_name", model)
                 .buckets(vec![
                     1e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0,
                 ]),
+                &["reference"],
             )),
             config_info: must(GaugeVec::new(
                 o(
@@ -229,6 +254,7 @@ impl EngineMetrics {
             Box::new(m.fallback_unavailable.clone()),
             Box::new(m.mask_check_seconds.clone()),
             Box::new(m.batch_recomputes.clone()),
+            Box::new(m.step_failures.clone()),
             Box::new(m.resident_bytes.clone()),
             Box::new(m.weight_bytes.clone()),
             Box::new(m.weight_f16_ratio.clone()),
@@ -248,6 +274,13 @@ impl EngineMetrics {
         }
         m.set_config_md5(None);
         Ok(m)
+    }
+
+    /// A step failed (`panic` or `error`).
+    pub fn step_failed(&self, cause: StepFailureCause) {
+        self.step_failures
+            .with_label_values(&[cause.as_str()])
+            .inc();
     }
 
     /// The resident weights by form (at start and after every swap).

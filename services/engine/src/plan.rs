@@ -59,6 +59,7 @@ pub fn resolve(
         };
         set(&mut monitor.k, t.k);
         set(&mut monitor.trigger_rate, t.trigger_rate);
+        set(&mut monitor.min_excess, t.min_excess);
         set(&mut monitor.token_k, t.token_k);
         set(&mut monitor.shadow_sample_rate, t.shadow_sample_rate);
         set(&mut monitor.request_kl_limit, t.request_kl_limit);
@@ -76,6 +77,7 @@ pub fn resolve(
                 if let Some(m) = &entry.monitor {
                     o.k = m.k.or(o.k);
                     o.trigger_rate = m.trigger_rate.or(o.trigger_rate);
+                    o.min_excess = m.min_excess.or(o.min_excess);
                 }
                 o.massive_channels.extend(&entry.massive_channels);
                 o.massive_channels.sort_unstable();

@@ -33,6 +33,9 @@ pub struct EngineStats {
     pub batch_recomputes: u64,
     /// Observations the monitor's full mailbox could not take.
     pub monitor_observations_dropped: u64,
+    /// Steps that failed (their requests failed with them), and how many of those panicked.
+    pub step_failures: u64,
+    pub step_panics: u64,
 }
 
 /// Shared, cheaply readable stats cell (written by the scheduler after every step).

@@ -135,17 +135,19 @@ async fn stop_strings_length_and_usage() {
     assert_eq!(usage.prompt_tokens, ids.len());
     // Use a piece of the greedy output as a stop string: output ends right before it.
     let chars: Vec<char> = text.chars().collect();
-    if chars.len() >= 4 {
-        let stop: String = chars[2..4].iter().collect();
-        let p = SamplingParams {
-            stop: vec![stop.clone()],
-            ..greedy(8)
-        };
-        let (t2, r2, _, _) = e.generate(ids, p).await.unwrap().collect().await;
-        assert_eq!(r2, FinishReason::Stop);
-        assert!(!t2.contains(&stop));
-        assert!(text.starts_with(&t2));
-    }
+    assert!(
+        chars.len() >= 4,
+        "8 tokens give at least 4 characters: {text:?}"
+    );
+    let stop: String = chars[2..4].iter().collect();
+    let p = SamplingParams {
+        stop: vec![stop.clone()],
+        ..greedy(8)
+    };
+    let (t2, r2, _, _) = e.generate(ids, p).await.unwrap().collect().await;
+    assert_eq!(r2, FinishReason::Stop);
+    assert!(!t2.contains(&stop));
+    assert!(text.starts_with(&t2));
 }
 
 #[actix_rt::test]

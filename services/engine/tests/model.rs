@@ -338,6 +338,7 @@ fn detector_for(
             excluded_channels: vec![],
             token_bound: bound,
             learn_channels: false,
+            massive_ratio: 0.0,
         },
     );
     std::sync::Arc::new(quantmesh_engine::precision::DetectorParams {

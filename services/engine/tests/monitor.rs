@@ -5,7 +5,9 @@
 use quantmesh_engine::monitor::{GroupMode, MonitorConfig, MonitorReport};
 use quantmesh_engine::{Engine, EngineConfig};
 use quantmesh_model::bundled::{init_model, InitOptions, Planted};
-use quantmesh_types::SamplingParams;
+use quantmesh_types::{
+    FallbackEvent, FallbackReason, Granularity, KlReference, Residency, SamplingParams,
+};
 
 fn monitor_cfg() -> MonitorConfig {
     MonitorConfig {
@@ -126,4 +128,110 @@ async fn without_exclusion_the_statistic_measures_the_massive_channel() {
             s.mean
         );
     }
+}
+
+/// Shadow KL through the engine: every step also runs the float reference
+/// (`shadow_sample_rate = 1`). Layer fallback is off (trigger rate 1) so the served path stays
+/// INT8 and only the shadow KL can react.
+async fn shadow_run(
+    residency: Residency,
+    kv_int8: bool,
+) -> (Vec<FallbackEvent>, Vec<(String, f64, u64)>) {
+    let dir = tempfile::tempdir().unwrap();
+    init_model(dir.path(), &InitOptions::default()).unwrap();
+    let e = Engine::start(
+        dir.path(),
+        EngineConfig {
+            default_residency: residency,
+            kv_int8,
+            monitor: MonitorConfig {
+                trigger_rate: 1.0,
+                token_k: 1e9,
+                shadow_sample_rate: 1.0,
+                request_kl_limit: 2e-5,
+                ..monitor_cfg()
+            },
+            ..Default::default()
+        },
+        "t",
+    )
+    .await
+    .unwrap();
+    let mut rx = e.subscribe_fallback_events();
+    for (i, p) in quantmesh_model::bundled::SAMPLE_PROMPTS.iter().enumerate() {
+        let ids = e.encode(p.to_string(), true).await.unwrap();
+        let params = SamplingParams {
+            temperature: 0.0,
+            seed: Some(i as u64),
+            max_tokens: 8,
+            ..Default::default()
+        };
+        e.generate(ids, params).await.unwrap().collect().await;
+    }
+    // wait until the monitor has seen every request
+    for _ in 0..200 {
+        let rep = e.monitor_report().unwrap();
+        if rep.windows_completed as usize * 8 + rep.requests_in_window >= 8 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let mut events = Vec::new();
+    while let Ok(ev) = rx.try_recv() {
+        events.push(ev);
+    }
+    // (reference, sum, count) of the shadow-KL histogram
+    let hist = e
+        .registry()
+        .gather()
+        .into_iter()
+        .filter(|f| f.name() == "quantmesh_shadow_kl")
+        .flat_map(|f| f.get_metric().to_vec())
+        .map(|m| {
+            let reference = m
+                .get_label()
+                .iter()
+                .find(|l| l.name() == "reference")
+                .map(|l| l.value().to_string())
+                .unwrap_or_default();
+            let h = m.get_histogram();
+            (reference, h.get_sample_sum(), h.get_sample_count())
+        })
+        .collect();
+    (events, hist)
+}
+
+#[actix_rt::test]
+async fn shadow_kl_sees_a_damaged_int8_group_and_is_zero_for_a_float_plan() {
+    // Dual: served INT8 (with the planted INT8-hostile `layers.1.down`), reference float.
+    let (events, hist) = shadow_run(Residency::Dual, true).await;
+    let (reference, sum, count) = hist[0].clone();
+    assert_eq!(hist.len(), 1, "{hist:?}");
+    assert_eq!(reference, "float_weights");
+    assert!(count > 0);
+    let dual_mean = sum / count as f64;
+    let requests: Vec<_> = events
+        .iter()
+        .filter(|e| e.granularity == Granularity::Request && e.reason == FallbackReason::ShadowKl)
+        .collect();
+    assert!(!requests.is_empty(), "no per-request fallback: {events:?}");
+    for ev in &requests {
+        assert!(ev.kl.unwrap() > 2e-5);
+        assert_eq!(ev.kl_reference, Some(KlReference::FloatWeights));
+    }
+    // Float plan (float weights, float KV): served = reference, KL ≈ 0, no per-request
+    // fallback.
+    let (events, hist) = shadow_run(Residency::Float, false).await;
+    let (reference, sum, count) = hist[0].clone();
+    assert_eq!(reference, "float_weights");
+    let float_mean = sum / count as f64;
+    assert!(float_mean < 1e-6, "float plan shadow KL {float_mean}");
+    assert!(!events.iter().any(|e| e.granularity == Granularity::Request));
+    assert!(
+        dual_mean > 1e3 * float_mean.max(1e-9),
+        "{dual_mean} vs {float_mean}"
+    );
+    // INT8-only: the reference cannot be float for any group, and the label says so.
+    let (_, hist) = shadow_run(Residency::Int8, true).await;
+    assert_eq!(hist[0].0, "partial_float_weights");
 }

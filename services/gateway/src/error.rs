@@ -12,6 +12,9 @@ pub enum ApiError {
     BadRequest(String),
     #[error("{0}")]
     Unprocessable(String),
+    /// A request field that is not supported (or not known): never silently ignored.
+    #[error("{message}")]
+    UnsupportedParam { param: String, message: String },
     #[error("request body is larger than the limit of {limit} bytes")]
     PayloadTooLarge { limit: usize },
     #[error("{0}")]
@@ -28,16 +31,28 @@ pub enum ApiError {
     NotReady,
     #[error("the server is shutting down")]
     ShuttingDown,
+    /// The engine is loaded but cannot serve (an actor has stopped).
+    #[error("the engine cannot serve: {0}")]
+    Unavailable(String),
     #[error("internal error: {0}")]
     Internal(String),
 }
 
 impl ApiError {
+    /// The request field at fault, when one is.
+    fn param(&self) -> Option<&str> {
+        match self {
+            ApiError::UnsupportedParam { param, .. } => Some(param),
+            _ => None,
+        }
+    }
+
     /// Stable machine-readable (type, code).
     fn kind(&self) -> (&'static str, &'static str) {
         match self {
             ApiError::BadRequest(_) => ("invalid_request_error", "invalid_request"),
             ApiError::Unprocessable(_) => ("invalid_request_error", "invalid_type"),
+            ApiError::UnsupportedParam { .. } => ("invalid_request_error", "unsupported_parameter"),
             ApiError::PayloadTooLarge { .. } => ("invalid_request_error", "payload_too_large"),
             ApiError::Unauthorized(_) => ("authentication_error", "invalid_api_key"),
             ApiError::Forbidden(_) => ("permission_error", "forbidden"),
@@ -46,6 +61,7 @@ impl ApiError {
             ApiError::Overloaded(_) => ("rate_limit_error", "overloaded"),
             ApiError::NotReady => ("service_unavailable", "model_loading"),
             ApiError::ShuttingDown => ("service_unavailable", "shutting_down"),
+            ApiError::Unavailable(_) => ("service_unavailable", "engine_unavailable"),
             ApiError::Internal(_) => ("server_error", "internal_error"),
         }
     }
@@ -54,14 +70,16 @@ impl ApiError {
 impl ResponseError for ApiError {
     fn status_code(&self) -> StatusCode {
         match self {
-            ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ApiError::BadRequest(_) | ApiError::UnsupportedParam { .. } => StatusCode::BAD_REQUEST,
             ApiError::Unprocessable(_) => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::ModelNotFound(_) | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
-            ApiError::NotReady | ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::NotReady | ApiError::ShuttingDown | ApiError::Unavailable(_) => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -69,7 +87,7 @@ impl ResponseError for ApiError {
     fn error_response(&self) -> HttpResponse {
         let (ty, code) = self.kind();
         HttpResponse::build(self.status_code()).json(json!({
-            "error": { "message": self.to_string(), "type": ty, "code": code, "param": null }
+            "error": { "message": self.to_string(), "type": ty, "code": code, "param": self.param() }
         }))
     }
 }
@@ -84,9 +102,10 @@ impl From<EngineError> for ApiError {
                 ApiError::BadRequest(format!("tokenization failed: {m}"))
             }
             EngineError::Model(ModelError::InvalidInput(m)) => ApiError::BadRequest(m),
-            e @ (EngineError::Model(_) | EngineError::Config(_) | EngineError::Tensor(_)) => {
-                ApiError::Internal(e.to_string())
-            }
+            e @ (EngineError::Model(_)
+            | EngineError::Config(_)
+            | EngineError::Tensor(_)
+            | EngineError::StepPanicked(_)) => ApiError::Internal(e.to_string()),
         }
     }
 }

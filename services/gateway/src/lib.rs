@@ -2,6 +2,7 @@
 
 pub mod error;
 pub mod first_plan;
+pub mod logprobs;
 pub mod metrics;
 pub mod model_source;
 pub mod openai;

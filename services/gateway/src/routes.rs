@@ -1,6 +1,7 @@
 //! HTTP routes. `configure` is used by the server and by tests alike.
 
 use crate::error::{parse_json, ApiError};
+use crate::logprobs;
 use crate::openai::{ChatRequest, CompletionRequest, SamplingFields, UsageBody};
 use crate::state::AppState;
 use actix_web::http::StatusCode;
@@ -44,6 +45,7 @@ async fn health() -> HttpResponse {
 
 async fn ready(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let e = state.engine()?;
+    e.readiness().map_err(ApiError::Unavailable)?;
     Ok(HttpResponse::Ok().json(json!({"status": "ready", "model": state.model_name, "load_seconds": e.info().load_seconds})))
 }
 
@@ -83,12 +85,27 @@ fn bearer(req: &HttpRequest) -> Option<&str> {
         .map(str::trim)
 }
 
+/// Constant-time comparison of a secret with what a client sent.
+fn secret_eq(secret: &str, sent: &str) -> bool {
+    use subtle::ConstantTimeEq;
+    secret.as_bytes().ct_eq(sent.as_bytes()).into()
+}
+
 fn check_api_key(req: &HttpRequest, state: &AppState) -> Result<(), ApiError> {
     if state.server.api_keys.is_empty() {
         return Ok(());
     }
     match bearer(req) {
-        Some(k) if state.server.api_keys.iter().any(|a| a == k) => Ok(()),
+        // Every key is compared, each in constant time: timing says nothing about any key.
+        Some(k)
+            if state
+                .server
+                .api_keys
+                .iter()
+                .fold(false, |found, a| found | secret_eq(a, k)) =>
+        {
+            Ok(())
+        }
         Some(_) => Err(ApiError::Unauthorized("invalid API key".into())),
         None => Err(ApiError::Unauthorized(
             "missing API key: send Authorization: Bearer <key>".into(),
@@ -103,7 +120,7 @@ fn check_admin(req: &HttpRequest, state: &AppState) -> Result<(), ApiError> {
         ));
     };
     match bearer(req) {
-        Some(t) if t == token => Ok(()),
+        Some(t) if secret_eq(token, t) => Ok(()),
         _ => Err(ApiError::Unauthorized(
             "admin routes need Authorization: Bearer <QUANTMESH_ADMIN_TOKEN>".into(),
         )),
@@ -124,13 +141,49 @@ async fn read_body(mut payload: web::Payload, limit: usize) -> Result<Bytes, Api
     Ok(buf.freeze())
 }
 
-/// Read (within the body limit) and parse a JSON request body.
+/// Read (within the body limit) and parse a JSON request body. A `Content-Length` over the
+/// limit is refused before a byte is read.
 async fn json_body<T: serde::de::DeserializeOwned>(
+    req: &HttpRequest,
     payload: web::Payload,
     state: &AppState,
 ) -> Result<T, ApiError> {
-    let body = read_body(payload, state.server.max_body_bytes).await?;
+    let limit = state.server.max_body_bytes;
+    let declared = req
+        .headers()
+        .get(actix_web::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(ApiError::PayloadTooLarge { limit });
+    }
+    let body = read_body(payload, limit).await?;
     parse_json(&body)
+}
+
+/// Take a generation's admission permit — before its body is read or its template
+/// rendered, so `max_concurrent_requests` bounds that work too (429 when none is left).
+fn admit(state: &AppState) -> Result<OwnedSemaphorePermit, ApiError> {
+    state.engine()?;
+    state.admission.clone().try_acquire_owned().map_err(|_| {
+        ApiError::Overloaded(format!(
+            "{} requests in flight (max_concurrent_requests)",
+            state.server.max_concurrent_requests
+        ))
+    })
+}
+
+/// Refuse what the request asks for and the server would not do; note the end user as a
+/// hash (never the raw identifier).
+fn check_fields(
+    f: &SamplingFields,
+    rest: &serde_json::Map<String, serde_json::Value>,
+) -> Result<(), ApiError> {
+    f.check_supported(rest)?;
+    if let Some(user) = &f.user {
+        tracing::debug!(user_md5 = %format!("{:x}", md5::compute(user)), "request from user");
+    }
+    Ok(())
 }
 
 /// Everything a generation request needs once validated.
@@ -140,19 +193,18 @@ struct Prepared {
     arrived: Instant,
     stream: bool,
     include_usage: bool,
+    /// Whether log-probabilities were asked for.
+    logprobs: bool,
 }
 
 const DEFAULT_COMPLETION_MAX_TOKENS: u32 = 16;
 const DEFAULT_CHAT_MAX_TOKENS: u32 = 256;
 
-fn sampling_params(f: &SamplingFields, default_max: u32) -> Result<SamplingParams, ApiError> {
-    if let Some(n) = f.n {
-        if n != 1 {
-            return Err(ApiError::BadRequest(format!(
-                "n = {n} is not supported; only n = 1"
-            )));
-        }
-    }
+fn sampling_params(f: &SamplingFields, endpoint: Endpoint) -> Result<SamplingParams, ApiError> {
+    let default_max = match endpoint {
+        Endpoint::Completions => DEFAULT_COMPLETION_MAX_TOKENS,
+        Endpoint::Chat => DEFAULT_CHAT_MAX_TOKENS,
+    };
     let top_k = match f.top_k {
         None | Some(0) | Some(-1) => 0,
         Some(k) if k > 0 => k as usize,
@@ -174,6 +226,11 @@ fn sampling_params(f: &SamplingFields, default_max: u32) -> Result<SamplingParam
         stop: f.stop.clone().map(|s| s.into_vec()).unwrap_or_default(),
         seed: f.seed,
         stop_at_eos: !f.ignore_eos,
+        presence_penalty: f.presence_penalty.unwrap_or(0.0),
+        frequency_penalty: f.frequency_penalty.unwrap_or(0.0),
+        repetition_penalty: f.repetition_penalty.unwrap_or(1.0),
+        logit_bias: f.logit_bias()?,
+        logprobs: f.logprobs(matches!(endpoint, Endpoint::Chat))?,
     };
     Ok(p)
 }
@@ -183,22 +240,18 @@ async fn prepare(
     state: &AppState,
     f: &SamplingFields,
     prompt: Prompt,
-    default_max: u32,
+    endpoint: Endpoint,
+    permit: OwnedSemaphorePermit,
+    arrived: Instant,
 ) -> Result<Prepared, ApiError> {
-    let arrived = Instant::now();
     let engine = state.engine()?;
     if let Some(m) = &f.model {
         if m != &state.model_name {
             return Err(ApiError::ModelNotFound(m.clone()));
         }
     }
-    let params = sampling_params(f, default_max)?;
-    let permit = state.admission.clone().try_acquire_owned().map_err(|_| {
-        ApiError::Overloaded(format!(
-            "{} requests in flight (max_concurrent_requests)",
-            state.server.max_concurrent_requests
-        ))
-    })?;
+    let params = sampling_params(f, endpoint)?;
+    let params_logprobs = params.logprobs.is_some();
     let generation = engine
         .submit(GenerateRequest {
             prompt,
@@ -211,17 +264,19 @@ async fn prepare(
         .metrics
         .prompt_tokens
         .inc_by(generation.prompt_tokens() as u64);
+    // OpenAI: the usage chunk is sent only when asked for.
     let include_usage = f
         .stream_options
         .as_ref()
         .and_then(|o| o.include_usage)
-        .unwrap_or(true);
+        .unwrap_or(false);
     Ok(Prepared {
         generation,
         permit,
         arrived,
         stream: f.stream,
         include_usage,
+        logprobs: params_logprobs,
     })
 }
 
@@ -238,6 +293,15 @@ impl Endpoint {
             Endpoint::Chat => "chat_completions",
         }
     }
+    /// Log-probabilities in this endpoint's shape; `offset`: characters of completion text
+    /// before the first entry.
+    fn logprobs(self, entries: &[logprobs::Entry], offset: usize) -> serde_json::Value {
+        match self {
+            Endpoint::Completions => logprobs::completions(entries, offset),
+            Endpoint::Chat => logprobs::chat(entries),
+        }
+    }
+
     fn id_prefix(self) -> &'static str {
         match self {
             Endpoint::Completions => "cmpl-",
@@ -287,7 +351,10 @@ async fn completions(
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, ApiError> {
     check_api_key(&req, &state)?;
-    let r: CompletionRequest = json_body(payload, &state).await?;
+    let arrived = Instant::now();
+    let permit = admit(&state)?;
+    let r: CompletionRequest = json_body(&req, payload, &state).await?;
+    check_fields(&r.sampling, &r.rest)?;
     let mut prompts = r.prompt.into_vec();
     if prompts.len() != 1 {
         return Err(ApiError::BadRequest(format!(
@@ -303,7 +370,9 @@ async fn completions(
             text: prompt,
             add_bos: true,
         },
-        DEFAULT_COMPLETION_MAX_TOKENS,
+        Endpoint::Completions,
+        permit,
+        arrived,
     )
     .await?;
     respond(state, p, Endpoint::Completions).await
@@ -315,12 +384,17 @@ async fn chat_completions(
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, ApiError> {
     check_api_key(&req, &state)?;
-    let r: ChatRequest = json_body(payload, &state).await?;
+    let arrived = Instant::now();
+    let permit = admit(&state)?;
+    let r: ChatRequest = json_body(&req, payload, &state).await?;
+    check_fields(&r.sampling, &r.rest)?;
     let p = prepare(
         &state,
         &r.sampling,
         Prompt::Chat(r.messages),
-        DEFAULT_CHAT_MAX_TOKENS,
+        Endpoint::Chat,
+        permit,
+        arrived,
     )
     .await?;
     respond(state, p, Endpoint::Chat).await
@@ -352,11 +426,19 @@ async fn respond(
         let mut g = p.generation;
         let mut timing = timing;
         let mut text = String::new();
+        let mut entries = Vec::new();
         let (reason, usage) = loop {
             match g.next().await {
-                Some(GenerationEvent::Text { text: t, token }) => {
-                    if token.is_some() {
+                Some(GenerationEvent::Text {
+                    text: t,
+                    token,
+                    logprobs,
+                }) => {
+                    if let Some(token) = token {
                         timing.token(&state);
+                        if let (Some(lp), Ok(engine)) = (logprobs, state.engine()) {
+                            entries.push(logprobs::Entry::new(engine, token, &lp));
+                        }
                     }
                     text.push_str(&t);
                 }
@@ -372,15 +454,19 @@ async fn respond(
             ));
         }
         let usage = UsageBody::from(usage);
+        let lp = match p.logprobs {
+            false => serde_json::Value::Null,
+            true => endpoint.logprobs(&entries, 0),
+        };
         let body = match endpoint {
             Endpoint::Completions => json!({
                 "id": id, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish_str(reason)}],
+                "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_str(reason)}],
                 "usage": usage,
             }),
             Endpoint::Chat => json!({
                 "id": id, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish_str(reason)}],
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": finish_str(reason)}],
                 "usage": usage,
             }),
         };
@@ -399,17 +485,34 @@ async fn respond(
         include_usage: bool,
         sent_role: bool,
         finished: bool,
+        /// Whether the request asked for log-probabilities; those of tokens whose text is
+        /// still held back wait in `pending` for the next chunk.
+        logprobs: bool,
+        pending: Vec<logprobs::Entry>,
+        /// Characters of completion text sent so far (completions' `text_offset`).
+        sent_chars: usize,
     }
     fn sse(v: &serde_json::Value) -> Bytes {
         Bytes::from(format!("data: {v}\n\n"))
     }
     impl StreamState {
-        fn chunk(&self, text: Option<&str>, finish: Option<FinishReason>) -> serde_json::Value {
+        /// The pending log-probabilities in this endpoint's shape (null when not asked for).
+        fn take_logprobs(&mut self) -> serde_json::Value {
+            if !self.logprobs {
+                return serde_json::Value::Null;
+            }
+            let entries = std::mem::take(&mut self.pending);
+            self.endpoint.logprobs(&entries, self.sent_chars)
+        }
+
+        fn chunk(&mut self, text: Option<&str>, finish: Option<FinishReason>) -> serde_json::Value {
             let fr = finish.map(finish_str);
+            let lp = self.take_logprobs();
+            self.sent_chars += text.map_or(0, |t| t.chars().count());
             match self.endpoint {
                 Endpoint::Completions => json!({
                     "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                    "choices": [{"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": fr}],
+                    "choices": [{"index": 0, "text": text.unwrap_or(""), "logprobs": lp, "finish_reason": fr}],
                 }),
                 Endpoint::Chat => {
                     let delta = match (text, self.sent_role) {
@@ -420,7 +523,7 @@ async fn respond(
                     };
                     json!({
                         "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                        "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": fr}],
+                        "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": fr}],
                     })
                 }
             }
@@ -438,6 +541,9 @@ async fn respond(
         include_usage: p.include_usage,
         sent_role: false,
         finished: false,
+        logprobs: p.logprobs,
+        pending: Vec::new(),
+        sent_chars: 0,
     };
     let body = futures::stream::unfold(st, |mut st| async move {
         if st.finished {
@@ -445,9 +551,16 @@ async fn respond(
         }
         loop {
             match st.g.next().await {
-                Some(GenerationEvent::Text { text, token }) => {
-                    if token.is_some() {
+                Some(GenerationEvent::Text {
+                    text,
+                    token,
+                    logprobs,
+                }) => {
+                    if let Some(token) = token {
                         st.timing.token(&st.state);
+                        if let (Some(lp), Ok(engine)) = (logprobs, st.state.engine()) {
+                            st.pending.push(logprobs::Entry::new(engine, token, &lp));
+                        }
                     }
                     if text.is_empty() {
                         continue;
@@ -529,7 +642,7 @@ async fn set_fallback(
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, ApiError> {
     check_admin(&req, &state)?;
-    let b: FallbackBody = json_body(payload, &state).await?;
+    let b: FallbackBody = json_body(&req, payload, &state).await?;
     let group: GroupId = b.group.parse().map_err(ApiError::BadRequest)?;
     let engine = state.engine()?;
     let layers = engine.info().config.num_hidden_layers;

@@ -17,7 +17,8 @@ pub struct Settings {
     pub kafka: KafkaSettings,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+/// `Debug` is written by hand: API keys and the admin token print as `<redacted>`.
+#[derive(Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ServerSettings {
     pub host: String,
@@ -40,6 +41,24 @@ pub struct ServerSettings {
     /// never from a file; unset disables admin routes.
     #[serde(skip)]
     pub admin_token: Option<String>,
+}
+
+impl std::fmt::Debug for ServerSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        const R: &str = "<redacted>";
+        f.debug_struct("ServerSettings")
+            .field("host", &self.host)
+            .field("port", &self.port)
+            .field("max_body_bytes", &self.max_body_bytes)
+            .field("max_input_tokens", &self.max_input_tokens)
+            .field("max_total_tokens", &self.max_total_tokens)
+            .field("max_concurrent_requests", &self.max_concurrent_requests)
+            .field("api_keys", &vec![R; self.api_keys.len()])
+            .field("shutdown_timeout_secs", &self.shutdown_timeout_secs)
+            .field("workers", &self.workers)
+            .field("admin_token", &self.admin_token.as_ref().map(|_| R))
+            .finish()
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -300,6 +319,38 @@ impl Settings {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn formatted_settings_hold_no_secret() {
+        let mut s = Settings::default();
+        s.server.api_keys = vec!["sk-api-key-one".into(), "sk-api-key-two".into()];
+        s.server.admin_token = Some("admin-secret-token".into());
+        for (k, v) in [
+            ("sasl.password", "kafka-sasl-password"),
+            ("sasl.oauthbearer.config", "kafka-bearer-token"),
+            ("ssl.key.password", "kafka-key-password"),
+            ("security.protocol", "SASL_SSL"),
+        ] {
+            s.kafka.properties.insert(k.into(), v.into());
+        }
+        for text in [format!("{s:?}"), format!("{s:#?}")] {
+            for secret in [
+                "sk-api-key-one",
+                "sk-api-key-two",
+                "admin-secret-token",
+                "kafka-sasl-password",
+                "kafka-key-password",
+                "kafka-bearer-token",
+            ] {
+                assert!(!text.contains(secret), "{secret} printed in {text}");
+            }
+            // What is not secret still prints (the output stays useful).
+            assert!(
+                text.contains("SASL_SSL") && text.contains("<redacted>"),
+                "{text}"
+            );
+        }
+    }
 
     #[test]
     fn file_then_env() {

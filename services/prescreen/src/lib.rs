@@ -227,6 +227,7 @@ pub fn run(opts: &Options, progress: &dyn scan::Progress) -> Result<Outcome, Pre
         }),
         thresholds: HookThresholds {
             k: Some(hook.k),
+            min_excess: Some(hook.min_excess),
             trigger_rate: Some(hook.trigger_rate),
             window_requests: Some(hook.window_requests),
             recovery_windows: Some(hook.recovery_windows),

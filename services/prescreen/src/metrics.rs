@@ -18,6 +18,7 @@
 //!   amount instead of ∞); KL = Σ P·ln(P/Q) in nats. Identical outputs give exactly 0.
 
 use candle_core::{Device, Tensor};
+use quantmesh_model::massive::{massive_channels, MassiveRule};
 
 /// Rows per block when accumulating a Gram matrix.
 const GRAM_BLOCK: usize = 256;
@@ -344,12 +345,13 @@ pub struct ActStats {
     pub quantile_score: f64,
     /// (channel, abs-max), largest first, at most 8.
     pub top_channels: Vec<(usize, f64)>,
-    /// Channels that are the row's abs-argmax in at least `share` of the rows.
+    /// Massive channels (`quantmesh_model::massive`: far above the row's median magnitude
+    /// in most rows; the monitor's warm-up uses the same rule).
     pub massive_channels: Vec<usize>,
 }
 
 /// `x` is row-major `[rows, dim]`.
-pub fn activation_stats(x: &[f32], dim: usize, massive_share: f64) -> ActStats {
+pub fn activation_stats(x: &[f32], dim: usize, massive: MassiveRule) -> ActStats {
     let rows = x.len() / dim.max(1);
     let n = x.len().max(1) as f64;
     let mean = x.iter().map(|&v| v as f64).sum::<f64>() / n;
@@ -362,17 +364,10 @@ pub fn activation_stats(x: &[f32], dim: usize, massive_share: f64) -> ActStats {
     let (m2, m4) = (m2 / n, m4 / n);
     let kurtosis = if m2 > 0.0 { m4 / (m2 * m2) - 3.0 } else { 0.0 };
     let mut chan_max = vec![0f32; dim];
-    let mut argmax_counts = vec![0u64; dim];
     for row in x.chunks_exact(dim) {
-        let mut best = (0usize, -1f32);
         for (c, v) in row.iter().enumerate() {
-            let a = v.abs();
-            chan_max[c] = chan_max[c].max(a);
-            if a > best.1 {
-                best = (c, a);
-            }
+            chan_max[c] = chan_max[c].max(v.abs());
         }
-        argmax_counts[best.0] += 1;
     }
     let absmax = chan_max.iter().cloned().fold(0f32, f32::max) as f64;
     let mut abs: Vec<f32> = x.iter().map(|v| v.abs()).collect();
@@ -390,10 +385,11 @@ pub fn activation_stats(x: &[f32], dim: usize, massive_share: f64) -> ActStats {
         .take(8)
         .map(|&c| (c, chan_max[c] as f64))
         .collect();
-    let need = (massive_share * rows as f64).ceil().max(1.0) as u64;
-    let massive_channels = (0..dim)
-        .filter(|&c| rows > 0 && argmax_counts[c] >= need)
-        .collect();
+    let massive_channels = if rows > 0 {
+        massive_channels(x, dim, massive)
+    } else {
+        Vec::new()
+    };
     ActStats {
         absmax,
         kurtosis,
@@ -502,6 +498,21 @@ mod tests {
     }
 
     #[test]
+    fn activation_stats_find_two_equal_massive_channels() {
+        // The monitor's rule (quantmesh_model::massive): both equal channels, not one.
+        let dim = 64;
+        let mut x: Vec<f32> = (0..200 * dim)
+            .map(|i| ((i * 37 % 23) as f32 - 11.0) / 10.0)
+            .collect();
+        for r in 0..200 {
+            x[r * dim + 17] = 30.0;
+            x[r * dim + 41] = -30.0;
+        }
+        let s = activation_stats(&x, dim, MassiveRule::default());
+        assert_eq!(s.massive_channels, vec![17, 41]);
+    }
+
+    #[test]
     fn activation_stats_find_massive_channels() {
         let dim = 16;
         let mut x = vec![0.1f32; 100 * dim];
@@ -511,7 +522,7 @@ mod tests {
                 x[r * dim + 9] = 80.0; // 10 % of rows: a spike, not fixed
             }
         }
-        let s = activation_stats(&x, dim, 0.5);
+        let s = activation_stats(&x, dim, MassiveRule::default());
         assert_eq!(s.massive_channels, vec![5]);
         assert_eq!(s.top_channels[0], (9, 80.0));
         assert_eq!(s.absmax, 80.0);

@@ -29,9 +29,11 @@ pub struct Rules {
     pub energy_fp16: f64,
     /// `w8a8` or `w4a16`.
     pub aggressive: Format,
-    /// Share of calibration rows in which a channel is the abs-argmax for it to be listed as
-    /// a massive channel (residual-stream groups only: qkv, gate_up).
+    /// Share of calibration rows in which a channel must be massive (magnitude above
+    /// `massive_channel_ratio` × the row's median magnitude) for it to be listed as a massive
+    /// channel (residual-stream groups only: qkv, gate_up). The monitor uses the same rule.
     pub massive_channel_share: f64,
+    pub massive_channel_ratio: f32,
     /// Hook thresholds written to the output's `thresholds` (the spec's defaults).
     pub hook: HookDefaults,
 }
@@ -40,6 +42,7 @@ pub struct Rules {
 #[serde(default, deny_unknown_fields)]
 pub struct HookDefaults {
     pub k: f64,
+    pub min_excess: f64,
     pub trigger_rate: f64,
     pub window_requests: usize,
     pub recovery_windows: usize,
@@ -52,6 +55,7 @@ impl Default for HookDefaults {
     fn default() -> Self {
         Self {
             k: 4.0,
+            min_excess: 1.0,
             trigger_rate: 0.01,
             window_requests: 1000,
             recovery_windows: 3,
@@ -71,7 +75,8 @@ impl Default for Rules {
             kl_fp16: 0.05,
             energy_fp16: 0.42,
             aggressive: Format::W8a8,
-            massive_channel_share: 0.5,
+            massive_channel_share: quantmesh_model::massive::DEFAULT_MASSIVE_SHARE,
+            massive_channel_ratio: quantmesh_model::massive::DEFAULT_MASSIVE_RATIO,
             hook: HookDefaults::default(),
         }
     }
@@ -113,6 +118,9 @@ impl Rules {
         }
         if !(0.0..=1.0).contains(&self.massive_channel_share) {
             return Err("massive_channel_share must be in [0, 1]".into());
+        }
+        if !(self.massive_channel_ratio.is_finite() && self.massive_channel_ratio > 1.0) {
+            return Err("massive_channel_ratio must be > 1".into());
         }
         Ok(())
     }
@@ -179,7 +187,19 @@ impl Rules {
                 f64::from(u8::from(self.aggressive == Format::W4a16)),
             ),
             ("massive_channel_share".into(), self.massive_channel_share),
+            (
+                "massive_channel_ratio".into(),
+                f64::from(self.massive_channel_ratio),
+            ),
         ])
+    }
+
+    /// The massive-channel rule these rules apply.
+    pub fn massive_rule(&self) -> quantmesh_model::massive::MassiveRule {
+        quantmesh_model::massive::MassiveRule {
+            ratio: self.massive_channel_ratio,
+            share: self.massive_channel_share,
+        }
     }
 }
 

@@ -275,7 +275,7 @@ pub fn score_group(
     let (class, rule) = rules.classify(&scores);
 
     let xs = kept_values(x, &batch.keep)?;
-    let act = activation_stats(&xs, in_dim, rules.massive_channel_share);
+    let act = activation_stats(&xs, in_dim, rules.massive_rule());
     drop(xs);
     let residual_input = matches!(g.kind, GroupKind::Qkv | GroupKind::GateUp);
     let entry = GroupEntry {

@@ -60,7 +60,12 @@ fn serve_writes_the_model_answers_and_stops_on_sigterm() {
         .expect("exits after SIGTERM")
         .unwrap();
     assert!(status.success(), "exit status {status}");
-    let rest: Vec<String> = rx.try_iter().collect();
+    // The process has exited; read its log to the end (the reader thread stops at EOF and
+    // closes the channel), not just what the reader has forwarded so far.
+    let mut rest: Vec<String> = Vec::new();
+    while let Ok(line) = rx.recv_timeout(Duration::from_secs(10)) {
+        rest.push(line);
+    }
     assert!(
         rest.iter()
             .chain(&log)

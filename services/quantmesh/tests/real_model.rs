@@ -30,6 +30,42 @@ print("CHAT:" + r.choices[0].message.content.replace("\n", " "))
 stream = client.chat.completions.create(model=models[0], messages=q, temperature=0, max_tokens=32, stream=True)
 text = "".join((c.choices[0].delta.content or "") for c in stream if c.choices)
 print("STREAM:" + text.replace("\n", " "))
+
+# Log-probabilities, in both shapes: one entry per generated token; at temperature 0 the
+# sampled token is the most likely one.
+r = client.chat.completions.create(model=models[0], messages=q, temperature=0, max_tokens=8, logprobs=True, top_logprobs=3)
+content = r.choices[0].logprobs.content
+assert len(content) == r.usage.completion_tokens, (len(content), r.usage)
+for e in content:
+    assert e.logprob <= 0 and len(e.top_logprobs) == 3, e
+    assert abs(e.logprob - e.top_logprobs[0].logprob) < 1e-4, e
+c = client.completions.create(model=models[0], prompt="The capital of France is", temperature=0, max_tokens=8, logprobs=2)
+lp = c.choices[0].logprobs
+assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == c.usage.completion_tokens, lp
+assert all(len(t) <= 2 for t in lp.top_logprobs), lp
+assert abs(lp.token_logprobs[0] - max(lp.top_logprobs[0].values())) < 1e-4, lp
+# Streamed: the entries of all chunks add up to the tokens.
+stream = client.chat.completions.create(model=models[0], messages=q, temperature=0, max_tokens=8, logprobs=True, stream=True, stream_options={"include_usage": True})
+n, usage = 0, None
+for ch in stream:
+    if ch.usage:
+        usage = ch.usage
+    if ch.choices and ch.choices[0].logprobs:
+        n += len(ch.choices[0].logprobs.content)
+assert usage is not None and n == usage.completion_tokens, (n, usage)
+# Penalties as documented: frequency_penalty discourages repeats.
+count = "1, 2, 3, 4, 5, 6, 7, 8,"
+plain = client.completions.create(model=models[0], prompt=count, temperature=0, max_tokens=24).choices[0].text
+pen = client.completions.create(model=models[0], prompt=count, temperature=0, max_tokens=24, frequency_penalty=2.0, presence_penalty=2.0).choices[0].text
+assert plain != pen, (plain, pen)
+# Unsupported fields are refused, naming the field.
+import openai
+try:
+    client.chat.completions.create(model=models[0], messages=q, max_tokens=4, tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+    raise SystemExit("tools were silently accepted")
+except openai.BadRequestError as e:
+    assert "tools" in str(e), e
+print("LOGPROBS:ok")
 "#;
 
 #[test]
@@ -93,6 +129,7 @@ fn serve_with_no_arguments_fetches_the_real_model_and_answers_paris() {
         .find_map(|l| l.strip_prefix("STREAM:"))
         .unwrap();
     assert!(chat.contains("Paris"), "{chat}");
+    assert!(stdout.contains("LOGPROBS:ok"), "{stdout}");
     assert_eq!(
         chat, stream,
         "streamed and whole answers differ at temperature 0"

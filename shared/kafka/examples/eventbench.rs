@@ -28,6 +28,7 @@ fn event(i: u64) -> FallbackEvent {
         sigma: Some(0.25),
         k: Some(16.0),
         kl: None,
+        kl_reference: None,
         token_ids: vec![(i % 32000) as u32],
         positions: vec![(i % 2048) as usize],
         request_id: Some(i / 64),

@@ -12,7 +12,7 @@ pub const DEFAULT_TOPIC: &str = "quantmesh.fallback-events.v1";
 /// Default topic of configuration events.
 pub const DEFAULT_CONFIG_TOPIC: &str = "quantmesh.config-events.v1";
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct KafkaSettings {
     /// Bootstrap brokers, `HOST:PORT[,HOST:PORT…]`. Empty: events go to the log and the
@@ -56,6 +56,61 @@ pub struct KafkaSettings {
     /// Extra librdkafka properties (e.g. `security.protocol`, `sasl.mechanism`); they win
     /// over the built-in ones.
     pub properties: BTreeMap<String, String>,
+}
+
+/// Whether a librdkafka property may hold a secret (its value is never printed).
+pub fn is_secret_property(key: &str) -> bool {
+    let k = key.to_ascii_lowercase();
+    [
+        "password",
+        "secret",
+        "jaas",
+        "token",
+        "key",
+        "credential",
+        "bearer",
+    ]
+    .iter()
+    .any(|w| k.contains(w))
+}
+
+/// By hand: the values of properties that may hold secrets (SASL passwords, keys, tokens)
+/// print as `<redacted>`.
+impl std::fmt::Debug for KafkaSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let properties: BTreeMap<&str, &str> = self
+            .properties
+            .iter()
+            .map(|(k, v)| {
+                let shown = if is_secret_property(k) {
+                    "<redacted>"
+                } else {
+                    v.as_str()
+                };
+                (k.as_str(), shown)
+            })
+            .collect();
+        f.debug_struct("KafkaSettings")
+            .field("brokers", &self.brokers)
+            .field("topic", &self.topic)
+            .field("config_topic", &self.config_topic)
+            .field("create_topics", &self.create_topics)
+            .field("partitions", &self.partitions)
+            .field("replication_factor", &self.replication_factor)
+            .field("required", &self.required)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("outbox_dir", &self.outbox_dir)
+            .field("outbox_max_bytes", &self.outbox_max_bytes)
+            .field("full_policy", &self.full_policy)
+            .field("queue_capacity", &self.queue_capacity)
+            .field("batch_size", &self.batch_size)
+            .field("delivery_timeout", &self.delivery_timeout)
+            .field("compression", &self.compression)
+            .field("client_id", &self.client_id)
+            .field("shutdown_timeout", &self.shutdown_timeout)
+            .field("properties", &properties)
+            .finish()
+    }
 }
 
 impl Default for KafkaSettings {

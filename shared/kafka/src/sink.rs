@@ -264,6 +264,7 @@ mod tests {
             sigma: None,
             k: None,
             kl: None,
+            kl_reference: None,
             token_ids: vec![],
             positions: vec![],
             request_id: None,

@@ -10,15 +10,20 @@
 //! * [`tokenizer`] — [`TextTokenizer`]: encode, decode, chat templates.
 //! * [`ops`] — the layer's operations (RMSNorm, RoPE, SwiGLU, reference attention, KL) and
 //!   [`ops::GroupWeights`], a fused linear group's exact float weights.
-//! * [`bundled`] — the deterministic synthetic checkpoint generator (`quantmesh model init`).
+//! * [`massive`] — the massive-activation rule (channels far above the row's median), shared
+//!   by the monitor's warm-up and the pre-screen.
+//! * [`bundled`] — the deterministic synthetic checkpoint generator (`quantmesh model init`)
+//!   and the planted-truth recipes of the monitor's evaluation suite.
 
 pub mod bundled;
 pub mod checkpoint;
 pub mod config;
 pub mod error;
 pub mod gguf;
+pub mod massive;
 pub mod names;
 pub mod ops;
+pub mod recipe;
 pub mod tokenizer;
 
 pub use checkpoint::Checkpoint;

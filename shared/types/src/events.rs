@@ -110,6 +110,28 @@ impl FallbackReason {
     }
 }
 
+/// The float reference a shadow KL was measured against. Neither is the float model run
+/// from scratch: earlier tokens' K/V come from the served cache (C8 where it is INT8).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum KlReference {
+    /// Every linear group ran its exact float copy; the step's own K/V in float.
+    FloatWeights,
+    /// Some groups hold no float copy (residency `int8`) and ran INT8 in the reference too,
+    /// so their quantization error is not in the number; the step's own K/V in float.
+    PartialFloatWeights,
+}
+
+impl KlReference {
+    /// The wire name (also the metric label value).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KlReference::FloatWeights => "float_weights",
+            KlReference::PartialFloatWeights => "partial_float_weights",
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct FallbackEvent {
     pub schema_version: u32,
@@ -132,7 +154,11 @@ pub struct FallbackEvent {
     pub k: Option<f64>,
     /// Sampled KL(P_float ‖ P_served) in nats, when known.
     pub kl: Option<f64>,
-    /// Per-token decisions: the token ids and their positions.
+    /// What the float reference of `kl` was (optional, added in v1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kl_reference: Option<KlReference>,
+    /// Per-token decisions: their positions, and the token ids when the server opts in
+    /// (`engine.monitor.event_token_ids`; empty by default).
     pub token_ids: Vec<u32>,
     pub positions: Vec<usize>,
     /// Engine request (sequence) id for per-token and per-request decisions.

@@ -18,6 +18,40 @@ pub struct SamplingParams {
     pub seed: Option<u64>,
     /// Stop at the end-of-sequence token (false only for benchmarks).
     pub stop_at_eos: bool,
+    /// OpenAI `presence_penalty` in [-2, 2]: subtracted once from the logit of every token
+    /// already generated.
+    #[serde(default)]
+    pub presence_penalty: f32,
+    /// OpenAI `frequency_penalty` in [-2, 2]: subtracted per occurrence in the generated text.
+    #[serde(default)]
+    pub frequency_penalty: f32,
+    /// `repetition_penalty` (HF/vLLM extension) in (0, 2]; 1 is off. A token seen in the prompt
+    /// or the generated text has a positive logit divided by it, a negative one multiplied.
+    #[serde(default = "one")]
+    pub repetition_penalty: f32,
+    /// OpenAI `logit_bias`: (token id, bias in [-100, 100]) added to the logits.
+    #[serde(default)]
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Return each sampled token's log-probability and this many most likely alternatives
+    /// (at most [`MAX_TOP_LOGPROBS`]); `None`: no log-probabilities.
+    #[serde(default)]
+    pub logprobs: Option<usize>,
+}
+
+/// Most alternatives a request may ask log-probabilities for (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// Log-probabilities of one sampled token, from the model's distribution (before
+/// temperature, penalties and bias, as vLLM reports them).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprobs {
+    pub logprob: f32,
+    /// The most likely tokens, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+fn one() -> f32 {
+    1.0
 }
 
 impl Default for SamplingParams {
@@ -30,6 +64,11 @@ impl Default for SamplingParams {
             stop: Vec::new(),
             seed: None,
             stop_at_eos: true,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            logit_bias: Vec::new(),
+            logprobs: None,
         }
     }
 }
@@ -44,6 +83,14 @@ pub enum SamplingError {
     MaxTokens,
     #[error("at most 4 stop strings are allowed, each non-empty and at most 256 bytes")]
     Stop,
+    #[error("{0} must be a finite number in [-2, 2], got {1}")]
+    Penalty(&'static str, f32),
+    #[error("repetition_penalty must be in (0, 2], got {0}")]
+    RepetitionPenalty(f32),
+    #[error("logit_bias takes at most 300 tokens, each bias a finite number in [-100, 100]")]
+    LogitBias,
+    #[error("at most {MAX_TOP_LOGPROBS} top log-probabilities per token, got {0}")]
+    TopLogprobs(usize),
 }
 
 impl SamplingParams {
@@ -60,7 +107,38 @@ impl SamplingParams {
         if self.stop.len() > 4 || self.stop.iter().any(|s| s.is_empty() || s.len() > 256) {
             return Err(SamplingError::Stop);
         }
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !v.is_finite() || !(-2.0..=2.0).contains(&v) {
+                return Err(SamplingError::Penalty(name, v));
+            }
+        }
+        let rp = self.repetition_penalty;
+        if !rp.is_finite() || rp <= 0.0 || rp > 2.0 {
+            return Err(SamplingError::RepetitionPenalty(rp));
+        }
+        if self.logit_bias.len() > 300
+            || self
+                .logit_bias
+                .iter()
+                .any(|(_, b)| !b.is_finite() || !(-100.0..=100.0).contains(b))
+        {
+            return Err(SamplingError::LogitBias);
+        }
+        if let Some(n) = self.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
+            return Err(SamplingError::TopLogprobs(n));
+        }
         Ok(())
+    }
+
+    /// Whether any penalty or bias changes the logits before sampling.
+    pub fn adjusts_logits(&self) -> bool {
+        self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || self.repetition_penalty != 1.0
+            || !self.logit_bias.is_empty()
     }
 }
 
@@ -116,5 +194,9 @@ mod tests {
         assert!(bad(|p| p.top_p = 1.5));
         assert!(bad(|p| p.max_tokens = 0));
         assert!(bad(|p| p.stop = vec![String::new()]));
+        assert!(bad(|p| p.presence_penalty = 2.5));
+        assert!(bad(|p| p.frequency_penalty = f32::INFINITY));
+        assert!(bad(|p| p.repetition_penalty = 0.0));
+        assert!(bad(|p| p.logit_bias = vec![(1, 101.0)]));
     }
 }

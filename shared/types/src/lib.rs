@@ -11,9 +11,11 @@ pub mod sensitive;
 pub use events::{now_ms, wire_name};
 pub use events::{
     ConfigAction, ConfigEvent, EventSink, FallbackAction, FallbackEvent, FallbackReason,
-    Granularity, CONFIG_EVENT_SCHEMA_VERSION, FALLBACK_EVENT_SCHEMA_VERSION,
+    Granularity, KlReference, CONFIG_EVENT_SCHEMA_VERSION, FALLBACK_EVENT_SCHEMA_VERSION,
 };
-pub use generation::{FinishReason, SamplingError, SamplingParams, Usage};
+pub use generation::{
+    FinishReason, SamplingError, SamplingParams, TokenLogprobs, Usage, MAX_TOP_LOGPROBS,
+};
 pub use precision::{GroupId, GroupKind, PrecisionClass, Residency};
 pub use sensitive::{
     GroupEntry, ModelShape, SensitiveLayers, SensitiveLayersError, ValidatedPlan,

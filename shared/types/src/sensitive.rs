@@ -87,6 +87,11 @@ pub struct HookThresholds {
     /// Outlier bound `mean + k·σ` (> 0).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub k: Option<f64>,
+    /// Relative floor of the outlier bound: a row counts only above `mean·(1 + min_excess)`
+    /// too, i.e. when it would grow the row's INT8 scale materially (≥ 0; added in v1 as an
+    /// optional field).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_excess: Option<f64>,
     /// Outlier share of a window above which a group falls back (0–1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trigger_rate: Option<f64>,
@@ -148,6 +153,9 @@ pub struct MonitorOverride {
     pub k: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trigger_rate: Option<f64>,
+    /// This group's relative floor of the outlier bound (≥ 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_excess: Option<f64>,
 }
 
 /// Weight metrics of a group (the fused members' weights taken together).
@@ -288,6 +296,12 @@ impl SensitiveLayers {
         );
         check("thresholds.trigger_rate", t.trigger_rate, unit, "in [0, 1]");
         check(
+            "thresholds.min_excess",
+            t.min_excess,
+            |v| v >= 0.0 && v.is_finite(),
+            ">= 0",
+        );
+        check(
             "thresholds.shadow_sample_rate",
             t.shadow_sample_rate,
             unit,
@@ -338,6 +352,9 @@ impl SensitiveLayers {
                     errs.push(format!(
                         "groups.{key}.monitor.trigger_rate must be in [0, 1]"
                     ));
+                }
+                if m.min_excess.is_some_and(|e| !(e >= 0.0 && e.is_finite())) {
+                    errs.push(format!("groups.{key}.monitor.min_excess must be >= 0"));
                 }
             }
             if let Some(m) = &entry.metrics {

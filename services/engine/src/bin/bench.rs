@@ -13,7 +13,7 @@
 //! runs) for scripts/bench-llamacpp.sh.
 
 use quantmesh_engine::backend::cpu::LlamaModel;
-use quantmesh_engine::backend::{Backend, FloatDtype, SeqChunk, StepInput};
+use quantmesh_engine::backend::{Backend, FloatDtype, StepInput};
 use quantmesh_engine::kv::{BlockManager, KvCache, KvFloatDtype};
 use quantmesh_engine::precision::{PathMask, StepRunner};
 use quantmesh_model::bundled::{init_model, InitOptions, ModelSize};
@@ -117,18 +117,8 @@ fn parse() -> Result<Args, String> {
     Ok(a)
 }
 
-/// An empty KV cache (f16 float pages) and its block manager: `pages` pages of `page` tokens.
 fn cache(cfg: &ModelConfig, pages: usize, page: usize) -> (KvCache, BlockManager) {
-    (
-        KvCache::new(
-            cfg.num_hidden_layers,
-            pages,
-            page,
-            cfg.kv_dim(),
-            KvFloatDtype::F16,
-        ),
-        BlockManager::new(pages, page, false),
-    )
+    quantmesh_engine::evaluation::scratch_cache(cfg, pages, page)
 }
 
 /// `b` synthetic prompts of printable tokens, admitted with room for `decode_steps` more.
@@ -155,21 +145,7 @@ fn admit_batch(
 }
 
 fn step_for(bm: &mut BlockManager, seqs: &[(u64, Vec<u32>)]) -> StepInput {
-    let mut step = StepInput::default();
-    for (id, toks) in seqs {
-        let start = bm.num_tokens(*id).unwrap_or(0);
-        let out = bm.append(*id, toks.len()).expect("reserved");
-        step.copies.extend(out.copies);
-        step.chunks.push(SeqChunk {
-            seq: *id,
-            tokens: toks.clone(),
-            start_pos: start,
-            slots: out.slots,
-            block_table: bm.block_table(*id).unwrap_or_default().to_vec(),
-            want_logits: true,
-        });
-    }
-    step
+    quantmesh_engine::evaluation::step_for(bm, seqs).expect("reserved")
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -450,6 +426,7 @@ fn detector(
                     excluded_channels: excluded,
                     token_bound: f32::INFINITY,
                     learn_channels: false,
+                    massive_ratio: 0.0,
                 },
             )
         })
@@ -481,14 +458,10 @@ fn monitor_section(
     let page = 16;
     let b = 8usize;
     let pages = b * (args.prompt_len + args.decode_steps).div_ceil(page) + 8;
-    let mut fallback = PathMask {
+    let fallback = PathMask {
         detector: Some(detector(cfg, &planted.massive_channels, 0.0)),
-        ..Default::default()
+        ..PathMask::with_float_groups(sensitive.iter().copied())
     };
-    for g in &sensitive {
-        fallback.float_groups.insert(*g);
-        fallback.kv_float_layers.insert(g.layer);
-    }
     let variants: Vec<(&str, PathMask)> = vec![
         ("monitoring off", PathMask::default()),
         (
@@ -587,7 +560,6 @@ fn monitor_section(
 
     // Quality: teacher-forced next-token KL to the float-only model.
     let tok = quantmesh_model::tokenizer::TextTokenizer::load(dir)?;
-    let all_float = PathMask::all_groups_float(cfg.num_hidden_layers);
     // What the real monitor decides on this traffic: run it over the prompts (warm-up,
     // windows), then serve with the mask it publishes (per-layer fallback, MLP coupling and
     // per-token routing at the learned bounds).
@@ -643,30 +615,13 @@ fn monitor_section(
         }
     }
     let quality: Vec<(&str, &PathMask)> = quality.iter().map(|(n, m)| (n.as_str(), m)).collect();
-    let mut sums = vec![0f64; quality.len()];
-    let mut n = 0usize;
-    for p in quantmesh_model::bundled::SAMPLE_PROMPTS {
-        let ids = tok.encode(p, true)?;
-        let mut logits: Vec<Vec<Vec<f32>>> = Vec::new();
-        for mask in std::iter::once(&all_float).chain(quality.iter().map(|(_, m)| *m)) {
-            let (mut kv, mut bm) = cache(cfg, 16, page);
-            bm.admit(0, &[], 200).map_err(|e| e.to_string())?;
-            let mut per_pos = Vec::new();
-            for t in &ids {
-                let step = step_for(&mut bm, &[(0, vec![*t])]);
-                let mut out = runner.run(&model, &step, mask, &mut kv, true)?;
-                per_pos.push(out.logits.remove(0).1);
-            }
-            logits.push(per_pos);
-        }
-        let (reference, served) = logits.split_at(1);
-        for (pos, want) in reference[0].iter().enumerate().skip(1) {
-            for (s, got) in sums.iter_mut().zip(served) {
-                *s += quantmesh_model::ops::kl_logits(want, &got[pos]);
-            }
-            n += 1;
-        }
-    }
+    let texts = quantmesh_model::bundled::SAMPLE_PROMPTS
+        .iter()
+        .map(|p| tok.encode(p, true))
+        .collect::<Result<Vec<_>, _>>()?;
+    let masks: Vec<PathMask> = quality.iter().map(|(_, m)| (*m).clone()).collect();
+    let (sums, n) =
+        quantmesh_engine::evaluation::teacher_forced_kl_on(&model, cfg, &texts, &masks)?;
     println!();
     println!("Quality: mean next-token KL(P_float-only ‖ P) over {} prompts, {n} positions (teacher-forced):", quantmesh_model::bundled::SAMPLE_PROMPTS.len());
     println!();

@@ -96,8 +96,15 @@ impl Handler<Observe> for MonitorActor {
     type Result = ();
     fn handle(&mut self, msg: Observe, _: &mut Self::Context) {
         let out = msg.0;
+        let reference = out
+            .shadow_reference
+            .unwrap_or(quantmesh_types::KlReference::FloatWeights)
+            .as_str();
         for (_, kl) in &out.shadow_kl {
-            self.metrics.shadow_kl.observe(*kl);
+            self.metrics
+                .shadow_kl
+                .with_label_values(&[reference])
+                .observe(*kl);
         }
         let events = self.core.observe(&out);
         self.publish(events);

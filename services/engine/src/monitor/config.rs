@@ -10,6 +10,12 @@ pub struct MonitorConfig {
     pub enabled: bool,
     /// Outlier bound: `mean + k·σ`.
     pub k: f64,
+    /// Relative floor of the outlier bound: a row is an outlier only above
+    /// `mean·(1 + min_excess)` as well (a material growth of its INT8 scale).
+    pub min_excess: f64,
+    /// Confidence of the fallback decision: a window enters fallback only when its outlier
+    /// rate exceeds `trigger_rate` by `trigger_z` binomial standard errors.
+    pub trigger_z: f64,
     /// A group whose outlier rate over a window exceeds this falls back.
     pub trigger_rate: f64,
     /// Requests per window (counters reset at each window end).
@@ -24,9 +30,12 @@ pub struct MonitorConfig {
     pub token_k: f64,
     /// Token positions never counted (attention sinks).
     pub skip_positions: Vec<usize>,
-    /// Share of warm-up rows in which a channel is the abs-argmax for it to be a massive
-    /// fixed channel.
+    /// Share of warm-up rows in which a channel must be massive (see
+    /// `massive_channel_ratio`) for it to be a massive fixed channel.
     pub massive_channel_share: f64,
+    /// A channel is massive in a row when its magnitude exceeds this multiple of the row's
+    /// median magnitude (`quantmesh_model::massive`).
+    pub massive_channel_ratio: f32,
     /// Extra channels to exclude in every group whose input is the residual stream
     /// (qkv, gate_up), e.g. from the pre-screen.
     pub massive_channels: Vec<usize>,
@@ -36,6 +45,9 @@ pub struct MonitorConfig {
     pub request_kl_limit: f64,
     /// More than this share of groups in fallback → every step runs in float.
     pub batch_group_share: f64,
+    /// Put the token ids of per-token decisions into events (logs, Kafka). Off by default:
+    /// they are the user's text; positions and counts are always there.
+    pub event_token_ids: bool,
     /// Per-group overrides of `k` and `trigger_rate`, keyed like `layers.1.down`.
     pub overrides: BTreeMap<String, GroupOverride>,
 }
@@ -45,6 +57,7 @@ pub struct MonitorConfig {
 pub struct GroupOverride {
     pub k: Option<f64>,
     pub trigger_rate: Option<f64>,
+    pub min_excess: Option<f64>,
     /// Input channels this group's statistic ignores (from `sensitive_layers.json`).
     pub massive_channels: Vec<usize>,
 }
@@ -54,6 +67,8 @@ impl Default for MonitorConfig {
         Self {
             enabled: true,
             k: 4.0,
+            min_excess: 1.0,
+            trigger_z: 2.0,
             trigger_rate: 0.01,
             window_requests: 1000,
             min_window_tokens: 64,
@@ -61,11 +76,13 @@ impl Default for MonitorConfig {
             recovery_windows: 3,
             token_k: 16.0,
             skip_positions: vec![0],
-            massive_channel_share: 0.5,
+            massive_channel_share: quantmesh_model::massive::DEFAULT_MASSIVE_SHARE,
+            massive_channel_ratio: quantmesh_model::massive::DEFAULT_MASSIVE_RATIO,
             massive_channels: Vec::new(),
             shadow_sample_rate: 0.01,
             request_kl_limit: 0.02,
             batch_group_share: 0.5,
+            event_token_ids: false,
             overrides: BTreeMap::new(),
         }
     }

@@ -6,20 +6,34 @@
 //! the first token (Sun et al. 2024); a naive detector fires on them constantly. So:
 //!
 //! 1. Warm-up phase A (`warmup_tokens / 2` rows per group): learn the fixed channels — a
-//!    channel that is the row's abs-argmax in at least `massive_channel_share` of the rows
-//!    is massive and excluded from then on (plus any channels listed in the config).
+//!    channel whose magnitude exceeds `massive_channel_ratio` × the row's median magnitude
+//!    in at least `massive_channel_share` of the rows is massive and excluded from then on
+//!    (plus any channels listed in the config). Any number of channels qualify, equal ones
+//!    included; the rule lives in `quantmesh_model::massive`, shared with the pre-screen.
+//!    Only the residual-stream readers (`qkv`, `gate_up`) learn them: learning them in
+//!    `down` too removed the heavy-tailed-weight false fallbacks on one evaluation family
+//!    and added eight on another (measured; see ARCHITECTURE.md), so it stays off.
 //!    Positions in `skip_positions` (default: 0, the attention-sink token) never count.
 //! 2. Warm-up phase B (`warmup_tokens / 2` rows): collect the statistic with exclusions; set
 //!    the running mean to the median and σ to 1.4826 × MAD (robust to the outliers we are
 //!    looking for).
-//! 3. Running: a row is an outlier when `x > mean + k·σ`; non-outlier rows update mean and
-//!    variance as exponential moving averages (α = 1/256). Rows above
-//!    `mean + token_k·σ` are routed to the float path *in the same step* by the executor
-//!    (per-token granularity).
+//! 3. Running: a row is an outlier when `x > max(mean + k·σ, mean·(1 + min_excess))` —
+//!    the seed's kσ test *and* a material departure for the quantizer: the row's abs-max
+//!    sets its INT8 scale, so a row at `(1 + e)` × the usual abs-max quantizes with a step
+//!    `(1 + e)` × larger and `(1 + e)²` × the noise power. With `min_excess = 1` a row
+//!    must carry ≥ 4× (6 dB) the usual quantization noise to count. The floor matters only
+//!    where σ is tiny relative to the mean (attention-output groups: mean 0.68, σ 0.005,
+//!    where `mean + 4σ` is 3 % above the mean and ordinary tails cross it); elsewhere kσ
+//!    decides. Non-outlier rows update mean and variance as exponential moving averages
+//!    (α = 1/256). Rows above `max(mean + token_k·σ, mean·(1 + min_excess))` are routed to
+//!    the float path *in the same step* by the executor (per-token granularity).
 //!
 //! Windows end every `window_requests` finished requests. Per group, rate = outliers /
 //! tokens in the window (windows with fewer than `min_window_tokens` tokens decide
-//! nothing). Hysteresis: rate > `trigger_rate` → fallback (float path, and that layer's
+//! nothing). Hysteresis: rate > `trigger_rate` with confidence (above
+//! `trigger_rate + trigger_z·√(trigger_rate·(1 − trigger_rate)/tokens)`, a one-sided
+//! binomial test, so a group whose true rate sits at the trigger does not enter on noise)
+//! → fallback (float path, and that layer's
 //! KV cache takes new tokens in float); in fallback, `recovery_windows` consecutive
 //! windows with rate < `trigger_rate / 2` → back to INT8. A window in between resets the
 //! quiet count, so a group cannot flap faster than once per `recovery_windows` windows.
@@ -34,12 +48,13 @@
 use crate::kv::SeqId;
 use crate::monitor::config::MonitorConfig;
 use crate::precision::{DetectorParams, GroupDetector, PathMask, StepOutput};
+use quantmesh_model::massive::MassiveCounter;
 use quantmesh_types::{
     now_ms, FallbackAction, FallbackEvent, FallbackReason, Granularity, GroupId, Residency,
     FALLBACK_EVENT_SCHEMA_VERSION,
 };
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 
 const EMA_ALPHA: f64 = 1.0 / 256.0;
@@ -67,10 +82,13 @@ pub enum GroupMode {
 #[derive(Debug, Clone)]
 struct GroupState {
     residency: Residency,
+    /// Reads the residual stream (qkv, gate_up): the only groups that learn massive
+    /// channels.
     residual_input: bool,
     k: f64,
     trigger: f64,
-    argmax_counts: HashMap<u32, u32>,
+    min_excess: f64,
+    massive: MassiveCounter,
     learn_rows: usize,
     warm: Vec<f32>,
     /// Channels left out of the statistic: configured ∪ learned, sorted.
@@ -96,8 +114,9 @@ impl GroupState {
     fn sigma(&self) -> f64 {
         self.var.max(0.0).sqrt()
     }
+    /// `max(mean + k·σ, mean·(1 + min_excess))`: the kσ test and the material floor.
     fn bound(&self, k: f64) -> f64 {
-        self.mean + k * self.sigma()
+        (self.mean + k * self.sigma()).max(self.mean * (1.0 + self.min_excess))
     }
     fn in_float(&self) -> bool {
         matches!(
@@ -118,6 +137,10 @@ pub struct GroupReport {
     pub sigma: f64,
     pub k: f64,
     pub trigger_rate: f64,
+    /// Relative floor of the outlier bound (see the module docs).
+    pub min_excess: f64,
+    /// The current outlier bound `max(mean + k·σ, mean·(1 + min_excess))`.
+    pub outlier_bound: Option<f64>,
     pub last_window_rate: Option<f64>,
     pub window_tokens: u64,
     pub window_outliers: u64,
@@ -236,7 +259,8 @@ impl Monitor {
                         residual_input,
                         k: o.k.unwrap_or(cfg.k),
                         trigger: o.trigger_rate.unwrap_or(cfg.trigger_rate),
-                        argmax_counts: HashMap::new(),
+                        min_excess: o.min_excess.unwrap_or(cfg.min_excess),
+                        massive: MassiveCounter::default(),
                         learn_rows: 0,
                         warm: Vec::new(),
                         excluded,
@@ -300,6 +324,7 @@ impl Monitor {
                 .unwrap_or_default();
             s.k = o.k.unwrap_or(cfg.k);
             s.trigger = o.trigger_rate.unwrap_or(cfg.trigger_rate);
+            s.min_excess = o.min_excess.unwrap_or(cfg.min_excess);
             s.excluded = union(&configured_channels(&cfg, *g), &s.learned);
             if s.ready {
                 s.token_bound = s.bound(cfg.token_k) as f32;
@@ -339,6 +364,7 @@ impl Monitor {
             sigma: st.filter(|s| s.ready).map(|s| s.sigma()),
             k: st.map(|s| s.k),
             kl: None,
+            kl_reference: None,
             token_ids: Vec::new(),
             positions: Vec::new(),
             request_id: None,
@@ -355,7 +381,10 @@ impl Monitor {
             .groups
             .iter()
             .map(|(g, s)| {
-                let learning = !s.ready && s.learn_rows < self.cfg.warmup_tokens / 2;
+                // Only residual-stream readers keep what they learn: the probes measure
+                // massive channels for them alone.
+                let learning =
+                    s.residual_input && !s.ready && s.learn_rows < self.cfg.warmup_tokens / 2;
                 let token_bound = if s.mode == GroupMode::ForcedInt8 {
                     f32::INFINITY
                 } else {
@@ -367,6 +396,7 @@ impl Monitor {
                         excluded_channels: s.excluded.clone(),
                         token_bound,
                         learn_channels: learning,
+                        massive_ratio: self.cfg.massive_channel_ratio,
                     },
                 )
             })
@@ -406,23 +436,14 @@ impl Monitor {
                 }
                 if !s.ready {
                     if s.learn_rows < half {
-                        if let Some(&c) = obs.argmax.get(i) {
-                            *s.argmax_counts.entry(c).or_default() += 1;
+                        if let Some(found) = obs.massive.get(i).filter(|_| s.residual_input) {
+                            s.massive.add(found);
                         }
                         s.learn_rows += 1;
                         if s.learn_rows == half {
-                            let need = (self.cfg.massive_channel_share * half as f64).ceil() as u32;
-                            let mut learned: Vec<usize> = s
-                                .argmax_counts
-                                .iter()
-                                .filter(|(_, &n)| n >= need.max(1))
-                                .map(|(&c, _)| c as usize)
-                                .collect();
-                            if !s.residual_input {
-                                learned.clear();
-                            }
-                            learned.sort_unstable();
-                            s.learned = learned;
+                            // (empty for groups that do not read the residual stream)
+                            s.learned = s.massive.massive(self.cfg.massive_channel_share);
+                            s.massive = MassiveCounter::default();
                             s.excluded = union(&s.excluded, &s.learned);
                         }
                         // Rows seen while learning were measured without exclusions.
@@ -480,7 +501,9 @@ impl Monitor {
                         action,
                         FallbackReason::ExtremeToken,
                     );
-                    ev.token_ids = toks;
+                    if self.cfg.event_token_ids {
+                        ev.token_ids = toks;
+                    }
                     ev.positions = pos;
                     ev.request_id = Some(seq);
                     events.push(ev);
@@ -496,6 +519,7 @@ impl Monitor {
                     FallbackReason::ShadowKl,
                 );
                 ev.kl = Some(kl);
+                ev.kl_reference = out.shadow_reference;
                 ev.request_id = Some(seq);
                 events.push(ev);
             }
@@ -541,6 +565,11 @@ impl Monitor {
             } else {
                 0.0
             };
+            // Enter only when the rate is above the trigger with confidence: a one-sided
+            // binomial test of "true rate ≤ trigger" (normal approximation, `trigger_z` σ).
+            let n = s.window_tokens as f64;
+            let margin = self.cfg.trigger_z * (s.trigger * (1.0 - s.trigger) / n.max(1.0)).sqrt();
+            let above = rate > s.trigger + margin;
             if decided {
                 s.last_rate = Some(rate);
             }
@@ -554,7 +583,7 @@ impl Monitor {
             }
             let mut ev = None;
             match s.mode {
-                GroupMode::Int8 if rate > s.trigger => {
+                GroupMode::Int8 if above => {
                     if s.residency.has_float() {
                         s.mode = GroupMode::Fallback;
                         s.quiet = 0;
@@ -698,6 +727,8 @@ impl Monitor {
                     sigma: s.sigma(),
                     k: s.k,
                     trigger_rate: s.trigger,
+                    min_excess: s.min_excess,
+                    outlier_bound: s.ready.then(|| s.bound(s.k)),
                     last_window_rate: s.last_rate,
                     window_tokens: s.window_tokens,
                     window_outliers: s.window_outliers,
@@ -748,26 +779,21 @@ mod tests {
         }
     }
 
-    /// A step of `n` rows where group `hot` has every `every`-th row at 50 (others ≈ 1),
-    /// and channel 3 is the abs-argmax of every row (a massive fixed channel).
-    fn step(n: usize, hot: Option<GroupId>, every: usize, seed: usize) -> StepOutput {
+    /// A step of `n` rows whose statistic in group `g`, row `i` is `stat(g, i)`, with the
+    /// channels in `massive` reported massive in every row.
+    fn step_of(
+        n: usize,
+        massive: &[u32],
+        mut stat: impl FnMut(GroupId, usize) -> f32,
+    ) -> StepOutput {
         let rows: Vec<(SeqId, usize, u32)> = (0..n).map(|i| (1, i + 1, 7)).collect();
         let obs = groups()
             .into_iter()
             .map(|(g, _)| GroupObs {
                 group: g,
-                stats: (0..n)
-                    .map(|i| {
-                        let base = 1.0 + 0.1 * (((i + seed) * 37 % 17) as f32 / 17.0);
-                        if Some(g) == hot && every > 0 && i % every == 0 {
-                            50.0
-                        } else {
-                            base
-                        }
-                    })
-                    .collect(),
+                stats: (0..n).map(|i| stat(g, i)).collect(),
                 token_float_rows: Vec::new(),
-                argmax: vec![3; n],
+                massive: vec![massive.to_vec(); n],
             })
             .collect();
         StepOutput {
@@ -778,9 +804,125 @@ mod tests {
         }
     }
 
+    /// A step of `n` rows where group `hot` has every `every`-th row at 50 (others ≈ 1),
+    /// and channel 3 is massive in every row (a massive fixed channel).
+    fn step(n: usize, hot: Option<GroupId>, every: usize, seed: usize) -> StepOutput {
+        step_of(n, &[3], |g, i| {
+            if Some(g) == hot && every > 0 && i % every == 0 {
+                50.0
+            } else {
+                1.0 + 0.1 * (((i + seed) * 37 % 17) as f32 / 17.0)
+            }
+        })
+    }
+
     fn warm(m: &mut Monitor) {
         m.observe(&step(200, None, 0, 0));
         m.end_window();
+    }
+
+    /// A step of `n` rows whose statistic is Gaussian(mean, sd) in every group, with group
+    /// `spiky`'s rows multiplied by `spike` on every `every`-th row.
+    fn gaussian_step(
+        n: usize,
+        mean: f32,
+        sd: f32,
+        spiky: Option<(GroupId, usize, f32)>,
+        rng: &mut rand::rngs::StdRng,
+    ) -> StepOutput {
+        use rand::Rng;
+        step_of(n, &[], |g, i| {
+            // Box–Muller
+            let (u1, u2): (f32, f32) = (rng.gen_range(1e-7..1.0), rng.gen());
+            let z = (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos();
+            let x = mean + sd * z;
+            match spiky {
+                Some((h, every, f)) if h == g && i % every == 0 => x * f,
+                _ => x,
+            }
+        })
+    }
+
+    /// The attention-output case from the field: statistic mean 0.68, σ 0.005. `mean + 4σ`
+    /// is 3 % above the mean; with Gaussian tails plus the EMA's drift ordinary rows cross it
+    /// now and then. The material floor (`min_excess`) keeps them from counting; a real spike
+    /// (7× on every 12th row) still triggers.
+    #[test]
+    fn low_variance_statistic_has_no_outliers_a_real_spike_has() {
+        use rand::SeedableRng;
+        let o = GroupId::new(1, GroupKind::O);
+        let run = |min_excess: f64, spiky: Option<(GroupId, usize, f32)>| {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+            let mut m = Monitor::new(
+                MonitorConfig {
+                    min_excess,
+                    ..cfg()
+                },
+                "t",
+                &groups(),
+            );
+            m.observe(&gaussian_step(200, 0.68, 0.005, None, &mut rng));
+            m.end_window();
+            let mut events = Vec::new();
+            let mut outliers = 0;
+            for _ in 0..20 {
+                // heavier-than-Gaussian tails: every 25th row 6σ out
+                let mut st = gaussian_step(200, 0.68, 0.005, spiky, &mut rng);
+                for ob in &mut st.obs {
+                    for (i, x) in ob.stats.iter_mut().enumerate() {
+                        if i % 25 == 12 {
+                            *x += 0.03;
+                        }
+                    }
+                }
+                m.observe(&st);
+                outliers += m.groups[&o].window_outliers;
+                events.extend(m.end_window());
+            }
+            (events, outliers)
+        };
+        let (events, outliers) = run(1.0, None);
+        assert!(events.is_empty(), "{events:?}");
+        assert_eq!(outliers, 0);
+        // Without the floor the same ordinary traffic makes the group fall back.
+        let (events, outliers) = run(0.0, None);
+        assert!(outliers > 0);
+        assert!(
+            events
+                .iter()
+                .any(|e| e.group.as_deref() == Some("layers.1.o")),
+            "{events:?}"
+        );
+        // A real input-dependent spike still triggers with the floor, in that group only.
+        let (events, _) = run(1.0, Some((o, 12, 7.0)));
+        let groups: std::collections::BTreeSet<_> =
+            events.iter().filter_map(|e| e.group.clone()).collect();
+        assert_eq!(
+            groups,
+            std::collections::BTreeSet::from(["layers.1.o".to_string()])
+        );
+    }
+
+    /// Two equal massive channels reported in every warm-up row are both learned (in the
+    /// residual-stream readers).
+    #[test]
+    fn every_massive_channel_is_learned() {
+        let mut m = Monitor::new(cfg(), "t", &groups());
+        let mut st = step(200, None, 0, 0);
+        for ob in &mut st.obs {
+            ob.massive = vec![vec![17, 101]; 200];
+        }
+        m.observe(&st);
+        let mut mask = PathMask::default();
+        m.apply_to(&mut mask);
+        let d = mask.detector.unwrap();
+        assert_eq!(
+            d.groups[&GroupId::new(1, GroupKind::GateUp)].excluded_channels,
+            vec![17, 101]
+        );
+        assert!(d.groups[&GroupId::new(1, GroupKind::Down)]
+            .excluded_channels
+            .is_empty());
     }
 
     #[test]

@@ -19,8 +19,11 @@ pub struct GroupDetector {
     /// Rows whose statistic exceeds this run this group in float in the same step
     /// (`f32::INFINITY` until the group is warmed up).
     pub token_bound: f32,
-    /// Report each row's abs-argmax channel (warm-up, learning the massive channels).
+    /// Report each row's massive channels (warm-up, learning the massive channels).
     pub learn_channels: bool,
+    /// A channel is massive in a row above this multiple of the row's median magnitude
+    /// (`quantmesh_model::massive`).
+    pub massive_ratio: f32,
 }
 
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -61,6 +64,17 @@ impl PathMask {
             }
         }
         m
+    }
+
+    /// These groups on their float path for every row, and their layers' KV cache taking
+    /// new tokens in float — what a layer fallback does (`Monitor::apply_to`).
+    pub fn with_float_groups(groups: impl IntoIterator<Item = GroupId>) -> Self {
+        let float_groups: BTreeSet<GroupId> = groups.into_iter().collect();
+        PathMask {
+            kv_float_layers: float_groups.iter().map(|g| g.layer).collect(),
+            float_groups,
+            ..Default::default()
+        }
     }
 }
 

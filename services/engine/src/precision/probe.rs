@@ -1,11 +1,12 @@
 //! Activation probes: one pass over a group's input rows (no tensor ops) that yields the
-//! monitor's statistic per row, the rows above the per-token bound, the abs-argmax channel
-//! while massive channels are being learned, and whether a NaN/Inf was seen.
+//! monitor's statistic per row, the rows above the per-token bound, each row's massive
+//! channels while they are being learned, and whether a NaN/Inf was seen.
 
 use crate::error::Result;
 use crate::kv::SeqId;
 use crate::precision::mask::GroupDetector;
 use candle_core::Tensor;
+use quantmesh_model::massive::massive_in_row;
 use quantmesh_types::GroupId;
 
 /// One group's statistics for one step.
@@ -16,8 +17,9 @@ pub struct GroupObs {
     pub stats: Vec<f32>,
     /// Rows routed to float in this group by the per-token bound.
     pub token_float_rows: Vec<usize>,
-    /// Per row: abs-argmax channel (only while learning massive channels).
-    pub argmax: Vec<u32>,
+    /// Per row: channels massive in that row (only while learning massive channels; empty
+    /// for skipped positions).
+    pub massive: Vec<Vec<u32>>,
 }
 
 /// Measure one group's input rows: returns the observation and whether a non-finite value
@@ -63,15 +65,16 @@ pub fn observe_rows(
         group: g,
         stats: Vec::with_capacity(n),
         token_float_rows: Vec::new(),
-        argmax: Vec::new(),
+        massive: Vec::new(),
     };
+    let mut scratch = Vec::new();
     let mut non_finite = false;
     for r in 0..n {
         let row = &data[r * d..(r + 1) * d];
         if skip.contains(&rows[r].1) {
             obs.stats.push(f32::NAN);
             if det.learn_channels {
-                obs.argmax.push(u32::MAX);
+                obs.massive.push(Vec::new());
             }
             continue;
         }
@@ -83,13 +86,9 @@ pub fn observe_rows(
             .map(|rg| absmax8(&row[rg.clone()]))
             .fold(0f32, f32::max);
         if det.learn_channels {
-            let mut best = (0u32, -1f32);
-            for (c, v) in row.iter().enumerate() {
-                if v.abs() > best.1 {
-                    best = (c as u32, v.abs());
-                }
-            }
-            obs.argmax.push(best.0);
+            let mut found = Vec::new();
+            massive_in_row(row, det.massive_ratio, &mut scratch, &mut found);
+            obs.massive.push(found);
         }
         if m > det.token_bound {
             obs.token_float_rows.push(r);

@@ -10,7 +10,7 @@ use crate::precision::mask::PathMask;
 use crate::precision::probe::GroupObs;
 use crate::precision::router::MaskRouter;
 use quantmesh_model::ops::kl_logits;
-use quantmesh_types::GroupId;
+use quantmesh_types::{GroupId, KlReference};
 
 /// What a step produced.
 #[derive(Debug, Clone, Default)]
@@ -28,6 +28,8 @@ pub struct StepOutput {
     pub obs: Vec<GroupObs>,
     /// Sampled KL(P_float ‖ P_served) per sequence with logits (shadow steps only).
     pub shadow_kl: Vec<(SeqId, f64)>,
+    /// What the shadow pass's reference was (set on shadow steps).
+    pub shadow_reference: Option<KlReference>,
     /// NaN/Inf seen in activations or logits: the step was recomputed in float.
     pub non_finite: bool,
     /// Time spent choosing paths (mask checks and per-token routing).
@@ -48,9 +50,12 @@ impl StepRunner {
     /// `mask.kv_float_layers` store float regardless).
     ///
     /// With monitoring on, a deterministic `shadow_sample_rate` share of steps first runs a
-    /// float-only pass to get `KL(P_float ‖ P_served)` for each sequence's next token (the
-    /// served pass then rewrites the step's KV slots, so the cache holds served values). A
-    /// NaN/Inf in activations or logits makes the whole step recompute in float.
+    /// float-only pass to get `KL(P_float ‖ P_served)` for each sequence's next token: every
+    /// group on its float copy, the step's own K/V written in float (the served pass then
+    /// rewrites those slots, so the cache holds served values). Earlier tokens' K/V are the
+    /// served cache's, and groups holding no float copy run INT8 in the reference as well:
+    /// the output says which reference it was (`KlReference`). A NaN/Inf in activations
+    /// or logits makes the whole step recompute in float.
     pub fn run(
         &mut self,
         backend: &dyn Backend,
@@ -76,7 +81,19 @@ impl StepRunner {
             _ => false,
         };
         let shadow_logits = if shadow {
-            Some(pass(backend, step, &float_mask(), kv, kv_int8)?.logits)
+            let reference = pass(backend, step, &float_mask(), kv, false)?;
+            let partial = reference
+                .outcomes
+                .iter()
+                .any(|(_, o)| o.fallback_unavailable_rows > 0);
+            Some((
+                reference.logits,
+                if partial {
+                    KlReference::PartialFloatWeights
+                } else {
+                    KlReference::FloatWeights
+                },
+            ))
         } else {
             None
         };
@@ -95,7 +112,8 @@ impl StepRunner {
             out.outcomes.extend(again.outcomes);
             out.non_finite = true;
         }
-        if let Some(fl) = shadow_logits {
+        if let Some((fl, reference)) = shadow_logits {
+            out.shadow_reference = Some(reference);
             out.shadow_kl = fl
                 .iter()
                 .zip(&out.logits)
@@ -134,6 +152,7 @@ fn pass(
             .collect(),
         obs: router.obs,
         shadow_kl: Vec::new(),
+        shadow_reference: None,
         non_finite: router.non_finite,
         mask_check_ns: router.mask_check_ns,
         stats_ns: router.stats_ns,

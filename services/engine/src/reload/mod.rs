@@ -330,7 +330,9 @@ impl Reloader {
     }
 
     /// Build the changed groups off the actors' threads, then swap them in one message and
-    /// reconfigure the monitor. Returns the groups whose residency changed.
+    /// reconfigure the monitor. All or nothing: when reconfiguring fails after the swap, the
+    /// old groups are built and swapped back, so weights and recorded plan never disagree.
+    /// Returns the groups whose residency changed.
     async fn apply(&self, old: &LivePlan, new: &LivePlan) -> Result<Vec<GroupId>> {
         let changed: Vec<(GroupId, Residency)> = new
             .residency
@@ -339,24 +341,54 @@ impl Reloader {
             .map(|(g, r)| (*g, *r))
             .collect();
         if !changed.is_empty() {
-            let dir = self.model_dir.clone();
-            let mcfg = self.model_config.clone();
-            let todo = changed.clone();
-            let load = self.loader;
-            let float_dtype = self.base.float_dtype;
-            let built: Vec<PreparedGroup> = tokio::task::spawn_blocking(move || {
-                let ck = Checkpoint::open(&dir)?;
-                todo.into_iter()
-                    .map(|(g, r)| load(&ck, &mcfg, g, r, float_dtype))
-                    .collect::<Result<Vec<_>>>()
-            })
-            .await
-            .map_err(|e| EngineError::Config(format!("group loading task failed: {e}")))??;
-            self.executor
-                .send(SwapGroups(built))
-                .await
-                .map_err(|_| EngineError::Stopped)??;
+            self.swap(changed.clone()).await?;
         }
+        if let Err(e) = self.reconfigure(new).await {
+            if !changed.is_empty() {
+                let back: Vec<(GroupId, Residency)> = changed
+                    .iter()
+                    .filter_map(|(g, _)| old.residency.get(g).map(|r| (*g, *r)))
+                    .collect();
+                match self.swap(back).await {
+                    Ok(()) => {
+                        tracing::warn!(error = %e, "reconfiguring the monitor failed: the previous weights are back")
+                    }
+                    Err(e2) => {
+                        tracing::error!(error = %e, rollback_error = %e2, "reconfiguring the monitor failed and the previous weights could not be restored")
+                    }
+                }
+            }
+            return Err(e);
+        }
+        Ok(changed.into_iter().map(|(g, _)| g).collect())
+    }
+
+    /// Build `groups` in their residencies (blocking loader, off the actors' threads) and
+    /// swap them into the executor in one message.
+    async fn swap(&self, groups: Vec<(GroupId, Residency)>) -> Result<()> {
+        let dir = self.model_dir.clone();
+        let mcfg = self.model_config.clone();
+        let load = self.loader;
+        let float_dtype = self.base.float_dtype;
+        let built: Vec<PreparedGroup> = tokio::task::spawn_blocking(move || {
+            let ck = Checkpoint::open(&dir)?;
+            groups
+                .into_iter()
+                .map(|(g, r)| load(&ck, &mcfg, g, r, float_dtype))
+                .collect::<Result<Vec<_>>>()
+        })
+        .await
+        .map_err(|e| EngineError::Config(format!("group loading task failed: {e}")))??;
+        self.executor
+            .send(SwapGroups(built))
+            .await
+            .map_err(|_| EngineError::Stopped)??;
+        Ok(())
+    }
+
+    /// The monitor takes the new thresholds and residencies.
+    async fn reconfigure(&self, new: &LivePlan) -> Result<()> {
+        crate::faults::before_reconfigure()?;
         if let Some(m) = &self.monitor {
             m.send(Reconfigure {
                 config: new.monitor.clone(),
@@ -366,7 +398,7 @@ impl Reloader {
             .await
             .map_err(|_| EngineError::Stopped)?;
         }
-        Ok(changed.into_iter().map(|(g, _)| g).collect())
+        Ok(())
     }
 }
 

@@ -12,8 +12,8 @@
 use crate::backend::{SeqChunk, StepInput};
 use crate::kv::{BlockManager, SeqId};
 use crate::precision::StepOutput;
-use crate::sched::sampling::sample;
-use quantmesh_types::{FinishReason, SamplingParams};
+use crate::sched::sampling::{adjust_logits, logprobs, sample};
+use quantmesh_types::{FinishReason, SamplingParams, TokenLogprobs};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use std::collections::VecDeque;
@@ -41,7 +41,9 @@ pub struct Sequence {
 
 impl Sequence {
     pub fn new(id: SeqId, prompt: Vec<u32>, params: SamplingParams, eos: Vec<u32>) -> Self {
-        let seed = params.seed.unwrap_or(id ^ 0x9e37_79b9_7f4a_7c15);
+        // Unseeded requests draw their seed from the thread's CSPRNG (OS-seeded): output is not
+        // predictable from the request id.
+        let seed = params.seed.unwrap_or_else(rand::random);
         Self {
             id,
             prompt,
@@ -74,11 +76,13 @@ impl Sequence {
 }
 
 /// What happened to a sequence in a step.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum SeqEvent {
     Token {
         seq: SeqId,
         token: u32,
+        /// When the request asked for them.
+        logprobs: Option<TokenLogprobs>,
     },
     Finished {
         seq: SeqId,
@@ -262,13 +266,21 @@ impl Scheduler {
                 continue;
             };
             let s = &mut self.running[i];
-            let tok = sample(logits, &s.params, &mut s.rng);
+            let tok = if s.params.adjusts_logits() {
+                let mut adjusted = logits.to_vec();
+                adjust_logits(&mut adjusted, &s.params, &s.prompt, &s.output);
+                sample(&adjusted, &s.params, &mut s.rng)
+            } else {
+                sample(logits, &s.params, &mut s.rng)
+            };
             let is_eos = s.params.stop_at_eos && s.eos.contains(&tok);
             if !is_eos {
                 s.output.push(tok);
+                let logprobs = s.params.logprobs.map(|top| logprobs(logits, tok, top));
                 events.push(SeqEvent::Token {
                     seq: *id,
                     token: tok,
+                    logprobs,
                 });
             }
             let reason = if is_eos {
@@ -353,7 +365,14 @@ mod tests {
         );
         assert!(step.chunks[0].want_logits && !step.chunks[1].want_logits);
         let ev = s.complete(&fake_output(&step, 3));
-        assert_eq!(ev, vec![SeqEvent::Token { seq: 1, token: 3 }]);
+        assert_eq!(
+            ev,
+            vec![SeqEvent::Token {
+                seq: 1,
+                token: 3,
+                logprobs: None
+            }]
+        );
         let step = s.schedule().unwrap();
         assert_eq!(
             step.chunks
