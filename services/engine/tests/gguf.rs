@@ -305,3 +305,52 @@ fn a_directory_holding_one_gguf_is_a_model_and_two_are_ambiguous() {
         "{err}"
     );
 }
+
+mod corrupt_inputs {
+    //! Property test: a GGUF file with bytes flipped in its header (metadata, tensor infos)
+    //! or cut anywhere is refused with an error — never a panic, never a giant allocation.
+
+    use super::*;
+    use proptest::prelude::*;
+
+    fn original() -> &'static Vec<u8> {
+        static F: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+        F.get_or_init(|| {
+            let hf = bundled(InitOptions::default());
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("m.gguf");
+            write_gguf(hf.path(), &path, GgmlDType::F32);
+            std::fs::read(path).unwrap()
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(96))]
+
+        #[test]
+        fn a_corrupted_gguf_is_an_error_not_a_panic(
+            flips in prop::collection::vec((0usize..16384, any::<u8>()), 0..6),
+            cut in prop::option::of(any::<usize>()),
+        ) {
+            let mut b = original().clone();
+            for (at, v) in flips {
+                let at = at % b.len();
+                b[at] = v;
+            }
+            if let Some(c) = cut {
+                b.truncate(c % (b.len() + 1));
+            }
+            let dir = tempfile::tempdir().unwrap();
+            std::fs::write(dir.path().join("m.gguf"), &b).unwrap();
+            if ModelConfig::load(dir.path()).is_ok() {
+                if let Ok(ck) = Checkpoint::open(dir.path()) {
+                    let names: Vec<String> = ck.names().map(String::from).collect();
+                    for n in names {
+                        let _ = ck.read_f32(&n);
+                    }
+                }
+                let _ = quantmesh_model::tokenizer::TextTokenizer::load(&dir.path().join("m.gguf"));
+            }
+        }
+    }
+}

@@ -472,3 +472,98 @@ fn non_finite_activations_recompute_the_step_in_float() {
             >= layers * 4
     );
 }
+
+mod corrupt_inputs {
+    //! Property tests for the parsers that take outside bytes: a safetensors checkpoint and
+    //! a `sensitive_layers.json` with bytes flipped or cut anywhere in their headers give an
+    //! error (or, where the flip is harmless, a result) — never a panic.
+
+    use super::*;
+    use proptest::prelude::*;
+    use quantmesh_model::checkpoint::Checkpoint;
+    use quantmesh_model::model_shape;
+    use quantmesh_types::SensitiveLayers;
+
+    struct Fixture {
+        /// A small bundled checkpoint's bytes, its header length, its config.json.
+        bytes: Vec<u8>,
+        header: usize,
+        config: Vec<u8>,
+        /// A valid plan for it, and its shape.
+        plan: Vec<u8>,
+        shape: quantmesh_types::ModelShape,
+    }
+
+    fn fixture() -> &'static Fixture {
+        static F: std::sync::OnceLock<Fixture> = std::sync::OnceLock::new();
+        F.get_or_init(|| {
+            let dir = model_dir(InitOptions::default());
+            let bytes = std::fs::read(dir.path().join("model.safetensors")).unwrap();
+            let header = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+            let cfg = ModelConfig::from_file(&dir.path().join("config.json")).unwrap();
+            let shape = model_shape(&Checkpoint::open(dir.path()).unwrap(), &cfg).unwrap();
+            let plan = serde_json::to_vec_pretty(&serde_json::json!({
+                "schema_version": 1,
+                "model": {"num_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
+                          "intermediate_size": cfg.intermediate_size, "layout_md5": shape.layout_md5},
+                "thresholds": {"k": 4.0, "trigger_rate": 0.01, "min_excess": 1.0},
+                "groups": {"layers.1.down": {"class": "fp16", "monitor": {"k": 5.0}},
+                           "layers.0.qkv": {"class": "w8a8", "massive_channels": [3]}}
+            }))
+            .unwrap();
+            let config = std::fs::read(dir.path().join("config.json")).unwrap();
+            Fixture { bytes, header, config, plan, shape }
+        })
+    }
+
+    fn mutate(bytes: &[u8], region: usize, flips: &[(usize, u8)], cut: Option<usize>) -> Vec<u8> {
+        let mut b = bytes.to_vec();
+        for &(at, v) in flips {
+            let at = at % region.min(b.len());
+            b[at] = v;
+        }
+        if let Some(c) = cut {
+            b.truncate(c % (b.len() + 1));
+        }
+        b
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(96))]
+
+        #[test]
+        fn a_corrupted_safetensors_header_is_an_error_not_a_panic(
+            flips in prop::collection::vec((any::<usize>(), any::<u8>()), 0..6),
+            cut in prop::option::of(any::<usize>()),
+        ) {
+            let f = fixture();
+            let dir = tempfile::tempdir().unwrap();
+            std::fs::write(dir.path().join("config.json"), &f.config).unwrap();
+            std::fs::write(dir.path().join("model.safetensors"), mutate(&f.bytes, f.header, &flips, cut)).unwrap();
+            if let Ok(ck) = Checkpoint::open(dir.path()) {
+                // A header that still parses: reading every tensor errors or succeeds.
+                let names: Vec<String> = ck.names().map(String::from).collect();
+                for n in names {
+                    let _ = ck.read_f32(&n);
+                }
+            }
+        }
+
+        #[test]
+        fn a_corrupted_plan_is_rejected_with_a_reason_not_a_panic(
+            flips in prop::collection::vec((any::<usize>(), any::<u8>()), 0..6),
+            cut in prop::option::of(any::<usize>()),
+        ) {
+            let f = fixture();
+            let b = mutate(&f.plan, f.plan.len(), &flips, cut);
+            match SensitiveLayers::parse(&b) {
+                Ok(p) => {
+                    if let Err(e) = p.validate(&f.shape) {
+                        prop_assert!(!e.to_string().is_empty());
+                    }
+                }
+                Err(e) => prop_assert!(!e.to_string().is_empty()),
+            }
+        }
+    }
+}

@@ -197,7 +197,13 @@ impl GgufFile {
         infos.sort_by_key(|(_, t)| t.offset);
         for (gguf_name, info) in infos {
             let shape = info.shape.dims().to_vec();
-            let elems: usize = shape.iter().product();
+            // A corrupt header can claim any sizes: all arithmetic on them is checked.
+            let Some(elems) = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)) else {
+                return Err(bad(
+                    Some(&gguf_name),
+                    format!("shape {shape:?} has more elements than this machine can address"),
+                ));
+            };
             let (block, size) = (info.ggml_dtype.block_size(), info.ggml_dtype.type_size());
             if !elems.is_multiple_of(block) {
                 return Err(bad(
@@ -205,8 +211,19 @@ impl GgufFile {
                     format!("{elems} elements is not a whole number of {block}-element blocks"),
                 ));
             }
-            let start = content.tensor_data_offset + info.offset;
-            let end = start + (elems / block * size) as u64;
+            let end = content
+                .tensor_data_offset
+                .checked_add(info.offset)
+                .and_then(|start| {
+                    let bytes = u64::try_from((elems / block).checked_mul(size)?).ok()?;
+                    Some((start, start.checked_add(bytes)?))
+                });
+            let Some((start, end)) = end else {
+                return Err(bad(
+                    Some(&gguf_name),
+                    format!("offset {} and shape {shape:?} point past any file", info.offset),
+                ));
+            };
             if end > file_len {
                 return Err(bad(
                     Some(&gguf_name),

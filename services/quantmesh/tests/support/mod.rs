@@ -198,6 +198,11 @@ impl Serve {
         format!("{}{}", self.base, path)
     }
 
+    /// The server process's id (`None` once stopped).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// SIGKILL: no shutdown code runs.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
