@@ -167,7 +167,8 @@ async fn bad_input_gets_clear_4xx_and_server_stays_healthy() {
             400,
         ),
         ("empty prompt", br#"{"prompt": ""}"#.to_vec(), 400),
-        ("n > 1", br#"{"prompt": "a", "n": 3}"#.to_vec(), 400),
+        ("n > 8", br#"{"prompt": "a", "n": 9}"#.to_vec(), 400),
+        ("n = 0", br#"{"prompt": "a", "n": 0}"#.to_vec(), 400),
         (
             "unknown model",
             br#"{"prompt": "a", "model": "gpt-17"}"#.to_vec(),
@@ -638,7 +639,7 @@ async fn request_fields_are_honoured_or_refused_never_ignored() {
             "logprobs",
         ),
         ("/v1/completions", cmpl(json!({"echo": true})), "echo"),
-        ("/v1/completions", cmpl(json!({"n": 3})), "n"),
+        ("/v1/completions", cmpl(json!({"n": 9})), "n"),
         (
             "/v1/completions",
             cmpl(json!({"logit_bias": {"x": 1}})),
@@ -819,4 +820,60 @@ async fn limits_are_checked_before_the_body_is_read() {
     assert!(r.starts_with("HTTP/1.1 429"), "{r}");
     assert!(r.contains("max_concurrent_requests"), "{r}");
     drop(long);
+}
+
+/// `n` choices, whole and streamed: indexed, each finished, usage summing their tokens.
+#[actix_rt::test]
+async fn n_choices_whole_and_streamed() {
+    let s = Server::start(settings()).await;
+    for path in ["/v1/completions", "/v1/chat/completions"] {
+        let mut body = if path == "/v1/completions" {
+            json!({"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0, "seed": 3, "n": 3, "ignore_eos": true, "logprobs": 1})
+        } else {
+            json!({"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 12, "temperature": 1.0, "seed": 3, "n": 3, "ignore_eos": true})
+        };
+        let b: serde_json::Value = s.post(path, body.clone()).await.json().await.unwrap();
+        let choices = b["choices"].as_array().unwrap();
+        assert_eq!(choices.len(), 3, "{b}");
+        for (i, c) in choices.iter().enumerate() {
+            assert_eq!(c["index"], i, "{b}");
+            assert_eq!(c["finish_reason"], "length", "{b}");
+        }
+        assert_eq!(b["usage"]["completion_tokens"], 36, "{b}");
+        let text = |c: &serde_json::Value| {
+            c["text"]
+                .as_str()
+                .or(c["message"]["content"].as_str())
+                .or(c["delta"]["content"].as_str())
+                .unwrap_or("")
+                .to_string()
+        };
+        let whole: Vec<String> = choices.iter().map(text).collect();
+        assert!(whole[0] != whole[1] || whole[1] != whole[2], "{whole:?}");
+        if path == "/v1/completions" {
+            for c in choices {
+                assert_eq!(c["logprobs"]["tokens"].as_array().unwrap().len(), 12, "{c}");
+            }
+        }
+        // Streamed: the same three texts, interleaved by index; one finish per choice.
+        body["stream"] = json!(true);
+        body["stream_options"] = json!({"include_usage": true});
+        let raw = s.post(path, body).await.text().await.unwrap();
+        let (chunks, done) = parse_sse(&raw);
+        assert!(done, "{raw}");
+        let mut streamed = vec![String::new(); 3];
+        let mut finishes = [0; 3];
+        for c in &chunks {
+            for ch in c["choices"].as_array().unwrap() {
+                let i = ch["index"].as_u64().unwrap() as usize;
+                streamed[i].push_str(&text(ch));
+                if !ch["finish_reason"].is_null() {
+                    finishes[i] += 1;
+                }
+            }
+        }
+        assert_eq!(streamed, whole, "{path}");
+        assert_eq!(finishes, [1, 1, 1]);
+        assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 36);
+    }
 }

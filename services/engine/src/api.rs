@@ -62,6 +62,9 @@ pub struct ModelInfo {
     pub load_seconds: f64,
 }
 
+/// Most answers one request may sample (`n`).
+pub const MAX_N: usize = 8;
+
 /// How an engine is started besides its configuration.
 #[derive(Clone, Default)]
 pub struct EngineStart {
@@ -617,6 +620,22 @@ impl Engine {
     /// yields text as it is produced; dropping it cancels the request and frees its KV
     /// pages. Every check of a request lives here.
     pub async fn submit(&self, req: GenerateRequest) -> Result<Generation> {
+        self.submit_n(req, 1)
+            .await?
+            .into_iter()
+            .next()
+            .ok_or(EngineError::Stopped)
+    }
+
+    /// [`Engine::submit`] sampling `n` answers to one prompt (OpenAI's `n`, at most
+    /// [`MAX_N`]): the prompt is computed once and the answers share its KV pages
+    /// (copy-on-write); with a `seed`, answer `i` uses `seed + i`.
+    pub async fn submit_n(&self, req: GenerateRequest, n: usize) -> Result<Vec<Generation>> {
+        if n == 0 || n > MAX_N {
+            return Err(EngineError::InvalidRequest(format!(
+                "n must be in 1..={MAX_N}, got {n}"
+            )));
+        }
         let invalid = |m: String| Err(EngineError::InvalidRequest(m));
         let GenerateRequest {
             prompt,
@@ -691,7 +710,7 @@ impl Engine {
                 params.max_tokens
             ));
         }
-        self.enqueue(ids, params).await
+        self.enqueue(ids, params, n).await
     }
 
     /// [`Engine::submit`] for a tokenized prompt.
@@ -700,15 +719,42 @@ impl Engine {
             .await
     }
 
-    async fn enqueue(&self, prompt: Vec<u32>, params: SamplingParams) -> Result<Generation> {
-        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = mpsc::unbounded_channel();
+    async fn enqueue(
+        &self,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        n: usize,
+    ) -> Result<Vec<Generation>> {
+        let ids: Vec<SeqId> = (0..n)
+            .map(|_| self.inner.next_id.fetch_add(1, Ordering::Relaxed))
+            .collect();
         let prompt_len = prompt.len();
-        let stop = params.stop.clone();
-        let seq = Sequence::new(id, prompt, params, self.inner.eos.clone());
+        let mut channels = Vec::with_capacity(n);
+        let mut sequences = Vec::with_capacity(n);
+        for (i, &id) in ids.iter().enumerate() {
+            let (tx, rx) = mpsc::unbounded_channel();
+            let mut p = params.clone();
+            p.seed = params.seed.map(|s| s.wrapping_add(i as u64));
+            sequences.push(Sequence::new(id, prompt.clone(), p, self.inner.eos.clone()));
+            channels.push((id, tx, rx));
+        }
+        let mut sequences = sequences.into_iter();
+        let Some(first) = sequences.next() else {
+            return Ok(Vec::new());
+        };
+        let seq = first.with_forks(sequences.collect());
+        let mut senders = channels.iter().map(|(id, tx, _)| (*id, tx.clone()));
+        let Some((_, events)) = senders.next() else {
+            return Ok(Vec::new());
+        };
+        let fork_events = senders.collect();
         self.inner
             .scheduler
-            .send(Submit { seq, events: tx })
+            .send(Submit {
+                seq,
+                events,
+                fork_events,
+            })
             .await
             .map_err(|_| EngineError::Stopped)?
             .map_err(|e| match e {
@@ -717,21 +763,27 @@ impl Engine {
                 }
                 SubmitError::NeverFits { .. } => EngineError::InvalidRequest(e.to_string()),
             })?;
-        Ok(Generation {
-            id,
-            rx,
-            decoder: IncrementalDecoder::default(),
-            tokenizer: self.inner.tokenizer.clone(),
-            scheduler: self.inner.scheduler.clone(),
-            stop,
-            text: String::new(),
-            emitted: 0,
-            prompt_tokens: prompt_len,
-            completion_tokens: 0,
-            finish: None,
-            released: false,
-            done: false,
-        })
+        Ok(channels
+            .into_iter()
+            .map(|(id, tx, rx)| {
+                drop(tx);
+                Generation {
+                    id,
+                    rx,
+                    decoder: IncrementalDecoder::default(),
+                    tokenizer: self.inner.tokenizer.clone(),
+                    scheduler: self.inner.scheduler.clone(),
+                    stop: params.stop.clone(),
+                    text: String::new(),
+                    emitted: 0,
+                    prompt_tokens: prompt_len,
+                    completion_tokens: 0,
+                    finish: None,
+                    released: false,
+                    done: false,
+                }
+            })
+            .collect())
     }
 
     /// Every fallback decision from now on (bounded broadcast; see `events::ChannelSink`).

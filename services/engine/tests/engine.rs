@@ -2,7 +2,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use quantmesh_engine::{Engine, EngineConfig, GenerationEvent};
+use quantmesh_engine::{Engine, EngineConfig, GenerateRequest, GenerationEvent, Prompt};
 use quantmesh_model::bundled::{init_model, InitOptions};
 use quantmesh_types::{FinishReason, Residency, SamplingParams};
 use std::time::Duration;
@@ -233,4 +233,72 @@ fn incremental_detokenization_never_splits_utf8() {
     }
     out.push_str(&dec.flush(&tok).unwrap());
     assert_eq!(out, text);
+}
+
+/// `n` answers to one prompt: the prompt is computed once and its pages are shared (the
+/// KV grows by the decoded tokens only); seeded answers differ from each other and are
+/// reproducible.
+#[actix_rt::test]
+async fn n_answers_share_the_prompt_pages() {
+    let dir = tempfile::tempdir().unwrap();
+    init_model(dir.path(), &InitOptions::default()).unwrap();
+    let e = engine(dir.path(), EngineConfig::default()).await;
+    let prompt: Vec<u32> = (0..100).map(|i| 32 + (i * 7) % 90).collect();
+    let params = SamplingParams {
+        temperature: 1.0,
+        max_tokens: 40,
+        seed: Some(7),
+        stop_at_eos: false,
+        ..Default::default()
+    };
+    let req = || GenerateRequest::new(Prompt::Tokens(prompt.clone()), params.clone());
+    let mut gens = e.submit_n(req(), 3).await.unwrap();
+    assert_eq!(gens.len(), 3);
+    // Every answer has started: the prompt is in the cache once, the answers' own pages
+    // beside it.
+    let mut firsts = Vec::new();
+    for g in gens.iter_mut() {
+        let mut first = String::new();
+        loop {
+            if let Some(GenerationEvent::Text { text, token, .. }) = g.next().await {
+                first.push_str(&text);
+                if token.is_some() {
+                    break;
+                }
+            }
+        }
+        firsts.push(first);
+    }
+    let used = e.stats().kv_pages_used;
+    let prompt_pages = 100usize.div_ceil(16);
+    eprintln!("n = 3: {used} KV pages in use for a {prompt_pages}-page prompt");
+    assert!(
+        used < 2 * prompt_pages,
+        "{used} pages for 3 answers to a {prompt_pages}-page prompt: the prompt is not shared"
+    );
+    let mut texts = Vec::new();
+    for (g, first) in gens.into_iter().zip(firsts) {
+        let (text, reason, usage, _) = g.collect().await;
+        assert_eq!(reason, FinishReason::Length);
+        assert_eq!(usage.prompt_tokens, 100);
+        texts.push(first + &text);
+    }
+    assert!(texts[0] != texts[1] || texts[1] != texts[2], "{texts:?}");
+    // Same seed, same answers.
+    let again: Vec<String> = {
+        let mut out = Vec::new();
+        for g in e.submit_n(req(), 3).await.unwrap() {
+            out.push(g.collect().await.0);
+        }
+        out
+    };
+    assert_eq!(texts, again);
+    for _ in 0..100 {
+        if e.stats().kv_pages_used == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(e.stats().kv_pages_used, 0, "every page back");
+    assert!(e.submit_n(req(), 9).await.is_err(), "n is bounded");
 }

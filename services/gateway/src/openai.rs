@@ -115,10 +115,11 @@ impl SamplingFields {
                 ));
             }
         }
-        if let Some(n) = self.n.filter(|&n| n != 1) {
+        let max_n = quantmesh_engine::api::MAX_N;
+        if let Some(n) = self.n.filter(|&n| n == 0 || n as usize > max_n) {
             return Err(unsupported(
                 "n",
-                format!("n = {n} is not supported; only n = 1"),
+                format!("n must be in 1..={max_n}, got {n}"),
             ));
         }
         Ok(())

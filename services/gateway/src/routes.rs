@@ -188,7 +188,8 @@ fn check_fields(
 
 /// Everything a generation request needs once validated.
 struct Prepared {
-    generation: Generation,
+    /// One per choice (`n`).
+    generations: Vec<Generation>,
     permit: OwnedSemaphorePermit,
     arrived: Instant,
     stream: bool,
@@ -252,18 +253,19 @@ async fn prepare(
     }
     let params = sampling_params(f, endpoint)?;
     let params_logprobs = params.logprobs.is_some();
-    let generation = engine
-        .submit(GenerateRequest {
-            prompt,
-            params,
-            max_input_tokens: Some(state.server.max_input_tokens),
-            max_total_tokens: Some(state.server.max_total_tokens),
-        })
+    let generations = engine
+        .submit_n(
+            GenerateRequest {
+                prompt,
+                params,
+                max_input_tokens: Some(state.server.max_input_tokens),
+                max_total_tokens: Some(state.server.max_total_tokens),
+            },
+            f.n.unwrap_or(1) as usize,
+        )
         .await?;
-    state
-        .metrics
-        .prompt_tokens
-        .inc_by(generation.prompt_tokens() as u64);
+    let prompt_tokens = generations.first().map_or(0, |g| g.prompt_tokens());
+    state.metrics.prompt_tokens.inc_by(prompt_tokens as u64);
     // OpenAI: the usage chunk is sent only when asked for.
     let include_usage = f
         .stream_options
@@ -271,7 +273,7 @@ async fn prepare(
         .and_then(|o| o.include_usage)
         .unwrap_or(false);
     Ok(Prepared {
-        generation,
+        generations,
         permit,
         arrived,
         stream: f.stream,
@@ -409,6 +411,74 @@ fn finish_str(r: FinishReason) -> &'static str {
     }
 }
 
+/// One choice's events, tagged with its index.
+type ChoiceEvents = futures::stream::BoxStream<'static, (usize, GenerationEvent)>;
+
+/// The generations of a request as one stream of (choice index, event), in arrival order.
+/// Dropping it drops the generations (cancelling those not finished).
+fn merged(generations: Vec<Generation>) -> futures::stream::SelectAll<ChoiceEvents> {
+    futures::stream::select_all(generations.into_iter().enumerate().map(|(i, g)| {
+        futures::stream::unfold(g, |mut g| async move { g.next().await.map(|e| (e, g)) })
+            .map(move |e| (i, e))
+            .boxed()
+    }))
+}
+
+/// What is known of one choice while its events arrive.
+#[derive(Default)]
+struct Choice {
+    text: String,
+    entries: Vec<logprobs::Entry>,
+    /// Streaming: the role was sent (chat), characters sent (completions' `text_offset`).
+    sent_role: bool,
+    sent_chars: usize,
+    finish: Option<FinishReason>,
+    completion_tokens: usize,
+}
+
+/// Note one event of choice `i`: timing (choice 0 drives TTFT/ITL; every token counts),
+/// log-probabilities, text. Returns the text delta of a `Text` event.
+fn observe(
+    state: &AppState,
+    timing: &mut Timing,
+    choice: &mut Choice,
+    i: usize,
+    ev: GenerationEvent,
+    usage: &mut quantmesh_types::Usage,
+) -> Option<String> {
+    match ev {
+        GenerationEvent::Text {
+            text,
+            token,
+            logprobs,
+        } => {
+            if let Some(token) = token {
+                if i == 0 {
+                    timing.token(state);
+                } else {
+                    state.metrics.generation_tokens.inc();
+                }
+                if let (Some(lp), Ok(engine)) = (logprobs, state.engine()) {
+                    choice
+                        .entries
+                        .push(logprobs::Entry::new(engine, token, &lp));
+                }
+            }
+            Some(text)
+        }
+        GenerationEvent::Done {
+            reason, usage: u, ..
+        } => {
+            choice.finish = Some(reason);
+            choice.completion_tokens = u.completion_tokens;
+            usage.prompt_tokens = u.prompt_tokens;
+            usage.completion_tokens += u.completion_tokens;
+            usage.total_tokens = usage.prompt_tokens + usage.completion_tokens;
+            None
+        }
+    }
+}
+
 async fn respond(
     state: web::Data<AppState>,
     p: Prepared,
@@ -422,59 +492,56 @@ async fn respond(
         last: None,
         endpoint,
     };
+    let n = p.generations.len();
     if !p.stream {
-        let mut g = p.generation;
+        let mut events = merged(p.generations);
         let mut timing = timing;
-        let mut text = String::new();
-        let mut entries = Vec::new();
-        let (reason, usage) = loop {
-            match g.next().await {
-                Some(GenerationEvent::Text {
-                    text: t,
-                    token,
-                    logprobs,
-                }) => {
-                    if let Some(token) = token {
-                        timing.token(&state);
-                        if let (Some(lp), Ok(engine)) = (logprobs, state.engine()) {
-                            entries.push(logprobs::Entry::new(engine, token, &lp));
-                        }
-                    }
-                    text.push_str(&t);
-                }
-                Some(GenerationEvent::Done { reason, usage, .. }) => break (reason, usage),
-                None => break (FinishReason::Error, Default::default()),
+        let mut choices: Vec<Choice> = (0..n).map(|_| Choice::default()).collect();
+        let mut usage = quantmesh_types::Usage::default();
+        while let Some((i, ev)) = events.next().await {
+            if let Some(t) = observe(&state, &mut timing, &mut choices[i], i, ev, &mut usage) {
+                choices[i].text.push_str(&t);
             }
-        };
+        }
         timing.done(&state);
         drop(p.permit);
-        if reason == FinishReason::Error {
+        if choices
+            .iter()
+            .any(|c| c.finish.is_none_or(|r| r == FinishReason::Error))
+        {
             return Err(ApiError::Internal(
                 "generation failed; see server logs".into(),
             ));
         }
-        let usage = UsageBody::from(usage);
-        let lp = match p.logprobs {
-            false => serde_json::Value::Null,
-            true => endpoint.logprobs(&entries, 0),
+        let body_choices: Vec<serde_json::Value> = choices
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let lp = match p.logprobs {
+                    false => serde_json::Value::Null,
+                    true => endpoint.logprobs(&c.entries, 0),
+                };
+                let fr = c.finish.map(finish_str);
+                match endpoint {
+                    Endpoint::Completions => json!({"index": i, "text": c.text, "logprobs": lp, "finish_reason": fr}),
+                    Endpoint::Chat => json!({"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": lp, "finish_reason": fr}),
+                }
+            })
+            .collect();
+        let object = match endpoint {
+            Endpoint::Completions => "text_completion",
+            Endpoint::Chat => "chat.completion",
         };
-        let body = match endpoint {
-            Endpoint::Completions => json!({
-                "id": id, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_str(reason)}],
-                "usage": usage,
-            }),
-            Endpoint::Chat => json!({
-                "id": id, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": finish_str(reason)}],
-                "usage": usage,
-            }),
-        };
-        return Ok(HttpResponse::Ok().json(body));
+        return Ok(HttpResponse::Ok().json(json!({
+            "id": id, "object": object, "created": created, "model": model,
+            "choices": body_choices, "usage": UsageBody::from(usage),
+        })));
     }
 
     struct StreamState {
-        g: Generation,
+        events: futures::stream::SelectAll<ChoiceEvents>,
+        choices: Vec<Choice>,
+        usage: quantmesh_types::Usage,
         _permit: OwnedSemaphorePermit,
         timing: Timing,
         state: web::Data<AppState>,
@@ -483,54 +550,55 @@ async fn respond(
         created: u64,
         endpoint: Endpoint,
         include_usage: bool,
-        sent_role: bool,
-        finished: bool,
         /// Whether the request asked for log-probabilities; those of tokens whose text is
-        /// still held back wait in `pending` for the next chunk.
+        /// still held back wait in the choice's `entries` for its next chunk.
         logprobs: bool,
-        pending: Vec<logprobs::Entry>,
-        /// Characters of completion text sent so far (completions' `text_offset`).
-        sent_chars: usize,
+        finished: bool,
     }
     fn sse(v: &serde_json::Value) -> Bytes {
         Bytes::from(format!("data: {v}\n\n"))
     }
     impl StreamState {
-        /// The pending log-probabilities in this endpoint's shape (null when not asked for).
-        fn take_logprobs(&mut self) -> serde_json::Value {
-            if !self.logprobs {
-                return serde_json::Value::Null;
-            }
-            let entries = std::mem::take(&mut self.pending);
-            self.endpoint.logprobs(&entries, self.sent_chars)
-        }
-
-        fn chunk(&mut self, text: Option<&str>, finish: Option<FinishReason>) -> serde_json::Value {
+        fn chunk(
+            &mut self,
+            i: usize,
+            text: Option<&str>,
+            finish: Option<FinishReason>,
+        ) -> serde_json::Value {
             let fr = finish.map(finish_str);
-            let lp = self.take_logprobs();
-            self.sent_chars += text.map_or(0, |t| t.chars().count());
-            match self.endpoint {
-                Endpoint::Completions => json!({
-                    "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                    "choices": [{"index": 0, "text": text.unwrap_or(""), "logprobs": lp, "finish_reason": fr}],
-                }),
+            let endpoint = self.endpoint;
+            let c = &mut self.choices[i];
+            let lp = match self.logprobs {
+                false => serde_json::Value::Null,
+                true => endpoint.logprobs(&std::mem::take(&mut c.entries), c.sent_chars),
+            };
+            c.sent_chars += text.map_or(0, |t| t.chars().count());
+            let choice = match endpoint {
+                Endpoint::Completions => {
+                    json!({"index": i, "text": text.unwrap_or(""), "logprobs": lp, "finish_reason": fr})
+                }
                 Endpoint::Chat => {
-                    let delta = match (text, self.sent_role) {
+                    let delta = match (text, c.sent_role) {
                         (Some(t), false) => json!({"role": "assistant", "content": t}),
                         (Some(t), true) => json!({"content": t}),
                         (None, false) => json!({"role": "assistant"}),
                         (None, true) => json!({}),
                     };
-                    json!({
-                        "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                        "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": fr}],
-                    })
+                    c.sent_role = true;
+                    json!({"index": i, "delta": delta, "logprobs": lp, "finish_reason": fr})
                 }
-            }
+            };
+            let object = match endpoint {
+                Endpoint::Completions => "text_completion",
+                Endpoint::Chat => "chat.completion.chunk",
+            };
+            json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [choice]})
         }
     }
     let st = StreamState {
-        g: p.generation,
+        events: merged(p.generations),
+        choices: (0..n).map(|_| Choice::default()).collect(),
+        usage: Default::default(),
         _permit: p.permit,
         timing,
         state: state.clone(),
@@ -539,40 +607,39 @@ async fn respond(
         created,
         endpoint,
         include_usage: p.include_usage,
-        sent_role: false,
-        finished: false,
         logprobs: p.logprobs,
-        pending: Vec::new(),
-        sent_chars: 0,
+        finished: false,
     };
     let body = futures::stream::unfold(st, |mut st| async move {
         if st.finished {
             return None;
         }
         loop {
-            match st.g.next().await {
-                Some(GenerationEvent::Text {
-                    text,
-                    token,
-                    logprobs,
-                }) => {
-                    if let Some(token) = token {
-                        st.timing.token(&st.state);
-                        if let (Some(lp), Ok(engine)) = (logprobs, st.state.engine()) {
-                            st.pending.push(logprobs::Entry::new(engine, token, &lp));
+            match st.events.next().await {
+                Some((i, ev)) => {
+                    let is_done = matches!(ev, GenerationEvent::Done { .. });
+                    let text = observe(
+                        &st.state,
+                        &mut st.timing,
+                        &mut st.choices[i],
+                        i,
+                        ev,
+                        &mut st.usage,
+                    );
+                    let c = match (text, is_done) {
+                        (Some(t), _) if !t.is_empty() => st.chunk(i, Some(&t), None),
+                        (_, true) => {
+                            let reason = st.choices[i].finish;
+                            st.chunk(i, None, reason)
                         }
-                    }
-                    if text.is_empty() {
-                        continue;
-                    }
-                    let c = st.chunk(Some(&text), None);
-                    st.sent_role = true;
+                        _ => continue,
+                    };
                     return Some((Ok::<Bytes, actix_web::Error>(sse(&c)), st));
                 }
-                Some(GenerationEvent::Done { reason, usage, .. }) => {
+                None => {
+                    // Every choice has ended.
                     st.timing.done(&st.state);
                     let mut out = Vec::new();
-                    out.extend_from_slice(&sse(&st.chunk(None, Some(reason))));
                     if st.include_usage {
                         let obj = match st.endpoint {
                             Endpoint::Completions => "text_completion",
@@ -580,14 +647,13 @@ async fn respond(
                         };
                         out.extend_from_slice(&sse(&json!({
                             "id": st.id, "object": obj, "created": st.created, "model": st.model,
-                            "choices": [], "usage": UsageBody::from(usage),
+                            "choices": [], "usage": UsageBody::from(st.usage),
                         })));
                     }
                     out.extend_from_slice(b"data: [DONE]\n\n");
                     st.finished = true;
                     return Some((Ok(Bytes::from(out)), st));
                 }
-                None => return None,
             }
         }
     });

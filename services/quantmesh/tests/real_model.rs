@@ -58,6 +58,10 @@ count = "1, 2, 3, 4, 5, 6, 7, 8,"
 plain = client.completions.create(model=models[0], prompt=count, temperature=0, max_tokens=24).choices[0].text
 pen = client.completions.create(model=models[0], prompt=count, temperature=0, max_tokens=24, frequency_penalty=2.0, presence_penalty=2.0).choices[0].text
 assert plain != pen, (plain, pen)
+# n answers to one prompt.
+r = client.completions.create(model=models[0], prompt="My favourite animal is", temperature=1.0, seed=1, max_tokens=8, n=3)
+assert [c.index for c in r.choices] == [0, 1, 2], r
+assert 3 <= r.usage.completion_tokens <= 24, r
 # Unsupported fields are refused, naming the field.
 import openai
 try:

@@ -61,7 +61,13 @@ async fn client_loop(base: String, seed: u64, until: Instant, counts: Arc<Counts
     let client = reqwest::Client::new();
     let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
     let mut latencies = Vec::new();
-    let prompts = ["The weather today", "Once upon a time", "Hello, world!", "1, 2, 3,", "Tell me about the sea"];
+    let prompts = [
+        "The weather today",
+        "Once upon a time",
+        "Hello, world!",
+        "1, 2, 3,",
+        "Tell me about the sea",
+    ];
     while Instant::now() < until {
         let stream = rng.below(10) < 7;
         let disconnect = stream && rng.below(10) == 0;
@@ -76,7 +82,11 @@ async fn client_loop(base: String, seed: u64, until: Instant, counts: Arc<Counts
             body["logit_bias"] = serde_json::json!({"65": 5});
         }
         let t0 = Instant::now();
-        let r = client.post(format!("{base}/v1/completions")).json(&body).send().await;
+        let r = client
+            .post(format!("{base}/v1/completions"))
+            .json(&body)
+            .send()
+            .await;
         let r = match r {
             Ok(r) => r,
             Err(_) => {
@@ -176,7 +186,14 @@ async fn soak_with_churn_leaks_nothing_and_fails_nothing() {
     // Warm-up: every code path once, so the allocator and caches reach their working size.
     let warm = Arc::new(Counts::default());
     let handles: Vec<_> = (0..32)
-        .map(|i| tokio::spawn(client_loop(serve.base.clone(), 1000 + i, Instant::now() + Duration::from_secs(5), warm.clone())))
+        .map(|i| {
+            tokio::spawn(client_loop(
+                serve.base.clone(),
+                1000 + i,
+                Instant::now() + Duration::from_secs(5),
+                warm.clone(),
+            ))
+        })
         .collect();
     for h in handles {
         h.await.unwrap();
@@ -209,7 +226,11 @@ async fn soak_with_churn_leaks_nothing_and_fails_nothing() {
         forces += 1;
         if Instant::now() >= next_reload {
             next_reload += Duration::from_secs(5);
-            class = if class == "fp16" { "w8a8_per_channel" } else { "fp16" };
+            class = if class == "fp16" {
+                "w8a8_per_channel"
+            } else {
+                "fp16"
+            };
             std::fs::write(&plan_path, plan(class)).unwrap();
             let r = http
                 .post(serve.url("/admin/config/reload"))
@@ -237,9 +258,15 @@ async fn soak_with_churn_leaks_nothing_and_fails_nothing() {
     let settle = Instant::now();
     let (mut used, mut running) = (f64::NAN, f64::NAN);
     while settle.elapsed() < Duration::from_secs(30) {
-        used = serve.metric(&http, "quantmesh_kv_cache_pages_used", &[]).await;
-        running = serve.metric(&http, "quantmesh_num_requests_running", &[]).await
-            + serve.metric(&http, "quantmesh_num_requests_waiting", &[]).await;
+        used = serve
+            .metric(&http, "quantmesh_kv_cache_pages_used", &[])
+            .await;
+        running = serve
+            .metric(&http, "quantmesh_num_requests_running", &[])
+            .await
+            + serve
+                .metric(&http, "quantmesh_num_requests_waiting", &[])
+                .await;
         if used == 0.0 && running == 0.0 {
             break;
         }
@@ -247,7 +274,9 @@ async fn soak_with_churn_leaks_nothing_and_fails_nothing() {
     }
     let mut depth = f64::NAN;
     while settle.elapsed() < Duration::from_secs(90) {
-        depth = serve.metric(&http, "quantmesh_events_outbox_depth", &[]).await;
+        depth = serve
+            .metric(&http, "quantmesh_events_outbox_depth", &[])
+            .await;
         if depth == 0.0 {
             break;
         }
@@ -279,7 +308,11 @@ async fn soak_with_churn_leaks_nothing_and_fails_nothing() {
     assert_eq!(load(&c.client_errors), 0, "4xx for valid requests");
     assert_eq!(reload_failures, 0, "reloads that did not apply");
     assert!(reloads > 0);
-    assert_eq!((used, running), (0.0, 0.0), "KV pages or requests left behind");
+    assert_eq!(
+        (used, running),
+        (0.0, 0.0),
+        "KV pages or requests left behind"
+    );
     assert_eq!(depth, 0.0, "events left in the outbox");
     assert!(
         rss_end - rss_start < RSS_GROWTH_BOUND_MIB,

@@ -221,7 +221,10 @@ impl GgufFile {
             let Some((start, end)) = end else {
                 return Err(bad(
                     Some(&gguf_name),
-                    format!("offset {} and shape {shape:?} point past any file", info.offset),
+                    format!(
+                        "offset {} and shape {shape:?} point past any file",
+                        info.offset
+                    ),
                 ));
             };
             if end > file_len {

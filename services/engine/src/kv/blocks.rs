@@ -95,6 +95,9 @@ struct SeqBlocks {
     num_tokens: usize,
     /// Pages this sequence may still take from the pool without re-checking capacity.
     reserved_pages: usize,
+    /// Pages held for sequences to be forked from this one (`n > 1`), released into their
+    /// own reservations by [`BlockManager::fork`].
+    held_for_forks: usize,
     /// Hash chain of full pages (for prefix caching), parallel to `table`.
     hashes: Vec<u64>,
 }
@@ -250,8 +253,21 @@ impl BlockManager {
 
     /// Whether `admit` would succeed now.
     pub fn can_admit(&self, prompt: &[u32], max_new_tokens: usize) -> bool {
+        self.can_admit_forks(prompt, max_new_tokens, 0)
+    }
+
+    /// [`can_admit`](Self::can_admit) for a sequence that will fork `forks` more once its
+    /// prompt is computed.
+    pub fn can_admit_forks(&self, prompt: &[u32], max_new_tokens: usize, forks: usize) -> bool {
         let (need, available) = self.admission_need(prompt, max_new_tokens);
-        need <= available
+        need + forks * self.fork_need_bound(prompt.len(), max_new_tokens) <= available
+    }
+
+    /// The most pages one fork of a sequence with `prompt_len` computed tokens can need:
+    /// its own new pages, plus a copy of the shared partial last page for it and for the
+    /// parent.
+    fn fork_need_bound(&self, prompt_len: usize, max_new_tokens: usize) -> usize {
+        self.pages_for(prompt_len + max_new_tokens) - prompt_len / self.page_size + 2
     }
 
     fn admission_need(&self, prompt: &[u32], max_new_tokens: usize) -> (usize, usize) {
@@ -275,12 +291,28 @@ impl BlockManager {
         prompt: &[u32],
         max_new_tokens: usize,
     ) -> Result<usize, BlockError> {
+        self.admit_forks(seq, prompt, max_new_tokens, 0)
+    }
+
+    /// [`admit`](Self::admit), also holding room for `forks` sequences to be forked from
+    /// this one once its prompt is computed (parallel sampling shares the prompt's pages).
+    pub fn admit_forks(
+        &mut self,
+        seq: SeqId,
+        prompt: &[u32],
+        max_new_tokens: usize,
+        forks: usize,
+    ) -> Result<usize, BlockError> {
         if self.seqs.contains_key(&seq) {
             return Err(BlockError::DuplicateSeq(seq));
         }
         let (need, available) = self.admission_need(prompt, max_new_tokens);
-        if need > available {
-            return Err(BlockError::NoCapacity { need, available });
+        let held = forks * self.fork_need_bound(prompt.len(), max_new_tokens);
+        if need + held > available {
+            return Err(BlockError::NoCapacity {
+                need: need + held,
+                available,
+            });
         }
         let hits = self.prefix_hits(prompt);
         let mut table = Vec::with_capacity(self.pages_for(prompt.len() + max_new_tokens));
@@ -294,7 +326,7 @@ impl BlockManager {
             hashes.push(*h);
         }
         self.stats.prefix_hits += hits.len() as u64;
-        self.reserved_total += need;
+        self.reserved_total += need + held;
         let cached_tokens = hits.len() * self.page_size;
         self.seqs.insert(
             seq,
@@ -302,6 +334,7 @@ impl BlockManager {
                 table,
                 num_tokens: cached_tokens,
                 reserved_pages: need,
+                held_for_forks: held,
                 hashes,
             },
         );
@@ -419,6 +452,15 @@ impl BlockManager {
             .get(&parent)
             .ok_or(BlockError::UnknownSeq(parent))?
             .clone();
+        // Room held at admission for this fork goes back to the pool first (the fork then
+        // reserves exactly what it needs, never more than what was held).
+        let release = self
+            .fork_need_bound(p.num_tokens, max_new_tokens)
+            .min(p.held_for_forks);
+        if let Some(ps) = self.seqs.get_mut(&parent) {
+            ps.held_for_forks -= release;
+        }
+        self.reserved_total -= release;
         // A shared, partially filled last page is copied by whichever sequence writes to
         // it first: both get one extra page of reservation for that copy.
         let partial = usize::from(p.num_tokens % self.page_size != 0);
@@ -441,6 +483,7 @@ impl BlockManager {
                 table: p.table,
                 num_tokens: p.num_tokens,
                 reserved_pages: child_need,
+                held_for_forks: 0,
                 hashes: p.hashes,
             },
         );
@@ -453,7 +496,7 @@ impl BlockManager {
         let Some(s) = self.seqs.remove(&seq) else {
             return false;
         };
-        self.reserved_total -= s.reserved_pages;
+        self.reserved_total -= s.reserved_pages + s.held_for_forks;
         for &page in s.table.iter().rev() {
             let rc = &mut self.refcount[page as usize];
             *rc -= 1;
@@ -493,7 +536,11 @@ impl BlockManager {
                 ));
             }
         }
-        let reserved: usize = self.seqs.values().map(|s| s.reserved_pages).sum();
+        let reserved: usize = self
+            .seqs
+            .values()
+            .map(|s| s.reserved_pages + s.held_for_forks)
+            .sum();
         if reserved != self.reserved_total {
             return Err(format!(
                 "reserved {reserved} != total {}",
@@ -536,6 +583,37 @@ mod tests {
         assert_eq!(bm.fragmentation(), 0.0);
         bm.free(1);
         assert_eq!(bm.used_pages(), 0);
+    }
+
+    #[test]
+    fn room_held_for_forks_is_used_by_them_and_returned() {
+        let mut bm = BlockManager::new(16, 4, true);
+        let prompt: Vec<u32> = (0..10).collect();
+        // 10 + 6 tokens: 4 pages for the parent; each fork at most 4 - 2 + 2.
+        assert!(bm.can_admit_forks(&prompt, 6, 3));
+        assert!(!bm.can_admit_forks(&prompt, 6, 4), "4 + 4·4 > 16 pages");
+        bm.admit_forks(1, &prompt, 6, 2).unwrap();
+        assert_eq!(bm.available(), 16 - 4 - 8);
+        bm.append(1, 10).unwrap();
+        bm.fork(1, 2, 6).unwrap();
+        bm.fork(1, 3, 6).unwrap();
+        bm.check_invariants().unwrap();
+        // The prompt's 3 pages are shared: 3 in use, not 9.
+        assert_eq!(bm.used_pages(), 3);
+        for s in [2, 3, 1] {
+            bm.append(s, 1).unwrap();
+            bm.check_invariants().unwrap();
+        }
+        for s in [1, 2, 3] {
+            bm.free(s);
+        }
+        bm.check_invariants().unwrap();
+        assert_eq!(bm.available(), 16);
+        // A parent that ends before forking returns what it held.
+        bm.admit_forks(4, &prompt, 6, 2).unwrap();
+        bm.free(4);
+        assert_eq!(bm.available(), 16);
+        bm.check_invariants().unwrap();
     }
 
     #[test]

@@ -24,6 +24,8 @@ use tokio::sync::{mpsc, oneshot};
 pub struct Submit {
     pub seq: Sequence,
     pub events: mpsc::UnboundedSender<SeqEvent>,
+    /// The event streams of the sequence's forks (`n > 1`), by fork id.
+    pub fork_events: Vec<(SeqId, mpsc::UnboundedSender<SeqEvent>)>,
 }
 
 /// Engine handle → scheduler: stop a request and free its pages now.
@@ -113,7 +115,17 @@ impl SchedulerActor {
         // The client went away: cancel and free pages now.
         for seq in gone {
             tracing::debug!(seq, "receiver dropped, cancelling");
-            self.core.abort(seq, FinishReason::Cancelled);
+            // Forks not started yet finish with it (their streams are told).
+            for ev in self.core.abort(seq, FinishReason::Cancelled) {
+                if let SeqEvent::Finished { seq: f, .. } = ev {
+                    if f != seq {
+                        if let Some(tx) = self.streams.remove(&f) {
+                            let _ = tx.send(ev);
+                        }
+                        finished.push(f);
+                    }
+                }
+            }
             self.streams.remove(&seq);
             finished.push(seq);
         }
@@ -215,6 +227,7 @@ impl Handler<Submit> for SchedulerActor {
         let id = msg.seq.id;
         self.core.submit(msg.seq)?;
         self.streams.insert(id, msg.events);
+        self.streams.extend(msg.fork_events);
         self.kick(ctx);
         Ok(())
     }
@@ -223,8 +236,9 @@ impl Handler<Submit> for SchedulerActor {
 impl Handler<Cancel> for SchedulerActor {
     type Result = ();
     fn handle(&mut self, msg: Cancel, ctx: &mut Self::Context) {
-        if let Some(ev) = self.core.abort(msg.0, FinishReason::Cancelled) {
-            let finished = self.dispatch(vec![ev]);
+        let events = self.core.abort(msg.0, FinishReason::Cancelled);
+        if !events.is_empty() {
+            let finished = self.dispatch(events);
             self.publish_state();
             self.finished(finished);
         }

@@ -37,6 +37,9 @@ pub struct Sequence {
     num_computed: usize,
     /// Prompt tokens served from the prefix cache.
     pub cached_tokens: usize,
+    /// Parallel samples (`n > 1`): sequences forked from this one once its prompt is
+    /// computed, sharing its prompt's KV pages (copy-on-write).
+    forks: Vec<Sequence>,
 }
 
 impl Sequence {
@@ -53,6 +56,54 @@ impl Sequence {
             rng: StdRng::seed_from_u64(seed),
             num_computed: 0,
             cached_tokens: 0,
+            forks: Vec::new(),
+        }
+    }
+
+    /// Sample `forks` as more answers to the same prompt; they start once the prompt is
+    /// computed, on its pages.
+    pub fn with_forks(mut self, forks: Vec<Sequence>) -> Self {
+        self.forks = forks;
+        self
+    }
+
+    /// Sample the next token from `logits`; returns its event (none for end-of-sequence)
+    /// and why the sequence ends, if it does.
+    fn sample_next(&mut self, logits: &[f32]) -> (Option<SeqEvent>, Option<FinishReason>) {
+        let tok = if self.params.adjusts_logits() {
+            let mut adjusted = logits.to_vec();
+            adjust_logits(&mut adjusted, &self.params, &self.prompt, &self.output);
+            sample(&adjusted, &self.params, &mut self.rng)
+        } else {
+            sample(logits, &self.params, &mut self.rng)
+        };
+        let is_eos = self.params.stop_at_eos && self.eos.contains(&tok);
+        let mut event = None;
+        if !is_eos {
+            self.output.push(tok);
+            event = Some(SeqEvent::Token {
+                seq: self.id,
+                token: tok,
+                logprobs: self.params.logprobs.map(|top| logprobs(logits, tok, top)),
+            });
+        }
+        let reason = if is_eos {
+            Some(FinishReason::Stop)
+        } else if self.output.len() >= self.params.max_tokens {
+            Some(FinishReason::Length)
+        } else {
+            None
+        };
+        (event, reason)
+    }
+
+    fn finished(&self, reason: FinishReason) -> SeqEvent {
+        SeqEvent::Finished {
+            seq: self.id,
+            reason,
+            prompt_tokens: self.prompt.len(),
+            completion_tokens: self.output.len(),
+            cached_tokens: self.cached_tokens,
         }
     }
 
@@ -136,9 +187,17 @@ impl Scheduler {
     }
 
     pub fn submit(&mut self, seq: Sequence) -> Result<(), SubmitError> {
-        let need = self
-            .blocks
-            .pages_for(seq.prompt.len() + seq.params.max_tokens);
+        let total = seq.prompt.len() + seq.params.max_tokens;
+        // Forks share the prompt's full pages; each needs the rest.
+        let need = self.blocks.pages_for(total)
+            + seq.forks.len()
+                * (self.blocks.pages_for(total) - seq.prompt.len() / self.blocks.page_size() + 2);
+        if 1 + seq.forks.len() > self.limits.max_num_seqs {
+            return Err(SubmitError::NeverFits {
+                need,
+                total: self.blocks.num_pages(),
+            });
+        }
         if need > self.blocks.num_pages() {
             return Err(SubmitError::NeverFits {
                 need,
@@ -155,23 +214,32 @@ impl Scheduler {
     }
 
     /// Remove a sequence wherever it is and free its pages at once. Returns its finish
-    /// event if it existed.
-    pub fn abort(&mut self, id: SeqId, reason: FinishReason) -> Option<SeqEvent> {
+    /// event if it existed, and those of the forks it had not started yet.
+    pub fn abort(&mut self, id: SeqId, reason: FinishReason) -> Vec<SeqEvent> {
         let seq = if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
             self.waiting.remove(i)
         } else if let Some(i) = self.running.iter().position(|s| s.id == id) {
             Some(self.running.remove(i))
         } else {
+            // A fork not started yet: it leaves its parent's list.
+            for parent in self.waiting.iter_mut().chain(self.running.iter_mut()) {
+                if let Some(i) = parent.forks.iter().position(|f| f.id == id) {
+                    return vec![parent.forks.remove(i).finished(reason)];
+                }
+            }
             None
-        }?;
+        };
+        let Some(mut seq) = seq else {
+            return Vec::new();
+        };
         self.blocks.free(id);
-        Some(SeqEvent::Finished {
-            seq: id,
-            reason,
-            prompt_tokens: seq.prompt.len(),
-            completion_tokens: seq.output.len(),
-            cached_tokens: seq.cached_tokens,
-        })
+        let mut events = vec![seq.finished(reason)];
+        events.extend(
+            std::mem::take(&mut seq.forks)
+                .iter()
+                .map(|f| f.finished(reason)),
+        );
+        events
     }
 
     /// Plan the next step, or `None` when there is nothing to run.
@@ -197,13 +265,22 @@ impl Scheduler {
             let Some(head) = self.waiting.front() else {
                 break;
             };
-            if !self.blocks.can_admit(&head.prompt, head.params.max_tokens) {
+            if self.running.len() + 1 + head.forks.len() > self.limits.max_num_seqs
+                || !self.blocks.can_admit_forks(
+                    &head.prompt,
+                    head.params.max_tokens,
+                    head.forks.len(),
+                )
+            {
                 break;
             }
             let Some(mut s) = self.waiting.pop_front() else {
                 break;
             };
-            match self.blocks.admit(s.id, &s.prompt, s.params.max_tokens) {
+            match self
+                .blocks
+                .admit_forks(s.id, &s.prompt, s.params.max_tokens, s.forks.len())
+            {
                 Ok(cached) => {
                     s.num_computed = cached;
                     s.cached_tokens = cached;
@@ -261,40 +338,39 @@ impl Scheduler {
                 self.blocks.commit(id, &tokens[..s.num_computed]);
             }
         }
+        let mut ended: Vec<(SeqId, FinishReason)> = Vec::new();
         for (id, logits) in &out.logits {
             let Some(i) = self.running.iter().position(|s| s.id == *id) else {
                 continue;
             };
-            let s = &mut self.running[i];
-            let tok = if s.params.adjusts_logits() {
-                let mut adjusted = logits.to_vec();
-                adjust_logits(&mut adjusted, &s.params, &s.prompt, &s.output);
-                sample(&adjusted, &s.params, &mut s.rng)
-            } else {
-                sample(logits, &s.params, &mut s.rng)
-            };
-            let is_eos = s.params.stop_at_eos && s.eos.contains(&tok);
-            if !is_eos {
-                s.output.push(tok);
-                let logprobs = s.params.logprobs.map(|top| logprobs(logits, tok, top));
-                events.push(SeqEvent::Token {
-                    seq: *id,
-                    token: tok,
-                    logprobs,
-                });
-            }
-            let reason = if is_eos {
-                Some(FinishReason::Stop)
-            } else if s.output.len() >= s.params.max_tokens {
-                Some(FinishReason::Length)
-            } else {
-                None
-            };
-            if let Some(r) = reason {
-                if let Some(ev) = self.abort(*id, r) {
-                    events.push(ev);
+            // The prompt is computed: start the forks on its pages, each sampling its own
+            // first token from the same logits.
+            let forks = std::mem::take(&mut self.running[i].forks);
+            let (computed, cached) = (self.running[i].num_computed, self.running[i].cached_tokens);
+            for mut f in forks {
+                if let Err(e) = self.blocks.fork(*id, f.id, f.params.max_tokens) {
+                    // Unreachable by construction (room held at admission).
+                    debug_assert!(false, "fork failed: {e}");
+                    events.push(f.finished(FinishReason::Error));
+                    continue;
                 }
+                f.num_computed = computed;
+                f.cached_tokens = cached;
+                let (ev, reason) = f.sample_next(logits);
+                events.extend(ev);
+                if let Some(r) = reason {
+                    ended.push((f.id, r));
+                }
+                self.running.push(f);
             }
+            let (ev, reason) = self.running[i].sample_next(logits);
+            events.extend(ev);
+            if let Some(r) = reason {
+                ended.push((*id, r));
+            }
+        }
+        for (id, r) in ended {
+            events.extend(self.abort(id, r));
         }
         events
     }
@@ -306,7 +382,7 @@ impl Scheduler {
             .map(|(id, _)| id)
             .collect();
         ids.into_iter()
-            .filter_map(|id| self.abort(id, FinishReason::Error))
+            .flat_map(|id| self.abort(id, FinishReason::Error))
             .collect()
     }
 }
@@ -439,7 +515,7 @@ mod tests {
             completion_tokens: 0,
             cached_tokens: 0
         }));
-        assert!(s.abort(2, FinishReason::Cancelled).is_some());
+        assert!(!s.abort(2, FinishReason::Cancelled).is_empty());
         assert_eq!(s.blocks.used_pages(), 0);
         assert!(s.is_idle());
     }
