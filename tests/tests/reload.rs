@@ -6,10 +6,7 @@
 
 mod common;
 
-use common::{parse_sse, settings, wait_for, Server, ADMIN_TOKEN};
-use quantmesh_model::checkpoint::Checkpoint;
-use quantmesh_model::model_shape;
-use quantmesh_model::ModelConfig;
+use common::{parse_sse, settings, wait_for, PlannedModel, Server, ADMIN_TOKEN};
 use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -20,49 +17,33 @@ const DOWN: &str = "layers.1.down";
 
 struct Fixture {
     _dir: tempfile::TempDir,
-    model: PathBuf,
+    model: PlannedModel,
     file: PathBuf,
-    layout_md5: String,
-    dims: (usize, usize, usize),
 }
 
 fn fixture() -> Fixture {
     let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("model");
-    quantmesh_model::bundled::init_model(&model, &Default::default()).unwrap();
-    let ck = Checkpoint::open(&model).unwrap();
-    let mcfg = ModelConfig::from_file(&model.join("config.json")).unwrap();
-    let layout_md5 = model_shape(&ck, &mcfg).unwrap().layout_md5;
+    let model = PlannedModel::write(dir.path().join("model"));
     let file = dir.path().join("sensitive_layers.json");
     Fixture {
         _dir: dir,
         model,
         file,
-        layout_md5,
-        dims: (
-            mcfg.num_hidden_layers,
-            mcfg.hidden_size,
-            mcfg.intermediate_size,
-        ),
     }
 }
 
 impl Fixture {
     /// A valid version: threshold k and the class of `layers.1.down`.
     fn version(&self, k: f64, down_class: &str) -> Vec<u8> {
-        let v = json!({
-            "schema_version": 1,
-            "model": {"num_layers": self.dims.0, "hidden_size": self.dims.1,
-                      "intermediate_size": self.dims.2, "layout_md5": self.layout_md5},
-            "thresholds": {"k": k, "trigger_rate": 0.01},
-            "groups": {DOWN: {"class": down_class, "monitor": {"k": k + 1.0}}}
-        });
-        serde_json::to_vec_pretty(&v).unwrap()
+        self.model.plan(
+            json!({"k": k, "trigger_rate": 0.01}),
+            json!({DOWN: {"class": down_class, "monitor": {"k": k + 1.0}}}),
+        )
     }
 
     fn settings(&self, interval: &str) -> quantmesh_gateway::Settings {
         let mut s = settings();
-        s.model.source = self.model.display().to_string();
+        s.model.source = self.model.dir.display().to_string();
         s.engine.sensitive_layers = Some(self.file.display().to_string());
         s.engine.reload_interval = humantime_parse(interval);
         s.server.admin_token = Some(ADMIN_TOKEN.into());
@@ -363,7 +344,7 @@ async fn invalid_file_at_start_up_fails_with_its_name() {
         sensitive_layers: Some(fx.file.display().to_string()),
         ..Default::default()
     };
-    let err = quantmesh_engine::Engine::start(&fx.model, cfg, "t")
+    let err = quantmesh_engine::Engine::start(&fx.model.dir, cfg, "t")
         .await
         .err()
         .expect("start must fail")

@@ -7,10 +7,8 @@
 
 mod common;
 
-use common::{settings, wait_for, Server, ADMIN_TOKEN};
+use common::{settings, wait_for, PlannedModel, Server, ADMIN_TOKEN};
 use quantmesh_engine::faults;
-use quantmesh_model::checkpoint::Checkpoint;
-use quantmesh_model::{model_shape, ModelConfig};
 use serde_json::{json, Value};
 
 async fn metric(s: &Server, name: &str, label: Option<(&str, &str)>) -> f64 {
@@ -122,26 +120,18 @@ async fn a_panicking_step_fails_only_its_requests_and_the_server_keeps_serving()
 #[actix_rt::test]
 async fn a_reload_failing_after_the_swap_rolls_the_weights_back() {
     let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("model");
-    quantmesh_model::bundled::init_model(&model, &Default::default()).unwrap();
-    let ck = Checkpoint::open(&model).unwrap();
-    let mcfg = ModelConfig::from_file(&model.join("config.json")).unwrap();
-    let layout_md5 = model_shape(&ck, &mcfg).unwrap().layout_md5;
+    let model = PlannedModel::write(dir.path().join("model"));
     let version = |class: &str| {
-        serde_json::to_vec_pretty(&json!({
-            "schema_version": 1,
-            "model": {"num_layers": mcfg.num_hidden_layers, "hidden_size": mcfg.hidden_size,
-                      "intermediate_size": mcfg.intermediate_size, "layout_md5": layout_md5},
-            "thresholds": {"k": 4.0, "trigger_rate": 0.01},
-            "groups": {"layers.1.down": {"class": class}}
-        }))
-        .unwrap()
+        model.plan(
+            json!({"k": 4.0, "trigger_rate": 0.01}),
+            json!({"layers.1.down": {"class": class}}),
+        )
     };
     let file = dir.path().join("sensitive_layers.json");
     let first = version("w8a8_per_channel");
     std::fs::write(&file, &first).unwrap();
     let mut st = settings();
-    st.model.source = model.display().to_string();
+    st.model.source = model.dir.display().to_string();
     st.engine.sensitive_layers = Some(file.display().to_string());
     st.engine.reload_interval = std::time::Duration::from_secs(3600);
     st.server.admin_token = Some(ADMIN_TOKEN.into());

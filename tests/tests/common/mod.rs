@@ -222,3 +222,46 @@ where
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// The bundled model written into `dir`, with what a `sensitive_layers.json` for it names.
+pub struct PlannedModel {
+    pub dir: std::path::PathBuf,
+    pub layout_md5: String,
+    /// (layers, hidden size, intermediate size).
+    pub dims: (usize, usize, usize),
+}
+
+impl PlannedModel {
+    pub fn write(dir: std::path::PathBuf) -> PlannedModel {
+        use quantmesh_model::checkpoint::Checkpoint;
+        quantmesh_model::bundled::init_model(&dir, &Default::default()).expect("init model");
+        let ck = Checkpoint::open(&dir).expect("checkpoint");
+        let mcfg =
+            quantmesh_model::ModelConfig::from_file(&dir.join("config.json")).expect("config");
+        let layout_md5 = quantmesh_model::model_shape(&ck, &mcfg)
+            .expect("shape")
+            .layout_md5;
+        let dims = (
+            mcfg.num_hidden_layers,
+            mcfg.hidden_size,
+            mcfg.intermediate_size,
+        );
+        PlannedModel {
+            dir,
+            layout_md5,
+            dims,
+        }
+    }
+
+    /// A valid plan: these thresholds and per-group entries.
+    pub fn plan(&self, thresholds: serde_json::Value, groups: serde_json::Value) -> Vec<u8> {
+        serde_json::to_vec_pretty(&serde_json::json!({
+            "schema_version": 1,
+            "model": {"num_layers": self.dims.0, "hidden_size": self.dims.1,
+                      "intermediate_size": self.dims.2, "layout_md5": self.layout_md5},
+            "thresholds": thresholds,
+            "groups": groups
+        }))
+        .expect("json")
+    }
+}
