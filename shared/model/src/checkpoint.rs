@@ -140,6 +140,18 @@ fn decode_ggml(
     first: usize,
 ) -> Result<Vec<f32>> {
     let bad = |m: String| ModelError::checkpoint(path, Some(name), m);
+    // candle reinterprets the bytes as blocks in place: they must be aligned (GGUF offsets
+    // are, and `GgufFile::open` refuses a file whose offsets are not), and hold the blocks.
+    if data.as_ptr().align_offset(std::mem::align_of::<u64>()) != 0 {
+        return Err(bad("tensor data is not aligned".into()));
+    }
+    let blocks = n / dtype.block_size().max(1);
+    if n == 0 || data.len() < blocks * dtype.type_size() {
+        return Err(bad(format!(
+            "{} bytes cannot hold {n} {dtype:?} elements",
+            data.len()
+        )));
+    }
     let q =
         candle_core::quantized::ggml_file::qtensor_from_ggml(dtype, data, vec![n], &Device::Cpu)
             .map_err(|e| bad(format!("{dtype:?} data: {e}")))?;

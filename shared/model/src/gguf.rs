@@ -192,6 +192,14 @@ impl GgufFile {
         // llama.cpp's converter interleaves q/k rows for architectures it runs with
         // "normal" (GPT-J style) RoPE; Qwen2 uses NeoX RoPE and is stored as in HF.
         let permuted = this.arch != "qwen2";
+        // GGUF places every tensor's data at a multiple of `general.alignment` (default 32);
+        // the data is read in place from the memory map, so a misaligned offset is refused.
+        let align = this
+            .metadata
+            .get("general.alignment")
+            .and_then(|v| v.to_u32().ok())
+            .map_or(32, u64::from)
+            .max(1);
         // Tensors in file order, so a truncated file names the first tensor it cuts.
         let mut infos: Vec<_> = content.tensor_infos.into_iter().collect();
         infos.sort_by_key(|(_, t)| t.offset);
@@ -204,6 +212,12 @@ impl GgufFile {
                     format!("shape {shape:?} has more elements than this machine can address"),
                 ));
             };
+            if elems == 0 {
+                return Err(bad(
+                    Some(&gguf_name),
+                    format!("shape {shape:?} holds no elements"),
+                ));
+            }
             let (block, size) = (info.ggml_dtype.block_size(), info.ggml_dtype.type_size());
             if !elems.is_multiple_of(block) {
                 return Err(bad(
@@ -227,6 +241,12 @@ impl GgufFile {
                     ),
                 ));
             };
+            if start % align != 0 {
+                return Err(bad(
+                    Some(&gguf_name),
+                    format!("data at byte {start} is not aligned to {align} bytes: the header is corrupt"),
+                ));
+            }
             if end > file_len {
                 return Err(bad(
                     Some(&gguf_name),
