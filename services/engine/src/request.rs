@@ -26,6 +26,10 @@ pub struct GenerateRequest {
     pub max_input_tokens: Option<usize>,
     /// Most prompt + completion tokens accepted (beyond the model's own limit).
     pub max_total_tokens: Option<usize>,
+    /// Prefix-cache partition (vLLM's `cache_salt`): requests share cached prompt pages only
+    /// with requests of the same salt, so one tenant cannot time another's prompts. `None`:
+    /// the shared partition.
+    pub cache_salt: Option<String>,
 }
 
 impl GenerateRequest {
@@ -35,6 +39,7 @@ impl GenerateRequest {
             params,
             max_input_tokens: None,
             max_total_tokens: None,
+            cache_salt: None,
         }
     }
 }

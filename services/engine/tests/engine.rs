@@ -86,15 +86,69 @@ async fn int8_batched_greedy_mostly_equals_alone() {
     .await;
     let mut alone = Vec::new();
     for p in prompts() {
-        alone.push(run_alone(&e, &p, 12).await);
+        alone.push(run_with_logprobs(&e, &p, 12).await);
     }
-    let batched = futures::future::join_all(prompts().iter().map(|p| run_alone(&e, p, 12))).await;
-    // candle's Q8_0 kernels differ slightly between M = 1 and M > 1 (see model.rs); the
-    // first generated token, computed from the same prefill, must agree everywhere.
-    for (a, b) in alone.iter().zip(&batched) {
+    let batched =
+        futures::future::join_all(prompts().iter().map(|p| run_with_logprobs(&e, p, 12))).await;
+    // candle's Q8_0 kernels differ slightly between M = 1 and M > 1 (see model.rs), so a
+    // greedy run may take the other branch where two tokens are all but tied. Checked: the
+    // first token (same prefill) agrees everywhere; at the first divergence, the token the
+    // batched run chose is the alone run's runner-up within NEAR_TIE nats of its choice;
+    // tokens agree up to there.
+    const NEAR_TIE: f32 = 0.25;
+    let mut agreeing = 0;
+    for (p, ((a, alp), (b, _))) in prompts().iter().zip(alone.iter().zip(&batched)) {
         assert_eq!(a.len(), 12);
-        assert_eq!(a[0], b[0]);
+        assert_eq!(b.len(), 12);
+        assert_eq!(a[0], b[0], "{p:?}: first token");
+        match a.iter().zip(b).position(|(x, y)| x != y) {
+            None => agreeing += 1,
+            Some(i) => {
+                let lp = &alp[i];
+                let runner_up = lp.top.iter().find(|(t, _)| *t == b[i]);
+                let gap = runner_up.map(|(_, l)| lp.logprob - l);
+                eprintln!("{p:?}: diverges at token {i}, log-prob gap {gap:?}");
+                assert!(
+                    gap.is_some_and(|g| g < NEAR_TIE),
+                    "{p:?}: batched chose {} at token {i}, alone chose {} with {:?}",
+                    b[i],
+                    a[i],
+                    lp
+                );
+            }
+        }
     }
+    eprintln!(
+        "{agreeing} of {} prompts agree on all 12 tokens",
+        prompts().len()
+    );
+}
+
+/// Greedy tokens with each step's log-probability and its two most likely tokens.
+async fn run_with_logprobs(
+    e: &Engine,
+    p: &str,
+    n: usize,
+) -> (Vec<u32>, Vec<quantmesh_types::TokenLogprobs>) {
+    let ids = e.encode(p.to_string(), true).await.unwrap();
+    let params = SamplingParams {
+        logprobs: Some(2),
+        ..greedy(n)
+    };
+    let mut g = e.generate(ids, params).await.unwrap();
+    let (mut toks, mut lps) = (Vec::new(), Vec::new());
+    while let Some(ev) = g.next().await {
+        if let GenerationEvent::Text {
+            token: Some(t),
+            logprobs,
+            ..
+        } = ev
+        {
+            toks.push(t);
+            lps.push(logprobs.expect("asked for log-probabilities"));
+        }
+    }
+    (toks, lps)
 }
 
 #[actix_rt::test]

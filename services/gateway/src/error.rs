@@ -1,10 +1,10 @@
 //! The gateway's error boundary: every failure becomes an OpenAI-shaped JSON body with
 //! the right status, through one exhaustive match.
 
+use crate::openai::{ErrorBody, ErrorDetail};
 use actix_web::http::StatusCode;
 use actix_web::{HttpResponse, ResponseError};
 use quantmesh_engine::api::{EngineError, ModelError};
-use serde_json::json;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
@@ -25,6 +25,8 @@ pub enum ApiError {
     ModelNotFound(String),
     #[error("{0}")]
     NotFound(String),
+    #[error("method {method} is not allowed here; allowed: {allow}")]
+    MethodNotAllowed { method: String, allow: String },
     #[error("server overloaded: {0}; retry later")]
     Overloaded(String),
     #[error("the model is still loading")]
@@ -58,6 +60,7 @@ impl ApiError {
             ApiError::Forbidden(_) => ("permission_error", "forbidden"),
             ApiError::ModelNotFound(_) => ("invalid_request_error", "model_not_found"),
             ApiError::NotFound(_) => ("invalid_request_error", "not_found"),
+            ApiError::MethodNotAllowed { .. } => ("invalid_request_error", "method_not_allowed"),
             ApiError::Overloaded(_) => ("rate_limit_error", "overloaded"),
             ApiError::NotReady => ("service_unavailable", "model_loading"),
             ApiError::ShuttingDown => ("service_unavailable", "shutting_down"),
@@ -76,6 +79,7 @@ impl ResponseError for ApiError {
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::ModelNotFound(_) | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::NotReady | ApiError::ShuttingDown | ApiError::Unavailable(_) => {
                 StatusCode::SERVICE_UNAVAILABLE
@@ -85,10 +89,19 @@ impl ResponseError for ApiError {
     }
 
     fn error_response(&self) -> HttpResponse {
-        let (ty, code) = self.kind();
-        HttpResponse::build(self.status_code()).json(json!({
-            "error": { "message": self.to_string(), "type": ty, "code": code, "param": self.param() }
-        }))
+        let (kind, code) = self.kind();
+        let mut response = HttpResponse::build(self.status_code());
+        if let ApiError::MethodNotAllowed { allow, .. } = self {
+            response.insert_header((actix_web::http::header::ALLOW, allow.as_str()));
+        }
+        response.json(ErrorBody {
+            error: ErrorDetail {
+                message: self.to_string(),
+                kind,
+                code,
+                param: self.param().map(str::to_string),
+            },
+        })
     }
 }
 

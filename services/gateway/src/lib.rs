@@ -6,6 +6,7 @@ pub mod logprobs;
 pub mod metrics;
 pub mod model_source;
 pub mod openai;
+pub mod openapi;
 pub mod routes;
 pub mod server;
 pub mod settings;

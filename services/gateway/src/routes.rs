@@ -2,7 +2,12 @@
 
 use crate::error::{parse_json, ApiError};
 use crate::logprobs;
-use crate::openai::{ChatRequest, CompletionRequest, SamplingFields, UsageBody};
+use crate::openai::{
+    positive_f32, AssistantMessage, ChatChoice, ChatCompletionResponse, ChatRequest,
+    CompletionChoice, CompletionRequest, CompletionResponse, FinishReasonBody, HealthBody,
+    ModelCard, ModelList, ReadyBody, SamplingFields, UsageBody,
+};
+use crate::settings::PrefixCacheIsolation;
 use crate::state::AppState;
 use actix_web::http::StatusCode;
 use actix_web::{web, HttpRequest, HttpResponse};
@@ -20,6 +25,7 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
     cfg.route("/health", web::get().to(health))
         .route("/ready", web::get().to(ready))
         .route("/metrics", web::get().to(metrics))
+        .route("/openapi.json", web::get().to(openapi))
         .route("/v1/models", web::get().to(models))
         .route("/v1/completions", web::post().to(completions))
         .route("/v1/chat/completions", web::post().to(chat_completions))
@@ -31,7 +37,14 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
         .default_service(web::to(not_found));
 }
 
+/// 405 with `Allow` for a known path asked with another method; 404 otherwise.
 async fn not_found(req: HttpRequest) -> Result<HttpResponse, ApiError> {
+    if let Some(allow) = crate::openapi::allowed_methods(req.path()) {
+        return Err(ApiError::MethodNotAllowed {
+            method: req.method().to_string(),
+            allow: allow.join(", "),
+        });
+    }
     Err(ApiError::NotFound(format!(
         "no route for {} {}",
         req.method(),
@@ -40,13 +53,25 @@ async fn not_found(req: HttpRequest) -> Result<HttpResponse, ApiError> {
 }
 
 async fn health() -> HttpResponse {
-    HttpResponse::Ok().json(json!({"status": "ok"}))
+    HttpResponse::Ok().json(HealthBody { status: "ok" })
 }
 
 async fn ready(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let e = state.engine()?;
     e.readiness().map_err(ApiError::Unavailable)?;
-    Ok(HttpResponse::Ok().json(json!({"status": "ready", "model": state.model_name, "load_seconds": e.info().load_seconds})))
+    Ok(HttpResponse::Ok().json(ReadyBody {
+        status: "ready",
+        model: state.model_name.clone(),
+        load_seconds: e.info().load_seconds,
+    }))
+}
+
+/// The OpenAPI 3.1 document of these routes (security stated as this server enforces it).
+async fn openapi(state: web::Data<AppState>) -> HttpResponse {
+    HttpResponse::Ok().json(crate::openapi::document(
+        !state.server.api_keys.is_empty(),
+        state.admin_token.is_some(),
+    ))
 }
 
 async fn metrics(state: web::Data<AppState>) -> HttpResponse {
@@ -70,10 +95,16 @@ fn now_secs() -> u64 {
 async fn models(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     check_api_key(&req, &state)?;
     let max_len = state.engine_if_loaded().map(|e| e.info().max_model_len);
-    Ok(HttpResponse::Ok().json(json!({
-        "object": "list",
-        "data": [{"id": state.model_name, "object": "model", "created": now_secs(), "owned_by": "quantmesh", "max_model_len": max_len}]
-    })))
+    Ok(HttpResponse::Ok().json(ModelList {
+        object: "list",
+        data: vec![ModelCard {
+            id: state.model_name.clone(),
+            object: "model",
+            created: now_secs(),
+            owned_by: "quantmesh",
+            max_model_len: max_len,
+        }],
+    }))
 }
 
 fn bearer(req: &HttpRequest) -> Option<&str> {
@@ -186,6 +217,38 @@ fn check_fields(
     Ok(())
 }
 
+/// The request's prefix-cache partition: its `cache_salt`, under its API key's partition
+/// when keys are isolated. `None`: the shared partition.
+fn cache_salt(
+    req: &HttpRequest,
+    state: &AppState,
+    f: &SamplingFields,
+) -> Result<Option<String>, ApiError> {
+    if f.cache_salt
+        .as_ref()
+        .is_some_and(|s| s.is_empty() || s.chars().count() > 256)
+    {
+        return Err(ApiError::UnsupportedParam {
+            param: "cache_salt".into(),
+            message: "cache_salt must be 1 to 256 characters".into(),
+        });
+    }
+    let key = match state.server.prefix_cache_isolation {
+        PrefixCacheIsolation::PerApiKey => bearer(req),
+        PrefixCacheIsolation::Shared => None,
+    };
+    Ok(match (key, &f.cache_salt) {
+        (None, None) => None,
+        // The key itself never leaves this function: only its hash partitions the cache.
+        (Some(k), s) => Some(format!(
+            "key:{:x}/{}",
+            md5::compute(k),
+            s.as_deref().unwrap_or("")
+        )),
+        (None, Some(s)) => Some(format!("salt:{s}")),
+    })
+}
+
 /// Everything a generation request needs once validated.
 struct Prepared {
     /// One per choice (`n`).
@@ -221,7 +284,7 @@ fn sampling_params(f: &SamplingFields, endpoint: Endpoint) -> Result<SamplingPar
         .unwrap_or(default_max);
     let p = SamplingParams {
         temperature: f.temperature.unwrap_or(1.0),
-        top_p: f.top_p.unwrap_or(1.0),
+        top_p: f.top_p.map_or(1.0, positive_f32),
         top_k,
         max_tokens: max_tokens as usize,
         stop: f.stop.clone().map(|s| s.into_vec()).unwrap_or_default(),
@@ -229,7 +292,7 @@ fn sampling_params(f: &SamplingFields, endpoint: Endpoint) -> Result<SamplingPar
         stop_at_eos: !f.ignore_eos,
         presence_penalty: f.presence_penalty.unwrap_or(0.0),
         frequency_penalty: f.frequency_penalty.unwrap_or(0.0),
-        repetition_penalty: f.repetition_penalty.unwrap_or(1.0),
+        repetition_penalty: f.repetition_penalty.map_or(1.0, positive_f32),
         logit_bias: f.logit_bias()?,
         logprobs: f.logprobs(matches!(endpoint, Endpoint::Chat))?,
     };
@@ -240,6 +303,7 @@ fn sampling_params(f: &SamplingFields, endpoint: Endpoint) -> Result<SamplingPar
 async fn prepare(
     state: &AppState,
     f: &SamplingFields,
+    cache_salt: Option<String>,
     prompt: Prompt,
     endpoint: Endpoint,
     permit: OwnedSemaphorePermit,
@@ -260,6 +324,7 @@ async fn prepare(
                 params,
                 max_input_tokens: Some(state.server.max_input_tokens),
                 max_total_tokens: Some(state.server.max_total_tokens),
+                cache_salt,
             },
             f.n.unwrap_or(1) as usize,
         )
@@ -365,9 +430,11 @@ async fn completions(
         )));
     }
     let prompt = prompts.remove(0);
+    let salt = cache_salt(&req, &state, &r.sampling)?;
     let p = prepare(
         &state,
         &r.sampling,
+        salt,
         Prompt::Text {
             text: prompt,
             add_bos: true,
@@ -390,9 +457,11 @@ async fn chat_completions(
     let permit = admit(&state)?;
     let r: ChatRequest = json_body(&req, payload, &state).await?;
     check_fields(&r.sampling, &r.rest)?;
+    let salt = cache_salt(&req, &state, &r.sampling)?;
     let p = prepare(
         &state,
         &r.sampling,
+        salt,
         Prompt::Chat(r.messages),
         Endpoint::Chat,
         permit,
@@ -400,15 +469,6 @@ async fn chat_completions(
     )
     .await?;
     respond(state, p, Endpoint::Chat).await
-}
-
-fn finish_str(r: FinishReason) -> &'static str {
-    match r {
-        FinishReason::Stop => "stop",
-        FinishReason::Length => "length",
-        FinishReason::Cancelled => "abort",
-        FinishReason::Error => "error",
-    }
 }
 
 /// One choice's events, tagged with its index.
@@ -513,29 +573,47 @@ async fn respond(
                 "generation failed; see server logs".into(),
             ));
         }
-        let body_choices: Vec<serde_json::Value> = choices
-            .iter()
-            .enumerate()
-            .map(|(i, c)| {
-                let lp = match p.logprobs {
-                    false => serde_json::Value::Null,
-                    true => endpoint.logprobs(&c.entries, 0),
-                };
-                let fr = c.finish.map(finish_str);
-                match endpoint {
-                    Endpoint::Completions => json!({"index": i, "text": c.text, "logprobs": lp, "finish_reason": fr}),
-                    Endpoint::Chat => json!({"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": lp, "finish_reason": fr}),
-                }
-            })
-            .collect();
-        let object = match endpoint {
-            Endpoint::Completions => "text_completion",
-            Endpoint::Chat => "chat.completion",
-        };
-        return Ok(HttpResponse::Ok().json(json!({
-            "id": id, "object": object, "created": created, "model": model,
-            "choices": body_choices, "usage": UsageBody::from(usage),
-        })));
+        let lp = |c: &Choice| p.logprobs.then(|| endpoint.logprobs(&c.entries, 0));
+        let usage = UsageBody::from(usage);
+        return Ok(match endpoint {
+            Endpoint::Completions => HttpResponse::Ok().json(CompletionResponse {
+                id,
+                object: "text_completion",
+                created,
+                model,
+                choices: choices
+                    .iter()
+                    .enumerate()
+                    .map(|(index, c)| CompletionChoice {
+                        index,
+                        text: c.text.clone(),
+                        logprobs: lp(c),
+                        finish_reason: c.finish.map(FinishReasonBody::from),
+                    })
+                    .collect(),
+                usage,
+            }),
+            Endpoint::Chat => HttpResponse::Ok().json(ChatCompletionResponse {
+                id,
+                object: "chat.completion",
+                created,
+                model,
+                choices: choices
+                    .iter()
+                    .enumerate()
+                    .map(|(index, c)| ChatChoice {
+                        index,
+                        message: AssistantMessage {
+                            role: "assistant",
+                            content: c.text.clone(),
+                        },
+                        logprobs: lp(c),
+                        finish_reason: c.finish.map(FinishReasonBody::from),
+                    })
+                    .collect(),
+                usage,
+            }),
+        });
     }
 
     struct StreamState {
@@ -565,7 +643,7 @@ async fn respond(
             text: Option<&str>,
             finish: Option<FinishReason>,
         ) -> serde_json::Value {
-            let fr = finish.map(finish_str);
+            let fr = finish.map(FinishReasonBody::from);
             let endpoint = self.endpoint;
             let c = &mut self.choices[i];
             let lp = match self.logprobs {

@@ -37,6 +37,10 @@ pub struct ServerSettings {
     pub shutdown_timeout_secs: u64,
     /// HTTP worker threads (0 = one per core, at most 4).
     pub workers: usize,
+    /// Who shares the prefix cache: `shared` (everyone: best hit rate), or `per_api_key`
+    /// (each API key its own partition, so one tenant cannot learn from time-to-first-token
+    /// whether another sent a prompt). A request's `cache_salt` field partitions further.
+    pub prefix_cache_isolation: PrefixCacheIsolation,
     /// Bearer token for /admin routes. Only from the environment (`QUANTMESH_ADMIN_TOKEN`),
     /// never from a file; unset disables admin routes.
     #[serde(skip)]
@@ -56,6 +60,7 @@ impl std::fmt::Debug for ServerSettings {
             .field("api_keys", &vec![R; self.api_keys.len()])
             .field("shutdown_timeout_secs", &self.shutdown_timeout_secs)
             .field("workers", &self.workers)
+            .field("prefix_cache_isolation", &self.prefix_cache_isolation)
             .field("admin_token", &self.admin_token.as_ref().map(|_| R))
             .finish()
     }
@@ -97,6 +102,15 @@ pub enum PlanMode {
     None,
 }
 
+/// Who shares cached prompt pages (see `server.prefix_cache_isolation`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum PrefixCacheIsolation {
+    #[default]
+    Shared,
+    PerApiKey,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum LogFormat {
@@ -125,6 +139,7 @@ impl Default for ServerSettings {
             api_keys: Vec::new(),
             shutdown_timeout_secs: 30,
             workers: 0,
+            prefix_cache_isolation: PrefixCacheIsolation::Shared,
             admin_token: None,
         }
     }
@@ -236,6 +251,18 @@ impl Settings {
                 .filter(|s| !s.is_empty())
                 .map(String::from)
                 .collect();
+        }
+        if let Some(v) = get("QUANTMESH_PREFIX_CACHE_ISOLATION") {
+            self.server.prefix_cache_isolation = match v.as_str() {
+                "shared" => PrefixCacheIsolation::Shared,
+                "per_api_key" => PrefixCacheIsolation::PerApiKey,
+                other => {
+                    return Err(SettingsError::Env {
+                        var: "QUANTMESH_PREFIX_CACHE_ISOLATION".into(),
+                        message: format!("{other:?} is not shared or per_api_key"),
+                    })
+                }
+            };
         }
         if let Some(v) = get("QUANTMESH_MAX_CONCURRENT_REQUESTS") {
             self.server.max_concurrent_requests = parse("QUANTMESH_MAX_CONCURRENT_REQUESTS", v)?;

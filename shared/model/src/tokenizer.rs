@@ -10,9 +10,12 @@ use crate::error::{ModelError, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
-/// One chat message (OpenAI shape).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// One chat message (OpenAI shape). Fields other than these two are refused, not ignored.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
 pub struct ChatMessage {
+    /// `system`, `user` or `assistant`.
+    #[schemars(extend("enum" = ["system", "user", "assistant"]))]
     pub role: String,
     pub content: String,
 }

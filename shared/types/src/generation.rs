@@ -81,7 +81,7 @@ pub enum SamplingError {
     TopP(f32),
     #[error("max_tokens must be at least 1")]
     MaxTokens,
-    #[error("at most 4 stop strings are allowed, each non-empty and at most 256 bytes")]
+    #[error("at most 4 stop strings are allowed, each non-empty and at most 256 characters")]
     Stop,
     #[error("{0} must be a finite number in [-2, 2], got {1}")]
     Penalty(&'static str, f32),
@@ -104,7 +104,12 @@ impl SamplingParams {
         if self.max_tokens == 0 {
             return Err(SamplingError::MaxTokens);
         }
-        if self.stop.len() > 4 || self.stop.iter().any(|s| s.is_empty() || s.len() > 256) {
+        if self.stop.len() > 4
+            || self
+                .stop
+                .iter()
+                .any(|s| s.is_empty() || s.chars().count() > 256)
+        {
             return Err(SamplingError::Stop);
         }
         for (name, v) in [

@@ -100,6 +100,8 @@ struct SeqBlocks {
     held_for_forks: usize,
     /// Hash chain of full pages (for prefix caching), parallel to `table`.
     hashes: Vec<u64>,
+    /// Where the hash chain starts: the prefix-cache partition (0: shared).
+    salt: u64,
 }
 
 /// Where a token's K/V goes: page and offset inside the page.
@@ -145,7 +147,16 @@ pub struct BlockStats {
     pub cow_copies: u64,
 }
 
-/// Hash of a full page's tokens chained to its predecessor's hash.
+/// The prefix-cache partition of a `cache_salt` string: never 0 (the shared partition).
+pub fn salt_of(salt: &str) -> u64 {
+    let d = md5::compute(salt.as_bytes());
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&d.0[..8]);
+    u64::from_le_bytes(b) | 1
+}
+
+/// Hash of a full page's tokens chained to its predecessor's hash (the first page's
+/// predecessor is the sequence's prefix-cache salt).
 pub fn page_hash(prev: u64, tokens: &[u32]) -> u64 {
     // FNV-1a over (prev, tokens): stable across runs and platforms.
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -234,12 +245,12 @@ impl BlockManager {
     }
 
     /// Full pages of `prompt` already cached, leaving at least one token to compute.
-    fn prefix_hits(&self, prompt: &[u32]) -> Vec<(PageId, u64)> {
+    fn prefix_hits(&self, prompt: &[u32], salt: u64) -> Vec<(PageId, u64)> {
         let mut hits = Vec::new();
         if !self.prefix_caching || prompt.len() < 2 {
             return hits;
         }
-        let mut prev = 0u64;
+        let mut prev = salt;
         for chunk in prompt[..prompt.len() - 1].chunks_exact(self.page_size) {
             let h = page_hash(prev, chunk);
             match self.cached.get(&h) {
@@ -253,13 +264,20 @@ impl BlockManager {
 
     /// Whether `admit` would succeed now.
     pub fn can_admit(&self, prompt: &[u32], max_new_tokens: usize) -> bool {
-        self.can_admit_forks(prompt, max_new_tokens, 0)
+        self.can_admit_forks(prompt, max_new_tokens, 0, 0)
     }
 
     /// [`can_admit`](Self::can_admit) for a sequence that will fork `forks` more once its
     /// prompt is computed.
-    pub fn can_admit_forks(&self, prompt: &[u32], max_new_tokens: usize, forks: usize) -> bool {
-        let (need, available) = self.admission_need(prompt, max_new_tokens);
+    /// `salt`: the prefix-cache partition (0: shared).
+    pub fn can_admit_forks(
+        &self,
+        prompt: &[u32],
+        max_new_tokens: usize,
+        forks: usize,
+        salt: u64,
+    ) -> bool {
+        let (need, available) = self.admission_need(prompt, max_new_tokens, salt);
         need + forks * self.fork_need_bound(prompt.len(), max_new_tokens) <= available
     }
 
@@ -270,8 +288,8 @@ impl BlockManager {
         self.pages_for(prompt_len + max_new_tokens) - prompt_len / self.page_size + 2
     }
 
-    fn admission_need(&self, prompt: &[u32], max_new_tokens: usize) -> (usize, usize) {
-        let hits = self.prefix_hits(prompt);
+    fn admission_need(&self, prompt: &[u32], max_new_tokens: usize, salt: u64) -> (usize, usize) {
+        let hits = self.prefix_hits(prompt, salt);
         let total = self.pages_for(prompt.len() + max_new_tokens);
         let need = total - hits.len();
         let evictable_hits = hits
@@ -291,22 +309,24 @@ impl BlockManager {
         prompt: &[u32],
         max_new_tokens: usize,
     ) -> Result<usize, BlockError> {
-        self.admit_forks(seq, prompt, max_new_tokens, 0)
+        self.admit_forks(seq, prompt, max_new_tokens, 0, 0)
     }
 
     /// [`admit`](Self::admit), also holding room for `forks` sequences to be forked from
     /// this one once its prompt is computed (parallel sampling shares the prompt's pages).
+    /// `salt`: the prefix-cache partition whose pages it may share and fill (0: shared).
     pub fn admit_forks(
         &mut self,
         seq: SeqId,
         prompt: &[u32],
         max_new_tokens: usize,
         forks: usize,
+        salt: u64,
     ) -> Result<usize, BlockError> {
         if self.seqs.contains_key(&seq) {
             return Err(BlockError::DuplicateSeq(seq));
         }
-        let (need, available) = self.admission_need(prompt, max_new_tokens);
+        let (need, available) = self.admission_need(prompt, max_new_tokens, salt);
         let held = forks * self.fork_need_bound(prompt.len(), max_new_tokens);
         if need + held > available {
             return Err(BlockError::NoCapacity {
@@ -314,7 +334,7 @@ impl BlockManager {
                 available,
             });
         }
-        let hits = self.prefix_hits(prompt);
+        let hits = self.prefix_hits(prompt, salt);
         let mut table = Vec::with_capacity(self.pages_for(prompt.len() + max_new_tokens));
         let mut hashes = Vec::with_capacity(table.capacity());
         for (p, h) in &hits {
@@ -336,6 +356,7 @@ impl BlockManager {
                 reserved_pages: need,
                 held_for_forks: held,
                 hashes,
+                salt,
             },
         );
         Ok(cached_tokens)
@@ -425,7 +446,7 @@ impl BlockManager {
         let full = tokens.len().min(s.num_tokens) / self.page_size;
         while s.hashes.len() < full {
             let i = s.hashes.len();
-            let prev = if i == 0 { 0 } else { s.hashes[i - 1] };
+            let prev = if i == 0 { s.salt } else { s.hashes[i - 1] };
             let h = page_hash(prev, &tokens[i * self.page_size..(i + 1) * self.page_size]);
             s.hashes.push(h);
             let page = s.table[i];
@@ -485,6 +506,7 @@ impl BlockManager {
                 reserved_pages: child_need,
                 held_for_forks: 0,
                 hashes: p.hashes,
+                salt: p.salt,
             },
         );
         Ok(())
@@ -590,9 +612,9 @@ mod tests {
         let mut bm = BlockManager::new(16, 4, true);
         let prompt: Vec<u32> = (0..10).collect();
         // 10 + 6 tokens: 4 pages for the parent; each fork at most 4 - 2 + 2.
-        assert!(bm.can_admit_forks(&prompt, 6, 3));
-        assert!(!bm.can_admit_forks(&prompt, 6, 4), "4 + 4·4 > 16 pages");
-        bm.admit_forks(1, &prompt, 6, 2).unwrap();
+        assert!(bm.can_admit_forks(&prompt, 6, 3, 0));
+        assert!(!bm.can_admit_forks(&prompt, 6, 4, 0), "4 + 4·4 > 16 pages");
+        bm.admit_forks(1, &prompt, 6, 2, 0).unwrap();
         assert_eq!(bm.available(), 16 - 4 - 8);
         bm.append(1, 10).unwrap();
         bm.fork(1, 2, 6).unwrap();
@@ -610,7 +632,7 @@ mod tests {
         bm.check_invariants().unwrap();
         assert_eq!(bm.available(), 16);
         // A parent that ends before forking returns what it held.
-        bm.admit_forks(4, &prompt, 6, 2).unwrap();
+        bm.admit_forks(4, &prompt, 6, 2, 0).unwrap();
         bm.free(4);
         assert_eq!(bm.available(), 16);
         bm.check_invariants().unwrap();
@@ -642,6 +664,28 @@ mod tests {
         // The cached pages stay reusable after their owners left.
         assert_eq!(bm.admit(4, &prompt, 2).unwrap(), 8);
         bm.free(4);
+        assert_eq!(bm.available(), 16);
+    }
+
+    #[test]
+    fn prefix_cache_pages_are_shared_only_within_a_salt() {
+        let mut bm = BlockManager::new(16, 4, true);
+        let prompt: Vec<u32> = (0..10).collect();
+        let (a, b) = (salt_of("tenant-a"), salt_of("tenant-b"));
+        assert_ne!(a, b);
+        assert_ne!(a, 0);
+        assert_eq!(bm.admit_forks(1, &prompt, 2, 0, a).unwrap(), 0);
+        bm.append(1, 10).unwrap();
+        bm.commit(1, &prompt);
+        // Another tenant, and the shared partition, compute the prompt themselves.
+        assert_eq!(bm.admit_forks(2, &prompt, 2, 0, b).unwrap(), 0);
+        assert_eq!(bm.admit(3, &prompt, 2).unwrap(), 0);
+        // The same tenant hits its own pages.
+        assert_eq!(bm.admit_forks(4, &prompt, 2, 0, a).unwrap(), 8);
+        for s in [1, 2, 3, 4] {
+            bm.free(s);
+        }
+        bm.check_invariants().unwrap();
         assert_eq!(bm.available(), 16);
     }
 

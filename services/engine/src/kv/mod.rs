@@ -6,5 +6,5 @@
 pub mod blocks;
 pub mod cache;
 
-pub use blocks::{BlockManager, PageId, SeqId, Slot};
+pub use blocks::{salt_of, BlockManager, PageId, SeqId, Slot};
 pub use cache::{KvCache, KvFloatDtype};

@@ -40,6 +40,8 @@ pub struct Sequence {
     /// Parallel samples (`n > 1`): sequences forked from this one once its prompt is
     /// computed, sharing its prompt's KV pages (copy-on-write).
     forks: Vec<Sequence>,
+    /// Prefix-cache partition (0: shared); see [`crate::kv::salt_of`].
+    cache_salt: u64,
 }
 
 impl Sequence {
@@ -57,6 +59,7 @@ impl Sequence {
             num_computed: 0,
             cached_tokens: 0,
             forks: Vec::new(),
+            cache_salt: 0,
         }
     }
 
@@ -64,6 +67,12 @@ impl Sequence {
     /// computed, on its pages.
     pub fn with_forks(mut self, forks: Vec<Sequence>) -> Self {
         self.forks = forks;
+        self
+    }
+
+    /// Share cached prompt pages only with sequences of the same salt.
+    pub fn with_cache_salt(mut self, salt: u64) -> Self {
+        self.cache_salt = salt;
         self
     }
 
@@ -270,6 +279,7 @@ impl Scheduler {
                     &head.prompt,
                     head.params.max_tokens,
                     head.forks.len(),
+                    head.cache_salt,
                 )
             {
                 break;
@@ -277,10 +287,13 @@ impl Scheduler {
             let Some(mut s) = self.waiting.pop_front() else {
                 break;
             };
-            match self
-                .blocks
-                .admit_forks(s.id, &s.prompt, s.params.max_tokens, s.forks.len())
-            {
+            match self.blocks.admit_forks(
+                s.id,
+                &s.prompt,
+                s.params.max_tokens,
+                s.forks.len(),
+                s.cache_salt,
+            ) {
                 Ok(cached) => {
                     s.num_computed = cached;
                     s.cached_tokens = cached;
