@@ -530,8 +530,8 @@ mod tests {
         let leaf = prop_oneof![
             Just(Value::Null),
             any::<bool>().prop_map(Value::Bool),
-            any::<i64>().prop_map(|i| Value::from(i)),
-            (-1e6f64..1e6).prop_map(|f| Value::from(f)),
+            any::<i64>().prop_map(Value::from),
+            (-1e6f64..1e6).prop_map(Value::from),
             "[a-z0-9 ]{0,12}".prop_map(Value::String),
         ];
         leaf.prop_recursive(3, 24, 4, |inner| {
