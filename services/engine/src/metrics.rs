@@ -273,6 +273,19 @@ impl EngineMetrics {
             registry.register(c)?;
         }
         m.set_config_md5(None);
+        // Every known label value exported from the start (at 0), so rates, dashboards and
+        // alerts see the series before the first failure or reload.
+        for cause in [StepFailureCause::Panic, StepFailureCause::Error] {
+            m.step_failures.with_label_values(&[cause.as_str()]);
+        }
+        for r in [
+            ReloadResult::Applied,
+            ReloadResult::Rejected,
+            ReloadResult::Failed,
+            ReloadResult::FetchError,
+        ] {
+            m.config_reloads.with_label_values(&[r.as_str()]);
+        }
         Ok(m)
     }
 

@@ -11,8 +11,6 @@
 
 mod support;
 
-use quantmesh_model::checkpoint::Checkpoint;
-use quantmesh_model::{model_shape, ModelConfig};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -148,20 +146,8 @@ async fn soak_with_churn_leaks_nothing_and_fails_nothing() {
     let root = tempfile::tempdir().unwrap();
     let model = model_dir(root.path());
     let broker = Broker::start(root.path());
-    let ck = Checkpoint::open(&model).unwrap();
-    let mcfg = ModelConfig::from_file(&model.join("config.json")).unwrap();
-    let layout_md5 = model_shape(&ck, &mcfg).unwrap().layout_md5;
     let plan_path = root.path().join("sensitive_layers.json");
-    let plan = |class: &str| {
-        serde_json::to_vec_pretty(&serde_json::json!({
-            "schema_version": 1,
-            "model": {"num_layers": mcfg.num_hidden_layers, "hidden_size": mcfg.hidden_size,
-                      "intermediate_size": mcfg.intermediate_size, "layout_md5": layout_md5},
-            "thresholds": {"k": 4.0, "trigger_rate": 0.01},
-            "groups": {"layers.1.down": {"class": class}}
-        }))
-        .unwrap()
-    };
+    let plan = |class: &str| plan_with_class(&model, "layers.1.down", class);
     std::fs::write(&plan_path, plan("w8a8_per_channel")).unwrap();
     let cfg = root.path().join("quantmesh.toml");
     std::fs::write(

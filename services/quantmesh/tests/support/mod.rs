@@ -430,6 +430,23 @@ pub fn model_dir(root: &Path) -> PathBuf {
     dir
 }
 
+/// A `sensitive_layers.json` for the model in `model` giving `group` the class `class`.
+pub fn plan_with_class(model: &Path, group: &str, class: &str) -> Vec<u8> {
+    use quantmesh_model::checkpoint::Checkpoint;
+    use quantmesh_model::{model_shape, ModelConfig};
+    let ck = Checkpoint::open(model).unwrap();
+    let mcfg = ModelConfig::from_file(&model.join("config.json")).unwrap();
+    let layout_md5 = model_shape(&ck, &mcfg).unwrap().layout_md5;
+    serde_json::to_vec_pretty(&serde_json::json!({
+        "schema_version": 1,
+        "model": {"num_layers": mcfg.num_hidden_layers, "hidden_size": mcfg.hidden_size,
+                  "intermediate_size": mcfg.intermediate_size, "layout_md5": layout_md5},
+        "thresholds": {"k": 4.0, "trigger_rate": 0.01},
+        "groups": {group: {"class": class}}
+    }))
+    .unwrap()
+}
+
 /// A real Prometheus scraping `target` every second with quantmesh's alert rules.
 pub struct Prometheus {
     child: Child,
@@ -488,6 +505,32 @@ impl Prometheus {
     pub async fn query(&self, client: &reqwest::Client, q: &str) -> serde_json::Value {
         assert!(q.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'));
         self.get(client, &format!("/api/v1/query?query={q}")).await
+    }
+
+    /// An instant query of any PromQL: Prometheus's whole answer (`status`, `error`, `data`).
+    pub async fn query_any(&self, client: &reqwest::Client, q: &str) -> serde_json::Value {
+        let r = client
+            .post(format!("{}/api/v1/query", self.base))
+            .form(&[("query", q)])
+            .send()
+            .await
+            .unwrap();
+        r.json().await.unwrap_or_default()
+    }
+
+    /// The rules Prometheus loaded: (alert name, query).
+    pub async fn rules(&self, client: &reqwest::Client) -> Vec<(String, String)> {
+        let v = self.get(client, "/api/v1/rules").await;
+        let mut out = Vec::new();
+        for g in v["data"]["groups"].as_array().cloned().unwrap_or_default() {
+            for r in g["rules"].as_array().cloned().unwrap_or_default() {
+                out.push((
+                    r["name"].as_str().unwrap_or_default().to_string(),
+                    r["query"].as_str().unwrap_or_default().to_string(),
+                ));
+            }
+        }
+        out
     }
 
     pub async fn alerts(&self, client: &reqwest::Client) -> Vec<serde_json::Value> {
