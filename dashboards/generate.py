@@ -81,6 +81,7 @@ def dashboard(uid, title, desc, panels):
 OVERVIEW = dashboard("quantmesh-overview", "quantmesh / Overview",
     "Requests, latency (vLLM-compatible buckets), tokens, queue, errors.", [
     panel("Requests by status", [q(f'sum by (status) (rate(quantmesh_requests_total{{{SEL}}}[{W}]))', "{{status}}")], "reqps", stack=True),
+    panel("Finished by reason", [q(f'sum by (finished_reason) (rate(quantmesh_request_success_total{{{SEL}}}[{W}]))', "{{finished_reason}}")], "reqps", stack=True),
     panel("4xx / 5xx share", [
         # `or vector(0)`: no 5xx series at all is a share of 0, not a gap.
         q(f'(sum(rate(quantmesh_requests_total{{{SEL},status=~"4.."}}[{W}])) or vector(0)) / sum(rate(quantmesh_requests_total{{{SEL}}}[{W}]))', "4xx"),
@@ -137,7 +138,10 @@ KV = dashboard("quantmesh-kv-cache", "quantmesh / KV cache",
     ], stack=True),
     panel("Usage", [q(f'max(quantmesh_kv_cache_usage_perc{{{SEL}}})', "usage")], "percentunit"),
     panel("Fragmentation", [q(f'max(quantmesh_kv_cache_fragmentation_ratio{{{SEL}}})', "unused share of allocated pages")], "percentunit"),
-    panel("Prefix cache hits", [q(f'sum(rate(quantmesh_prefix_cache_hit_pages_total{{{SEL}}}[{W}]))', "pages/s")]),
+    panel("Prefix cache hit rate", [
+        q(f'sum(rate(quantmesh_prefix_cache_hits_total{{{SEL}}}[{W}])) / sum(rate(quantmesh_prefix_cache_queries_total{{{SEL}}}[{W}]))', "tokens hit / looked up"),
+    ], "percentunit", desc="As vLLM's prefix_cache_hits / prefix_cache_queries (tokens)."),
+    panel("Prefix cache pages reused", [q(f'sum(rate(quantmesh_prefix_cache_hit_pages_total{{{SEL}}}[{W}]))', "pages/s")]),
     panel("Waiting for admission", [q(f'sum(quantmesh_num_requests_waiting{{{SEL}}})', "waiting")],
           desc="Requests queued because their pages do not fit yet (no preemption: admission reserves the worst case)."),
     panel("Steps", [q(f'sum(rate(quantmesh_engine_steps_total{{{SEL}}}[{W}]))', "steps/s")], "ops"),

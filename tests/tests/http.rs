@@ -930,6 +930,21 @@ async fn prefix_cache_is_partitioned_by_api_key_and_cache_salt() {
     assert!(h1 > h0, "the same tenant hits its own pages ({h0} → {h1})");
     send("tenant-b", None).await;
     assert!(hits().await > h1, "tenant-b hits its own pages");
+    // The same in vLLM's terms: prompt tokens looked up and served from the cache.
+    let queries = s.gauge("quantmesh_prefix_cache_queries_total").await;
+    let token_hits = s.gauge("quantmesh_prefix_cache_hits_total").await;
+    assert!(
+        token_hits > 0.0 && token_hits < queries,
+        "{token_hits} of {queries}"
+    );
+    let finished =
+        |r: &'static str| s.labelled("quantmesh_request_success_total", "finished_reason", r);
+    let (length, stop) = (finished("length").await, finished("stop").await);
+    assert_eq!(
+        length.unwrap_or(0.0) + stop.unwrap_or(0.0),
+        5.0,
+        "{length:?} {stop:?}"
+    );
     // A salt that is not 1 to 256 characters is refused, naming the field.
     let r = s
         .client

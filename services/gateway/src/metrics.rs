@@ -30,6 +30,11 @@ pub struct Metrics {
     pub e2e: HistogramVec,
     pub prompt_tokens: IntCounter,
     pub generation_tokens: IntCounter,
+    /// vLLM's `request_success_total{finished_reason}`: finished requests by why they ended.
+    pub request_success: IntCounterVec,
+    /// vLLM's `prefix_cache_queries_total` / `prefix_cache_hits_total`, in prompt tokens.
+    pub prefix_cache_queries: IntCounter,
+    pub prefix_cache_hits: IntCounter,
     in_flight: IntGauge,
     ready: IntGauge,
 }
@@ -82,6 +87,21 @@ impl Metrics {
                 "quantmesh_generation_tokens_total",
                 "Tokens generated.",
             )))),
+            request_success: must(IntCounterVec::new(
+                label(Opts::new(
+                    "quantmesh_request_success_total",
+                    "Finished requests by finish reason (stop, length, abort), as vLLM's request_success_total.",
+                )),
+                &["finished_reason"],
+            )),
+            prefix_cache_queries: must(IntCounter::with_opts(label(Opts::new(
+                "quantmesh_prefix_cache_queries_total",
+                "Prompt tokens looked up in the prefix cache (vLLM's prefix_cache_queries_total).",
+            )))),
+            prefix_cache_hits: must(IntCounter::with_opts(label(Opts::new(
+                "quantmesh_prefix_cache_hits_total",
+                "Prompt tokens served from the prefix cache (vLLM's prefix_cache_hits_total).",
+            )))),
             in_flight: must(IntGauge::with_opts(label(Opts::new(
                 "quantmesh_http_requests_in_flight",
                 "Generation requests accepted by the gateway and not finished.",
@@ -97,8 +117,17 @@ impl Metrics {
         for h in [&m.ttft, &m.itl, &m.e2e] {
             must(r.register(Box::new(h.clone())));
         }
-        for c in [&m.prompt_tokens, &m.generation_tokens] {
+        for c in [
+            &m.prompt_tokens,
+            &m.generation_tokens,
+            &m.prefix_cache_queries,
+            &m.prefix_cache_hits,
+        ] {
             must(r.register(Box::new(c.clone())));
+        }
+        must(r.register(Box::new(m.request_success.clone())));
+        for reason in ["stop", "length", "abort"] {
+            m.request_success.with_label_values(&[reason]);
         }
         for g in [&m.in_flight, &m.ready] {
             must(r.register(Box::new(g.clone())));

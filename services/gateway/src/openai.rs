@@ -365,6 +365,18 @@ pub enum FinishReasonBody {
     Error,
 }
 
+impl FinishReasonBody {
+    /// The wire name (also the `finished_reason` metric label).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+            Self::Abort => "abort",
+            Self::Error => "error",
+        }
+    }
+}
+
 impl From<quantmesh_types::FinishReason> for FinishReasonBody {
     fn from(r: quantmesh_types::FinishReason) -> Self {
         use quantmesh_types::FinishReason as F;

@@ -527,8 +527,25 @@ fn observe(
             Some(text)
         }
         GenerationEvent::Done {
-            reason, usage: u, ..
+            reason,
+            usage: u,
+            cached_tokens,
         } => {
+            if i == 0 {
+                // Per request (its choices share one prompt lookup).
+                state
+                    .metrics
+                    .prefix_cache_queries
+                    .inc_by(u.prompt_tokens as u64);
+                state.metrics.prefix_cache_hits.inc_by(cached_tokens as u64);
+            }
+            if reason != FinishReason::Error {
+                state
+                    .metrics
+                    .request_success
+                    .with_label_values(&[FinishReasonBody::from(reason).as_str()])
+                    .inc();
+            }
             choice.finish = Some(reason);
             choice.completion_tokens = u.completion_tokens;
             usage.prompt_tokens = u.prompt_tokens;

@@ -157,28 +157,12 @@ fn metric_names(expr: &str) -> HashSet<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn every_dashboard_and_alert_query_runs_on_a_real_prometheus() {
     let root = tempfile::tempdir().unwrap();
-    let model = model_dir(root.path());
     let broker = Broker::start(root.path());
-    let plan_path = root.path().join("sensitive_layers.json");
-    std::fs::write(
-        &plan_path,
-        plan_with_class(&model, "layers.1.down", "w8a8_per_channel"),
-    )
-    .unwrap();
-    let cfg = root.path().join("quantmesh.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "[engine]\nsensitive_layers = \"{}\"\nreload_interval = \"1h\"\n\n[engine.monitor]\nwindow_requests = 20\nshadow_sample_rate = 0.2\n",
-            plan_path.display()
-        ),
-    )
-    .unwrap();
-    let serve = Serve::start(
-        &model,
-        &root.path().join("outbox"),
+    let (model, plan_path, serve) = serve_with_plan(
+        root.path(),
         &broker.addr(),
-        &[("QUANTMESH_CONFIG", cfg.to_str().unwrap())],
+        "",
+        "window_requests = 20\nshadow_sample_rate = 0.2",
     )
     .await;
     let prom = Prometheus::start(root.path(), &format!("127.0.0.1:{}", serve.port));

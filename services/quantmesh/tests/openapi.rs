@@ -42,6 +42,14 @@ async fn schemathesis_finds_no_server_error_and_no_contract_violation() {
     let dir = tempfile::tempdir().unwrap();
     let model = model_dir(dir.path());
     let broker = Broker::absent(dir.path());
+    // Short limits keep the fuzzed generations short (random `max_tokens` beyond them get
+    // the documented 400), so the run's length does not depend on what was drawn.
+    let cfg = dir.path().join("quantmesh.toml");
+    std::fs::write(
+        &cfg,
+        "[server]\nmax_input_tokens = 64\nmax_total_tokens = 96\n",
+    )
+    .unwrap();
     let mut serve = Serve::start(
         &model,
         &dir.path().join("outbox"),
@@ -50,6 +58,7 @@ async fn schemathesis_finds_no_server_error_and_no_contract_violation() {
         &[
             ("QUANTMESH_API_KEYS", ADMIN_TOKEN),
             ("QUANTMESH_MAX_CONCURRENT_REQUESTS", "64"),
+            ("QUANTMESH_CONFIG", cfg.to_str().unwrap()),
         ],
     )
     .await;

@@ -144,28 +144,15 @@ async fn soak_with_churn_leaks_nothing_and_fails_nothing() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(120);
     let root = tempfile::tempdir().unwrap();
-    let model = model_dir(root.path());
     let broker = Broker::start(root.path());
-    let plan_path = root.path().join("sensitive_layers.json");
-    let plan = |class: &str| plan_with_class(&model, "layers.1.down", class);
-    std::fs::write(&plan_path, plan("w8a8_per_channel")).unwrap();
-    let cfg = root.path().join("quantmesh.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "[server]\nmax_concurrent_requests = 48\n\n[engine]\nsensitive_layers = \"{}\"\nreload_interval = \"1h\"\n\n[engine.monitor]\nwindow_requests = 50\n",
-            plan_path.display()
-        ),
-    )
-    .unwrap();
-    let outbox = root.path().join("outbox");
-    let serve = Serve::start(
-        &model,
-        &outbox,
+    let (model, plan_path, serve) = serve_with_plan(
+        root.path(),
         &broker.addr(),
-        &[("QUANTMESH_CONFIG", cfg.to_str().unwrap())],
+        "max_concurrent_requests = 48",
+        "window_requests = 50",
     )
     .await;
+    let plan = |class: &str| plan_with_class(&model, "layers.1.down", class);
     let pid = serve.pid().unwrap();
     let http = reqwest::Client::new();
 

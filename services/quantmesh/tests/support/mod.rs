@@ -447,6 +447,42 @@ pub fn plan_with_class(model: &Path, group: &str, class: &str) -> Vec<u8> {
     .unwrap()
 }
 
+/// `quantmesh serve` on the bundled model (written under `root`) with a hot-reloadable
+/// `sensitive_layers.json` (`layers.1.down` as `w8a8_per_channel`; rewrite it and POST
+/// /admin/config/reload). `server` and `monitor` are TOML lines for those sections.
+/// Returns the model directory, the plan's path and the server.
+pub async fn serve_with_plan(
+    root: &Path,
+    brokers: &str,
+    server: &str,
+    monitor: &str,
+) -> (PathBuf, PathBuf, Serve) {
+    let model = model_dir(root);
+    let plan_path = root.join("sensitive_layers.json");
+    std::fs::write(
+        &plan_path,
+        plan_with_class(&model, "layers.1.down", "w8a8_per_channel"),
+    )
+    .unwrap();
+    let cfg = root.join("quantmesh.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[server]\n{server}\n\n[engine]\nsensitive_layers = \"{}\"\nreload_interval = \"1h\"\n\n[engine.monitor]\n{monitor}\n",
+            plan_path.display()
+        ),
+    )
+    .unwrap();
+    let serve = Serve::start(
+        &model,
+        &root.join("outbox"),
+        brokers,
+        &[("QUANTMESH_CONFIG", cfg.to_str().unwrap())],
+    )
+    .await;
+    (model, plan_path, serve)
+}
+
 /// A real Prometheus scraping `target` every second with quantmesh's alert rules.
 pub struct Prometheus {
     child: Child,
