@@ -126,8 +126,8 @@ impl Metrics {
             must(r.register(Box::new(c.clone())));
         }
         must(r.register(Box::new(m.request_success.clone())));
-        for reason in ["stop", "length", "abort"] {
-            m.request_success.with_label_values(&[reason]);
+        for reason in crate::openai::FinishReasonBody::SUCCESS {
+            m.request_success.with_label_values(&[reason.as_str()]);
         }
         for g in [&m.in_flight, &m.ready] {
             must(r.register(Box::new(g.clone())));

@@ -8,7 +8,7 @@ use serde_json::{Map, Value};
 use std::collections::BTreeMap;
 
 /// `prompt` / `stop` may be a string or a list of strings.
-#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
 pub enum StringOrList {
     One(String),
@@ -26,8 +26,16 @@ where
     let Some(n) = Option::<serde_json::Number>::deserialize(d)? else {
         return Ok(None);
     };
-    let whole = n
-        .as_i64()
+    let whole = whole_number(&n)
+        .ok_or_else(|| D::Error::custom(format!("expected an integer, got {n}")))?;
+    T::try_from(whole)
+        .map(Some)
+        .map_err(|_| D::Error::custom(format!("integer {whole} is out of range")))
+}
+
+/// A JSON number's value when it is whole (`7` or `7.0`), `None` otherwise.
+fn whole_number(n: &serde_json::Number) -> Option<i128> {
+    n.as_i64()
         .map(i128::from)
         .or_else(|| n.as_u64().map(i128::from))
         .or_else(|| {
@@ -35,10 +43,6 @@ where
                 .filter(|f| f.fract() == 0.0 && f.abs() < 1e30)
                 .map(|f| f as i128)
         })
-        .ok_or_else(|| D::Error::custom(format!("expected an integer, got {n}")))?;
-    T::try_from(whole)
-        .map(Some)
-        .map_err(|_| D::Error::custom(format!("integer {whole} is out of range")))
 }
 
 /// A float that is positive in the request stays positive as an `f32` (JSON's smallest
@@ -246,8 +250,9 @@ impl SamplingFields {
             },
             (Some(Value::Bool(true)), true) => Ok(Some(top.unwrap_or(0))),
             (Some(v), false) => match v
-                .as_u64()
-                .or_else(|| v.as_f64().filter(|f| f.fract() == 0.0 && *f >= 0.0).map(|f| f as u64))
+                .as_number()
+                .and_then(whole_number)
+                .and_then(|n| u64::try_from(n).ok())
             {
                 Some(n) if top.is_none() => Ok(Some(n as usize)),
                 Some(_) => Err(unsupported(
@@ -366,6 +371,9 @@ pub enum FinishReasonBody {
 }
 
 impl FinishReasonBody {
+    /// The reasons a choice finishes with when it does not fail.
+    pub const SUCCESS: [FinishReasonBody; 3] = [Self::Stop, Self::Length, Self::Abort];
+
     /// The wire name (also the `finished_reason` metric label).
     pub fn as_str(self) -> &'static str {
         match self {
