@@ -49,6 +49,7 @@ pub use crate::precision::PathMask;
 pub use crate::reload::{ConfigStatus, ReloadOutcome};
 pub use crate::request::{GenerateRequest, Prompt};
 pub use crate::stats::EngineStats;
+pub use crate::trace::{TraceHook, TARGET as TRACE_TARGET};
 pub use quantmesh_model::{ChatMessage, ModelConfig};
 
 /// Static facts about the loaded model.
@@ -74,6 +75,9 @@ pub struct EngineStart {
     pub sinks: Vec<Arc<dyn EventSink>>,
     /// Where the engine registers its metrics (a private registry when `None`).
     pub registry: Option<prometheus::Registry>,
+    /// Turns spans into W3C `traceparent`s when the caller exports traces: the monitor's
+    /// and the reloader's events then carry one (see [`crate::trace`]).
+    pub trace_hook: Option<TraceHook>,
 }
 
 impl EngineStart {
@@ -261,6 +265,7 @@ struct Wiring {
     stats: StatsCell,
     monitor_report: Arc<Mutex<MonitorReport>>,
     config_status: Arc<Mutex<ConfigStatus>>,
+    trace_hook: Option<TraceHook>,
 }
 
 impl Wiring {
@@ -301,6 +306,7 @@ impl Wiring {
             stats,
             monitor_report: Default::default(),
             config_status: Default::default(),
+            trace_hook: start.trace_hook.clone(),
         })
     }
 
@@ -328,6 +334,8 @@ impl Wiring {
                 sinks: self.sinks.clone(),
                 report: self.monitor_report.clone(),
                 metrics: self.metrics.clone(),
+                trace_hook: self.trace_hook.clone(),
+                traced: Default::default(),
             }
             .start(),
         )
@@ -384,6 +392,9 @@ impl Wiring {
             metrics: self.metrics.clone(),
             mailbox_capacity: cfg.max_waiting.max(16),
             monitor: monitor.map(|m| m.clone().recipient()),
+            traced: monitor
+                .filter(|_| self.trace_hook.is_some())
+                .map(|m| m.clone().recipient()),
         })
         .start()
     }
@@ -478,6 +489,7 @@ impl Engine {
                     sinks: wiring.sinks.clone(),
                     status: wiring.config_status.clone(),
                     metrics: wiring.metrics.clone(),
+                    trace_hook: wiring.trace_hook.clone(),
                 })),
             }
             .start()
@@ -522,12 +534,17 @@ impl Engine {
     /// Reload `sensitive_layers.json` now (SIGHUP, admin API). Errors when no source is
     /// configured.
     pub async fn reload_config(&self) -> Result<ReloadOutcome> {
+        self.reload_config_traced(None).await
+    }
+
+    /// [`Engine::reload_config`] as part of the trace of `span` (an admin request's).
+    pub async fn reload_config_traced(&self, span: Option<tracing::Span>) -> Result<ReloadOutcome> {
         let a = self.inner.config_actor.as_ref().ok_or_else(|| {
             EngineError::InvalidRequest(
                 "no sensitive_layers source is configured (--sensitive-layers)".into(),
             )
         })?;
-        a.send(ReloadNow).await.map_err(|_| EngineError::Stopped)
+        a.send(ReloadNow(span)).await.map_err(|_| EngineError::Stopped)
     }
 
     /// The plan in force (md5, thresholds, residencies, float budget), the reload counters,
@@ -643,6 +660,7 @@ impl Engine {
             max_input_tokens,
             max_total_tokens,
             cache_salt,
+            trace,
         } = req;
         params
             .validate()
@@ -670,7 +688,14 @@ impl Engine {
         let ids = match prompt {
             // Already ids: no tokenizer round trip.
             Prompt::Tokens(ids) => ids,
-            p => self.tokenize(p).await?,
+            p => match &trace {
+                Some(request) => {
+                    use tracing::Instrument;
+                    let span = tracing::info_span!(target: crate::trace::TARGET, parent: request, "quantmesh.tokenize");
+                    self.tokenize(p).instrument(span).await?
+                }
+                None => self.tokenize(p).await?,
+            },
         };
         if ids.is_empty() {
             return invalid("the prompt is empty".into());
@@ -712,7 +737,7 @@ impl Engine {
             ));
         }
         let salt = cache_salt.as_deref().map_or(0, crate::kv::salt_of);
-        self.enqueue(ids, params, n, salt).await
+        self.enqueue(ids, params, n, salt, trace).await
     }
 
     /// [`Engine::submit`] for a tokenized prompt.
@@ -727,6 +752,7 @@ impl Engine {
         params: SamplingParams,
         n: usize,
         cache_salt: u64,
+        trace: Option<tracing::Span>,
     ) -> Result<Vec<Generation>> {
         let ids: Vec<SeqId> = (0..n)
             .map(|_| self.inner.next_id.fetch_add(1, Ordering::Relaxed))
@@ -747,7 +773,8 @@ impl Engine {
         };
         let seq = first
             .with_forks(sequences.collect())
-            .with_cache_salt(cache_salt);
+            .with_cache_salt(cache_salt)
+            .with_trace(trace);
         let mut senders = channels.iter().map(|(id, tx, _)| (*id, tx.clone()));
         let Some((_, events)) = senders.next() else {
             return Ok(Vec::new());

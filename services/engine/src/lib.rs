@@ -22,6 +22,8 @@
 //!   the memory budget for float copies.
 //! * [`metrics`] — the engine's Prometheus series, updated where things happen.
 //! * [`evaluation`] — the monitor's evaluation suite on planted-truth checkpoints.
+//! * [`trace`] — request traces with `tracing` alone (phase spans, event `traceparent`s);
+//!   the caller owns the OpenTelemetry exporter.
 
 pub mod api;
 pub mod backend;
@@ -42,6 +44,7 @@ pub mod request;
 pub mod sched;
 pub mod stats;
 pub mod tokenize;
+pub mod trace;
 
 pub use api::{
     Engine, EngineStart, GenerateRequest, Generation, GenerationEvent, ModelInfo, Prompt,

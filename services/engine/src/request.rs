@@ -30,6 +30,10 @@ pub struct GenerateRequest {
     /// with requests of the same salt, so one tenant cannot time another's prompts. `None`:
     /// the shared partition.
     pub cache_salt: Option<String>,
+    /// The caller's span for this request, when it is traced: the engine's phase spans
+    /// (tokenize, queue, prefill, decode) become its children and the precision decisions
+    /// that touch the request are noted in it (see [`crate::trace`]). `None`: no span is made.
+    pub trace: Option<tracing::Span>,
 }
 
 impl GenerateRequest {
@@ -40,6 +44,7 @@ impl GenerateRequest {
             max_input_tokens: None,
             max_total_tokens: None,
             cache_salt: None,
+            trace: None,
         }
     }
 }

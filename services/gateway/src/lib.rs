@@ -11,6 +11,7 @@ pub mod routes;
 pub mod server;
 pub mod settings;
 pub mod state;
+pub mod request_trace;
 pub mod telemetry;
 
 pub use server::{run_embedded, serve_main, shutdown_signal};

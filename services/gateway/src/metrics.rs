@@ -39,7 +39,7 @@ pub struct Metrics {
     ready: IntGauge,
 }
 
-fn must<T>(r: prometheus::Result<T>) -> T {
+pub(crate) fn must<T>(r: prometheus::Result<T>) -> T {
     // Metric definitions are static; a failure here is a programming error caught by tests.
     r.unwrap_or_else(|e| panic!("invalid metric definition: {e}"))
 }
@@ -132,6 +132,7 @@ impl Metrics {
         for g in [&m.in_flight, &m.ready] {
             must(r.register(Box::new(g.clone())));
         }
+        must(r.register(Box::new(crate::telemetry::export_counters().clone())));
         m
     }
 

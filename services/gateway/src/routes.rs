@@ -7,6 +7,7 @@ use crate::openai::{
     CompletionChoice, CompletionRequest, CompletionResponse, FinishReasonBody, HealthBody,
     ModelCard, ModelList, ReadyBody, SamplingFields, UsageBody,
 };
+use crate::request_trace::{GenerationTrace, ServerSpan};
 use crate::settings::PrefixCacheIsolation;
 use crate::state::AppState;
 use actix_web::http::StatusCode;
@@ -158,6 +159,12 @@ fn check_admin(req: &HttpRequest, state: &AppState) -> Result<(), ApiError> {
     }
 }
 
+/// The request's server span, when traces are exported.
+fn server_span(req: &HttpRequest) -> Option<ServerSpan> {
+    use actix_web::HttpMessage;
+    req.extensions().get::<ServerSpan>().cloned()
+}
+
 /// Read the body with the configured limit (413 beyond it).
 async fn read_body(mut payload: web::Payload, limit: usize) -> Result<Bytes, ApiError> {
     let mut buf = bytes::BytesMut::new();
@@ -259,6 +266,8 @@ struct Prepared {
     include_usage: bool,
     /// Whether log-probabilities were asked for.
     logprobs: bool,
+    /// Its spans, when traces are exported.
+    trace: Option<GenerationTrace>,
 }
 
 const DEFAULT_COMPLETION_MAX_TOKENS: u32 = 16;
@@ -300,8 +309,10 @@ fn sampling_params(f: &SamplingFields, endpoint: Endpoint) -> Result<SamplingPar
 }
 
 /// Translate, admit and submit a request; the engine validates and tokenizes it.
+#[allow(clippy::too_many_arguments)]
 async fn prepare(
     state: &AppState,
+    server: Option<ServerSpan>,
     f: &SamplingFields,
     cache_salt: Option<String>,
     prompt: Prompt,
@@ -317,6 +328,10 @@ async fn prepare(
     }
     let params = sampling_params(f, endpoint)?;
     let params_logprobs = params.logprobs.is_some();
+    let n = f.n.unwrap_or(1) as usize;
+    let trace = server.map(|s| {
+        GenerationTrace::start(&s.0, endpoint.operation(), &state.model_name, &params, n)
+    });
     let generations = engine
         .submit_n(
             GenerateRequest {
@@ -325,8 +340,9 @@ async fn prepare(
                 max_input_tokens: Some(state.server.max_input_tokens),
                 max_total_tokens: Some(state.server.max_total_tokens),
                 cache_salt,
+                trace: trace.as_ref().map(GenerationTrace::engine_span),
             },
-            f.n.unwrap_or(1) as usize,
+            n,
         )
         .await?;
     let prompt_tokens = generations.first().map_or(0, |g| g.prompt_tokens());
@@ -344,6 +360,7 @@ async fn prepare(
         stream: f.stream,
         include_usage,
         logprobs: params_logprobs,
+        trace,
     })
 }
 
@@ -366,6 +383,14 @@ impl Endpoint {
         match self {
             Endpoint::Completions => logprobs::completions(entries, offset),
             Endpoint::Chat => logprobs::chat(entries),
+        }
+    }
+
+    /// `gen_ai.operation.name`.
+    fn operation(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "text_completion",
+            Endpoint::Chat => "chat",
         }
     }
 
@@ -433,6 +458,7 @@ async fn completions(
     let salt = cache_salt(&req, &state, &r.sampling)?;
     let p = prepare(
         &state,
+        server_span(&req),
         &r.sampling,
         salt,
         Prompt::Text {
@@ -460,6 +486,7 @@ async fn chat_completions(
     let salt = cache_salt(&req, &state, &r.sampling)?;
     let p = prepare(
         &state,
+        server_span(&req),
         &r.sampling,
         salt,
         Prompt::Chat(r.messages),
@@ -570,6 +597,10 @@ async fn respond(
         endpoint,
     };
     let n = p.generations.len();
+    let mut trace = p.trace;
+    if let Some(t) = &mut trace {
+        t.responding(&id, p.stream);
+    }
     if !p.stream {
         let mut events = merged(p.generations);
         let mut timing = timing;
@@ -582,6 +613,10 @@ async fn respond(
         }
         timing.done(&state);
         drop(p.permit);
+        if let Some(t) = &mut trace {
+            let reasons: Vec<_> = choices.iter().map(|c| c.finish).collect();
+            t.finished(&usage, &reasons);
+        }
         if choices
             .iter()
             .any(|c| c.finish.is_none_or(|r| r == FinishReason::Error))
@@ -649,6 +684,7 @@ async fn respond(
         /// still held back wait in the choice's `entries` for its next chunk.
         logprobs: bool,
         finished: bool,
+        trace: Option<GenerationTrace>,
     }
     fn sse(v: &serde_json::Value) -> Bytes {
         Bytes::from(format!("data: {v}\n\n"))
@@ -704,6 +740,7 @@ async fn respond(
         include_usage: p.include_usage,
         logprobs: p.logprobs,
         finished: false,
+        trace,
     };
     let body = futures::stream::unfold(st, |mut st| async move {
         if st.finished {
@@ -734,6 +771,10 @@ async fn respond(
                 None => {
                     // Every choice has ended.
                     st.timing.done(&st.state);
+                    if let Some(t) = &mut st.trace {
+                        let reasons: Vec<_> = st.choices.iter().map(|c| c.finish).collect();
+                        t.finished(&st.usage, &reasons);
+                    }
                     let mut out = Vec::new();
                     if st.include_usage {
                         let obj = match st.endpoint {
@@ -832,7 +873,8 @@ async fn reload_config(
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, ApiError> {
     check_admin(&req, &state)?;
-    let outcome = state.engine()?.reload_config().await?;
+    let span = server_span(&req).map(|s| s.0);
+    let outcome = state.engine()?.reload_config_traced(span).await?;
     let status = match &outcome {
         ReloadOutcome::Applied { .. } | ReloadOutcome::Unchanged { .. } => StatusCode::OK,
         ReloadOutcome::Rejected { .. } => StatusCode::UNPROCESSABLE_ENTITY,

@@ -2,6 +2,7 @@
 //! tests start it in-process on port 0.
 
 use crate::first_plan;
+use crate::request_trace::{self, ServerSpan};
 use crate::model_source::ModelSource;
 use crate::routes;
 use crate::settings::PlanMode;
@@ -37,15 +38,36 @@ async fn request_context(
         .map(String::from)
         .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
     req.extensions_mut().insert(RequestId(id.clone()));
-    let span = tracing::info_span!("request", request_id = %id, method = %req.method(), path = %req.path());
+    let method = req.method().to_string();
+    let span = tracing::info_span!("request", request_id = %id, method = %method, path = %req.path());
+    // The trace's server span, only when traces are exported.
+    let server = crate::telemetry::enabled()
+        .then(|| request_trace::server_span(&method, req.path(), &id, req.headers()));
+    if let Some(s) = &server {
+        req.extensions_mut().insert(ServerSpan(s.clone()));
+    }
     let state = req.app_data::<web::Data<AppState>>().cloned();
     let started = std::time::Instant::now();
-    let mut res = next.call(req).instrument(span.clone()).await?;
+    let call = next.call(req).instrument(span.clone());
+    let mut res = match &server {
+        Some(s) => call.instrument(s.clone()).await?,
+        None => call.await?,
+    };
     let status = res.status();
     let pattern = res
         .request()
         .match_pattern()
         .unwrap_or_else(|| "unmatched".into());
+    if let Some(s) = &server {
+        request_trace::server_done(s, &method, &pattern, status.as_u16());
+        // The response names its trace (W3C Trace Context).
+        if let Some(v) = crate::telemetry::traceparent(s)
+            .and_then(|tp| HeaderValue::from_str(&tp).ok())
+        {
+            res.headers_mut()
+                .insert(HeaderName::from_static("traceparent"), v);
+        }
+    }
     if let Some(state) = state {
         state
             .metrics
@@ -130,6 +152,7 @@ pub async fn load_engine(
         name: name.to_string(),
         sinks,
         registry,
+        trace_hook: crate::telemetry::trace_hook(),
     };
     Engine::start_with(&dir, engine_cfg, start)
         .await
@@ -180,7 +203,7 @@ pub async fn run_embedded(
                 metrics
                     .register(state.metrics.registry())
                     .context("registering the Kafka metrics")?;
-                let p = EventPipeline::start(settings.kafka.clone(), metrics, None)
+                let p = EventPipeline::start(settings.kafka.clone(), metrics)
                     .await
                     .context("starting the Kafka event path")?;
                 Some(p)
@@ -284,8 +307,11 @@ pub async fn shutdown_signal() {
 /// embedded stack until SIGINT/SIGTERM, drain.
 pub fn serve_main(flags: &crate::settings::ServeFlags) -> anyhow::Result<()> {
     let s = flags.settings()?;
-    crate::telemetry::init(s.log.format, &s.log.level);
+    let mut telemetry = crate::telemetry::init_with(s.log.format, &s.log.level, &s.telemetry);
     let listener = TcpListener::bind((s.server.host.as_str(), s.server.port))
         .with_context(|| format!("binding {}:{}", s.server.host, s.server.port))?;
-    actix_rt::System::new().block_on(run_embedded(s, listener, shutdown_signal()))
+    let served = actix_rt::System::new().block_on(run_embedded(s, listener, shutdown_signal()));
+    // Queued spans go out before the process ends (bounded by the exporter's timeout).
+    telemetry.shutdown();
+    served
 }

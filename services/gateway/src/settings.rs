@@ -15,6 +15,68 @@ pub struct Settings {
     pub log: LogSettings,
     /// Fallback/config events to Kafka through the durable outbox (off while `brokers` is empty).
     pub kafka: KafkaSettings,
+    /// Trace export over OTLP (off while no endpoint is set).
+    pub telemetry: TelemetrySettings,
+}
+
+/// OTLP transport.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum OtlpProtocol {
+    /// OTLP over gRPC (collectors listen on 4317).
+    #[serde(rename = "grpc")]
+    Grpc,
+    /// OTLP over HTTP with protobuf bodies (collectors listen on 4318); the
+    /// OpenTelemetry specification's default.
+    #[default]
+    #[serde(rename = "http/protobuf")]
+    HttpProtobuf,
+}
+
+impl OtlpProtocol {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OtlpProtocol::Grpc => "grpc",
+            OtlpProtocol::HttpProtobuf => "http/protobuf",
+        }
+    }
+}
+
+impl std::str::FromStr for OtlpProtocol {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "grpc" => Ok(OtlpProtocol::Grpc),
+            "http/protobuf" => Ok(OtlpProtocol::HttpProtobuf),
+            other => Err(format!("{other:?} is not grpc or http/protobuf")),
+        }
+    }
+}
+
+/// `[telemetry]`: where traces go. The standard OpenTelemetry variables win over the file:
+/// `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` / `OTEL_EXPORTER_OTLP_ENDPOINT`,
+/// `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` / `OTEL_EXPORTER_OTLP_PROTOCOL`, `OTEL_SERVICE_NAME`.
+/// Sampling (`OTEL_TRACES_SAMPLER[_ARG]`, default parent-based always-on), resource
+/// attributes (`OTEL_RESOURCE_ATTRIBUTES`) and batching (`OTEL_BSP_*`) are read by the
+/// OpenTelemetry SDK itself.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TelemetrySettings {
+    /// Collector URL, e.g. `http://localhost:4317` (gRPC) or `http://localhost:4318`
+    /// (HTTP; `/v1/traces` is appended). Unset: no traces, no spans made.
+    pub otlp_endpoint: Option<String>,
+    pub otlp_protocol: OtlpProtocol,
+    /// `service.name` of the exported spans.
+    pub service_name: String,
+}
+
+impl Default for TelemetrySettings {
+    fn default() -> Self {
+        Self {
+            otlp_endpoint: None,
+            otlp_protocol: OtlpProtocol::default(),
+            service_name: "quantmesh".into(),
+        }
+    }
 }
 
 /// `Debug` is written by hand: API keys and the admin token print as `<redacted>`.
@@ -294,6 +356,25 @@ impl Settings {
                     var: "QUANTMESH_RELOAD_INTERVAL".into(),
                     message: e.to_string(),
                 })?;
+        }
+        let first = |vars: [&'static str; 2]| {
+            vars.into_iter()
+                .find_map(|k| get(k).filter(|v| !v.is_empty()).map(|v| (k, v)))
+        };
+        if let Some((_, v)) = first([
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+        ]) {
+            self.telemetry.otlp_endpoint = Some(v);
+        }
+        if let Some((var, v)) = first([
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+            "OTEL_EXPORTER_OTLP_PROTOCOL",
+        ]) {
+            self.telemetry.otlp_protocol = parse(var, v)?;
+        }
+        if let Some(v) = get("OTEL_SERVICE_NAME").filter(|v| !v.is_empty()) {
+            self.telemetry.service_name = v;
         }
         if let Some(v) = get("QUANTMESH_LOG_LEVEL") {
             self.log.level = v;

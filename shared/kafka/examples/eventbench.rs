@@ -33,6 +33,7 @@ fn event(i: u64) -> FallbackEvent {
         positions: vec![(i % 2048) as usize],
         request_id: Some(i / 64),
         config_md5: None,
+        traceparent: None,
     }
 }
 
@@ -96,7 +97,7 @@ async fn main() -> anyhow::Result<()> {
 
     // The engine's path.
     let metrics = KafkaMetrics::new();
-    let pipeline = EventPipeline::start(settings, metrics.clone(), None).await?;
+    let pipeline = EventPipeline::start(settings, metrics.clone()).await?;
     let sink = pipeline.sink();
     let t0 = Instant::now();
     for e in &events {

@@ -24,7 +24,7 @@ pub mod tail;
 
 pub use metrics::{DropReason, KafkaMetrics};
 pub use settings::{KafkaSettings, DEFAULT_CONFIG_TOPIC, DEFAULT_TOPIC};
-pub use sink::{EventType, KafkaSink, TraceContext};
+pub use sink::{EventType, KafkaSink};
 
 use quantmesh_outbox::Outbox;
 use quantmesh_types::EventSink;
@@ -66,7 +66,6 @@ impl EventPipeline {
     pub async fn start(
         settings: KafkaSettings,
         metrics: KafkaMetrics,
-        trace: Option<TraceContext>,
     ) -> Result<Self, KafkaError> {
         settings.validate().map_err(KafkaError::Settings)?;
         std::fs::create_dir_all(&settings.outbox_dir).map_err(|e| {
@@ -127,7 +126,7 @@ impl EventPipeline {
             .name("qm-kafka-relay".into())
             .spawn(move || relay.run())?;
         Ok(Self {
-            sink: Arc::new(KafkaSink::new(tx.clone(), metrics.clone(), trace)),
+            sink: Arc::new(KafkaSink::new(tx.clone(), metrics.clone())),
             tx,
             outbox,
             metrics,

@@ -87,28 +87,19 @@ pub(crate) enum WriterMsg {
     Stop,
 }
 
-/// Supplies the W3C `traceparent` of the trace active where an event is published, if any.
-pub type TraceContext = Arc<dyn Fn() -> Option<String> + Send + Sync>;
-
 /// Implements [`EventSink`] for the engine: serialise, enqueue, return. Never blocks: when
 /// the writer's queue is full the event is dropped and counted (`reason="queue_full"`).
 pub struct KafkaSink {
     tx: SyncSender<WriterMsg>,
     metrics: KafkaMetrics,
-    trace: Option<TraceContext>,
     warned_full: AtomicBool,
 }
 
 impl KafkaSink {
-    pub(crate) fn new(
-        tx: SyncSender<WriterMsg>,
-        metrics: KafkaMetrics,
-        trace: Option<TraceContext>,
-    ) -> Self {
+    pub(crate) fn new(tx: SyncSender<WriterMsg>, metrics: KafkaMetrics) -> Self {
         Self {
             tx,
             metrics,
-            trace,
             warned_full: AtomicBool::new(false),
         }
     }
@@ -131,9 +122,6 @@ impl KafkaSink {
         }
     }
 
-    fn traceparent(&self) -> Option<String> {
-        self.trace.as_ref().and_then(|f| f())
-    }
 }
 
 impl EventSink for KafkaSink {
@@ -146,7 +134,7 @@ impl EventSink for KafkaSink {
             fallback_key(ev),
             payload,
             FALLBACK_EVENT_SCHEMA_VERSION,
-            self.traceparent(),
+            ev.traceparent.clone(),
         );
         self.send(rec);
     }
@@ -160,7 +148,7 @@ impl EventSink for KafkaSink {
             format!("{}/config", ev.model),
             payload,
             CONFIG_EVENT_SCHEMA_VERSION,
-            self.traceparent(),
+            ev.traceparent.clone(),
         );
         self.send(rec);
     }
@@ -269,6 +257,7 @@ mod tests {
             positions: vec![],
             request_id: None,
             config_md5: None,
+            traceparent: Some("00-abc-def-01".into()),
         }
     }
 
@@ -297,7 +286,6 @@ mod tests {
         let sink = KafkaSink::new(
             tx.clone(),
             metrics.clone(),
-            Some(Arc::new(|| Some("00-abc-def-01".into()))),
         );
         let (o, m, n) = (outbox.clone(), metrics.clone(), notify.clone());
         let writer = std::thread::spawn(move || run_writer(rx, o, m, n));

@@ -165,6 +165,12 @@ pub struct FallbackEvent {
     pub request_id: Option<u64>,
     /// md5 of the `sensitive_layers.json` in force, when one is loaded.
     pub config_md5: Option<String>,
+    /// W3C `traceparent` of the trace this decision belongs to: the request's for per-token
+    /// and per-request decisions, the monitor decision's own otherwise. Only when the server
+    /// exports traces (OTLP); also sent as the Kafka header `traceparent` (optional, added in
+    /// v1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traceparent: Option<String>,
 }
 
 pub const CONFIG_EVENT_SCHEMA_VERSION: u32 = 1;
@@ -202,6 +208,11 @@ pub struct ConfigEvent {
     pub error: Option<String>,
     /// Groups whose residency changed (applied only).
     pub changed_groups: Vec<String>,
+    /// W3C `traceparent` of the reload's trace (a child of the admin request's trace when
+    /// an operator asked for it). Only when the server exports traces (OTLP); also sent as
+    /// the Kafka header `traceparent` (optional, added in v1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traceparent: Option<String>,
 }
 
 /// Where events go: the seam between the engine (which decides) and the transports (the log,

@@ -12,6 +12,8 @@ use crate::precision::{MaskHandle, PathMask};
 use actix::prelude::*;
 use quantmesh_types::FallbackEvent;
 use quantmesh_types::{GroupId, Residency};
+use crate::trace::{self, TraceHook};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 /// Executor → monitor: one step's activation statistics, shadow KL and non-finite flag
@@ -26,6 +28,16 @@ pub struct Observe(pub StepOutput);
 #[derive(Message)]
 #[rtype(result = "()")]
 pub struct RequestsFinished(pub Vec<SeqId>);
+
+/// Scheduler → monitor: these sequences (one request's answers) are traced under `span`;
+/// decisions about them are noted in it and their events carry its `traceparent`. Sent
+/// when the request is queued, before any step of it; forgotten at `RequestsFinished`.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct RequestsTraced {
+    pub ids: Vec<SeqId>,
+    pub span: tracing::Span,
+}
 
 /// Admin → monitor: pin a group to float or INT8, or hand it back to the detector.
 #[derive(Message)]
@@ -51,10 +63,31 @@ pub struct MonitorActor {
     /// The last report, for the admin API.
     pub report: Arc<Mutex<MonitorReport>>,
     pub metrics: EngineMetrics,
+    /// Turns spans into `traceparent`s when traces are exported.
+    pub trace_hook: Option<TraceHook>,
+    /// Spans of traced requests still running, by sequence.
+    pub traced: HashMap<SeqId, tracing::Span>,
 }
 
 impl MonitorActor {
-    fn publish(&mut self, events: Vec<FallbackEvent>) {
+    /// Stamp each event with the `traceparent` of the request it is about (noting the
+    /// decision in the request's span) or of its own decision span.
+    fn stamp(&self, events: &mut [FallbackEvent]) {
+        let Some(hook) = &self.trace_hook else { return };
+        for ev in events {
+            let request = ev.request_id.and_then(|id| self.traced.get(&id));
+            ev.traceparent = match request {
+                Some(span) => {
+                    trace::note_decision(span, ev);
+                    hook.traceparent(span)
+                }
+                None => hook.traceparent(&trace::decision_span(ev)),
+            };
+        }
+    }
+
+    fn publish(&mut self, mut events: Vec<FallbackEvent>) {
+        self.stamp(&mut events);
         let current = self.mask.load();
         let mut next = PathMask::clone(&current);
         self.core.apply_to(&mut next);
@@ -116,6 +149,18 @@ impl Handler<RequestsFinished> for MonitorActor {
     fn handle(&mut self, msg: RequestsFinished, _: &mut Self::Context) {
         let events = self.core.requests_finished(&msg.0);
         self.publish(events);
+        for id in &msg.0 {
+            self.traced.remove(id);
+        }
+    }
+}
+
+impl Handler<RequestsTraced> for MonitorActor {
+    type Result = ();
+    fn handle(&mut self, msg: RequestsTraced, _: &mut Self::Context) {
+        for id in msg.ids {
+            self.traced.insert(id, msg.span.clone());
+        }
     }
 }
 

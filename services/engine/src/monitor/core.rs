@@ -369,6 +369,7 @@ impl Monitor {
             positions: Vec::new(),
             request_id: None,
             config_md5: self.config_md5.clone(),
+            traceparent: None,
         }
     }
 

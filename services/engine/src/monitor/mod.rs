@@ -10,4 +10,4 @@ pub use self::config::{GroupOverride, MonitorConfig};
 pub use self::core::{
     uuid_v4, Decision, DecisionCount, ForceMode, GroupMode, GroupReport, Monitor, MonitorReport,
 };
-pub use actor::{ForceGroup, MonitorActor, Observe, Reconfigure, RequestsFinished};
+pub use actor::{ForceGroup, MonitorActor, Observe, Reconfigure, RequestsFinished, RequestsTraced};

@@ -135,6 +135,8 @@ pub struct ReloaderParts {
     pub sinks: Vec<Arc<dyn EventSink>>,
     pub status: Arc<Mutex<ConfigStatus>>,
     pub metrics: EngineMetrics,
+    /// Turns the reload's span into the `traceparent` its config events carry.
+    pub trace_hook: Option<crate::trace::TraceHook>,
 }
 
 /// Everything a reload needs; shared by the actor and its futures.
@@ -206,6 +208,20 @@ impl Reloader {
             previous_md5: previous,
             error,
             changed_groups: changed,
+            traceparent: None,
+        };
+        // Its own span, a child of the admin request's when an operator asked for it.
+        let ev = ConfigEvent {
+            traceparent: self.trace_hook.as_ref().and_then(|h| {
+                h.traceparent(&tracing::info_span!(
+                    target: crate::trace::TARGET,
+                    "quantmesh.config.change",
+                    quantmesh.model = %ev.model,
+                    quantmesh.action = ?ev.action,
+                    quantmesh.md5 = %ev.md5,
+                ))
+            }),
+            ..ev
         };
         for s in &self.sinks {
             s.publish_config(&ev);
@@ -442,15 +458,18 @@ impl Actor for ConfigActor {
     }
 }
 
-/// Reload now (SIGHUP, `POST /admin/config/reload`).
+/// Reload now (SIGHUP, `POST /admin/config/reload`), under the asker's span when it is
+/// traced (its config event then belongs to that trace).
 #[derive(Message)]
 #[rtype(result = "ReloadOutcome")]
-pub struct ReloadNow;
+pub struct ReloadNow(pub Option<tracing::Span>);
 
 impl Handler<ReloadNow> for ConfigActor {
     type Result = ResponseFuture<ReloadOutcome>;
-    fn handle(&mut self, _: ReloadNow, _: &mut Self::Context) -> Self::Result {
+    fn handle(&mut self, msg: ReloadNow, _: &mut Self::Context) -> Self::Result {
+        use tracing::Instrument;
         let r = self.reloader.clone();
-        Box::pin(async move { r.reload(Trigger::Manual).await })
+        let span = msg.0.unwrap_or_else(tracing::Span::none);
+        Box::pin(async move { r.reload(Trigger::Manual).await }.instrument(span))
     }
 }

@@ -7,7 +7,7 @@ use crate::executor::Execute;
 use crate::executor::ExecutorActor;
 use crate::kv::SeqId;
 use crate::metrics::EngineMetrics;
-use crate::monitor::RequestsFinished;
+use crate::monitor::{RequestsFinished, RequestsTraced};
 use crate::precision::StepOutput;
 use crate::sched::scheduler::Sequence;
 use crate::sched::scheduler::{Scheduler, SeqEvent, SubmitError};
@@ -47,6 +47,7 @@ pub struct SchedulerActor {
     metrics: EngineMetrics,
     mailbox_capacity: usize,
     monitor: Option<Recipient<RequestsFinished>>,
+    traced: Option<Recipient<RequestsTraced>>,
     /// Prefix-cache hits already added to the counter.
     prefix_hits_counted: u64,
     busy: bool,
@@ -62,6 +63,8 @@ pub struct SchedulerParts {
     pub metrics: EngineMetrics,
     pub mailbox_capacity: usize,
     pub monitor: Option<Recipient<RequestsFinished>>,
+    /// Where traced requests are announced (the monitor, which stamps their decisions).
+    pub traced: Option<Recipient<RequestsTraced>>,
 }
 
 impl SchedulerActor {
@@ -74,6 +77,7 @@ impl SchedulerActor {
             metrics: p.metrics,
             mailbox_capacity: p.mailbox_capacity,
             monitor: p.monitor,
+            traced: p.traced,
             prefix_hits_counted: 0,
             busy: false,
             draining: false,
@@ -225,7 +229,12 @@ impl Handler<Submit> for SchedulerActor {
             return Err(SubmitError::ShuttingDown);
         }
         let id = msg.seq.id;
+        let traced = msg.seq.trace_span().cloned().map(|span| (msg.seq.ids(), span));
         self.core.submit(msg.seq)?;
+        // Before any step of it can run, so the monitor knows its trace first.
+        if let (Some(m), Some((ids, span))) = (&self.traced, traced) {
+            m.do_send(RequestsTraced { ids, span });
+        }
         self.streams.insert(id, msg.events);
         self.streams.extend(msg.fork_events);
         self.kick(ctx);

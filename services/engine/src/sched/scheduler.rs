@@ -13,6 +13,7 @@ use crate::backend::{SeqChunk, StepInput};
 use crate::kv::{BlockManager, SeqId};
 use crate::precision::StepOutput;
 use crate::sched::sampling::{adjust_logits, logprobs, sample};
+use crate::trace::SeqTrace;
 use quantmesh_types::{FinishReason, SamplingParams, TokenLogprobs};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -42,6 +43,8 @@ pub struct Sequence {
     forks: Vec<Sequence>,
     /// Prefix-cache partition (0: shared); see [`crate::kv::salt_of`].
     cache_salt: u64,
+    /// Its request's trace, when the caller traces it (phase spans; see [`crate::trace`]).
+    trace: Option<SeqTrace>,
 }
 
 impl Sequence {
@@ -60,7 +63,26 @@ impl Sequence {
             cached_tokens: 0,
             forks: Vec::new(),
             cache_salt: 0,
+            trace: None,
         }
+    }
+
+    /// Trace this sequence (and its forks) under its request's span `request`.
+    pub fn with_trace(mut self, request: Option<tracing::Span>) -> Self {
+        self.trace = request.map(SeqTrace::queued);
+        self
+    }
+
+    /// The span of the request this sequence belongs to, when it is traced.
+    pub fn trace_span(&self) -> Option<&tracing::Span> {
+        self.trace.as_ref().map(SeqTrace::request)
+    }
+
+    /// Ids of this sequence and the forks it will start.
+    pub fn ids(&self) -> Vec<SeqId> {
+        std::iter::once(self.id)
+            .chain(self.forks.iter().map(|f| f.id))
+            .collect()
     }
 
     /// Sample `forks` as more answers to the same prompt; they start once the prompt is
@@ -107,6 +129,9 @@ impl Sequence {
     }
 
     fn finished(&self, reason: FinishReason) -> SeqEvent {
+        if let Some(t) = &self.trace {
+            t.finished(self.output.len(), reason.as_str());
+        }
         SeqEvent::Finished {
             seq: self.id,
             reason,
@@ -297,6 +322,9 @@ impl Scheduler {
                 Ok(cached) => {
                     s.num_computed = cached;
                     s.cached_tokens = cached;
+                    if let Some(t) = &mut s.trace {
+                        t.prefilling(s.prompt.len(), cached);
+                    }
                 }
                 Err(_) => {
                     self.waiting.push_front(s);
@@ -344,8 +372,13 @@ impl Scheduler {
     /// Apply a finished step: advance computed counts, sample, finish sequences.
     pub fn complete(&mut self, out: &StepOutput) -> Vec<SeqEvent> {
         let mut events = Vec::new();
-        for (id, n) in std::mem::take(&mut self.in_flight) {
+        let in_flight = std::mem::take(&mut self.in_flight);
+        let batch_seqs = in_flight.len();
+        for (id, n) in in_flight {
             if let Some(s) = self.running.iter_mut().find(|s| s.id == id) {
+                if let Some(t) = &s.trace {
+                    t.step(batch_seqs, out.num_tokens, n);
+                }
                 s.num_computed += n;
                 let tokens = s.tokens();
                 self.blocks.commit(id, &tokens[..s.num_computed]);
@@ -360,7 +393,19 @@ impl Scheduler {
             // first token from the same logits.
             let forks = std::mem::take(&mut self.running[i].forks);
             let (computed, cached) = (self.running[i].num_computed, self.running[i].cached_tokens);
-            for mut f in forks {
+            let parent = &mut self.running[i];
+            if parent.output.is_empty() {
+                if let Some(t) = &mut parent.trace {
+                    t.decoding(*id);
+                }
+            }
+            let parent_trace = parent.trace.as_ref();
+            let fork_traces: Vec<Option<SeqTrace>> = forks
+                .iter()
+                .map(|f| parent_trace.map(|t| t.fork(f.id)))
+                .collect();
+            for (mut f, trace) in forks.into_iter().zip(fork_traces) {
+                f.trace = trace;
                 if let Err(e) = self.blocks.fork(*id, f.id, f.params.max_tokens) {
                     // Unreachable by construction (room held at admission).
                     debug_assert!(false, "fork failed: {e}");

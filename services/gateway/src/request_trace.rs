@@ -1,0 +1,138 @@
+//! The spans of one HTTP request when traces are exported (see [`crate::telemetry`]):
+//!
+//! ```text
+//! POST /v1/chat/completions        server span (HTTP semantic conventions), child of the
+//! │                                caller's `traceparent` when it sent one
+//! └─ chat <model>                  GenAI span (gen_ai.* semantic conventions)
+//!    ├─ quantmesh.tokenize ┐
+//!    ├─ quantmesh.queue    │ made by the engine (quantmesh_engine::trace)
+//!    ├─ quantmesh.prefill  │
+//!    ├─ quantmesh.decode   ┘ one per answer, `step` events, precision decisions as events
+//!    └─ quantmesh.respond          detokenize and send (streamed or whole)
+//! ```
+
+use opentelemetry::{Array, StringValue, Value};
+use quantmesh_engine::api::TRACE_TARGET;
+use quantmesh_types::{FinishReason, SamplingParams, Usage};
+use tracing::Span;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+
+/// The server span of a request, kept in the request's extensions by the middleware.
+#[derive(Clone, Debug)]
+pub struct ServerSpan(pub Span);
+
+/// The server span for `method path`, a child of the W3C context in `headers`.
+pub fn server_span(
+    method: &str,
+    path: &str,
+    request_id: &str,
+    headers: &actix_web::http::header::HeaderMap,
+) -> Span {
+    let span = tracing::info_span!(
+        target: TRACE_TARGET,
+        "http",
+        otel.name = %format!("{method} {path}"),
+        otel.kind = "server",
+        otel.status_code = tracing::field::Empty,
+        http.request.method = %method,
+        url.path = %path,
+        http.route = tracing::field::Empty,
+        http.response.status_code = tracing::field::Empty,
+        quantmesh.request_id = %request_id,
+    );
+    crate::telemetry::set_remote_parent(&span, headers);
+    span
+}
+
+/// Name the server span by its route and record the status.
+pub fn server_done(span: &Span, method: &str, route: &str, status: u16) {
+    span.record("otel.name", format!("{method} {route}"))
+        .record("http.route", route)
+        .record("http.response.status_code", status);
+    if status >= 500 {
+        span.record("otel.status_code", "ERROR");
+    }
+}
+
+/// A generation request's GenAI span and the response span under it.
+pub struct GenerationTrace {
+    genai: Span,
+    respond: Option<Span>,
+}
+
+impl GenerationTrace {
+    /// The GenAI span of a `operation` (`chat`, `text_completion`) request, under `server`.
+    pub fn start(
+        server: &Span,
+        operation: &'static str,
+        model: &str,
+        params: &SamplingParams,
+        n: usize,
+    ) -> Self {
+        let genai = tracing::info_span!(
+            target: TRACE_TARGET,
+            parent: server,
+            "gen_ai",
+            otel.name = %format!("{operation} {model}"),
+            otel.status_code = tracing::field::Empty,
+            gen_ai.operation.name = operation,
+            gen_ai.provider.name = "quantmesh",
+            gen_ai.request.model = %model,
+            gen_ai.request.max_tokens = params.max_tokens as i64,
+            gen_ai.request.temperature = params.temperature as f64,
+            gen_ai.request.top_p = params.top_p as f64,
+            gen_ai.request.seed = tracing::field::Empty,
+            gen_ai.request.choice.count = n as i64,
+            gen_ai.response.id = tracing::field::Empty,
+            gen_ai.response.model = %model,
+            gen_ai.usage.input_tokens = tracing::field::Empty,
+            gen_ai.usage.output_tokens = tracing::field::Empty,
+        );
+        if let Some(seed) = params.seed {
+            genai.record("gen_ai.request.seed", seed as i64);
+        }
+        Self {
+            genai,
+            respond: None,
+        }
+    }
+
+    /// The span the engine hangs its phase spans under.
+    pub fn engine_span(&self) -> Span {
+        self.genai.clone()
+    }
+
+    /// The answer is being detokenized and sent.
+    pub fn responding(&mut self, id: &str, stream: bool) {
+        self.genai.record("gen_ai.response.id", id);
+        self.respond = Some(tracing::info_span!(
+            target: TRACE_TARGET,
+            parent: &self.genai,
+            "quantmesh.respond",
+            quantmesh.stream = stream,
+        ));
+    }
+
+    /// Everything was sent (or the request failed): usage and finish reasons; the spans end
+    /// when this is dropped.
+    pub fn finished(&mut self, usage: &Usage, reasons: &[Option<FinishReason>]) {
+        self.genai
+            .record("gen_ai.usage.input_tokens", usage.prompt_tokens as i64)
+            .record("gen_ai.usage.output_tokens", usage.completion_tokens as i64);
+        let names: Vec<StringValue> = reasons
+            .iter()
+            .map(|r| r.map_or("error", FinishReason::as_str).to_string().into())
+            .collect();
+        if reasons
+            .iter()
+            .any(|r| r.is_none_or(|r| r == FinishReason::Error))
+        {
+            self.genai.record("otel.status_code", "ERROR");
+        }
+        self.genai.set_attribute(
+            "gen_ai.response.finish_reasons",
+            Value::Array(Array::String(names)),
+        );
+        self.respond = None;
+    }
+}

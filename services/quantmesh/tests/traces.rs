@@ -1,0 +1,324 @@
+//! OTLP traces end to end, with real parts: the `quantmesh` binary as a process exporting
+//! over OTLP/gRPC to an in-process collector (`fake-opentelemetry-collector`, a real OTLP
+//! gRPC server), a tansu broker, an rdkafka consumer. A request sent with a known W3C
+//! `traceparent` must come back as one span tree under that parent, and the fallback event
+//! it caused must reach Kafka carrying the same trace id.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use fake_opentelemetry_collector::{ExportedSpan, FakeCollectorServer};
+use std::time::Duration;
+use support::*;
+
+const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+const CALLER_SPAN: &str = "00f067aa0ba902b7";
+
+/// A monitor that takes no layer or token decision but samples every step's shadow KL
+/// against a limit every request exceeds: each request is put in float (per request,
+/// reason `shadow_kl`), one event per request, tied to the request.
+fn config(dir: &std::path::Path) -> String {
+    let p = dir.join("quantmesh.toml");
+    std::fs::write(
+        &p,
+        "[engine.monitor]\nk = 1e9\ntoken_k = 1e9\nrequest_kl_limit = 1e-9\nshadow_sample_rate = 1.0\n\n\
+         [kafka]\nconnect_timeout = \"3s\"\ndelivery_timeout = \"2s\"\nshutdown_timeout = \"3s\"\n",
+    )
+    .unwrap();
+    p.display().to_string()
+}
+
+fn attr<'a>(s: &'a ExportedSpan, key: &str) -> &'a str {
+    s.attributes
+        .get(key)
+        .map(String::as_str)
+        .unwrap_or_else(|| panic!("span {} has no attribute {key}: {:?}", s.name, s.attributes))
+}
+
+fn one<'a>(spans: &'a [ExportedSpan], name: &str) -> &'a ExportedSpan {
+    let found: Vec<_> = spans.iter().filter(|s| s.name == name).collect();
+    assert_eq!(
+        found.len(),
+        1,
+        "expected one span {name:?}; got names {:?}",
+        spans.iter().map(|s| &s.name).collect::<Vec<_>>()
+    );
+    found[0]
+}
+
+/// Spans of `trace` until `done` holds on them (or a minute passes).
+async fn spans_of(
+    collector: &mut FakeCollectorServer,
+    all: &mut Vec<ExportedSpan>,
+    trace: &str,
+    done: impl Fn(&[ExportedSpan]) -> bool,
+) -> Vec<ExportedSpan> {
+    let t0 = std::time::Instant::now();
+    loop {
+        let mine: Vec<ExportedSpan> = all.iter().filter(|s| s.trace_id == trace).cloned().collect();
+        if done(&mine) || t0.elapsed() > Duration::from_secs(60) {
+            return mine;
+        }
+        all.extend(collector.exported_spans(1, Duration::from_secs(2)).await);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_traced_request_yields_its_span_tree_and_its_fallback_event_carries_the_trace() {
+    let mut collector = FakeCollectorServer::start().await.unwrap();
+    let root = tempfile::tempdir().unwrap();
+    let model = model_dir(root.path());
+    let broker = Broker::start(root.path());
+    let cfg = config(root.path());
+    let plan = root.path().join("sensitive_layers.json");
+    std::fs::write(&plan, "{\"schema_version\": 1}").unwrap();
+    let endpoint = collector.endpoint();
+    let serve = Serve::start(
+        &model,
+        &root.path().join("outbox"),
+        &broker.addr(),
+        &[
+            ("QUANTMESH_CONFIG", cfg.as_str()),
+            ("QUANTMESH_SENSITIVE_LAYERS", plan.to_str().unwrap()),
+            ("QUANTMESH_RELOAD_INTERVAL", "1h"),
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+            ("OTEL_SERVICE_NAME", "quantmesh-trace-test"),
+            ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+        ],
+    )
+    .await;
+    let client = reqwest::Client::new();
+    let traceparent = format!("00-{TRACE_ID}-{CALLER_SPAN}-01");
+    let r = client
+        .post(serve.url("/v1/chat/completions"))
+        .header("traceparent", &traceparent)
+        .json(&serde_json::json!({
+            "messages": [{"role": "user", "content": "Tell me about traces."}],
+            "max_tokens": 6, "temperature": 0, "ignore_eos": true,
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let answered = r
+        .headers()
+        .get("traceparent")
+        .expect("the response names its trace")
+        .to_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        answered.starts_with(&format!("00-{TRACE_ID}-")) && !answered.contains(CALLER_SPAN),
+        "response traceparent {answered} is not the server span of trace {TRACE_ID}"
+    );
+    let body: serde_json::Value = r.json().await.unwrap();
+    let output_tokens = body["usage"]["completion_tokens"].as_u64().unwrap();
+    assert_eq!(output_tokens, 6);
+
+    // The span tree.
+    let mut all = Vec::new();
+    let names = [
+        "POST /v1/chat/completions",
+        "chat quantmesh-tiny",
+        "quantmesh.tokenize",
+        "quantmesh.queue",
+        "quantmesh.prefill",
+        "quantmesh.decode",
+        "quantmesh.respond",
+    ];
+    let spans = spans_of(&mut collector, &mut all, TRACE_ID, |s| {
+        names.iter().all(|n| s.iter().any(|x| x.name == *n))
+    })
+    .await;
+    let server = one(&spans, "POST /v1/chat/completions");
+    assert_eq!(server.parent_span_id, CALLER_SPAN, "server span under the caller's");
+    assert!(server.kind.contains("SERVER"), "{}", server.kind);
+    assert!(attr(server, "http.response.status_code").contains("200"));
+    assert!(attr(server, "http.route").contains("/v1/chat/completions"));
+    assert!(answered.contains(&server.span_id), "response names the server span");
+    let genai = one(&spans, "chat quantmesh-tiny");
+    assert_eq!(genai.parent_span_id, server.span_id);
+    assert!(attr(genai, "gen_ai.operation.name").contains("\"chat\""));
+    assert!(attr(genai, "gen_ai.request.model").contains("\"quantmesh-tiny\""));
+    assert!(attr(genai, "gen_ai.request.max_tokens").contains("IntValue(6)"));
+    assert!(attr(genai, "gen_ai.usage.output_tokens").contains("IntValue(6)"));
+    assert!(attr(genai, "gen_ai.usage.input_tokens").contains("IntValue("));
+    assert!(attr(genai, "gen_ai.response.finish_reasons").contains("\"length\""));
+    assert!(attr(genai, "gen_ai.response.id").contains("chatcmpl-"));
+    for phase in [
+        "quantmesh.tokenize",
+        "quantmesh.queue",
+        "quantmesh.prefill",
+        "quantmesh.decode",
+        "quantmesh.respond",
+    ] {
+        assert_eq!(
+            one(&spans, phase).parent_span_id,
+            genai.span_id,
+            "{phase} is a child of the GenAI span"
+        );
+    }
+    // Phases in order: queue ends before prefill starts, prefill before decode.
+    let (queue, prefill, decode) = (
+        one(&spans, "quantmesh.queue"),
+        one(&spans, "quantmesh.prefill"),
+        one(&spans, "quantmesh.decode"),
+    );
+    assert!(queue.end_time_unix_nano <= prefill.start_time_unix_nano);
+    assert!(prefill.end_time_unix_nano <= decode.start_time_unix_nano);
+    assert!(attr(decode, "gen_ai.usage.output_tokens").contains("IntValue(6)"));
+    assert!(attr(decode, "gen_ai.response.finish_reason").contains("\"length\""));
+    let steps = decode.events.iter().filter(|e| e.name == "step").count();
+    assert!(
+        steps >= 5,
+        "one step event per decode step (6 tokens: ≥ 5 steps after the prompt's), got {steps}"
+    );
+    // The precision decision that touched the request, as an event of its GenAI span.
+    let decision = genai
+        .events
+        .iter()
+        .find(|e| e.name == "precision fallback")
+        .unwrap_or_else(|| panic!("no precision event on the GenAI span: {:?}", genai.events));
+    assert!(decision.attributes["reason"].contains("shadow_kl"));
+    assert!(decision.attributes["granularity"].contains("request"));
+
+    // The fallback event that request caused reached Kafka with the same trace.
+    let consumer = consumer(&broker.addr(), "trace-test", TOPIC);
+    let seen = collect(&consumer, Duration::from_secs(60), |s| {
+        s.values().any(|m| m.payload["reason"] == "shadow_kl")
+    })
+    .await;
+    let ev = seen
+        .values()
+        .find(|m| m.payload["reason"] == "shadow_kl")
+        .unwrap_or_else(|| panic!("no shadow_kl event consumed: {seen:?}"));
+    let header = &ev.headers["traceparent"];
+    assert!(
+        header.starts_with(&format!("00-{TRACE_ID}-")),
+        "event header traceparent {header} is not in trace {TRACE_ID}"
+    );
+    assert_eq!(ev.payload["traceparent"], header.as_str());
+    assert!(ev.payload["request_id"].is_u64());
+
+    // A reload asked for under a trace: its config event belongs to that trace.
+    let reload_trace = "0af7651916cd43dd8448eb211c80319c";
+    std::fs::write(&plan, "{ \"schema_version\": 1 }").unwrap();
+    let r = client
+        .post(serve.url("/admin/config/reload"))
+        .bearer_auth(ADMIN_TOKEN)
+        .header("traceparent", format!("00-{reload_trace}-b7ad6b7169203331-01"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let cc = support::consumer(&broker.addr(), "trace-test-config", CONFIG_TOPIC);
+    let seen = collect(&cc, Duration::from_secs(60), |s| {
+        s.values().any(|m| m.payload["action"] == "applied")
+    })
+    .await;
+    let applied = seen
+        .values()
+        .find(|m| m.payload["action"] == "applied")
+        .expect("the applied config event");
+    assert!(
+        applied.headers["traceparent"].starts_with(&format!("00-{reload_trace}-")),
+        "{:?}",
+        applied.headers
+    );
+    let reload_spans = spans_of(&mut collector, &mut all, reload_trace, |s| {
+        s.iter().any(|x| x.name == "quantmesh.config.change")
+    })
+    .await;
+    let change = one(&reload_spans, "quantmesh.config.change");
+    let admin = one(&reload_spans, "POST /admin/config/reload");
+    assert_eq!(change.parent_span_id, admin.span_id);
+
+    // Export is counted.
+    let m = reqwest::get(serve.url("/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(sum_metric(&m, "quantmesh_otel_spans_total", &["exported"]) >= names.len() as f64);
+}
+
+/// Traces off (no endpoint): no `traceparent` in responses, no header on events — and with
+/// a collector that is not there, serving is unaffected and failures are only counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_collector_costs_nothing_but_a_counter() {
+    let root = tempfile::tempdir().unwrap();
+    let model = model_dir(root.path());
+    let cfg = config(root.path());
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let serve = Serve::start(
+        &model,
+        &root.path().join("outbox"),
+        "",
+        &[
+            ("QUANTMESH_CONFIG", cfg.as_str()),
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", dead.as_str()),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+            ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+            ("OTEL_EXPORTER_OTLP_TIMEOUT", "500"),
+        ],
+    )
+    .await;
+    let client = reqwest::Client::new();
+    for _ in 0..5 {
+        let r = client
+            .post(serve.url("/v1/completions"))
+            .json(&serde_json::json!({"prompt": "hello", "max_tokens": 4}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert!(r.headers().contains_key("traceparent"));
+    }
+    let t0 = std::time::Instant::now();
+    loop {
+        let m = reqwest::get(serve.url("/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        if sum_metric(&m, "quantmesh_otel_spans_total", &["failed"]) > 0.0 {
+            assert_eq!(sum_metric(&m, "quantmesh_otel_spans_total", &["exported"]), 0.0);
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "failed exports never counted"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // Still serving.
+    let r = client
+        .post(serve.url("/v1/completions"))
+        .json(&serde_json::json!({"prompt": "hello", "max_tokens": 4}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+
+    // Without an endpoint there is no trace at all.
+    let off = Serve::start(
+        &model,
+        &root.path().join("outbox-off"),
+        "",
+        &[("QUANTMESH_CONFIG", cfg.as_str())],
+    )
+    .await;
+    let r = client
+        .post(off.url("/v1/completions"))
+        .header("traceparent", format!("00-{TRACE_ID}-{CALLER_SPAN}-01"))
+        .json(&serde_json::json!({"prompt": "hello", "max_tokens": 4}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(!r.headers().contains_key("traceparent"));
+}
