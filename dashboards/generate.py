@@ -148,7 +148,7 @@ KV = dashboard("quantmesh-kv-cache", "quantmesh / KV cache",
 ])
 
 EVENTS = dashboard("quantmesh-event-path", "quantmesh / Event path",
-    "Fallback and config events: durable outbox, relay to Kafka, drops.", [
+    "Fallback and config events: durable outbox, relay to Kafka, drops; trace export.", [
     panel("Outbox depth", [q(f'sum(quantmesh_events_outbox_depth{{{SEL}}})', "events waiting")]),
     panel("Outbox fill", [q(f'max(quantmesh_events_outbox_bytes{{{SEL}}} / quantmesh_events_outbox_max_bytes{{{SEL}}})', "bytes / bound")], "percentunit"),
     panel("Recorded and delivered", [
@@ -162,6 +162,8 @@ EVENTS = dashboard("quantmesh-event-path", "quantmesh / Event path",
         q(f'sum(rate(quantmesh_events_delivery_failures_total{{{SEL}}}[{W}]))', "failed deliveries/s"),
         q(f'sum(increase(quantmesh_kafka_producer_restarts_total{{{SEL}}}[{W}]))', "producer restarts"),
     ]),
+    panel("Trace export (OTLP)", [q(f'sum by (outcome) (rate(quantmesh_otel_spans_total{{{SEL}}}[{W}]))', "spans {{outcome}}")], "ops",
+          desc="Spans handed to the OTLP exporter: exported, or failed (collector unreachable or refusing; the batch is dropped, serving is unaffected). Zero when traces are off."),
 ])
 
 FILES = {

@@ -544,7 +544,9 @@ impl Engine {
                 "no sensitive_layers source is configured (--sensitive-layers)".into(),
             )
         })?;
-        a.send(ReloadNow(span)).await.map_err(|_| EngineError::Stopped)
+        a.send(ReloadNow(span))
+            .await
+            .map_err(|_| EngineError::Stopped)
     }
 
     /// The plan in force (md5, thresholds, residencies, float budget), the reload counters,

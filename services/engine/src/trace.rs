@@ -1,7 +1,7 @@
 //! Request traces inside the engine, written with `tracing` alone.
 //!
 //! The engine never talks OpenTelemetry: the caller that owns the exporter (the gateway)
-//! hands in a request's span ([`crate::api::GenerateRequest::trace`]) and a [`TraceHook`]
+//! hands in a request's span (`GenerateRequest::trace`) and a [`TraceHook`]
 //! that turns a span into its W3C `traceparent`. The engine hangs its phase spans under the
 //! request's span —
 //!

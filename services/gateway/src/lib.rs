@@ -7,11 +7,11 @@ pub mod metrics;
 pub mod model_source;
 pub mod openai;
 pub mod openapi;
+pub mod request_trace;
 pub mod routes;
 pub mod server;
 pub mod settings;
 pub mod state;
-pub mod request_trace;
 pub mod telemetry;
 
 pub use server::{run_embedded, serve_main, shutdown_signal};

@@ -5,14 +5,14 @@
 //! │                                caller's `traceparent` when it sent one
 //! └─ chat <model>                  GenAI span (gen_ai.* semantic conventions)
 //!    ├─ quantmesh.tokenize ┐
-//!    ├─ quantmesh.queue    │ made by the engine (quantmesh_engine::trace)
+//!    ├─ quantmesh.queue    │ made by the engine (its `trace` module)
 //!    ├─ quantmesh.prefill  │
 //!    ├─ quantmesh.decode   ┘ one per answer, `step` events, precision decisions as events
 //!    └─ quantmesh.respond          detokenize and send (streamed or whole)
 //! ```
 
 use opentelemetry::{Array, StringValue, Value};
-use quantmesh_engine::api::TRACE_TARGET;
+use quantmesh_engine::api::{PathMask, TRACE_TARGET};
 use quantmesh_types::{FinishReason, SamplingParams, Usage};
 use tracing::Span;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
@@ -61,14 +61,26 @@ pub struct GenerationTrace {
 }
 
 impl GenerationTrace {
-    /// The GenAI span of a `operation` (`chat`, `text_completion`) request, under `server`.
+    /// The GenAI span of a `operation` (`chat`, `text_completion`) request, under `server`;
+    /// `mask`: the precision in force when it arrived.
     pub fn start(
         server: &Span,
         operation: &'static str,
         model: &str,
         params: &SamplingParams,
         n: usize,
+        mask: &PathMask,
     ) -> Self {
+        const LISTED: usize = 16;
+        let mut in_float: Vec<String> = mask
+            .float_groups
+            .iter()
+            .take(LISTED)
+            .map(|g| g.to_string())
+            .collect();
+        if mask.float_groups.len() > LISTED {
+            in_float.push(format!("… {} more", mask.float_groups.len() - LISTED));
+        }
         let genai = tracing::info_span!(
             target: TRACE_TARGET,
             parent: server,
@@ -87,6 +99,9 @@ impl GenerationTrace {
             gen_ai.response.model = %model,
             gen_ai.usage.input_tokens = tracing::field::Empty,
             gen_ai.usage.output_tokens = tracing::field::Empty,
+            quantmesh.groups_in_float = mask.float_groups.len() as i64,
+            quantmesh.groups_in_float.names = %in_float.join(","),
+            quantmesh.batch_in_float = mask.float_batch,
         );
         if let Some(seed) = params.seed {
             genai.record("gen_ai.request.seed", seed as i64);

@@ -330,7 +330,15 @@ async fn prepare(
     let params_logprobs = params.logprobs.is_some();
     let n = f.n.unwrap_or(1) as usize;
     let trace = server.map(|s| {
-        GenerationTrace::start(&s.0, endpoint.operation(), &state.model_name, &params, n)
+        let mask = engine.mask();
+        GenerationTrace::start(
+            &s.0,
+            endpoint.operation(),
+            &state.model_name,
+            &params,
+            n,
+            &mask,
+        )
     });
     let generations = engine
         .submit_n(

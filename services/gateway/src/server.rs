@@ -2,8 +2,8 @@
 //! tests start it in-process on port 0.
 
 use crate::first_plan;
-use crate::request_trace::{self, ServerSpan};
 use crate::model_source::ModelSource;
+use crate::request_trace::{self, ServerSpan};
 use crate::routes;
 use crate::settings::PlanMode;
 use crate::settings::Settings;
@@ -39,7 +39,8 @@ async fn request_context(
         .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
     req.extensions_mut().insert(RequestId(id.clone()));
     let method = req.method().to_string();
-    let span = tracing::info_span!("request", request_id = %id, method = %method, path = %req.path());
+    let span =
+        tracing::info_span!("request", request_id = %id, method = %method, path = %req.path());
     // The trace's server span, only when traces are exported.
     let server = crate::telemetry::enabled()
         .then(|| request_trace::server_span(&method, req.path(), &id, req.headers()));
@@ -61,8 +62,8 @@ async fn request_context(
     if let Some(s) = &server {
         request_trace::server_done(s, &method, &pattern, status.as_u16());
         // The response names its trace (W3C Trace Context).
-        if let Some(v) = crate::telemetry::traceparent(s)
-            .and_then(|tp| HeaderValue::from_str(&tp).ok())
+        if let Some(v) =
+            crate::telemetry::traceparent(s).and_then(|tp| HeaderValue::from_str(&tp).ok())
         {
             res.headers_mut()
                 .insert(HeaderName::from_static("traceparent"), v);

@@ -485,6 +485,45 @@ mod tests {
         let _ = std::fs::remove_dir_all(dir);
     }
 
+    #[test]
+    fn otel_variables_win_over_the_file() {
+        let mut s: Settings = toml::from_str(
+            "[telemetry]\notlp_endpoint = \"http://file:4318\"\notlp_protocol = \"http/protobuf\"\n",
+        )
+        .unwrap();
+        assert_eq!(
+            s.telemetry.otlp_endpoint.as_deref(),
+            Some("http://file:4318")
+        );
+        let env = |vars: &'static [(&'static str, &'static str)]| {
+            move |k: &str| {
+                vars.iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        s.apply_env(env(&[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://base:4317"),
+            ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://traces:4317"),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+            ("OTEL_SERVICE_NAME", "qm-a"),
+        ]))
+        .unwrap();
+        // The signal-specific variable wins over the general one.
+        assert_eq!(
+            s.telemetry.otlp_endpoint.as_deref(),
+            Some("http://traces:4317")
+        );
+        assert_eq!(s.telemetry.otlp_protocol, OtlpProtocol::Grpc);
+        assert_eq!(s.telemetry.service_name, "qm-a");
+        let err = s
+            .apply_env(env(&[("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("OTEL_EXPORTER_OTLP_PROTOCOL"), "{err}");
+        assert!(toml::from_str::<Settings>("[telemetry]\notlp_protocol = \"udp\"\n").is_err());
+    }
+
     fn tempfile_dir() -> PathBuf {
         let d = std::env::temp_dir().join(format!("qm-settings-{}", std::process::id()));
         std::fs::create_dir_all(&d).unwrap();

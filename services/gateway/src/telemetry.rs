@@ -293,14 +293,8 @@ mod tests {
 
     #[test]
     fn http_endpoint_gets_the_signal_path_once() {
-        assert_eq!(
-            http_traces_url("http://c:4318"),
-            "http://c:4318/v1/traces"
-        );
-        assert_eq!(
-            http_traces_url("http://c:4318/"),
-            "http://c:4318/v1/traces"
-        );
+        assert_eq!(http_traces_url("http://c:4318"), "http://c:4318/v1/traces");
+        assert_eq!(http_traces_url("http://c:4318/"), "http://c:4318/v1/traces");
         assert_eq!(
             http_traces_url("http://c:4318/v1/traces"),
             "http://c:4318/v1/traces"

@@ -56,7 +56,11 @@ async fn spans_of(
 ) -> Vec<ExportedSpan> {
     let t0 = std::time::Instant::now();
     loop {
-        let mine: Vec<ExportedSpan> = all.iter().filter(|s| s.trace_id == trace).cloned().collect();
+        let mine: Vec<ExportedSpan> = all
+            .iter()
+            .filter(|s| s.trace_id == trace)
+            .cloned()
+            .collect();
         if done(&mine) || t0.elapsed() > Duration::from_secs(60) {
             return mine;
         }
@@ -133,11 +137,17 @@ async fn a_traced_request_yields_its_span_tree_and_its_fallback_event_carries_th
     })
     .await;
     let server = one(&spans, "POST /v1/chat/completions");
-    assert_eq!(server.parent_span_id, CALLER_SPAN, "server span under the caller's");
+    assert_eq!(
+        server.parent_span_id, CALLER_SPAN,
+        "server span under the caller's"
+    );
     assert!(server.kind.contains("SERVER"), "{}", server.kind);
     assert!(attr(server, "http.response.status_code").contains("200"));
     assert!(attr(server, "http.route").contains("/v1/chat/completions"));
-    assert!(answered.contains(&server.span_id), "response names the server span");
+    assert!(
+        answered.contains(&server.span_id),
+        "response names the server span"
+    );
     let genai = one(&spans, "chat quantmesh-tiny");
     assert_eq!(genai.parent_span_id, server.span_id);
     assert!(attr(genai, "gen_ai.operation.name").contains("\"chat\""));
@@ -147,6 +157,7 @@ async fn a_traced_request_yields_its_span_tree_and_its_fallback_event_carries_th
     assert!(attr(genai, "gen_ai.usage.input_tokens").contains("IntValue("));
     assert!(attr(genai, "gen_ai.response.finish_reasons").contains("\"length\""));
     assert!(attr(genai, "gen_ai.response.id").contains("chatcmpl-"));
+    assert!(attr(genai, "quantmesh.groups_in_float").contains("IntValue(0)"));
     for phase in [
         "quantmesh.tokenize",
         "quantmesh.queue",
@@ -208,7 +219,10 @@ async fn a_traced_request_yields_its_span_tree_and_its_fallback_event_carries_th
     let r = client
         .post(serve.url("/admin/config/reload"))
         .bearer_auth(ADMIN_TOKEN)
-        .header("traceparent", format!("00-{reload_trace}-b7ad6b7169203331-01"))
+        .header(
+            "traceparent",
+            format!("00-{reload_trace}-b7ad6b7169203331-01"),
+        )
         .send()
         .await
         .unwrap();
@@ -286,7 +300,10 @@ async fn a_dead_collector_costs_nothing_but_a_counter() {
             .await
             .unwrap();
         if sum_metric(&m, "quantmesh_otel_spans_total", &["failed"]) > 0.0 {
-            assert_eq!(sum_metric(&m, "quantmesh_otel_spans_total", &["exported"]), 0.0);
+            assert_eq!(
+                sum_metric(&m, "quantmesh_otel_spans_total", &["exported"]),
+                0.0
+            );
             break;
         }
         assert!(

@@ -63,10 +63,7 @@ impl EventPipeline {
     /// Open the outbox, check the broker (creating missing topics), start the writer and the
     /// relay. With `required = true` an unreachable broker is an error; otherwise it is
     /// logged and events wait in the outbox.
-    pub async fn start(
-        settings: KafkaSettings,
-        metrics: KafkaMetrics,
-    ) -> Result<Self, KafkaError> {
+    pub async fn start(settings: KafkaSettings, metrics: KafkaMetrics) -> Result<Self, KafkaError> {
         settings.validate().map_err(KafkaError::Settings)?;
         std::fs::create_dir_all(&settings.outbox_dir).map_err(|e| {
             KafkaError::Client(format!(

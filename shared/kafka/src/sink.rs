@@ -121,7 +121,6 @@ impl KafkaSink {
             }
         }
     }
-
 }
 
 impl EventSink for KafkaSink {
@@ -283,10 +282,7 @@ mod tests {
         let metrics = KafkaMetrics::new();
         let (tx, rx) = std::sync::mpsc::sync_channel(16);
         let notify = Arc::new(Notify::new());
-        let sink = KafkaSink::new(
-            tx.clone(),
-            metrics.clone(),
-        );
+        let sink = KafkaSink::new(tx.clone(), metrics.clone());
         let (o, m, n) = (outbox.clone(), metrics.clone(), notify.clone());
         let writer = std::thread::spawn(move || run_writer(rx, o, m, n));
         for _ in 0..10 {

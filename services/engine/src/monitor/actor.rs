@@ -9,10 +9,10 @@ use crate::monitor::core::{Monitor, MonitorReport};
 use crate::monitor::{ForceMode, MonitorConfig};
 use crate::precision::StepOutput;
 use crate::precision::{MaskHandle, PathMask};
+use crate::trace::{self, TraceHook};
 use actix::prelude::*;
 use quantmesh_types::FallbackEvent;
 use quantmesh_types::{GroupId, Residency};
-use crate::trace::{self, TraceHook};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 

@@ -229,7 +229,11 @@ impl Handler<Submit> for SchedulerActor {
             return Err(SubmitError::ShuttingDown);
         }
         let id = msg.seq.id;
-        let traced = msg.seq.trace_span().cloned().map(|span| (msg.seq.ids(), span));
+        let traced = msg
+            .seq
+            .trace_span()
+            .cloned()
+            .map(|span| (msg.seq.ids(), span));
         self.core.submit(msg.seq)?;
         // Before any step of it can run, so the monitor knows its trace first.
         if let (Some(m), Some((ids, span))) = (&self.traced, traced) {
