@@ -354,3 +354,70 @@ async fn invalid_file_at_start_up_fails_with_its_name() {
         "{err}"
     );
 }
+
+/// The plan's `float_budget` wins over the engine's and changes by reload like residencies:
+/// a zero budget makes every float copy INT8-only (counted as over budget), removing it
+/// brings them back.
+#[actix_rt::test]
+async fn the_plan_float_budget_applies_by_reload() {
+    let fx = fixture();
+    let with_budget = |budget: Option<&str>| {
+        let mut v: Value = serde_json::from_slice(&fx.version(4.0, "fp16")).unwrap();
+        if let Some(b) = budget {
+            v["float_budget"] = json!(b);
+        }
+        serde_json::to_vec_pretty(&v).unwrap()
+    };
+    let first = with_budget(None);
+    std::fs::write(&fx.file, &first).unwrap();
+    let s = Server::start(fx.settings("60s")).await;
+    let st = status(&s).await;
+    assert_eq!(st["residency"][DOWN], "float");
+    assert_eq!(st["float_budget"], "unlimited");
+    assert_eq!(st["over_budget"], json!([]));
+    let float_before = st["float_bytes"].as_u64().unwrap();
+    assert!(float_before > 0);
+
+    let zero = with_budget(Some("0B"));
+    std::fs::write(&fx.file, &zero).unwrap();
+    let (code, body) = s.admin_post("/admin/config/reload").await;
+    assert_eq!(
+        (code, body["result"].as_str()),
+        (200, Some("applied")),
+        "{body}"
+    );
+    let st = status(&s).await;
+    assert_eq!(st["float_budget"], "0");
+    assert_eq!(st["float_budget_bytes"], 0);
+    assert_eq!(st["float_bytes"], 0);
+    assert_eq!(st["residency"][DOWN], "int8", "over budget: INT8-only");
+    assert!(
+        st["over_budget"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|g| g == DOWN),
+        "{st}"
+    );
+    assert_eq!(
+        st["weights"]["float"], 0,
+        "the float copies were dropped: {st}"
+    );
+
+    // An invalid budget is rejected by name; the plan in force stays.
+    std::fs::write(&fx.file, with_budget(Some("lots"))).unwrap();
+    let (code, body) = s.admin_post("/admin/config/reload").await;
+    assert_eq!(code, 422, "{body}");
+    assert!(
+        body["error"].as_str().unwrap().contains("float_budget"),
+        "{body}"
+    );
+    assert_eq!(status(&s).await["md5"], md5_hex(&zero));
+
+    std::fs::write(&fx.file, &first).unwrap();
+    let (code, _) = s.admin_post("/admin/config/reload").await;
+    assert_eq!(code, 200);
+    let st = status(&s).await;
+    assert_eq!(st["residency"][DOWN], "float");
+    assert_eq!(st["float_bytes"].as_u64().unwrap(), float_before);
+}

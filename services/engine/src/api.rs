@@ -204,7 +204,7 @@ fn log_plan(live: &LivePlan, cfg: &EngineConfig, w: &crate::backend::WeightBytes
     let count = |r: Residency| live.residency.values().filter(|x| **x == r).count();
     let mib = |b: usize| b as f64 / (1 << 20) as f64;
     let budget = match live.budget.budget_bytes {
-        Some(b) => format!("{} ({:.1} MiB)", cfg.float_budget, mib(b)),
+        Some(b) => format!("{} ({:.1} MiB)", live.budget.setting, mib(b)),
         None => "unlimited".into(),
     };
     let table = format!(

@@ -91,12 +91,17 @@ pub fn resolve(
         .sum();
     let float_size = base.float_dtype.bytes();
     let wanted = residency.clone();
-    let budget = budget::apply(
+    // The plan's budget wins over the engine's, so a reload can change it.
+    let setting = file
+        .and_then(|(p, _)| p.file.float_budget)
+        .unwrap_or(base.float_budget);
+    let mut budget = budget::apply(
         &mut residency,
-        base.float_budget.bytes(int8_bytes),
+        setting.bytes(int8_bytes),
         &|g| group_params(cfg, g.kind) * float_size,
         &|g| budget::rank(wanted[&g], file.and_then(|(p, _)| p.groups.get(&g))),
     );
+    budget.setting = setting;
     LivePlan {
         md5: file.map(|(_, md5)| md5.to_string()),
         monitor,
@@ -198,5 +203,14 @@ mod tests {
         assert_eq!(live.residency[&g("layers.0.o")], Residency::Int8);
         assert_eq!(live.budget.demoted, vec![g("layers.0.o")]);
         assert_eq!(live.budget.float_bytes, 64 * 64 * 2);
+
+        // The plan's own budget wins over the engine's: room for both, then for none.
+        for (budget, demoted) in [("16KiB", 0), ("0B", 2)] {
+            let with = text.replacen('{', &format!(r#"{{"float_budget": "{budget}", "#), 1);
+            let plan = SensitiveLayers::parse_for(with.as_bytes(), &shape()).unwrap();
+            let live = resolve(&base, &model(), Some((&plan, "m")));
+            assert_eq!(live.budget.demoted.len(), demoted, "{budget}");
+            assert_eq!(live.budget.setting, budget.parse().unwrap());
+        }
     }
 }

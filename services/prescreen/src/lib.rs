@@ -236,6 +236,9 @@ pub fn run(opts: &Options, progress: &dyn scan::Progress) -> Result<Outcome, Pre
             request_kl_limit: Some(hook.request_kl_limit),
         },
         groups,
+        // The server's own budget applies (the first-load plan sets 10 %); an operator or the
+        // evolution job writes one here to change it by reload.
+        float_budget: None,
     };
     // What we write must be what the engine accepts.
     let mut bytes = serde_json::to_vec_pretty(&file)

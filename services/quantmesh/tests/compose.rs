@@ -84,7 +84,14 @@ impl Stack {
         let mut c = Command::new(&self.compose[0]);
         c.args(&self.compose[1..])
             .current_dir(ROOT)
-            .args(["-p", &self.project, "-f", "docker-compose.yml", "-f", "compose.test.yml"])
+            .args([
+                "-p",
+                &self.project,
+                "-f",
+                "docker-compose.yml",
+                "-f",
+                "compose.test.yml",
+            ])
             .args(args);
         for (k, v) in &self.env {
             c.env(k, v);
@@ -107,7 +114,10 @@ impl Stack {
     }
 
     fn logs(&self) -> String {
-        let out = self.cmd(&["logs", "--no-color", "--tail", "40"]).output().unwrap();
+        let out = self
+            .cmd(&["logs", "--no-color", "--tail", "40"])
+            .output()
+            .unwrap();
         String::from_utf8_lossy(&out.stdout).to_string()
     }
 
@@ -172,13 +182,19 @@ fn the_users_compose_file_is_valid() {
         return;
     }
     let compose = compose_cmd();
-    for files in [vec!["docker-compose.yml"], vec!["docker-compose.yml", "compose.test.yml"]] {
+    for files in [
+        vec!["docker-compose.yml"],
+        vec!["docker-compose.yml", "compose.test.yml"],
+    ] {
         let mut c = Command::new(&compose[0]);
         c.args(&compose[1..]).current_dir(ROOT);
         for f in &files {
             c.args(["-f", f]);
         }
-        run(c.arg("config").arg("-q").env("QUANTMESH_TEST_MODEL_DIR", "/tmp"));
+        run(c
+            .arg("config")
+            .arg("-q")
+            .env("QUANTMESH_TEST_MODEL_DIR", "/tmp"));
     }
 }
 
@@ -221,7 +237,8 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
     );
     let pctx = tmp.path().join("prometheus-ctx");
     std::fs::create_dir_all(&pctx).unwrap();
-    let prom = which("prometheus").expect("prometheus (Debian package; scripts/test.sh installs it)");
+    let prom =
+        which("prometheus").expect("prometheus (Debian package; scripts/test.sh installs it)");
     std::fs::copy(prom, pctx.join("prometheus")).unwrap();
     let prom_size = build_image(
         "quantmesh-test/prometheus:local",
@@ -242,7 +259,10 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
         compose: compose_cmd(),
         project: format!("qmtest{}", std::process::id()),
         env: vec![
-            ("QUANTMESH_TEST_MODEL_DIR".into(), models.display().to_string()),
+            (
+                "QUANTMESH_TEST_MODEL_DIR".into(),
+                models.display().to_string(),
+            ),
             ("QUANTMESH_ADMIN_TOKEN".into(), TOKEN.into()),
             ("QUANTMESH_HTTP_PORT".into(), http.to_string()),
             ("PROMETHEUS_PORT".into(), prometheus.to_string()),
@@ -333,7 +353,10 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
         if up {
             break;
         }
-        assert!(t1.elapsed() < Duration::from_secs(60), "target not up: {targets}");
+        assert!(
+            t1.elapsed() < Duration::from_secs(60),
+            "target not up: {targets}"
+        );
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
     let rules = prom("/api/v1/rules".into()).await;
@@ -345,8 +368,14 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
     // Graceful stop (SIGTERM → drain → exit 0), then start: it rejoins.
     let id = stack.container("quantmesh");
     run(&mut stack.cmd(&["stop", "quantmesh"]));
-    let code = run(Command::new("docker").args(["inspect", "--format", "{{.State.ExitCode}}", &id]));
-    assert_eq!(String::from_utf8_lossy(&code.stdout).trim(), "0", "{}", stack.logs());
+    let code =
+        run(Command::new("docker").args(["inspect", "--format", "{{.State.ExitCode}}", &id]));
+    assert_eq!(
+        String::from_utf8_lossy(&code.stdout).trim(),
+        "0",
+        "{}",
+        stack.logs()
+    );
     run(&mut stack.cmd(&["start", "quantmesh"]));
     stack.wait_healthy(&["quantmesh"], Duration::from_secs(180));
     let body = chat(&client, &stack).await;

@@ -3,11 +3,13 @@
 //! Keep this crate free of heavy dependencies: the gateway, the engine and (later) the
 //! evolution service and data-platform tools all depend on it.
 
+pub mod budget;
 pub mod events;
 pub mod generation;
 pub mod precision;
 pub mod sensitive;
 
+pub use budget::FloatBudget;
 pub use events::{now_ms, wire_name};
 pub use events::{
     ConfigAction, ConfigEvent, EventSink, FallbackAction, FallbackEvent, FallbackReason,

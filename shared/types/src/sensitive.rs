@@ -38,6 +38,11 @@ pub struct SensitiveLayers {
     /// Per fused linear group, keyed like `layers.1.down`.
     #[serde(default)]
     pub groups: BTreeMap<String, GroupEntry>,
+    /// How many bytes float copies may take (`"10%"` of the INT8 linear weights, `"64MiB"`,
+    /// `"unlimited"`); absent: the engine's `engine.float_budget`. Applied on every reload,
+    /// like residencies (optional, added in v1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub float_budget: Option<crate::FloatBudget>,
 }
 
 /// Identifies a checkpoint.

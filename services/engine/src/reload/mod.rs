@@ -421,7 +421,7 @@ impl Reloader {
 /// Write the plan in force into the status.
 pub(crate) fn describe(s: &mut ConfigStatus, live: &LivePlan, base: &EngineConfig) {
     s.float_dtype = Some(base.float_dtype);
-    s.float_budget = Some(base.float_budget.to_string());
+    s.float_budget = Some(live.budget.setting.to_string());
     s.float_budget_bytes = live.budget.budget_bytes;
     s.float_bytes = live.budget.float_bytes;
     s.over_budget = live.budget.demoted.iter().map(|g| g.to_string()).collect();
