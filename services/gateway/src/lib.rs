@@ -1,8 +1,10 @@
 //! quantmesh gateway: the OpenAI-compatible HTTP API in front of the engine.
 
+pub mod auth;
 pub mod error;
 pub mod first_plan;
 pub mod logprobs;
+pub mod mesh;
 pub mod metrics;
 pub mod model_source;
 pub mod openai;
@@ -14,5 +16,6 @@ pub mod settings;
 pub mod state;
 pub mod telemetry;
 
-pub use server::{run_embedded, serve_main, shutdown_signal};
-pub use settings::{LogFormat, ServeFlags, Settings};
+pub use mesh::http::run_gateway;
+pub use server::{gateway_main, run_embedded, serve_main, shutdown_signal};
+pub use settings::{GatewayFlags, LogFormat, ServeFlags, Settings};

@@ -1,5 +1,6 @@
 //! HTTP routes. `configure` is used by the server and by tests alike.
 
+use crate::auth::{self, bearer};
 use crate::error::{parse_json, ApiError};
 use crate::logprobs;
 use crate::openai::{
@@ -108,55 +109,12 @@ async fn models(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResp
     }))
 }
 
-fn bearer(req: &HttpRequest) -> Option<&str> {
-    req.headers()
-        .get("authorization")?
-        .to_str()
-        .ok()?
-        .strip_prefix("Bearer ")
-        .map(str::trim)
-}
-
-/// Constant-time comparison of a secret with what a client sent.
-fn secret_eq(secret: &str, sent: &str) -> bool {
-    use subtle::ConstantTimeEq;
-    secret.as_bytes().ct_eq(sent.as_bytes()).into()
-}
-
 fn check_api_key(req: &HttpRequest, state: &AppState) -> Result<(), ApiError> {
-    if state.server.api_keys.is_empty() {
-        return Ok(());
-    }
-    match bearer(req) {
-        // Every key is compared, each in constant time: timing says nothing about any key.
-        Some(k)
-            if state
-                .server
-                .api_keys
-                .iter()
-                .fold(false, |found, a| found | secret_eq(a, k)) =>
-        {
-            Ok(())
-        }
-        Some(_) => Err(ApiError::Unauthorized("invalid API key".into())),
-        None => Err(ApiError::Unauthorized(
-            "missing API key: send Authorization: Bearer <key>".into(),
-        )),
-    }
+    auth::api_key(req, &state.server.api_keys)
 }
 
 fn check_admin(req: &HttpRequest, state: &AppState) -> Result<(), ApiError> {
-    let Some(token) = &state.admin_token else {
-        return Err(ApiError::Forbidden(
-            "admin routes are disabled: set QUANTMESH_ADMIN_TOKEN to enable them".into(),
-        ));
-    };
-    match bearer(req) {
-        Some(t) if secret_eq(token, t) => Ok(()),
-        _ => Err(ApiError::Unauthorized(
-            "admin routes need Authorization: Bearer <QUANTMESH_ADMIN_TOKEN>".into(),
-        )),
-    }
+    auth::admin(req, state.admin_token.as_deref())
 }
 
 /// The request's server span, when traces are exported.
@@ -166,7 +124,7 @@ fn server_span(req: &HttpRequest) -> Option<ServerSpan> {
 }
 
 /// Read the body with the configured limit (413 beyond it).
-async fn read_body(mut payload: web::Payload, limit: usize) -> Result<Bytes, ApiError> {
+pub(crate) async fn read_body(mut payload: web::Payload, limit: usize) -> Result<Bytes, ApiError> {
     let mut buf = bytes::BytesMut::new();
     while let Some(chunk) = payload.next().await {
         let chunk =

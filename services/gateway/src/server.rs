@@ -304,6 +304,22 @@ pub async fn shutdown_signal() {
     }
 }
 
+/// `quantmesh gateway`: settings from flags, telemetry, bind, route to the engines until
+/// SIGINT/SIGTERM, drain.
+pub fn gateway_main(flags: &crate::settings::GatewayFlags) -> anyhow::Result<()> {
+    let s = flags.settings()?;
+    let mut telemetry = crate::telemetry::init_with(s.log.format, &s.log.level, &s.telemetry);
+    let listener = TcpListener::bind((s.server.host.as_str(), s.server.port))
+        .with_context(|| format!("binding {}:{}", s.server.host, s.server.port))?;
+    let served = actix_rt::System::new().block_on(crate::mesh::http::run_gateway(
+        s,
+        listener,
+        shutdown_signal(),
+    ));
+    telemetry.shutdown();
+    served
+}
+
 /// What a serving binary's `main` does: settings from flags, telemetry, bind, run the
 /// embedded stack until SIGINT/SIGTERM, drain.
 pub fn serve_main(flags: &crate::settings::ServeFlags) -> anyhow::Result<()> {

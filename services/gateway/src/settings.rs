@@ -17,6 +17,8 @@ pub struct Settings {
     pub kafka: KafkaSettings,
     /// Trace export over OTLP (off while no endpoint is set).
     pub telemetry: TelemetrySettings,
+    /// The engines `quantmesh gateway` routes to (mesh mode only).
+    pub mesh: crate::mesh::MeshSettings,
 }
 
 /// OTLP transport.
@@ -376,6 +378,9 @@ impl Settings {
         if let Some(v) = get("OTEL_SERVICE_NAME").filter(|v| !v.is_empty()) {
             self.telemetry.service_name = v;
         }
+        if let Some(v) = get("QUANTMESH_ENGINES").filter(|v| !v.is_empty()) {
+            self.mesh.engines = v.split(',').map(|e| e.trim().to_string()).collect();
+        }
         if let Some(v) = get("QUANTMESH_LOG_LEVEL") {
             self.log.level = v;
         }
@@ -616,6 +621,61 @@ pub struct ServeFlags {
     /// Directory of the durable event outbox [default: data/outbox].
     #[arg(long)]
     pub outbox_dir: Option<PathBuf>,
+}
+
+/// `quantmesh gateway`: the OpenAI API in front of engine processes.
+#[derive(Debug, Clone, clap::Args)]
+pub struct GatewayFlags {
+    /// TOML config file (sections `[server]`, `[mesh]`, `[log]`, `[telemetry]`).
+    #[arg(long, env = "QUANTMESH_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Address to listen on [default: 127.0.0.1].
+    #[arg(long)]
+    pub host: Option<String>,
+    /// Port to listen on [default: 8080].
+    #[arg(long)]
+    pub port: Option<u16>,
+    /// An engine's base URL, e.g. `http://127.0.0.1:8081` (repeat for each engine; env
+    /// `QUANTMESH_ENGINES`, comma-separated; file `mesh.engines`).
+    #[arg(long = "engine")]
+    pub engines: Vec<String>,
+    /// How requests are spread: least-outstanding (with prefix affinity) or random.
+    #[arg(long, value_enum)]
+    pub routing: Option<crate::mesh::Routing>,
+    /// Requests in flight per engine before it counts as saturated [default: 64].
+    #[arg(long)]
+    pub max_outstanding: Option<usize>,
+    /// Log format [default: text].
+    #[arg(long, value_enum)]
+    pub log_format: Option<LogFormat>,
+}
+
+impl GatewayFlags {
+    /// Defaults → file → environment → these flags, validated.
+    pub fn settings(&self) -> Result<Settings, SettingsError> {
+        let mut s = Settings::load(self.config.as_deref())?;
+        if let Some(h) = &self.host {
+            s.server.host = h.clone();
+        }
+        if let Some(p) = self.port {
+            s.server.port = p;
+        }
+        if !self.engines.is_empty() {
+            s.mesh.engines = self.engines.clone();
+        }
+        if let Some(r) = self.routing {
+            s.mesh.routing = r;
+        }
+        if let Some(m) = self.max_outstanding {
+            s.mesh.max_outstanding = m;
+        }
+        if let Some(f) = self.log_format {
+            s.log.format = f;
+        }
+        s.validate()?;
+        s.mesh.validate().map_err(SettingsError::Invalid)?;
+        Ok(s)
+    }
 }
 
 impl ServeFlags {

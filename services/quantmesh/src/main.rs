@@ -29,6 +29,14 @@ struct Cli {
 enum Command {
     /// Run the embedded all-in-one stack: gateway and engine actors in one process.
     Serve(quantmesh_gateway::ServeFlags),
+    /// Run one engine for a gateway (mesh mode): the model, scheduler, executor, monitor,
+    /// config reload and event outbox behind the versioned OpenAI `/v1` API, `/ready`,
+    /// `/metrics` and `/admin/*`. Same flags as `serve`.
+    Engine(quantmesh_gateway::ServeFlags),
+    /// Run the gateway (mesh mode): the OpenAI API, auth and limits in front of engine
+    /// processes reached over HTTP; least-outstanding routing with prefix affinity, retry on
+    /// another engine before the first byte, 429 when all are saturated, admin fan-out.
+    Gateway(quantmesh_gateway::GatewayFlags),
     /// Manage model checkpoints.
     #[command(subcommand)]
     Model(model::ModelCommand),
@@ -43,7 +51,8 @@ enum Command {
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
-        Command::Serve(flags) => quantmesh_gateway::serve_main(&flags),
+        Command::Serve(flags) | Command::Engine(flags) => quantmesh_gateway::serve_main(&flags),
+        Command::Gateway(flags) => quantmesh_gateway::gateway_main(&flags),
         Command::Prescreen(args) => prescreen::run(args),
         Command::Events(cmd) => events::run(cmd),
         Command::Model(cmd) => model::run(cmd),

@@ -1,0 +1,367 @@
+//! The gateway's HTTP surface in mesh mode and its start-up.
+
+use crate::auth;
+use crate::error::{parse_json, ApiError};
+use crate::mesh::client::{EngineClient, EngineView, Forward, InFlight};
+use crate::mesh::route::{affinity_key, Mesh, MeshMetrics, NoEngine};
+use crate::routes::read_body;
+use crate::settings::Settings;
+use actix::Actor;
+use actix_web::http::StatusCode;
+use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer};
+use bytes::Bytes;
+use futures::StreamExt;
+use prometheus::{Encoder, Registry, TextEncoder};
+use serde_json::json;
+use std::future::Future;
+use std::net::TcpListener;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub struct MeshState {
+    pub settings: Settings,
+    pub mesh: Mesh,
+    pub registry: Registry,
+}
+
+/// Headers passed on to engines.
+const FORWARDED: [&str; 4] = ["content-type", "traceparent", "tracestate", "x-request-id"];
+
+fn forwarded(req: &HttpRequest, admin: bool) -> Vec<(String, String)> {
+    let mut h: Vec<(String, String)> = FORWARDED
+        .iter()
+        .filter_map(|k| {
+            let v = req.headers().get(*k)?.to_str().ok()?;
+            Some((k.to_string(), v.to_string()))
+        })
+        .collect();
+    if admin {
+        if let Some(t) = auth::bearer(req) {
+            h.push(("authorization".into(), format!("Bearer {t}")));
+        }
+    }
+    h
+}
+
+fn reject(state: &MeshState, why: NoEngine) -> ApiError {
+    match why {
+        NoEngine::Saturated => {
+            state.mesh.metrics.rejected.with_label_values(&["saturated"]).inc();
+            ApiError::Overloaded(format!(
+                "every engine has {} requests in flight (mesh.max_outstanding)",
+                state.mesh.settings.max_outstanding
+            ))
+        }
+        NoEngine::NoneUp => {
+            state.mesh.metrics.rejected.with_label_values(&["no_engine"]).inc();
+            ApiError::Unavailable("no engine is up".into())
+        }
+    }
+}
+
+/// The SSE event that ends a stream whose engine failed after it had started.
+fn stream_error(engine: &str, e: &dyn std::fmt::Display) -> Bytes {
+    let body = json!({"error": {
+        "message": format!("engine {engine} failed while streaming: {e}"),
+        "type": "server_error", "code": "engine_failed", "param": null,
+    }});
+    Bytes::from(format!("data: {body}\n\n"))
+}
+
+/// `/v1/completions` and `/v1/chat/completions`: route, forward, retry before the first
+/// byte, stream through.
+async fn generate(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<MeshState>,
+) -> Result<HttpResponse, ApiError> {
+    auth::api_key(&req, &state.settings.server.api_keys)?;
+    let body = read_body(payload, state.settings.server.max_body_bytes).await?;
+    let v: serde_json::Value = parse_json(&body)?;
+    let stream = v.get("stream").and_then(|s| s.as_bool()).unwrap_or(false);
+    let key = affinity_key(&v, state.mesh.settings.affinity_chars);
+    let headers = forwarded(&req, false);
+    let mut tried = Vec::new();
+    loop {
+        let (i, choice) = state.mesh.pick(key, &tried).map_err(|why| match (why, tried.is_empty()) {
+            // Every engine tried failed: say so rather than "none up".
+            (NoEngine::NoneUp, false) => ApiError::Unavailable(format!(
+                "the request failed on {} engine(s); none left to try",
+                tried.len()
+            )),
+            (why, _) => reject(&state, why),
+        })?;
+        tried.push(i);
+        let (view, addr) = &state.mesh.engines[i];
+        let in_flight = InFlight::new(view.clone(), state.mesh.metrics.clone());
+        let sent = addr
+            .send(Forward {
+                method: reqwest::Method::POST,
+                path: req.path().to_string(),
+                body: body.clone(),
+                headers: headers.clone(),
+            })
+            .await;
+        let retry = |why: String| {
+            tracing::warn!(engine = %view.name, why, "retrying the request on another engine");
+            state.mesh.metrics.retries.with_label_values(&[&view.name]).inc();
+        };
+        let resp = match sent {
+            Ok(Ok(r)) if r.status().is_server_error() => {
+                retry(format!("the engine answered {}", r.status()));
+                continue;
+            }
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => {
+                retry(e.to_string());
+                continue;
+            }
+            Err(e) => {
+                retry(format!("engine client: {e}"));
+                continue;
+            }
+        };
+        let status = StatusCode::from_u16(resp.status().as_u16())
+            .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let content_type = resp
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("application/json")
+            .to_string();
+        if !stream || !status.is_success() {
+            // Nothing has reached the client yet: a body that breaks off is retried.
+            match resp.bytes().await {
+                Ok(b) => {
+                    state
+                        .mesh
+                        .metrics
+                        .routed
+                        .with_label_values(&[&view.name, choice.as_str()])
+                        .inc();
+                    return Ok(HttpResponse::build(status)
+                        .content_type(content_type)
+                        .insert_header(("x-quantmesh-engine", view.name.clone()))
+                        .body(b));
+                }
+                Err(e) => {
+                    retry(e.to_string());
+                    continue;
+                }
+            }
+        }
+        state
+            .mesh
+            .metrics
+            .routed
+            .with_label_values(&[&view.name, choice.as_str()])
+            .inc();
+        let name = view.name.clone();
+        let failures = state.mesh.metrics.stream_failures.clone();
+        let body = futures::stream::unfold(
+            (resp.bytes_stream().boxed(), Some(in_flight), false),
+            move |(mut s, guard, done)| {
+                let (name, failures) = (name.clone(), failures.clone());
+                async move {
+                    if done {
+                        return None;
+                    }
+                    match s.next().await {
+                        Some(Ok(b)) => Some((Ok::<Bytes, actix_web::Error>(b), (s, guard, false))),
+                        Some(Err(e)) => {
+                            tracing::warn!(engine = %name, error = %e, "engine failed mid-stream");
+                            failures.with_label_values(&[&name]).inc();
+                            Some((Ok(stream_error(&name, &e)), (s, None, true)))
+                        }
+                        None => None,
+                    }
+                }
+            },
+        );
+        return Ok(HttpResponse::Ok()
+            .content_type("text/event-stream")
+            .insert_header(("Cache-Control", "no-cache"))
+            .insert_header(("x-quantmesh-engine", view.name.clone()))
+            .streaming(body));
+    }
+}
+
+/// `GET /v1/models`: from the first engine that answers.
+async fn models(req: HttpRequest, state: web::Data<MeshState>) -> Result<HttpResponse, ApiError> {
+    auth::api_key(&req, &state.settings.server.api_keys)?;
+    for (view, addr) in state.mesh.engines.iter().filter(|(v, _)| v.is_up()) {
+        let sent = addr
+            .send(Forward {
+                method: reqwest::Method::GET,
+                path: "/v1/models".into(),
+                body: Bytes::new(),
+                headers: forwarded(&req, false),
+            })
+            .await;
+        if let Ok(Ok(r)) = sent {
+            if r.status().is_success() {
+                if let Ok(b) = r.bytes().await {
+                    return Ok(HttpResponse::Ok().content_type("application/json").body(b));
+                }
+            }
+        }
+        tracing::warn!(engine = %view.name, "GET /v1/models failed on this engine");
+    }
+    Err(reject(&state, NoEngine::NoneUp))
+}
+
+/// `/admin/*`: the same call on every engine, answers labelled by engine. 200 when every
+/// engine answered 2xx, else 502 (the per-engine answers say which failed and why).
+async fn admin(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<MeshState>,
+) -> Result<HttpResponse, ApiError> {
+    auth::admin(&req, state.settings.server.admin_token.as_deref())?;
+    let body = read_body(payload, state.settings.server.max_body_bytes).await?;
+    let method = reqwest::Method::from_bytes(req.method().as_str().as_bytes())
+        .map_err(|e| ApiError::BadRequest(e.to_string()))?;
+    let path = req
+        .uri()
+        .path_and_query()
+        .map_or(req.path().to_string(), |p| p.to_string());
+    let calls = state.mesh.engines.iter().map(|(view, addr)| {
+        let f = Forward {
+            method: method.clone(),
+            path: path.clone(),
+            body: body.clone(),
+            headers: forwarded(&req, true),
+        };
+        async move {
+            let answer = match addr.send(f).await {
+                Ok(Ok(r)) => {
+                    let code = r.status().as_u16();
+                    let text = r.text().await.unwrap_or_default();
+                    let body = serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text));
+                    json!({"engine": view.name, "status": code, "body": body})
+                }
+                Ok(Err(e)) => json!({"engine": view.name, "status": null, "error": e.to_string()}),
+                Err(e) => json!({"engine": view.name, "status": null, "error": e.to_string()}),
+            };
+            answer
+        }
+    });
+    let answers = futures::future::join_all(calls).await;
+    let all_ok = answers
+        .iter()
+        .all(|a| a["status"].as_u64().is_some_and(|s| (200..300).contains(&s)));
+    let status = if all_ok { StatusCode::OK } else { StatusCode::BAD_GATEWAY };
+    Ok(HttpResponse::build(status).json(json!({ "engines": answers })))
+}
+
+async fn health() -> HttpResponse {
+    HttpResponse::Ok().json(json!({"status": "ok"}))
+}
+
+async fn ready(state: web::Data<MeshState>) -> Result<HttpResponse, ApiError> {
+    let up = state.mesh.up();
+    if up == 0 {
+        return Err(ApiError::Unavailable("no engine is up".into()));
+    }
+    Ok(HttpResponse::Ok().json(json!({
+        "status": "ready", "engines_up": up, "engines": state.mesh.engines.len(),
+    })))
+}
+
+async fn metrics(state: web::Data<MeshState>) -> HttpResponse {
+    let mut buf = Vec::new();
+    if let Err(e) = TextEncoder::new().encode(&state.registry.gather(), &mut buf) {
+        tracing::error!(error = %e, "encoding metrics failed");
+    }
+    HttpResponse::Ok()
+        .content_type("text/plain; version=0.0.4; charset=utf-8")
+        .body(buf)
+}
+
+async fn not_found(req: HttpRequest) -> Result<HttpResponse, ApiError> {
+    Err(ApiError::NotFound(format!(
+        "no route for {} {} on the gateway",
+        req.method(),
+        req.path()
+    )))
+}
+
+pub fn configure(cfg: &mut web::ServiceConfig) {
+    cfg.route("/health", web::get().to(health))
+        .route("/ready", web::get().to(ready))
+        .route("/metrics", web::get().to(metrics))
+        .route("/v1/models", web::get().to(models))
+        .route("/v1/completions", web::post().to(generate))
+        .route("/v1/chat/completions", web::post().to(generate))
+        .route("/admin/{tail:.*}", web::route().to(admin))
+        .default_service(web::to(not_found));
+}
+
+/// Start the engine clients and the HTTP server on `listener`; returns after `shutdown`
+/// resolves and in-flight requests have finished (bounded by the shutdown timeout). Must run
+/// inside an actix system.
+pub async fn run_gateway(
+    settings: Settings,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<()> {
+    settings.validate()?;
+    settings
+        .mesh
+        .validate()
+        .map_err(|e| anyhow::anyhow!("mesh settings: {e}"))?;
+    let registry = Registry::new();
+    let names: Vec<String> = (1..=settings.mesh.engines.len())
+        .map(|i| format!("engine-{i}"))
+        .collect();
+    let metrics = MeshMetrics::register(&registry, &names);
+    let http = reqwest::Client::builder()
+        .connect_timeout(Duration::from_secs(2))
+        .build()?;
+    let engines = settings
+        .mesh
+        .engines
+        .iter()
+        .zip(&names)
+        .map(|(url, name)| {
+            let view = Arc::new(EngineView::new(name.clone(), url));
+            tracing::info!(engine = %name, %url, "routing to engine");
+            let addr = EngineClient {
+                view: view.clone(),
+                http: http.clone(),
+                health_interval: settings.mesh.health_interval,
+                queue: settings.mesh.max_outstanding,
+                metrics: metrics.clone(),
+            }
+            .start();
+            (view, addr)
+        })
+        .collect();
+    let mesh = Mesh::new(engines, settings.mesh.clone(), metrics);
+    let timeout = settings.server.shutdown_timeout_secs;
+    let state = web::Data::new(MeshState {
+        settings,
+        mesh,
+        registry,
+    });
+    let addr = listener.local_addr()?;
+    let server = HttpServer::new(move || App::new().app_data(state.clone()).configure(configure))
+        .on_connect(|conn, _| {
+            if let Some(tcp) = conn.downcast_ref::<actix_web::rt::net::TcpStream>() {
+                let _ = tcp.set_nodelay(true);
+            }
+        })
+        .listen(listener)?
+        .shutdown_timeout(timeout)
+        .disable_signals()
+        .run();
+    let handle = server.handle();
+    let task = actix_rt::spawn(server);
+    tracing::info!(%addr, "gateway listening");
+    shutdown.await;
+    tracing::info!("shutting down: no new requests, in-flight ones finish");
+    handle.stop(true).await;
+    let _ = task.await;
+    tracing::info!("stopped");
+    Ok(())
+}

@@ -1,0 +1,297 @@
+//! Which engine gets a request, and the gateway's own series.
+
+use crate::metrics::must;
+use crate::mesh::client::{EngineClient, EngineView};
+use crate::mesh::{MeshSettings, Routing};
+use actix::Addr;
+use prometheus::{IntCounterVec, IntGaugeVec, Opts, Registry};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::sync::{Arc, Mutex};
+
+/// Most prefixes remembered for affinity (the map is cleared when it grows past this).
+const AFFINITY_CAPACITY: usize = 65_536;
+
+/// The gateway's routing series, labelled by engine.
+#[derive(Clone)]
+pub struct MeshMetrics {
+    up: IntGaugeVec,
+    outstanding: IntGaugeVec,
+    pub routed: IntCounterVec,
+    pub retries: IntCounterVec,
+    pub rejected: IntCounterVec,
+    pub stream_failures: IntCounterVec,
+}
+
+impl MeshMetrics {
+    pub fn register(registry: &Registry, engines: &[String]) -> Self {
+        let gauge = |n: &str, h: &str| must(IntGaugeVec::new(Opts::new(n, h), &["engine"]));
+        let counter = |n: &str, h: &str, l: &[&str]| must(IntCounterVec::new(Opts::new(n, h), l));
+        let m = Self {
+            up: gauge("quantmesh_gateway_engine_up", "1 when the engine's /ready answers 200."),
+            outstanding: gauge(
+                "quantmesh_gateway_engine_outstanding",
+                "Requests in flight on the engine (streams until their last byte).",
+            ),
+            routed: counter(
+                "quantmesh_gateway_routed_total",
+                "Requests answered by the engine, by how it was chosen (affinity, least, random).",
+                &["engine", "choice"],
+            ),
+            retries: counter(
+                "quantmesh_gateway_retries_total",
+                "Requests moved to another engine before their first byte, by the engine that failed.",
+                &["engine"],
+            ),
+            rejected: counter(
+                "quantmesh_gateway_rejected_total",
+                "Requests no engine could take: saturated (429) or none up (503).",
+                &["reason"],
+            ),
+            stream_failures: counter(
+                "quantmesh_gateway_stream_failures_total",
+                "Streams that had started and ended with an error event because their engine failed.",
+                &["engine"],
+            ),
+        };
+        for c in [&m.up, &m.outstanding] {
+            must(registry.register(Box::new(c.clone())));
+        }
+        for c in [&m.routed, &m.retries, &m.rejected, &m.stream_failures] {
+            must(registry.register(Box::new(c.clone())));
+        }
+        for e in engines {
+            m.up.with_label_values(&[e]);
+            m.outstanding.with_label_values(&[e]);
+            m.retries.with_label_values(&[e]);
+            m.stream_failures.with_label_values(&[e]);
+            for choice in ["affinity", "least", "random"] {
+                m.routed.with_label_values(&[e, choice]);
+            }
+        }
+        for r in ["saturated", "no_engine"] {
+            m.rejected.with_label_values(&[r]);
+        }
+        m
+    }
+
+    pub fn up(&self, engine: &str, up: bool) {
+        self.up.with_label_values(&[engine]).set(i64::from(up));
+    }
+
+    pub fn outstanding(&self, engine: &str, n: usize) {
+        self.outstanding.with_label_values(&[engine]).set(n as i64);
+    }
+}
+
+/// Why no engine was chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NoEngine {
+    /// Every engine that is up has `max_outstanding` requests in flight.
+    Saturated,
+    /// No engine is up (or every one was tried).
+    NoneUp,
+}
+
+/// How an engine was chosen (a metric label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Choice {
+    Affinity,
+    Least,
+    Random,
+}
+
+impl Choice {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Choice::Affinity => "affinity",
+            Choice::Least => "least",
+            Choice::Random => "random",
+        }
+    }
+}
+
+/// The engines and the routing state.
+pub struct Mesh {
+    pub engines: Vec<(Arc<EngineView>, Addr<EngineClient>)>,
+    pub settings: MeshSettings,
+    pub metrics: MeshMetrics,
+    affinity: Mutex<HashMap<u64, usize>>,
+    rng: Mutex<StdRng>,
+}
+
+impl Mesh {
+    pub fn new(
+        engines: Vec<(Arc<EngineView>, Addr<EngineClient>)>,
+        settings: MeshSettings,
+        metrics: MeshMetrics,
+    ) -> Self {
+        Self {
+            engines,
+            settings,
+            metrics,
+            affinity: Mutex::new(HashMap::new()),
+            rng: Mutex::new(StdRng::from_entropy()),
+        }
+    }
+
+    /// Engines that are up.
+    pub fn up(&self) -> usize {
+        self.engines.iter().filter(|(v, _)| v.is_up()).count()
+    }
+
+    /// Choose an engine for a request keyed `key` (its prefix), not among `tried`.
+    pub fn pick(&self, key: Option<u64>, tried: &[usize]) -> Result<(usize, Choice), NoEngine> {
+        let views: Vec<(usize, usize)> = self
+            .engines
+            .iter()
+            .enumerate()
+            .filter(|(i, (v, _))| v.is_up() && !tried.contains(i))
+            .map(|(i, (v, _))| (i, v.outstanding()))
+            .collect();
+        let (i, choice) = choose(
+            &views,
+            self.settings.max_outstanding,
+            self.settings.routing,
+            key.and_then(|k| self.affinity.lock().ok()?.get(&k).copied()),
+            self.settings.affinity_slack,
+            &mut *self.rng.lock().map_err(|_| NoEngine::NoneUp)?,
+        )?;
+        // A prefix keeps its home while that engine is up: a request sent elsewhere because
+        // its home was busy does not move it (that would spread the prefix over every
+        // engine's cache). A prefix without a home, or whose home is down or was tried and
+        // failed, gets the engine chosen now.
+        if let (Some(k), Ok(mut a)) = (key, self.affinity.lock()) {
+            let home_ok = a
+                .get(&k)
+                .is_some_and(|h| *h == i || (self.engines[*h].0.is_up() && !tried.contains(h)));
+            if !home_ok {
+                if a.len() >= AFFINITY_CAPACITY {
+                    a.clear();
+                }
+                a.insert(k, i);
+            }
+        }
+        Ok((i, choice))
+    }
+}
+
+/// The routing rule, pure: `up` lists (engine, requests in flight) of the candidates.
+pub fn choose(
+    up: &[(usize, usize)],
+    max_outstanding: usize,
+    routing: Routing,
+    affinity: Option<usize>,
+    slack: usize,
+    rng: &mut impl Rng,
+) -> Result<(usize, Choice), NoEngine> {
+    if up.is_empty() {
+        return Err(NoEngine::NoneUp);
+    }
+    let room: Vec<(usize, usize)> = up
+        .iter()
+        .copied()
+        .filter(|(_, n)| *n < max_outstanding)
+        .collect();
+    if room.is_empty() {
+        return Err(NoEngine::Saturated);
+    }
+    if routing == Routing::Random {
+        return Ok((room[rng.gen_range(0..room.len())].0, Choice::Random));
+    }
+    let least = room.iter().map(|(_, n)| *n).min().unwrap_or(0);
+    if let Some(&(i, n)) = affinity.and_then(|a| room.iter().find(|(i, _)| *i == a)) {
+        if n <= least + slack {
+            return Ok((i, Choice::Affinity));
+        }
+    }
+    let pick = room
+        .iter()
+        .find(|(_, n)| *n == least)
+        .map_or(room[0].0, |(i, _)| *i);
+    Ok((pick, Choice::Least))
+}
+
+/// The affinity key of a request body: a hash of the first `chars` characters of its prompt
+/// (completions) or of its messages' roles and contents (chat) — the text its first KV pages
+/// are computed from. `None` when the body has neither.
+pub fn affinity_key(body: &serde_json::Value, chars: usize) -> Option<u64> {
+    let mut text = String::new();
+    if let Some(p) = body.get("prompt") {
+        match p {
+            serde_json::Value::String(s) => text.push_str(s),
+            other => text.push_str(&other.to_string()),
+        }
+    } else if let Some(ms) = body.get("messages").and_then(|m| m.as_array()) {
+        for m in ms {
+            text.push_str(m.get("role").and_then(|r| r.as_str()).unwrap_or(""));
+            text.push('\u{1f}');
+            text.push_str(m.get("content").and_then(|c| c.as_str()).unwrap_or(""));
+            text.push('\u{1e}');
+            if text.chars().count() >= chars {
+                break;
+            }
+        }
+    } else {
+        return None;
+    }
+    let prefix: String = text.chars().take(chars).collect();
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    prefix.hash(&mut h);
+    Some(h.finish())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rng() -> StdRng {
+        StdRng::seed_from_u64(7)
+    }
+
+    #[test]
+    fn least_outstanding_wins_unless_affinity_is_close() {
+        let up = [(0, 3), (1, 1), (2, 2)];
+        let lo = Routing::LeastOutstanding;
+        assert_eq!(choose(&up, 8, lo, None, 2, &mut rng()), Ok((1, Choice::Least)));
+        // The affinity engine is 1 busier than the least: within the slack.
+        assert_eq!(choose(&up, 8, lo, Some(2), 2, &mut rng()), Ok((2, Choice::Affinity)));
+        // 2 busier with slack 1: load wins.
+        assert_eq!(choose(&up, 8, lo, Some(0), 1, &mut rng()), Ok((1, Choice::Least)));
+    }
+
+    #[test]
+    fn saturated_and_down_engines_are_told_apart() {
+        let lo = Routing::LeastOutstanding;
+        assert_eq!(choose(&[], 8, lo, None, 2, &mut rng()), Err(NoEngine::NoneUp));
+        assert_eq!(choose(&[(0, 8), (1, 9)], 8, lo, None, 2, &mut rng()), Err(NoEngine::Saturated));
+        // A saturated affinity engine is passed over.
+        assert_eq!(choose(&[(0, 8), (1, 0)], 8, lo, Some(0), 100, &mut rng()), Ok((1, Choice::Least)));
+    }
+
+    #[test]
+    fn random_spreads_over_engines_with_room() {
+        let mut r = rng();
+        let mut seen = [0; 3];
+        for _ in 0..300 {
+            let (i, c) = choose(&[(0, 0), (1, 5), (2, 8)], 8, Routing::Random, Some(1), 0, &mut r).unwrap();
+            assert_eq!(c, Choice::Random);
+            seen[i] += 1;
+        }
+        assert!(seen[0] > 100 && seen[1] > 100 && seen[2] == 0, "{seen:?}");
+    }
+
+    #[test]
+    fn affinity_keys_follow_the_prefix() {
+        let a = serde_json::json!({"prompt": "The same long prefix, then A"});
+        let b = serde_json::json!({"prompt": "The same long prefix, then B"});
+        assert_eq!(affinity_key(&a, 20), affinity_key(&b, 20));
+        assert_ne!(affinity_key(&a, 40), affinity_key(&b, 40));
+        let c = serde_json::json!({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "x"}]});
+        let d = serde_json::json!({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "y"}]});
+        assert_eq!(affinity_key(&c, 12), affinity_key(&d, 12));
+        assert_eq!(affinity_key(&serde_json::json!({}), 12), None);
+    }
+}

@@ -1,0 +1,327 @@
+//! The microservice mesh without containers: `quantmesh gateway` in front of two
+//! `quantmesh engine` processes on loopback, real HTTP between them. Load spreads over both;
+//! an engine killed with SIGKILL under load costs no request that had not started streaming
+//! (retried on the other engine), started streams end with an error event, nothing hangs,
+//! and the gateway marks the engine down and back up; prefix affinity raises prefix-cache
+//! hits over random routing.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use futures::StreamExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+use support::{free_port, model_dir, sum_metric, ADMIN_TOKEN};
+
+/// A `quantmesh` process (engine or gateway) and its port.
+struct Proc {
+    child: Option<Child>,
+    port: u16,
+    log: PathBuf,
+}
+
+impl Proc {
+    fn spawn(args: &[&str], port: u16, log: PathBuf) -> Proc {
+        let f = std::fs::File::create(&log).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_quantmesh"))
+            .args(args)
+            .args(["--port", &port.to_string()])
+            .env("QUANTMESH_ADMIN_TOKEN", ADMIN_TOKEN)
+            .env("QUANTMESH_KV_PAGES", "256")
+            .env("QUANTMESH_PLAN", "none")
+            .env("RUST_LOG", "info,quantmesh::fallback=warn")
+            .stdout(f.try_clone().unwrap())
+            .stderr(f)
+            .spawn()
+            .unwrap();
+        Proc {
+            child: Some(child),
+            port,
+            log,
+        }
+    }
+
+    fn engine(root: &Path, model: &Path, port: u16) -> Proc {
+        let log = root.join(format!("engine-{port}.log"));
+        Proc::spawn(&["engine", "--model", model.to_str().unwrap()], port, log)
+    }
+
+    fn gateway(root: &Path, engines: &[&Proc], routing: &str) -> Proc {
+        let port = free_port();
+        let mut args = vec!["gateway".to_string(), "--routing".into(), routing.into()];
+        for e in engines {
+            args.push("--engine".into());
+            args.push(format!("http://127.0.0.1:{}", e.port));
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        Proc::spawn(&args, port, root.join(format!("gateway-{port}.log")))
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    async fn ready(&self, client: &reqwest::Client) {
+        let t0 = Instant::now();
+        loop {
+            if let Ok(r) = client.get(self.url("/ready")).send().await {
+                if r.status() == 200 {
+                    return;
+                }
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(120),
+                "{} not ready; log:\n{}",
+                self.url(""),
+                std::fs::read_to_string(&self.log).unwrap_or_default()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn metrics(&self, client: &reqwest::Client) -> String {
+        client
+            .get(self.url("/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+async fn complete(client: &reqwest::Client, gw: &Proc, prompt: &str) -> (u16, String) {
+    let r = client
+        .post(gw.url("/v1/completions"))
+        .json(&serde_json::json!({"prompt": prompt, "max_tokens": 8, "temperature": 0}))
+        .send()
+        .await
+        .unwrap();
+    let engine = r
+        .headers()
+        .get("x-quantmesh-engine")
+        .map(|v| v.to_str().unwrap().to_string())
+        .unwrap_or_default();
+    (r.status().as_u16(), engine)
+}
+
+async fn wait_metric(client: &reqwest::Client, p: &Proc, name: &str, labels: &[&str], want: f64) {
+    let t0 = Instant::now();
+    loop {
+        let v = sum_metric(&p.metrics(client).await, name, labels);
+        if v == want {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "{name}{labels:?} stuck at {v}, want {want}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_spreads_and_a_killed_engine_costs_no_unstarted_request() {
+    let root = tempfile::tempdir().unwrap();
+    let model = model_dir(root.path());
+    let client = reqwest::Client::new();
+    let mut e1 = Proc::engine(root.path(), &model, free_port());
+    let e2 = Proc::engine(root.path(), &model, free_port());
+    let gw = Proc::gateway(root.path(), &[&e1, &e2], "least-outstanding");
+    for p in [&e1, &e2, &gw] {
+        p.ready(&client).await;
+    }
+    wait_metric(&client, &gw, "quantmesh_gateway_engine_up", &[], 2.0).await;
+
+    // Concurrent requests spread over both engines.
+    let calls = (0..24).map(|i| {
+        let (client, gw) = (&client, &gw);
+        async move { complete(client, gw, &format!("request number {i} about spreading")).await }
+    });
+    let results = futures::future::join_all(calls).await;
+    assert!(results.iter().all(|(s, _)| *s == 200), "{results:?}");
+    let on = |name: &str| results.iter().filter(|(_, e)| e == name).count();
+    assert!(on("engine-1") > 0 && on("engine-2") > 0, "{results:?}");
+
+    // Streams that start on engine-1, then SIGKILL engine-1 while more requests arrive.
+    let mut streams = Vec::new();
+    while streams.len() < 2 {
+        let r = client
+            .post(gw.url("/v1/completions"))
+            .json(&serde_json::json!({"prompt": "a long story", "max_tokens": 200,
+                                      "stream": true, "ignore_eos": true}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let engine = r.headers()["x-quantmesh-engine"].to_str().unwrap().to_string();
+        let mut body = r.bytes_stream();
+        let first = body.next().await.unwrap().unwrap();
+        assert!(!first.is_empty());
+        if engine == "engine-1" {
+            streams.push(body);
+        } else {
+            // Keep engine-2 busy with it too; read it to the end below.
+            tokio::spawn(async move { while body.next().await.is_some() {} });
+        }
+    }
+    let load = tokio::spawn({
+        let (client, url) = (client.clone(), gw.url(""));
+        async move {
+            let calls = (0..32).map(|i| {
+                let (client, url) = (client.clone(), url.clone());
+                async move {
+                    let r = client
+                        .post(format!("{url}/v1/completions"))
+                        .json(&serde_json::json!({"prompt": format!("during the outage {i}"),
+                                                  "max_tokens": 16}))
+                        .send()
+                        .await
+                        .unwrap();
+                    r.status().as_u16()
+                }
+            });
+            futures::stream::iter(calls)
+                .buffer_unordered(8)
+                .collect::<Vec<u16>>()
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    e1.kill();
+    let statuses = tokio::time::timeout(Duration::from_secs(120), load)
+        .await
+        .expect("requests hung after the engine was killed")
+        .unwrap();
+    assert!(
+        statuses.iter().all(|s| *s == 200),
+        "every request that had not started succeeds on the other engine: {statuses:?}"
+    );
+    for mut s in streams {
+        let rest = tokio::time::timeout(Duration::from_secs(30), async {
+            let mut text = String::new();
+            while let Some(chunk) = s.next().await {
+                match chunk {
+                    Ok(b) => text.push_str(&String::from_utf8_lossy(&b)),
+                    Err(_) => break,
+                }
+            }
+            text
+        })
+        .await
+        .expect("a stream on the killed engine hung");
+        assert!(
+            rest.contains("\"engine_failed\"") && !rest.contains("[DONE]"),
+            "a started stream ends with an error event: {rest}"
+        );
+    }
+    wait_metric(&client, &gw, "quantmesh_gateway_engine_up", &["engine-1"], 0.0).await;
+    assert_eq!(client.get(gw.url("/ready")).send().await.unwrap().status(), 200);
+    let m = gw.metrics(&client).await;
+    assert!(sum_metric(&m, "quantmesh_gateway_stream_failures_total", &["engine-1"]) >= 2.0);
+
+    // engine-1 comes back on its port: marked up, and it takes requests again.
+    let e1 = Proc::engine(root.path(), &model, e1.port);
+    e1.ready(&client).await;
+    wait_metric(&client, &gw, "quantmesh_gateway_engine_up", &[], 2.0).await;
+    let calls = (0..16).map(|i| {
+        let (client, gw) = (&client, &gw);
+        async move { complete(client, gw, &format!("after the return {i}")).await }
+    });
+    let results = futures::future::join_all(calls).await;
+    assert!(results.iter().all(|(s, _)| *s == 200));
+    assert!(results.iter().any(|(_, e)| e == "engine-1"), "{results:?}");
+
+    // Admin calls fan out, answers labelled by engine.
+    let r = client
+        .get(gw.url("/admin/fallback"))
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let body: serde_json::Value = r.json().await.unwrap();
+    let engines: Vec<&str> = body["engines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["engine"].as_str().unwrap())
+        .collect();
+    assert_eq!(engines, ["engine-1", "engine-2"]);
+    assert!(body["engines"][0]["body"]["groups"].is_array(), "{body}");
+}
+
+/// Requests sharing a long prefix: sent by prefix affinity they hit the engines' prefix
+/// caches more often than sent at random.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_affinity_raises_prefix_cache_hits_over_random_routing() {
+    let root = tempfile::tempdir().unwrap();
+    let model = model_dir(root.path());
+    let client = reqwest::Client::new();
+    let prefixes: Vec<String> = (0..4)
+        .map(|p| format!("{p}: {}", "a shared system prompt about caching and routing ".repeat(5)))
+        .collect();
+    let mut hits = Vec::new();
+    for routing in ["least-outstanding", "random"] {
+        let e1 = Proc::engine(root.path(), &model, free_port());
+        let e2 = Proc::engine(root.path(), &model, free_port());
+        let gw = Proc::gateway(root.path(), &[&e1, &e2], routing);
+        for p in [&e1, &e2, &gw] {
+            p.ready(&client).await;
+        }
+        wait_metric(&client, &gw, "quantmesh_gateway_engine_up", &[], 2.0).await;
+        let calls = (0..48).map(|i| {
+            let (client, gw) = (client.clone(), gw.url(""));
+            let prompt = format!("{} question {i}", prefixes[i % 4]);
+            async move {
+                client
+                    .post(format!("{gw}/v1/completions"))
+                    .json(&serde_json::json!({"prompt": prompt, "max_tokens": 2}))
+                    .send()
+                    .await
+                    .unwrap()
+                    .status()
+                    .as_u16()
+            }
+        });
+        // Two at a time: the affinity engine is never more than the slack (2) busier, so
+        // every request goes home; random routing sends each prefix to both engines.
+        let statuses: Vec<u16> = futures::stream::iter(calls).buffer_unordered(2).collect().await;
+        assert!(statuses.iter().all(|s| *s == 200));
+        let mut h = 0.0;
+        for e in [&e1, &e2] {
+            h += sum_metric(&e.metrics(&client).await, "quantmesh_prefix_cache_hits_total", &[]);
+        }
+        let routed: Vec<String> = gw
+            .metrics(&client)
+            .await
+            .lines()
+            .filter(|l| l.starts_with("quantmesh_gateway_routed_total"))
+            .map(String::from)
+            .collect();
+        eprintln!("{routing}: {h} prompt tokens from the prefix caches; {routed:?}");
+        hits.push(h);
+    }
+    assert!(
+        hits[0] > hits[1],
+        "affinity {} vs random {} prefix-cache hits",
+        hits[0],
+        hits[1]
+    );
+}
