@@ -558,16 +558,8 @@ mod example_file {
 /// They override the file and the environment.
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct ServeFlags {
-    /// TOML config file; keys as in infra/quantmesh.example.toml. Env `QUANTMESH_*` overrides
-    /// the file, flags override both.
-    #[arg(long, env = "QUANTMESH_CONFIG")]
-    pub config: Option<PathBuf>,
-    /// Address to listen on [default: 127.0.0.1].
-    #[arg(long)]
-    pub host: Option<String>,
-    /// Port to listen on [default: 8080].
-    #[arg(long)]
-    pub port: Option<u16>,
+    #[command(flatten)]
+    pub listen: ListenFlags,
     /// What to serve [default: smollm2-135m-instruct, fetched into --models-dir on first
     /// run]: a model name from `quantmesh model list`; a path to a .gguf file, a directory
     /// holding one, or a Hugging Face directory (config.json, *.safetensors,
@@ -603,9 +595,6 @@ pub struct ServeFlags {
     /// How often to poll --sensitive-layers, e.g. `30s`, `500ms`, `2m` [default: 30s].
     #[arg(long, value_parser = humantime::parse_duration)]
     pub reload_interval: Option<std::time::Duration>,
-    /// Log format [default: text].
-    #[arg(long, value_enum)]
-    pub log_format: Option<LogFormat>,
     /// Kafka bootstrap brokers, HOST:PORT[,HOST:PORT…]: every fallback and config event is
     /// stored in a durable outbox and relayed there (at-least-once). Unset: events go to
     /// the log only. Env `QUANTMESH_KAFKA_BROKERS`, file `kafka.brokers`.
@@ -626,15 +615,8 @@ pub struct ServeFlags {
 /// `quantmesh gateway`: the OpenAI API in front of engine processes.
 #[derive(Debug, Clone, clap::Args)]
 pub struct GatewayFlags {
-    /// TOML config file (sections `[server]`, `[mesh]`, `[log]`, `[telemetry]`).
-    #[arg(long, env = "QUANTMESH_CONFIG")]
-    pub config: Option<PathBuf>,
-    /// Address to listen on [default: 127.0.0.1].
-    #[arg(long)]
-    pub host: Option<String>,
-    /// Port to listen on [default: 8080].
-    #[arg(long)]
-    pub port: Option<u16>,
+    #[command(flatten)]
+    pub listen: ListenFlags,
     /// An engine's base URL, e.g. `http://127.0.0.1:8081` (repeat for each engine; env
     /// `QUANTMESH_ENGINES`, comma-separated; file `mesh.engines`).
     #[arg(long = "engine")]
@@ -645,14 +627,29 @@ pub struct GatewayFlags {
     /// Requests in flight per engine before it counts as saturated [default: 64].
     #[arg(long)]
     pub max_outstanding: Option<usize>,
+}
+
+/// What every serving process takes: the config file, where to listen, the log format.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct ListenFlags {
+    /// TOML config file; keys as in infra/quantmesh.example.toml. Env `QUANTMESH_*` overrides
+    /// the file, flags override both.
+    #[arg(long, env = "QUANTMESH_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Address to listen on [default: 127.0.0.1].
+    #[arg(long)]
+    pub host: Option<String>,
+    /// Port to listen on [default: 8080].
+    #[arg(long)]
+    pub port: Option<u16>,
     /// Log format [default: text].
     #[arg(long, value_enum)]
     pub log_format: Option<LogFormat>,
 }
 
-impl GatewayFlags {
-    /// Defaults → file → environment → these flags, validated.
-    pub fn settings(&self) -> Result<Settings, SettingsError> {
+impl ListenFlags {
+    /// Defaults → file → environment → these flags (not yet validated).
+    fn settings(&self) -> Result<Settings, SettingsError> {
         let mut s = Settings::load(self.config.as_deref())?;
         if let Some(h) = &self.host {
             s.server.host = h.clone();
@@ -660,6 +657,17 @@ impl GatewayFlags {
         if let Some(p) = self.port {
             s.server.port = p;
         }
+        if let Some(f) = self.log_format {
+            s.log.format = f;
+        }
+        Ok(s)
+    }
+}
+
+impl GatewayFlags {
+    /// Defaults → file → environment → these flags, validated.
+    pub fn settings(&self) -> Result<Settings, SettingsError> {
+        let mut s = self.listen.settings()?;
         if !self.engines.is_empty() {
             s.mesh.engines = self.engines.clone();
         }
@@ -668,9 +676,6 @@ impl GatewayFlags {
         }
         if let Some(m) = self.max_outstanding {
             s.mesh.max_outstanding = m;
-        }
-        if let Some(f) = self.log_format {
-            s.log.format = f;
         }
         s.validate()?;
         s.mesh.validate().map_err(SettingsError::Invalid)?;
@@ -681,13 +686,7 @@ impl GatewayFlags {
 impl ServeFlags {
     /// Defaults → file → environment → these flags, validated.
     pub fn settings(&self) -> Result<Settings, SettingsError> {
-        let mut s = Settings::load(self.config.as_deref())?;
-        if let Some(h) = &self.host {
-            s.server.host = h.clone();
-        }
-        if let Some(p) = self.port {
-            s.server.port = p;
-        }
+        let mut s = self.listen.settings()?;
         if let Some(m) = &self.model {
             s.model.source = m.clone();
         }
@@ -706,9 +705,6 @@ impl ServeFlags {
         }
         if let Some(b) = self.float_budget {
             s.engine.float_budget = b;
-        }
-        if let Some(f) = self.log_format {
-            s.log.format = f;
         }
         if let Some(p) = &self.sensitive_layers {
             s.engine.sensitive_layers = Some(p.clone());

@@ -1,10 +1,12 @@
 //! The compose stack with real containers on this machine's Docker engine, no registry:
 //! images built from the imported Debian base (`scripts/base-image.sh`) — quantmesh from the
-//! binary cargo just built (Dockerfile target `prebuilt`), tansu for Kafka, Debian's
-//! Prometheus — brought up with `docker-compose.yml` + `compose.test.yml` and checked:
-//! every service healthy, a chat completion from the real model through the published port,
-//! a forced fallback read back from the broker container by `quantmesh events tail`,
-//! Prometheus scraping quantmesh, a graceful `stop` (exit 0) and a `start` that rejoins.
+//! binary cargo just built (Dockerfile target `prebuilt`; gateway and two engines), tansu for
+//! Kafka, Debian's Prometheus — brought up with `docker-compose.yml` + `compose.test.yml` and
+//! checked: every service healthy, a chat completion from the real model through the
+//! gateway's published port, a forced fallback (fanned out by the gateway) read back from the
+//! broker by `quantmesh events tail`, Prometheus scraping the gateway and both engines,
+//! `docker compose stop engine-1` under load (graceful, exit 0, no failed request) and
+//! `start engine-1` (it rejoins the gateway's rotation).
 //!
 //! Needs a Docker engine (`./scripts/test.sh` makes the base image). Where none exists,
 //! `QUANTMESH_SKIP_DOCKER=1` skips these tests with a message; CI machines have one.
@@ -13,6 +15,7 @@
 
 mod support;
 
+use futures::StreamExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
@@ -271,7 +274,7 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
         http,
     };
     run(&mut stack.cmd(&["up", "-d", "--no-build"]));
-    let services = ["kafka", "quantmesh", "prometheus"];
+    let services = ["kafka", "engine-1", "engine-2", "gateway", "prometheus"];
     stack.wait_healthy(&services, Duration::from_secs(300));
     let up = t0.elapsed();
 
@@ -281,7 +284,8 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
     let text = body["choices"][0]["message"]["content"].as_str().unwrap();
     assert!(text.contains("Paris"), "{body}");
 
-    // A forced fallback on a group that holds a float copy reaches the broker container.
+    // A forced fallback on a group that holds a float copy, asked of the gateway, which fans
+    // it out to both engines; the events reach the broker container.
     let cfg: serde_json::Value = client
         .get(stack.url("/admin/config"))
         .bearer_auth(TOKEN)
@@ -291,7 +295,9 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
         .json()
         .await
         .unwrap();
-    let group = cfg["residency"]
+    let engines = cfg["engines"].as_array().unwrap();
+    assert_eq!(engines.len(), 2, "{cfg}");
+    let group = engines[0]["body"]["residency"]
         .as_object()
         .unwrap()
         .iter()
@@ -305,11 +311,21 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
         .send()
         .await
         .unwrap();
-    assert_eq!(r.status(), 200);
+    let status = r.status();
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body["engines"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|e| e["status"] == 200),
+        "{body}"
+    );
     let tail = run(&mut stack.cmd(&[
         "exec",
         "-T",
-        "quantmesh",
+        "engine-1",
         "quantmesh",
         "events",
         "tail",
@@ -317,18 +333,26 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
         "kafka:9092",
         "--from-beginning",
         "--limit",
-        "1",
+        "2",
         "--idle-timeout",
         "60s",
     ]));
-    let line = String::from_utf8_lossy(&tail.stdout);
-    let ev: serde_json::Value = serde_json::from_str(line.trim())
-        .unwrap_or_else(|e| panic!("events tail printed {line:?}: {e}"));
-    assert_eq!(ev["group"], group.as_str());
-    assert_eq!(ev["reason"], "admin");
-    assert_eq!(ev["action"], "enter");
+    let out = String::from_utf8_lossy(&tail.stdout);
+    let events: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| {
+            serde_json::from_str(l).unwrap_or_else(|e| panic!("events tail printed {l:?}: {e}"))
+        })
+        .collect();
+    assert_eq!(events.len(), 2, "one event per engine: {out}");
+    for ev in &events {
+        assert_eq!(ev["group"], group.as_str());
+        assert_eq!(ev["reason"], "admin");
+        assert_eq!(ev["action"], "enter");
+    }
 
-    // Prometheus (in its container) scrapes quantmesh and has loaded our alert rules.
+    // Prometheus (in its container) scrapes the gateway and both engines and has loaded our
+    // alert rules.
     let prom = |path: String| {
         let client = client.clone();
         async move {
@@ -345,12 +369,14 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
     let t1 = Instant::now();
     loop {
         let targets = prom("/api/v1/targets".into()).await;
-        let up = targets["data"]["activeTargets"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|t| t["labels"]["instance"] == "quantmesh:8080" && t["health"] == "up");
-        if up {
+        let up = |instance: &str| {
+            targets["data"]["activeTargets"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|t| t["labels"]["instance"] == instance && t["health"] == "up")
+        };
+        if up("gateway:8080") && up("engine-1:8080") && up("engine-2:8080") {
             break;
         }
         assert!(
@@ -365,9 +391,41 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
         "alert rules not loaded: {rules}"
     );
 
-    // Graceful stop (SIGTERM → drain → exit 0), then start: it rejoins.
-    let id = stack.container("quantmesh");
-    run(&mut stack.cmd(&["stop", "quantmesh"]));
+    // `stop engine-1` under load: SIGTERM, it drains and exits 0; every request succeeds
+    // (those it refuses while draining are retried on engine-2 before their first byte).
+    let load = tokio::spawn({
+        let (client, url) = (client.clone(), stack.url(""));
+        async move {
+            let calls = (0..24).map(|i| {
+                let (client, url) = (client.clone(), url.clone());
+                async move {
+                    client
+                        .post(format!("{url}/v1/completions"))
+                        .json(
+                            &serde_json::json!({"prompt": format!("Count to ten, take {i}:"),
+                                                  "max_tokens": 24}),
+                        )
+                        .send()
+                        .await
+                        .map(|r| r.status().as_u16())
+                        .unwrap_or(0)
+                }
+            });
+            futures::stream::iter(calls)
+                .buffer_unordered(4)
+                .collect::<Vec<u16>>()
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let id = stack.container("engine-1");
+    run(&mut stack.cmd(&["stop", "engine-1"]));
+    let statuses = load.await.unwrap();
+    assert!(
+        statuses.iter().all(|s| *s == 200),
+        "{statuses:?}\n{}",
+        stack.logs()
+    );
     let code =
         run(Command::new("docker").args(["inspect", "--format", "{{.State.ExitCode}}", &id]));
     assert_eq!(
@@ -376,8 +434,36 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
         "{}",
         stack.logs()
     );
-    run(&mut stack.cmd(&["start", "quantmesh"]));
-    stack.wait_healthy(&["quantmesh"], Duration::from_secs(180));
+    let gateway_metric =
+        |m: String| support::sum_metric(&m, "quantmesh_gateway_engine_up", &["engine-1"]);
+    let metrics = || async {
+        client
+            .get(stack.url("/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    };
+    let t2 = Instant::now();
+    while gateway_metric(metrics().await) != 0.0 {
+        assert!(
+            t2.elapsed() < Duration::from_secs(30),
+            "the gateway never marked engine-1 down"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    run(&mut stack.cmd(&["start", "engine-1"]));
+    stack.wait_healthy(&["engine-1"], Duration::from_secs(180));
+    let t3 = Instant::now();
+    while gateway_metric(metrics().await) != 1.0 {
+        assert!(
+            t3.elapsed() < Duration::from_secs(30),
+            "engine-1 did not rejoin"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
     let body = chat(&client, &stack).await;
     assert!(body["choices"][0]["message"]["content"].is_string());
     eprintln!(

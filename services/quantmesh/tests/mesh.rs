@@ -164,13 +164,18 @@ async fn load_spreads_and_a_killed_engine_costs_no_unstarted_request() {
     while streams.len() < 2 {
         let r = client
             .post(gw.url("/v1/completions"))
-            .json(&serde_json::json!({"prompt": "a long story", "max_tokens": 200,
-                                      "stream": true, "ignore_eos": true}))
+            .json(
+                &serde_json::json!({"prompt": "a long story", "max_tokens": 200,
+                                      "stream": true, "ignore_eos": true}),
+            )
             .send()
             .await
             .unwrap();
         assert_eq!(r.status(), 200);
-        let engine = r.headers()["x-quantmesh-engine"].to_str().unwrap().to_string();
+        let engine = r.headers()["x-quantmesh-engine"]
+            .to_str()
+            .unwrap()
+            .to_string();
         let mut body = r.bytes_stream();
         let first = body.next().await.unwrap().unwrap();
         assert!(!first.is_empty());
@@ -189,8 +194,10 @@ async fn load_spreads_and_a_killed_engine_costs_no_unstarted_request() {
                 async move {
                     let r = client
                         .post(format!("{url}/v1/completions"))
-                        .json(&serde_json::json!({"prompt": format!("during the outage {i}"),
-                                                  "max_tokens": 16}))
+                        .json(
+                            &serde_json::json!({"prompt": format!("during the outage {i}"),
+                                                  "max_tokens": 16}),
+                        )
                         .send()
                         .await
                         .unwrap();
@@ -231,8 +238,18 @@ async fn load_spreads_and_a_killed_engine_costs_no_unstarted_request() {
             "a started stream ends with an error event: {rest}"
         );
     }
-    wait_metric(&client, &gw, "quantmesh_gateway_engine_up", &["engine-1"], 0.0).await;
-    assert_eq!(client.get(gw.url("/ready")).send().await.unwrap().status(), 200);
+    wait_metric(
+        &client,
+        &gw,
+        "quantmesh_gateway_engine_up",
+        &["engine-1"],
+        0.0,
+    )
+    .await;
+    assert_eq!(
+        client.get(gw.url("/ready")).send().await.unwrap().status(),
+        200
+    );
     let m = gw.metrics(&client).await;
     assert!(sum_metric(&m, "quantmesh_gateway_stream_failures_total", &["engine-1"]) >= 2.0);
 
@@ -275,7 +292,12 @@ async fn prefix_affinity_raises_prefix_cache_hits_over_random_routing() {
     let model = model_dir(root.path());
     let client = reqwest::Client::new();
     let prefixes: Vec<String> = (0..4)
-        .map(|p| format!("{p}: {}", "a shared system prompt about caching and routing ".repeat(5)))
+        .map(|p| {
+            format!(
+                "{p}: {}",
+                "a shared system prompt about caching and routing ".repeat(5)
+            )
+        })
         .collect();
     let mut hits = Vec::new();
     for routing in ["least-outstanding", "random"] {
@@ -302,11 +324,18 @@ async fn prefix_affinity_raises_prefix_cache_hits_over_random_routing() {
         });
         // Two at a time: the affinity engine is never more than the slack (2) busier, so
         // every request goes home; random routing sends each prefix to both engines.
-        let statuses: Vec<u16> = futures::stream::iter(calls).buffer_unordered(2).collect().await;
+        let statuses: Vec<u16> = futures::stream::iter(calls)
+            .buffer_unordered(2)
+            .collect()
+            .await;
         assert!(statuses.iter().all(|s| *s == 200));
         let mut h = 0.0;
         for e in [&e1, &e2] {
-            h += sum_metric(&e.metrics(&client).await, "quantmesh_prefix_cache_hits_total", &[]);
+            h += sum_metric(
+                &e.metrics(&client).await,
+                "quantmesh_prefix_cache_hits_total",
+                &[],
+            );
         }
         let routed: Vec<String> = gw
             .metrics(&client)

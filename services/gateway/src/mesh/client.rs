@@ -92,8 +92,12 @@ impl EngineClient {
     fn note(&self, up: bool, why: &str) {
         if self.view.set_up(up) {
             match up {
-                true => tracing::info!(engine = %self.view.name, url = %self.view.base, "engine is up"),
-                false => tracing::warn!(engine = %self.view.name, url = %self.view.base, why, "engine marked down"),
+                true => {
+                    tracing::info!(engine = %self.view.name, url = %self.view.base, "engine is up")
+                }
+                false => {
+                    tracing::warn!(engine = %self.view.name, url = %self.view.base, why, "engine marked down")
+                }
             }
         }
         self.metrics.up(&self.view.name, up);

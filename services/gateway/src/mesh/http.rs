@@ -46,14 +46,24 @@ fn forwarded(req: &HttpRequest, admin: bool) -> Vec<(String, String)> {
 fn reject(state: &MeshState, why: NoEngine) -> ApiError {
     match why {
         NoEngine::Saturated => {
-            state.mesh.metrics.rejected.with_label_values(&["saturated"]).inc();
+            state
+                .mesh
+                .metrics
+                .rejected
+                .with_label_values(&["saturated"])
+                .inc();
             ApiError::Overloaded(format!(
                 "every engine has {} requests in flight (mesh.max_outstanding)",
                 state.mesh.settings.max_outstanding
             ))
         }
         NoEngine::NoneUp => {
-            state.mesh.metrics.rejected.with_label_values(&["no_engine"]).inc();
+            state
+                .mesh
+                .metrics
+                .rejected
+                .with_label_values(&["no_engine"])
+                .inc();
             ApiError::Unavailable("no engine is up".into())
         }
     }
@@ -83,14 +93,18 @@ async fn generate(
     let headers = forwarded(&req, false);
     let mut tried = Vec::new();
     loop {
-        let (i, choice) = state.mesh.pick(key, &tried).map_err(|why| match (why, tried.is_empty()) {
-            // Every engine tried failed: say so rather than "none up".
-            (NoEngine::NoneUp, false) => ApiError::Unavailable(format!(
-                "the request failed on {} engine(s); none left to try",
-                tried.len()
-            )),
-            (why, _) => reject(&state, why),
-        })?;
+        let (i, choice) =
+            state
+                .mesh
+                .pick(key, &tried)
+                .map_err(|why| match (why, tried.is_empty()) {
+                    // Every engine tried failed: say so rather than "none up".
+                    (NoEngine::NoneUp, false) => ApiError::Unavailable(format!(
+                        "the request failed on {} engine(s); none left to try",
+                        tried.len()
+                    )),
+                    (why, _) => reject(&state, why),
+                })?;
         tried.push(i);
         let (view, addr) = &state.mesh.engines[i];
         let in_flight = InFlight::new(view.clone(), state.mesh.metrics.clone());
@@ -102,9 +116,22 @@ async fn generate(
                 headers: headers.clone(),
             })
             .await;
+        let routed = || {
+            state
+                .mesh
+                .metrics
+                .routed
+                .with_label_values(&[&view.name, choice.as_str()])
+                .inc()
+        };
         let retry = |why: String| {
             tracing::warn!(engine = %view.name, why, "retrying the request on another engine");
-            state.mesh.metrics.retries.with_label_values(&[&view.name]).inc();
+            state
+                .mesh
+                .metrics
+                .retries
+                .with_label_values(&[&view.name])
+                .inc();
         };
         let resp = match sent {
             Ok(Ok(r)) if r.status().is_server_error() => {
@@ -133,12 +160,7 @@ async fn generate(
             // Nothing has reached the client yet: a body that breaks off is retried.
             match resp.bytes().await {
                 Ok(b) => {
-                    state
-                        .mesh
-                        .metrics
-                        .routed
-                        .with_label_values(&[&view.name, choice.as_str()])
-                        .inc();
+                    routed();
                     return Ok(HttpResponse::build(status)
                         .content_type(content_type)
                         .insert_header(("x-quantmesh-engine", view.name.clone()))
@@ -150,12 +172,7 @@ async fn generate(
                 }
             }
         }
-        state
-            .mesh
-            .metrics
-            .routed
-            .with_label_values(&[&view.name, choice.as_str()])
-            .inc();
+        routed();
         let name = view.name.clone();
         let failures = state.mesh.metrics.stream_failures.clone();
         let body = futures::stream::unfold(
@@ -237,7 +254,8 @@ async fn admin(
                 Ok(Ok(r)) => {
                     let code = r.status().as_u16();
                     let text = r.text().await.unwrap_or_default();
-                    let body = serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text));
+                    let body =
+                        serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text));
                     json!({"engine": view.name, "status": code, "body": body})
                 }
                 Ok(Err(e)) => json!({"engine": view.name, "status": null, "error": e.to_string()}),
@@ -247,10 +265,16 @@ async fn admin(
         }
     });
     let answers = futures::future::join_all(calls).await;
-    let all_ok = answers
-        .iter()
-        .all(|a| a["status"].as_u64().is_some_and(|s| (200..300).contains(&s)));
-    let status = if all_ok { StatusCode::OK } else { StatusCode::BAD_GATEWAY };
+    let all_ok = answers.iter().all(|a| {
+        a["status"]
+            .as_u64()
+            .is_some_and(|s| (200..300).contains(&s))
+    });
+    let status = if all_ok {
+        StatusCode::OK
+    } else {
+        StatusCode::BAD_GATEWAY
+    };
     Ok(HttpResponse::build(status).json(json!({ "engines": answers })))
 }
 

@@ -73,7 +73,9 @@ impl Default for MeshSettings {
 impl MeshSettings {
     pub fn validate(&self) -> Result<(), String> {
         if self.engines.is_empty() {
-            return Err("the gateway needs at least one engine (--engine URL or QUANTMESH_ENGINES)".into());
+            return Err(
+                "the gateway needs at least one engine (--engine URL or QUANTMESH_ENGINES)".into(),
+            );
         }
         for e in &self.engines {
             if !(e.starts_with("http://") || e.starts_with("https://")) {

@@ -1,8 +1,8 @@
 //! Which engine gets a request, and the gateway's own series.
 
-use crate::metrics::must;
 use crate::mesh::client::{EngineClient, EngineView};
 use crate::mesh::{MeshSettings, Routing};
+use crate::metrics::must;
 use actix::Addr;
 use prometheus::{IntCounterVec, IntGaugeVec, Opts, Registry};
 use rand::rngs::StdRng;
@@ -255,20 +255,38 @@ mod tests {
     fn least_outstanding_wins_unless_affinity_is_close() {
         let up = [(0, 3), (1, 1), (2, 2)];
         let lo = Routing::LeastOutstanding;
-        assert_eq!(choose(&up, 8, lo, None, 2, &mut rng()), Ok((1, Choice::Least)));
+        assert_eq!(
+            choose(&up, 8, lo, None, 2, &mut rng()),
+            Ok((1, Choice::Least))
+        );
         // The affinity engine is 1 busier than the least: within the slack.
-        assert_eq!(choose(&up, 8, lo, Some(2), 2, &mut rng()), Ok((2, Choice::Affinity)));
+        assert_eq!(
+            choose(&up, 8, lo, Some(2), 2, &mut rng()),
+            Ok((2, Choice::Affinity))
+        );
         // 2 busier with slack 1: load wins.
-        assert_eq!(choose(&up, 8, lo, Some(0), 1, &mut rng()), Ok((1, Choice::Least)));
+        assert_eq!(
+            choose(&up, 8, lo, Some(0), 1, &mut rng()),
+            Ok((1, Choice::Least))
+        );
     }
 
     #[test]
     fn saturated_and_down_engines_are_told_apart() {
         let lo = Routing::LeastOutstanding;
-        assert_eq!(choose(&[], 8, lo, None, 2, &mut rng()), Err(NoEngine::NoneUp));
-        assert_eq!(choose(&[(0, 8), (1, 9)], 8, lo, None, 2, &mut rng()), Err(NoEngine::Saturated));
+        assert_eq!(
+            choose(&[], 8, lo, None, 2, &mut rng()),
+            Err(NoEngine::NoneUp)
+        );
+        assert_eq!(
+            choose(&[(0, 8), (1, 9)], 8, lo, None, 2, &mut rng()),
+            Err(NoEngine::Saturated)
+        );
         // A saturated affinity engine is passed over.
-        assert_eq!(choose(&[(0, 8), (1, 0)], 8, lo, Some(0), 100, &mut rng()), Ok((1, Choice::Least)));
+        assert_eq!(
+            choose(&[(0, 8), (1, 0)], 8, lo, Some(0), 100, &mut rng()),
+            Ok((1, Choice::Least))
+        );
     }
 
     #[test]
@@ -276,7 +294,15 @@ mod tests {
         let mut r = rng();
         let mut seen = [0; 3];
         for _ in 0..300 {
-            let (i, c) = choose(&[(0, 0), (1, 5), (2, 8)], 8, Routing::Random, Some(1), 0, &mut r).unwrap();
+            let (i, c) = choose(
+                &[(0, 0), (1, 5), (2, 8)],
+                8,
+                Routing::Random,
+                Some(1),
+                0,
+                &mut r,
+            )
+            .unwrap();
             assert_eq!(c, Choice::Random);
             seen[i] += 1;
         }
