@@ -1,19 +1,18 @@
-//! `quantmesh-gateway`: the gateway service on its own. Until the microservice mode lands
-//! (gateway and engines as separate processes), it hosts the engine in-process exactly
-//! like `quantmesh serve`; this binary is the seam where the remote-engine client plugs in.
+//! `quantmesh-gateway`: the gateway role on its own (the same as `quantmesh gateway`): the
+//! OpenAI API in front of engine processes (`quantmesh engine`) reached over HTTP.
 
 use clap::Parser;
 
 #[derive(Parser)]
 #[command(
     version,
-    about = "quantmesh gateway: OpenAI-compatible HTTP API (engine in-process for now)"
+    about = "quantmesh gateway: the OpenAI API in front of quantmesh engines (--engine URL, repeatable)"
 )]
 struct Args {
     #[command(flatten)]
-    flags: quantmesh_gateway::ServeFlags,
+    flags: quantmesh_gateway::GatewayFlags,
 }
 
 fn main() -> anyhow::Result<()> {
-    quantmesh_gateway::serve_main(&Args::parse().flags)
+    quantmesh_gateway::gateway_main(&Args::parse().flags)
 }

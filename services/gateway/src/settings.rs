@@ -554,7 +554,7 @@ mod example_file {
     }
 }
 
-/// Command-line flags of the serving binaries (`quantmesh serve`, `quantmesh-gateway`).
+/// Command-line flags of the serving binaries (`quantmesh serve`, `quantmesh engine`).
 /// They override the file and the environment.
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct ServeFlags {

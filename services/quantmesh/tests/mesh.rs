@@ -282,6 +282,22 @@ async fn load_spreads_and_a_killed_engine_costs_no_unstarted_request() {
         .collect();
     assert_eq!(engines, ["engine-1", "engine-2"]);
     assert!(body["engines"][0]["body"]["groups"].is_array(), "{body}");
+    // The model list and the API document come from the engines.
+    let models: serde_json::Value = client
+        .get(gw.url("/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(models["data"][0]["id"], "quantmesh-tiny");
+    let doc = client.get(gw.url("/openapi.json")).send().await.unwrap();
+    assert_eq!(doc.status(), 200);
+    // Unknown routes: a JSON 404.
+    let r = client.get(gw.url("/nope")).send().await.unwrap();
+    assert_eq!(r.status(), 404);
+    assert!(r.json::<serde_json::Value>().await.unwrap()["error"]["message"].is_string());
 }
 
 /// Requests sharing a long prefix: sent by prefix affinity they hit the engines' prefix

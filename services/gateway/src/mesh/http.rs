@@ -203,14 +203,20 @@ async fn generate(
     }
 }
 
-/// `GET /v1/models`: from the first engine that answers.
-async fn models(req: HttpRequest, state: web::Data<MeshState>) -> Result<HttpResponse, ApiError> {
-    auth::api_key(&req, &state.settings.server.api_keys)?;
+/// `GET /v1/models` and `GET /openapi.json`: the first engine that answers speaks for all
+/// (they serve the same model and API).
+async fn from_any_engine(
+    req: HttpRequest,
+    state: web::Data<MeshState>,
+) -> Result<HttpResponse, ApiError> {
+    if req.path().starts_with("/v1/") {
+        auth::api_key(&req, &state.settings.server.api_keys)?;
+    }
     for (view, addr) in state.mesh.engines.iter().filter(|(v, _)| v.is_up()) {
         let sent = addr
             .send(Forward {
                 method: reqwest::Method::GET,
-                path: "/v1/models".into(),
+                path: req.path().to_string(),
                 body: Bytes::new(),
                 headers: forwarded(&req, false),
             })
@@ -222,7 +228,7 @@ async fn models(req: HttpRequest, state: web::Data<MeshState>) -> Result<HttpRes
                 }
             }
         }
-        tracing::warn!(engine = %view.name, "GET /v1/models failed on this engine");
+        tracing::warn!(engine = %view.name, path = req.path(), "GET failed on this engine");
     }
     Err(reject(&state, NoEngine::NoneUp))
 }
@@ -314,7 +320,8 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
     cfg.route("/health", web::get().to(health))
         .route("/ready", web::get().to(ready))
         .route("/metrics", web::get().to(metrics))
-        .route("/v1/models", web::get().to(models))
+        .route("/v1/models", web::get().to(from_any_engine))
+        .route("/openapi.json", web::get().to(from_any_engine))
         .route("/v1/completions", web::post().to(generate))
         .route("/v1/chat/completions", web::post().to(generate))
         .route("/admin/{tail:.*}", web::route().to(admin))
