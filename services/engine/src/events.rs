@@ -4,7 +4,7 @@
 //! outbox sink of `quantmesh-kafka` when brokers are configured).
 
 pub use quantmesh_types::EventSink;
-use quantmesh_types::{ConfigAction, ConfigEvent, FallbackEvent, Granularity};
+use quantmesh_types::{ConfigAction, ConfigEvent, FallbackEvent, Granularity, WindowEvent};
 use tokio::sync::broadcast;
 
 /// Every event as one structured log line (target `quantmesh::fallback`).
@@ -32,6 +32,11 @@ impl EventSink for LogSink {
             tracing::info!(target: "quantmesh::fallback", group = ?ev.group, granularity = ?ev.granularity, action = ?ev.action, reason = ?ev.reason, event = %json, "fallback event");
         }
     }
+
+    fn publish_window(&self, ev: &WindowEvent) {
+        let in_float = ev.groups.iter().filter(|g| g.in_float).count();
+        tracing::debug!(target: "quantmesh::fallback", window = ev.window, groups_in_float = in_float, shadow_kl_samples = ev.shadow_kl_seen, "monitor window closed");
+    }
 }
 
 /// In-process fan-out to subscribers. Bounded: a subscriber that falls more than the
@@ -40,6 +45,7 @@ impl EventSink for LogSink {
 pub struct ChannelSink {
     tx: broadcast::Sender<FallbackEvent>,
     config_tx: broadcast::Sender<ConfigEvent>,
+    window_tx: broadcast::Sender<WindowEvent>,
 }
 
 impl ChannelSink {
@@ -47,7 +53,12 @@ impl ChannelSink {
         Self {
             tx: broadcast::channel(capacity.max(1)).0,
             config_tx: broadcast::channel(64).0,
+            window_tx: broadcast::channel(64).0,
         }
+    }
+
+    pub fn subscribe_windows(&self) -> broadcast::Receiver<WindowEvent> {
+        self.window_tx.subscribe()
     }
 
     pub fn subscribe(&self) -> broadcast::Receiver<FallbackEvent> {
@@ -67,5 +78,9 @@ impl EventSink for ChannelSink {
 
     fn publish_config(&self, ev: &ConfigEvent) {
         let _ = self.config_tx.send(ev.clone());
+    }
+
+    fn publish_window(&self, ev: &WindowEvent) {
+        let _ = self.window_tx.send(ev.clone());
     }
 }

@@ -235,3 +235,54 @@ async fn shadow_kl_sees_a_damaged_int8_group_and_is_zero_for_a_float_plan() {
     let (_, hist) = shadow_run(Residency::Int8, true).await;
     assert_eq!(hist[0].0, "partial_float_weights");
 }
+
+/// One window event per closed window, carrying every group's counts.
+#[actix_rt::test]
+async fn every_closed_window_is_published_as_a_window_event() {
+    let dir = tempfile::tempdir().unwrap();
+    init_model(dir.path(), &InitOptions::default()).unwrap();
+    let e = Engine::start(
+        dir.path(),
+        EngineConfig {
+            monitor: MonitorConfig {
+                shadow_sample_rate: 0.5,
+                ..monitor_cfg()
+            },
+            ..Default::default()
+        },
+        "t",
+    )
+    .await
+    .unwrap();
+    let mut rx = e.subscribe_window_events();
+    for r in 0..3u64 {
+        for (i, p) in quantmesh_model::bundled::SAMPLE_PROMPTS.iter().enumerate() {
+            let ids = e.encode(p.to_string(), true).await.unwrap();
+            let params = SamplingParams {
+                temperature: 0.8,
+                seed: Some(r * 100 + i as u64),
+                max_tokens: 12,
+                ..Default::default()
+            };
+            e.generate(ids, params).await.unwrap().collect().await;
+        }
+    }
+    let mut got = Vec::new();
+    while got.len() < 3 {
+        let w = tokio::time::timeout(std::time::Duration::from_secs(10), rx.recv())
+            .await
+            .expect("a window event per window")
+            .unwrap();
+        got.push(w);
+    }
+    let windows: Vec<u64> = got.iter().map(|w| w.window).collect();
+    assert_eq!(windows, vec![1, 2, 3]);
+    let ids: std::collections::HashSet<_> = got.iter().map(|w| w.event_id.clone()).collect();
+    assert_eq!(ids.len(), 3);
+    for w in &got {
+        assert_eq!(w.groups.len(), e.monitor_report().unwrap().groups.len());
+        assert!(w.groups.iter().all(|g| g.tokens > 0), "{w:?}");
+        assert!(w.shadow_kl.len() as u64 <= w.shadow_kl_seen);
+    }
+    assert!(got.iter().any(|w| w.shadow_kl_seen > 0));
+}

@@ -19,6 +19,9 @@ pub struct Settings {
     pub telemetry: TelemetrySettings,
     /// The engines `quantmesh gateway` routes to (mesh mode only).
     pub mesh: crate::mesh::MeshSettings,
+    /// `[evolution]`: read and validated by `quantmesh evolve` (the serving roles ignore it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub evolution: Option<toml::Table>,
 }
 
 /// OTLP transport.
@@ -393,6 +396,9 @@ impl Settings {
         if let Some(v) = get("QUANTMESH_KAFKA_CONFIG_TOPIC") {
             self.kafka.config_topic = v;
         }
+        if let Some(v) = get("QUANTMESH_KAFKA_WINDOW_TOPIC") {
+            self.kafka.window_topic = v;
+        }
         if let Some(v) = get("QUANTMESH_KAFKA_REQUIRED") {
             self.kafka.required = parse("QUANTMESH_KAFKA_REQUIRED", v)?;
         }
@@ -601,7 +607,8 @@ pub struct ServeFlags {
     #[arg(long)]
     pub kafka_brokers: Option<String>,
     /// Topic of fallback events [default: quantmesh.fallback-events.v1]; config events go
-    /// to `kafka.config_topic` [default: quantmesh.config-events.v1].
+    /// to `kafka.config_topic` [default: quantmesh.config-events.v1], monitor windows to
+    /// `kafka.window_topic` [default: quantmesh.monitor-windows.v1].
     #[arg(long)]
     pub kafka_topic: Option<String>,
     /// Refuse to start when no broker answers (default: serve, keep events in the outbox).

@@ -3,7 +3,9 @@
 //! config → telemetry → build → serve → wait for a signal → drain with a timeout.
 
 mod events;
+mod evolve;
 mod model;
+mod plan;
 mod prescreen;
 
 use clap::{Parser, Subcommand};
@@ -44,9 +46,16 @@ enum Command {
     /// statistics), classify it, write sensitive_layers.json and optionally upload it.
     #[command(long_about = prescreen::PRESCREEN_HELP)]
     Prescreen(prescreen::PrescreenArgs),
+    /// Check or publish a sensitive_layers.json (e.g. a merged evolution pull request).
+    #[command(subcommand)]
+    Plan(plan::PlanCommand),
     /// The event topics in Kafka.
     #[command(subcommand)]
     Events(events::EventsCommand),
+    /// The evolution service: Kafka → Parquet lake → weekly DataFusion analysis → a new
+    /// sensitive_layers.json in a pull request.
+    #[command(long_about = evolve::EVOLVE_HELP)]
+    Evolve(evolve::EvolveArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -56,5 +65,7 @@ fn main() -> anyhow::Result<()> {
         Command::Prescreen(args) => prescreen::run(args),
         Command::Events(cmd) => events::run(cmd),
         Command::Model(cmd) => model::run(cmd),
+        Command::Evolve(args) => evolve::run(args),
+        Command::Plan(cmd) => plan::run(cmd),
     }
 }

@@ -134,16 +134,7 @@ pub fn run(args: PrescreenArgs) -> anyhow::Result<()> {
     );
     if let Some(store) = store {
         let p = rt.block_on(store.publish(outcome.bytes.clone().into()))?;
-        println!(
-            "uploaded {} ({}), latest -> {}",
-            p.object_url,
-            if p.created {
-                "new version"
-            } else {
-                "already stored"
-            },
-            p.latest_url
-        );
+        println!("uploaded {p}");
     }
     Ok(())
 }

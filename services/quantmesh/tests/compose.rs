@@ -274,7 +274,14 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
         http,
     };
     run(&mut stack.cmd(&["up", "-d", "--no-build"]));
-    let services = ["kafka", "engine-1", "engine-2", "gateway", "prometheus"];
+    let services = [
+        "kafka",
+        "engine-1",
+        "engine-2",
+        "gateway",
+        "prometheus",
+        "evolution",
+    ];
     stack.wait_healthy(&services, Duration::from_secs(300));
     let up = t0.elapsed();
 
@@ -376,7 +383,8 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
                 .iter()
                 .any(|t| t["labels"]["instance"] == instance && t["health"] == "up")
         };
-        if up("gateway:8080") && up("engine-1:8080") && up("engine-2:8080") {
+        if up("gateway:8080") && up("engine-1:8080") && up("engine-2:8080") && up("evolution:9465")
+        {
             break;
         }
         assert!(
@@ -466,6 +474,34 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
     }
     let body = chat(&client, &stack).await;
     assert!(body["choices"][0]["message"]["content"].is_string());
+
+    // The evolution service consumed the events into its lake (Prometheus scraped it).
+    let t4 = Instant::now();
+    loop {
+        let v = prom("/api/v1/query?query=quantmesh_evolution_records_total".into()).await;
+        let n = v["data"]["result"][0]["value"][1]
+            .as_str()
+            .and_then(|s| s.parse::<f64>().ok())
+            .unwrap_or(0.0);
+        if n > 0.0 {
+            break;
+        }
+        assert!(
+            t4.elapsed() < Duration::from_secs(60),
+            "the evolution service landed nothing: {v}\n{}",
+            stack.logs()
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    let lake = run(&mut stack.cmd(&[
+        "exec",
+        "-T",
+        "evolution",
+        "bash",
+        "-c",
+        "ls -R /var/lib/quantmesh/lake | grep -c parquet",
+    ]));
+    assert_ne!(String::from_utf8_lossy(&lake.stdout).trim(), "0");
     eprintln!(
         "compose test: images + stack healthy in {:.0} s, whole test {:.0} s",
         up.as_secs_f64(),

@@ -132,7 +132,7 @@ pub fn existing_topics(
         .collect())
 }
 
-/// Create whichever of the two topics is missing. Returns the topics it created. A broker
+/// Create whichever of the event topics is missing. Returns the topics it created. A broker
 /// that cannot be reached within `timeout` is [`KafkaError::Unreachable`].
 pub async fn ensure_topics(
     s: &KafkaSettings,
@@ -140,11 +140,12 @@ pub async fn ensure_topics(
     metrics: Option<&KafkaMetrics>,
     timeout: Duration,
 ) -> Result<Vec<String>, KafkaError> {
-    let wanted = [s.topic.as_str(), s.config_topic.as_str()];
+    let wanted = s.topics();
     let have = {
-        let (a, w) = (admin.clone(), [s.topic.clone(), s.config_topic.clone()]);
+        let (a, w) = (admin.clone(), wanted.map(String::from));
         tokio::task::spawn_blocking(move || {
-            existing_topics(&a, &[w[0].as_str(), w[1].as_str()], timeout)
+            let names: Vec<&str> = w.iter().map(String::as_str).collect();
+            existing_topics(&a, &names, timeout)
         })
         .await
         .map_err(|e| KafkaError::Client(format!("metadata task: {e}")))??

@@ -93,7 +93,7 @@ impl KafkaMetrics {
             ),
             &["event_type"],
         ));
-        for t in ["fallback", "config"] {
+        for t in ["fallback", "config", "window"] {
             recorded.with_label_values(&[t]);
             delivered.with_label_values(&[t]);
         }

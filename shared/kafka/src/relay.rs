@@ -143,6 +143,7 @@ impl Relay {
                 let topic = match kind {
                     EventType::Fallback => self.settings.topic.as_str(),
                     EventType::Config => self.settings.config_topic.as_str(),
+                    EventType::Window => self.settings.window_topic.as_str(),
                 };
                 let mut headers = OwnedHeaders::new_with_capacity(rec.headers.len());
                 for (k, v) in &rec.headers {

@@ -11,6 +11,8 @@ use std::time::Duration;
 pub const DEFAULT_TOPIC: &str = "quantmesh.fallback-events.v1";
 /// Default topic of configuration events.
 pub const DEFAULT_CONFIG_TOPIC: &str = "quantmesh.config-events.v1";
+/// Default topic of monitor windows (sampled evidence for the evolution job).
+pub const DEFAULT_WINDOW_TOPIC: &str = "quantmesh.monitor-windows.v1";
 
 #[derive(Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -22,6 +24,9 @@ pub struct KafkaSettings {
     pub topic: String,
     /// Topic of configuration events (payload: `config_event.v1.schema.json`).
     pub config_topic: String,
+    /// Topic of monitor windows (payload: `window_event.v1.schema.json`): one event per
+    /// monitor window with per-group outlier counts and sampled shadow KL.
+    pub window_topic: String,
     /// Create missing topics with these settings (at start and whenever the broker says a
     /// topic is unknown).
     pub create_topics: bool,
@@ -94,6 +99,7 @@ impl std::fmt::Debug for KafkaSettings {
             .field("brokers", &self.brokers)
             .field("topic", &self.topic)
             .field("config_topic", &self.config_topic)
+            .field("window_topic", &self.window_topic)
             .field("create_topics", &self.create_topics)
             .field("partitions", &self.partitions)
             .field("replication_factor", &self.replication_factor)
@@ -119,6 +125,7 @@ impl Default for KafkaSettings {
             brokers: String::new(),
             topic: DEFAULT_TOPIC.into(),
             config_topic: DEFAULT_CONFIG_TOPIC.into(),
+            window_topic: DEFAULT_WINDOW_TOPIC.into(),
             create_topics: true,
             partitions: 6,
             replication_factor: 1,
@@ -143,6 +150,15 @@ impl KafkaSettings {
         !self.brokers.trim().is_empty()
     }
 
+    /// The event topics: fallback, config, window.
+    pub fn topics(&self) -> [&str; 3] {
+        [
+            self.topic.as_str(),
+            self.config_topic.as_str(),
+            self.window_topic.as_str(),
+        ]
+    }
+
     /// Check the values that librdkafka would otherwise reject later and less clearly.
     pub fn validate(&self) -> Result<(), String> {
         if !self.enabled() {
@@ -158,13 +174,14 @@ impl KafkaSettings {
                 ));
             }
         }
-        if self.topic.is_empty() || self.config_topic.is_empty() {
-            return Err("kafka.topic and kafka.config_topic must not be empty".into());
-        }
-        if self.topic == self.config_topic {
+        let topics = self.topics();
+        if topics.iter().any(|t| t.is_empty()) {
             return Err(
-                "kafka.topic and kafka.config_topic must differ (one schema per topic)".into(),
+                "kafka.topic, kafka.config_topic and kafka.window_topic must not be empty".into(),
             );
+        }
+        if topics[0] == topics[1] || topics[0] == topics[2] || topics[1] == topics[2] {
+            return Err("kafka.topic, kafka.config_topic and kafka.window_topic must differ (one schema per topic)".into());
         }
         if self.partitions < 1 || self.replication_factor < 1 {
             return Err("kafka.partitions and kafka.replication_factor must be ≥ 1".into());
@@ -219,6 +236,7 @@ mod tests {
         bad(|s| s.brokers = "localhost".into(), "HOST:PORT");
         bad(|s| s.brokers = "h:99999".into(), "HOST:PORT");
         bad(|s| s.config_topic = s.topic.clone(), "must differ");
+        bad(|s| s.window_topic = s.config_topic.clone(), "must differ");
         bad(|s| s.partitions = 0, "partitions");
         bad(|s| s.compression = "brotli".into(), "compression");
         bad(|s| s.outbox_max_bytes = 10, "outbox_max_bytes");

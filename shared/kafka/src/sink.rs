@@ -5,8 +5,8 @@
 use crate::metrics::{DropReason, KafkaMetrics};
 use quantmesh_outbox::{Appended, Outbox, Record};
 use quantmesh_types::{
-    now_ms, wire_name, ConfigEvent, EventSink, FallbackEvent, CONFIG_EVENT_SCHEMA_VERSION,
-    FALLBACK_EVENT_SCHEMA_VERSION,
+    now_ms, wire_name, ConfigEvent, EventSink, FallbackEvent, WindowEvent,
+    CONFIG_EVENT_SCHEMA_VERSION, FALLBACK_EVENT_SCHEMA_VERSION, WINDOW_EVENT_SCHEMA_VERSION,
 };
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
@@ -25,13 +25,18 @@ pub const HEADER_TRACEPARENT: &str = "traceparent";
 pub enum EventType {
     Fallback,
     Config,
+    Window,
 }
 
 impl EventType {
+    /// Every event type, in discriminant order (indexes per-type counters).
+    pub const ALL: [EventType; 3] = [EventType::Fallback, EventType::Config, EventType::Window];
+
     pub fn as_str(self) -> &'static str {
         match self {
             EventType::Fallback => "fallback",
             EventType::Config => "config",
+            EventType::Window => "window",
         }
     }
 
@@ -44,6 +49,7 @@ impl EventType {
             .map(|(_, v)| v.as_str())
         {
             Some("config") => EventType::Config,
+            Some("window") => EventType::Window,
             _ => EventType::Fallback,
         }
     }
@@ -151,6 +157,20 @@ impl EventSink for KafkaSink {
         );
         self.send(rec);
     }
+
+    fn publish_window(&self, ev: &WindowEvent) {
+        let Ok(payload) = serde_json::to_string(ev) else {
+            return;
+        };
+        let rec = record(
+            EventType::Window,
+            format!("{}/window", ev.model),
+            payload,
+            WINDOW_EVENT_SCHEMA_VERSION,
+            None,
+        );
+        self.send(rec);
+    }
 }
 
 /// Most records appended per fsync.
@@ -181,7 +201,7 @@ pub(crate) fn run_writer(
                 WriterMsg::Record(r) => records.push(r),
             }
         }
-        let mut stored = [0u64; 2];
+        let mut stored = [0u64; EventType::ALL.len()];
         match outbox.append_batch(&records) {
             Ok(results) => {
                 for (a, r) in results.iter().zip(&records) {
@@ -199,10 +219,7 @@ pub(crate) fn run_writer(
             if let Err(e) = outbox.flush() {
                 tracing::error!(target: "quantmesh::kafka", error = %e, "outbox fsync failed: the last events may not survive a crash");
             }
-            for (kind, n) in [EventType::Fallback, EventType::Config]
-                .into_iter()
-                .zip(stored)
-            {
+            for (kind, n) in EventType::ALL.into_iter().zip(stored) {
                 metrics
                     .recorded
                     .with_label_values(&[kind.as_str()])

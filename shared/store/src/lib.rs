@@ -38,6 +38,19 @@ pub struct LatestPointer {
     pub md5: String,
 }
 
+/// The cloud stores' settings from the environment (`AWS_*`, `GOOGLE_*`, `AZURE_*`, as
+/// object_store's builders name them, lower-cased), for `parse_url_opts`.
+pub fn cloud_env_options() -> Vec<(String, String)> {
+    std::env::vars()
+        .map(|(k, v)| (k.to_ascii_lowercase(), v))
+        .filter(|(k, _)| {
+            ["aws_", "google_", "azure_"]
+                .iter()
+                .any(|p| k.starts_with(p))
+        })
+        .collect()
+}
+
 /// Parse a local path or URL into a store and the path inside it.
 fn open(spec: &str) -> Result<(Arc<dyn ObjectStore>, ObjPath, String), StoreError> {
     let bad = |m: String| StoreError::BadLocation(spec.to_string(), m);
@@ -54,15 +67,7 @@ fn open(spec: &str) -> Result<(Arc<dyn ObjectStore>, ObjPath, String), StoreErro
         };
         url::Url::from_file_path(&abs).map_err(|_| bad("not an absolute path".into()))?
     };
-    let opts: Vec<(String, String)> = std::env::vars()
-        .map(|(k, v)| (k.to_ascii_lowercase(), v))
-        .filter(|(k, _)| {
-            ["aws_", "google_", "azure_"]
-                .iter()
-                .any(|p| k.starts_with(p))
-        })
-        .collect();
-    let (store, path) = object_store::parse_url_opts(&url, opts).map_err(|e| {
+    let (store, path) = object_store::parse_url_opts(&url, cloud_env_options()).map_err(|e| {
         let msg = e.to_string();
         if msg.contains("not enabled") {
             bad(format!(
@@ -161,6 +166,23 @@ pub struct Published {
     pub latest_url: String,
     /// False when the same content was already stored (publishing is idempotent).
     pub created: bool,
+}
+
+impl std::fmt::Display for Published {
+    /// `<version url> (new version|already stored), latest -> <pointer url>`
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} ({}), latest -> {}",
+            self.object_url,
+            if self.created {
+                "new version"
+            } else {
+                "already stored"
+            },
+            self.latest_url
+        )
+    }
 }
 
 impl VersionedStore {

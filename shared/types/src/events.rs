@@ -215,6 +215,59 @@ pub struct ConfigEvent {
     pub traceparent: Option<String>,
 }
 
+pub const WINDOW_EVENT_SCHEMA_VERSION: u32 = 1;
+
+/// At most this many shadow-KL samples ride in one [`WindowEvent`]; more are counted in
+/// `shadow_kl_seen` and sampled evenly (so the event stays bounded whatever the traffic).
+pub const MAX_WINDOW_KL_SAMPLES: usize = 256;
+
+/// One group's evidence over one monitor window.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct WindowGroup {
+    /// Layer group, like `layers.1.down`.
+    pub group: String,
+    /// Measured rows (tokens) in the window and how many were outliers.
+    pub tokens: u64,
+    pub outliers: u64,
+    /// Whether the group ran its float path at the window's end (fallback, coupled or
+    /// forced, holding a float copy).
+    pub in_float: bool,
+    /// Whether the group wanted float in this window but holds no float copy.
+    pub wanted_unavailable: bool,
+    /// The group's residency (`int8`, `dual`, `float`).
+    pub residency: String,
+}
+
+/// The monitor's evidence for one window (every `window_requests` finished requests): per
+/// group the outlier counts and whether it ran in float, and the shadow-KL samples taken
+/// in the window. Sampled and bounded by construction (one event per window, at most
+/// [`MAX_WINDOW_KL_SAMPLES`] samples); the input of the weekly evolution job. Topic
+/// `quantmesh.monitor-windows` by default; schema version 1 of its own.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct WindowEvent {
+    pub schema_version: u32,
+    /// Unique id (UUID v4); consumers deduplicate on it.
+    pub event_id: String,
+    /// Milliseconds since the Unix epoch at the window's end.
+    pub timestamp_ms: u64,
+    /// Window length in milliseconds (end − previous end, or − monitor start).
+    pub duration_ms: u64,
+    pub model: String,
+    /// Windows completed by this engine since it started (1 for the first).
+    pub window: u64,
+    /// md5 of the `sensitive_layers.json` in force, when one is loaded.
+    pub config_md5: Option<String>,
+    pub groups: Vec<WindowGroup>,
+    /// Sampled KL(P_float ‖ P_served) in nats of the window's shadow steps (≤
+    /// [`MAX_WINDOW_KL_SAMPLES`]), and how many were taken in all.
+    pub shadow_kl: Vec<f64>,
+    pub shadow_kl_seen: u64,
+    /// What the shadow passes' reference was (absent when no sample was taken).
+    pub kl_reference: Option<KlReference>,
+    /// Requests put in float by a shadow KL above the limit in this window.
+    pub request_kl_fallbacks: u64,
+}
+
 /// Where events go: the seam between the engine (which decides) and the transports (the log,
 /// an in-process broadcast, the Kafka outbox). Implementations must never block the caller:
 /// the monitor actor publishes from the serving path.
@@ -223,10 +276,12 @@ pub trait EventSink: Send + Sync {
     fn publish(&self, ev: &FallbackEvent);
     /// Publish a configuration change (hot reload applied / rejected / failed).
     fn publish_config(&self, ev: &ConfigEvent);
+    /// Publish a monitor window's evidence. Sinks that do not carry it ignore it.
+    fn publish_window(&self, _ev: &WindowEvent) {}
 }
 
 /// The JSON Schemas of the event payloads (what `shared/schemas/` publishes for consumers).
-pub fn event_schemas() -> [(&'static str, serde_json::Value); 2] {
+pub fn event_schemas() -> [(&'static str, serde_json::Value); 3] {
     [
         (
             "fallback_event.v1.schema.json",
@@ -235,6 +290,10 @@ pub fn event_schemas() -> [(&'static str, serde_json::Value); 2] {
         (
             "config_event.v1.schema.json",
             serde_json::to_value(schemars::schema_for!(ConfigEvent)).unwrap_or_default(),
+        ),
+        (
+            "window_event.v1.schema.json",
+            serde_json::to_value(schemars::schema_for!(WindowEvent)).unwrap_or_default(),
         ),
     ]
 }

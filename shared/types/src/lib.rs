@@ -13,7 +13,8 @@ pub use budget::FloatBudget;
 pub use events::{now_ms, wire_name};
 pub use events::{
     ConfigAction, ConfigEvent, EventSink, FallbackAction, FallbackEvent, FallbackReason,
-    Granularity, KlReference, CONFIG_EVENT_SCHEMA_VERSION, FALLBACK_EVENT_SCHEMA_VERSION,
+    Granularity, KlReference, WindowEvent, WindowGroup, CONFIG_EVENT_SCHEMA_VERSION,
+    FALLBACK_EVENT_SCHEMA_VERSION, MAX_WINDOW_KL_SAMPLES, WINDOW_EVENT_SCHEMA_VERSION,
 };
 pub use generation::{
     FinishReason, SamplingError, SamplingParams, TokenLogprobs, Usage, MAX_TOP_LOGPROBS,

@@ -149,6 +149,11 @@ impl Handler<RequestsFinished> for MonitorActor {
     fn handle(&mut self, msg: RequestsFinished, _: &mut Self::Context) {
         let events = self.core.requests_finished(&msg.0);
         self.publish(events);
+        if let Some(window) = self.core.take_window() {
+            for s in &self.sinks {
+                s.publish_window(&window);
+            }
+        }
         for id in &msg.0 {
             self.traced.remove(id);
         }

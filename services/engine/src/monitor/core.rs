@@ -50,8 +50,9 @@ use crate::monitor::config::MonitorConfig;
 use crate::precision::{DetectorParams, GroupDetector, PathMask, StepOutput};
 use quantmesh_model::massive::MassiveCounter;
 use quantmesh_types::{
-    now_ms, FallbackAction, FallbackEvent, FallbackReason, Granularity, GroupId, Residency,
-    FALLBACK_EVENT_SCHEMA_VERSION,
+    now_ms, wire_name, FallbackAction, FallbackEvent, FallbackReason, Granularity, GroupId,
+    KlReference, Residency, WindowEvent, WindowGroup, FALLBACK_EVENT_SCHEMA_VERSION,
+    MAX_WINDOW_KL_SAMPLES, WINDOW_EVENT_SCHEMA_VERSION,
 };
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashSet};
@@ -199,6 +200,58 @@ pub struct Monitor {
     batch_float: bool,
     decisions: BTreeMap<Decision, u64>,
     pub config_md5: Option<String>,
+    /// The current window's evidence, and the last closed window's event (taken by the
+    /// actor).
+    window: WindowEvidence,
+    closed_window: Option<WindowEvent>,
+}
+
+/// Shadow-KL samples and request fallbacks of the window in progress. Samples are a
+/// reservoir of at most [`MAX_WINDOW_KL_SAMPLES`] (deterministic generator), so the window
+/// event stays bounded and unbiased whatever the traffic.
+#[derive(Debug, Clone)]
+struct WindowEvidence {
+    started_ms: u64,
+    kl: Vec<f64>,
+    kl_seen: u64,
+    kl_reference: Option<KlReference>,
+    request_kl_fallbacks: u64,
+    rng: u64,
+}
+
+impl WindowEvidence {
+    fn new() -> Self {
+        Self {
+            started_ms: now_ms(),
+            kl: Vec::new(),
+            kl_seen: 0,
+            kl_reference: None,
+            request_kl_fallbacks: 0,
+            rng: 0x9E37_79B9_7F4A_7C15,
+        }
+    }
+
+    fn sample(&mut self, kl: f64, reference: Option<KlReference>) {
+        self.kl_seen += 1;
+        // A partial reference anywhere in the window labels the whole window partial.
+        self.kl_reference = match (self.kl_reference, reference) {
+            (Some(KlReference::PartialFloatWeights), _)
+            | (_, Some(KlReference::PartialFloatWeights)) => Some(KlReference::PartialFloatWeights),
+            (a, b) => b.or(a),
+        };
+        if self.kl.len() < MAX_WINDOW_KL_SAMPLES {
+            self.kl.push(kl);
+            return;
+        }
+        self.rng = self
+            .rng
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        let j = (self.rng >> 11) % self.kl_seen;
+        if let Some(slot) = self.kl.get_mut(j as usize) {
+            *slot = kl;
+        }
+    }
 }
 
 /// Channels excluded by configuration: the global list for groups reading the residual
@@ -290,7 +343,15 @@ impl Monitor {
             batch_float: false,
             decisions: BTreeMap::new(),
             config_md5: None,
+            window: WindowEvidence::new(),
+            closed_window: None,
         }
+    }
+
+    /// The evidence of the last closed window (one event per window; `None` until a
+    /// window closes, and after it was taken).
+    pub fn take_window(&mut self) -> Option<WindowEvent> {
+        self.closed_window.take()
     }
 
     pub fn config(&self) -> &MonitorConfig {
@@ -512,7 +573,11 @@ impl Monitor {
             }
         }
         for &(seq, kl) in &out.shadow_kl {
+            if kl.is_finite() {
+                self.window.sample(kl, out.shadow_reference);
+            }
             if kl > self.cfg.request_kl_limit && self.float_requests.insert(seq) {
+                self.window.request_kl_fallbacks += 1;
                 let mut ev = self.event(
                     None,
                     Granularity::Request,
@@ -556,6 +621,7 @@ impl Monitor {
         self.requests_in_window = 0;
         let mut events = Vec::new();
         let ids: Vec<GroupId> = self.groups.keys().copied().collect();
+        let mut counted: BTreeMap<GroupId, (u64, u64, bool)> = BTreeMap::new();
         for g in ids {
             let Some(s) = self.groups.get_mut(&g) else {
                 continue;
@@ -571,6 +637,14 @@ impl Monitor {
             let n = s.window_tokens as f64;
             let margin = self.cfg.trigger_z * (s.trigger * (1.0 - s.trigger) / n.max(1.0)).sqrt();
             let above = rate > s.trigger + margin;
+            counted.insert(
+                g,
+                (
+                    s.window_tokens,
+                    s.window_outliers,
+                    decided && above && !s.residency.has_float(),
+                ),
+            );
             if decided {
                 s.last_rate = Some(rate);
             }
@@ -630,7 +704,44 @@ impl Monitor {
             };
             events.push(self.event(None, Granularity::Batch, action, FallbackReason::LayerShare));
         }
+        self.close_window(&counted);
         events
+    }
+
+    /// Turn the window's evidence into its event and start the next window.
+    fn close_window(&mut self, counted: &BTreeMap<GroupId, (u64, u64, bool)>) {
+        let ev = std::mem::replace(&mut self.window, WindowEvidence::new());
+        let end = self.window.started_ms;
+        let groups = self
+            .groups
+            .iter()
+            .map(|(g, s)| {
+                let (tokens, outliers, wanted_unavailable) =
+                    counted.get(g).copied().unwrap_or_default();
+                WindowGroup {
+                    group: g.to_string(),
+                    tokens,
+                    outliers,
+                    in_float: s.in_float(),
+                    wanted_unavailable,
+                    residency: wire_name(&s.residency),
+                }
+            })
+            .collect();
+        self.closed_window = Some(WindowEvent {
+            schema_version: WINDOW_EVENT_SCHEMA_VERSION,
+            event_id: uuid_v4(),
+            timestamp_ms: end,
+            duration_ms: end.saturating_sub(ev.started_ms),
+            model: self.model.clone(),
+            window: self.windows,
+            config_md5: self.config_md5.clone(),
+            groups,
+            shadow_kl: ev.kl,
+            shadow_kl_seen: ev.kl_seen,
+            kl_reference: ev.kl_reference,
+            request_kl_fallbacks: ev.request_kl_fallbacks,
+        });
     }
 
     /// `gate_up` follows its layer's `down` in and out of an automatic fallback.

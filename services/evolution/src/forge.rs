@@ -1,0 +1,449 @@
+//! The pull request: commit the proposed `sensitive_layers.json` on a branch of a real git
+//! repository (the `git` command line), push it, and open — or update — a pull request
+//! through the forge's REST API (GitHub's `POST /repos/{owner}/{repo}/pulls`; Gitea/Forgejo
+//! serve the same path under `/api/v1`).
+//!
+//! Idempotent: one branch per model (`quantmesh/evolve/<model>`), rebuilt from the base
+//! branch on every run. When the branch already holds exactly the proposed bytes nothing is
+//! pushed and no pull request is opened; when the bytes changed the branch is force-pushed
+//! and the open pull request (found by its head branch) gets the new body; a pull request
+//! is opened only when none is open for the branch. The token comes from the environment
+//! variable named in the config and is never logged.
+
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ForgeError {
+    #[error("git {0}: {1}")]
+    Git(String, String),
+    #[error("forge API {0}: {1}")]
+    Api(String, String),
+    #[error("forge settings: {0}")]
+    Settings(String),
+}
+
+/// `[evolution.git]`: where the plan lives in version control.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GitSettings {
+    /// The repository to push to (URL or path; empty: no pull request, `--dry-run` only).
+    pub remote: String,
+    /// Local working clone (created on first run).
+    pub checkout: PathBuf,
+    /// The branch pull requests target.
+    pub base: String,
+    /// Path of the plan inside the repository.
+    pub plan_path: String,
+    /// Branch prefix; the model's partition name is appended.
+    pub branch_prefix: String,
+    pub author_name: String,
+    pub author_email: String,
+}
+
+impl Default for GitSettings {
+    fn default() -> Self {
+        Self {
+            remote: String::new(),
+            checkout: PathBuf::from("data/evolution/checkout"),
+            base: "main".into(),
+            plan_path: "sensitive_layers.json".into(),
+            branch_prefix: "quantmesh/evolve/".into(),
+            author_name: "quantmesh-evolve".into(),
+            author_email: "quantmesh-evolve@localhost".into(),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ForgeKind {
+    /// Push the branch only.
+    None,
+    Github,
+    /// Gitea and Forgejo (GitHub-compatible pulls API under `/api/v1`).
+    Gitea,
+}
+
+/// `[evolution.forge]`.
+#[derive(Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ForgeSettings {
+    pub kind: ForgeKind,
+    /// API base: `https://api.github.com`, `https://gitea.example/api/v1`.
+    pub api_url: String,
+    /// `owner/name`.
+    pub repository: String,
+    /// Name of the environment variable holding the token (the token itself is never in a
+    /// file or a log).
+    pub token_env: String,
+    pub labels: Vec<String>,
+}
+
+impl std::fmt::Debug for ForgeSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ForgeSettings")
+            .field("kind", &self.kind)
+            .field("api_url", &self.api_url)
+            .field("repository", &self.repository)
+            .field("token_env", &self.token_env)
+            .field("labels", &self.labels)
+            .finish()
+    }
+}
+
+impl Default for ForgeSettings {
+    fn default() -> Self {
+        Self {
+            kind: ForgeKind::None,
+            api_url: "https://api.github.com".into(),
+            repository: String::new(),
+            token_env: "QUANTMESH_FORGE_TOKEN".into(),
+            labels: vec!["quantmesh".into(), "evolution".into()],
+        }
+    }
+}
+
+/// What happened to the pull request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "outcome")]
+pub enum PrOutcome {
+    /// The base branch already holds the proposal: nothing to do.
+    NothingToPropose,
+    /// The branch already held these bytes (and a PR is open, or there is no forge).
+    Unchanged { branch: String },
+    /// Branch pushed, no forge configured.
+    Pushed { branch: String },
+    Opened {
+        branch: String,
+        number: u64,
+        url: String,
+    },
+    Updated {
+        branch: String,
+        number: u64,
+        url: String,
+    },
+}
+
+impl PrOutcome {
+    pub fn label(&self) -> &'static str {
+        match self {
+            PrOutcome::NothingToPropose | PrOutcome::Unchanged { .. } => "unchanged",
+            PrOutcome::Pushed { .. } | PrOutcome::Updated { .. } => "updated",
+            PrOutcome::Opened { .. } => "opened",
+        }
+    }
+}
+
+fn git(dir: &Path, args: &[&str]) -> Result<String, ForgeError> {
+    let out = Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args(args)
+        .env("GIT_TERMINAL_PROMPT", "0")
+        .output()
+        .map_err(|e| ForgeError::Git(args.join(" "), format!("cannot run git: {e}")))?;
+    if !out.status.success() {
+        return Err(ForgeError::Git(
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).to_string())
+}
+
+fn git_ok(dir: &Path, args: &[&str]) -> bool {
+    git(dir, args).is_ok()
+}
+
+/// A working clone of the remote, fetched.
+pub struct Checkout {
+    dir: PathBuf,
+    s: GitSettings,
+}
+
+impl Checkout {
+    /// Clone (first run) or fetch.
+    pub fn open(s: &GitSettings) -> Result<Self, ForgeError> {
+        if s.remote.is_empty() {
+            return Err(ForgeError::Settings(
+                "evolution.git.remote is empty: nothing to push to (use --dry-run)".into(),
+            ));
+        }
+        let dir = s.checkout.clone();
+        if !dir.join(".git").exists() {
+            if let Some(parent) = dir.parent() {
+                std::fs::create_dir_all(parent)
+                    .map_err(|e| ForgeError::Git("clone".into(), e.to_string()))?;
+            }
+            let out = Command::new("git")
+                .args(["clone", "--quiet", &s.remote])
+                .arg(&dir)
+                .env("GIT_TERMINAL_PROMPT", "0")
+                .output()
+                .map_err(|e| ForgeError::Git("clone".into(), format!("cannot run git: {e}")))?;
+            if !out.status.success() {
+                return Err(ForgeError::Git(
+                    "clone".into(),
+                    String::from_utf8_lossy(&out.stderr).trim().to_string(),
+                ));
+            }
+        }
+        git(&dir, &["remote", "set-url", "origin", &s.remote])?;
+        git(&dir, &["fetch", "--quiet", "--prune", "origin"])?;
+        Ok(Self { dir, s: s.clone() })
+    }
+
+    /// The plan file on the base branch (what the proposal starts from), if there is one.
+    pub fn base_plan(&self) -> Option<Vec<u8>> {
+        let spec = format!("origin/{}:{}", self.s.base, self.s.plan_path);
+        git(&self.dir, &["show", &spec])
+            .ok()
+            .map(String::into_bytes)
+    }
+
+    fn branch(&self, model_partition: &str) -> String {
+        format!("{}{}", self.s.branch_prefix, model_partition)
+    }
+
+    /// Commit `bytes` on the model's branch (rebuilt from the base) and push it, unless the
+    /// base or the branch already holds them. Returns the branch and whether it was pushed.
+    pub fn push(
+        &self,
+        model_partition: &str,
+        bytes: &[u8],
+        message: &str,
+    ) -> Result<(String, Option<bool>), ForgeError> {
+        let branch = self.branch(model_partition);
+        if self.base_plan().as_deref() == Some(bytes) {
+            return Ok((branch, None));
+        }
+        let remote_spec = format!("origin/{branch}:{}", self.s.plan_path);
+        let on_branch = git(&self.dir, &["show", &remote_spec])
+            .ok()
+            .map(String::into_bytes);
+        if on_branch.as_deref() == Some(bytes) {
+            return Ok((branch, Some(false)));
+        }
+        let base = format!("origin/{}", self.s.base);
+        if !git_ok(&self.dir, &["rev-parse", "--verify", "--quiet", &base]) {
+            return Err(ForgeError::Git(
+                "rev-parse".into(),
+                format!(
+                    "the remote has no branch {:?} (evolution.git.base)",
+                    self.s.base
+                ),
+            ));
+        }
+        git(&self.dir, &["checkout", "--quiet", "-B", &branch, &base])?;
+        let path = self.dir.join(&self.s.plan_path);
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent)
+                .map_err(|e| ForgeError::Git("write".into(), e.to_string()))?;
+        }
+        std::fs::write(&path, bytes)
+            .map_err(|e| ForgeError::Git("write".into(), format!("{}: {e}", path.display())))?;
+        git(&self.dir, &["add", "--", &self.s.plan_path])?;
+        let name = format!("user.name={}", self.s.author_name);
+        let email = format!("user.email={}", self.s.author_email);
+        git(
+            &self.dir,
+            &[
+                "-c", &name, "-c", &email, "commit", "--quiet", "-m", message,
+            ],
+        )?;
+        git(
+            &self.dir,
+            &[
+                "push",
+                "--quiet",
+                "--force",
+                "origin",
+                &format!("{branch}:{branch}"),
+            ],
+        )?;
+        Ok((branch, Some(true)))
+    }
+}
+
+#[derive(Deserialize)]
+struct PullHead {
+    #[serde(rename = "ref")]
+    r#ref: String,
+}
+
+#[derive(Deserialize)]
+struct Pull {
+    number: u64,
+    html_url: Option<String>,
+    head: PullHead,
+}
+
+/// The forge's REST API.
+pub struct Forge {
+    s: ForgeSettings,
+    token: String,
+    http: reqwest::Client,
+}
+
+impl Forge {
+    /// `None` when no forge is configured. The token is read from `token_env` now.
+    pub fn new(s: &ForgeSettings) -> Result<Option<Self>, ForgeError> {
+        if s.kind == ForgeKind::None {
+            return Ok(None);
+        }
+        if s.repository.split('/').count() != 2 {
+            return Err(ForgeError::Settings(format!(
+                "evolution.forge.repository {:?} is not owner/name",
+                s.repository
+            )));
+        }
+        let token = std::env::var(&s.token_env).map_err(|_| {
+            ForgeError::Settings(format!(
+                "the forge token variable {} is not set",
+                s.token_env
+            ))
+        })?;
+        let http = reqwest::Client::builder()
+            .user_agent(concat!("quantmesh-evolve/", env!("CARGO_PKG_VERSION")))
+            .timeout(std::time::Duration::from_secs(30))
+            .build()
+            .map_err(|e| ForgeError::Api("client".into(), e.to_string()))?;
+        Ok(Some(Self {
+            s: s.clone(),
+            token,
+            http,
+        }))
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!(
+            "{}/repos/{}{}",
+            self.s.api_url.trim_end_matches('/'),
+            self.s.repository,
+            path
+        )
+    }
+
+    fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        let auth = match self.s.kind {
+            ForgeKind::Gitea => format!("token {}", self.token),
+            _ => format!("Bearer {}", self.token),
+        };
+        self.http
+            .request(method, self.url(path))
+            .header("Authorization", auth)
+            .header("Accept", "application/vnd.github+json")
+            .header("X-GitHub-Api-Version", "2022-11-28")
+    }
+
+    async fn send<T: serde::de::DeserializeOwned>(
+        &self,
+        what: &str,
+        req: reqwest::RequestBuilder,
+    ) -> Result<T, ForgeError> {
+        let resp = req.send().await.map_err(|e| {
+            let msg = e.to_string();
+            ForgeError::Api(
+                what.into(),
+                if msg.contains("scheme is not http") || msg.contains("builder error") {
+                    format!("{msg} (this build speaks plain HTTP only: rebuild with `--features tls` for https)")
+                } else {
+                    msg
+                },
+            )
+        })?;
+        let status = resp.status();
+        let body = resp.text().await.unwrap_or_default();
+        if !status.is_success() {
+            return Err(ForgeError::Api(what.into(), format!("{status}: {body}")));
+        }
+        serde_json::from_str(&body)
+            .map_err(|e| ForgeError::Api(what.into(), format!("unexpected answer ({e}): {body}")))
+    }
+
+    /// The open pull request whose head is `branch`: (number, url).
+    pub async fn find_open(&self, branch: &str) -> Result<Option<(u64, String)>, ForgeError> {
+        let owner = self.s.repository.split('/').next().unwrap_or_default();
+        let open: Vec<Pull> = self
+            .send(
+                "list pull requests",
+                self.request(
+                    reqwest::Method::GET,
+                    &format!(
+                        "/pulls?state=open&head={}",
+                        url::form_urlencoded::byte_serialize(
+                            format!("{owner}:{branch}").as_bytes()
+                        )
+                        .collect::<String>()
+                    ),
+                ),
+            )
+            .await?;
+        Ok(open
+            .into_iter()
+            .find(|p| p.head.r#ref == branch)
+            .map(|p| (p.number, p.html_url.unwrap_or_default())))
+    }
+
+    /// Open a pull request from `branch` into `base`, or update the open one's title and
+    /// body.
+    pub async fn open_or_update(
+        &self,
+        branch: &str,
+        base: &str,
+        title: &str,
+        body: &str,
+    ) -> Result<PrOutcome, ForgeError> {
+        if let Some((number, _)) = self.find_open(branch).await? {
+            let updated: Pull = self
+                .send(
+                    "update pull request",
+                    self.request(reqwest::Method::PATCH, &format!("/pulls/{number}"))
+                        .json(&serde_json::json!({ "title": title, "body": body })),
+                )
+                .await?;
+            return Ok(PrOutcome::Updated {
+                branch: branch.into(),
+                number: updated.number,
+                url: updated.html_url.unwrap_or_default(),
+            });
+        }
+        let created: Pull = self
+            .send(
+                "create pull request",
+                self.request(reqwest::Method::POST, "/pulls")
+                    .json(&serde_json::json!({
+                        "title": title,
+                        "head": branch,
+                        "base": base,
+                        "body": body,
+                        "maintainer_can_modify": true,
+                    })),
+            )
+            .await?;
+        if !self.s.labels.is_empty() {
+            if self.s.kind == ForgeKind::Gitea {
+                tracing::warn!(target: "quantmesh::evolution", "labels are not applied on Gitea/Forgejo (its API takes label ids, not names)");
+            } else {
+                let _: serde_json::Value = self
+                    .send(
+                        "label pull request",
+                        self.request(
+                            reqwest::Method::POST,
+                            &format!("/issues/{}/labels", created.number),
+                        )
+                        .json(&serde_json::json!({ "labels": self.s.labels })),
+                    )
+                    .await?;
+            }
+        }
+        Ok(PrOutcome::Opened {
+            branch: branch.into(),
+            number: created.number,
+            url: created.html_url.unwrap_or_default(),
+        })
+    }
+}

@@ -1,0 +1,629 @@
+//! From a week of evidence to a new `sensitive_layers.json`: deterministic rules, each
+//! change with its reason. Same plan + same evidence → byte-identical output (the
+//! generator timestamp is the newest window event analysed, not the wall clock), which is
+//! what makes the pull request idempotent.
+//!
+//! The rules (defaults in [`Rules::default`], all configurable under `[evolution.rules]`):
+//! 1. **Too little evidence → no change.** A group is considered only with at least
+//!    `min_windows` windows and `min_tokens` measured rows in the span; the request limit
+//!    only with `min_kl_samples` shadow-KL samples.
+//! 2. **`request_kl_limit` = 99th percentile of healthy shadow KL × `kl_margin`**, clamped to
+//!    `kl_limit_bounds`, changed only when it moves by more than `kl_min_change` (relative).
+//!    Healthy = samples at or below the limit in force. Why: the per-request fallback is
+//!    meant for the rare request that the quantized model serves badly; the limit belongs
+//!    above the tail of ordinary traffic, so that at most ~1 % of ordinary requests could
+//!    reach it even before the margin, and 1.5× keeps a week-to-week drift of the tail from
+//!    turning into a fallback storm. The hysteresis stops a weekly PR for noise.
+//! 3. **Promote INT8-only → `dual`** when the group wanted float but held no copy in more
+//!    than `promote_share` of its windows: the monitor asked for a float path it did not have.
+//! 4. **Promote `dual` → `float`** when the group ended more than `float_share` of its
+//!    windows in float: it is effectively always in float, so the INT8 copy is dead weight.
+//! 5. **Demote `dual` → INT8-only** when the group never entered float in the span, its
+//!    95th-percentile window outlier rate stayed below half its trigger, and — when the plan
+//!    carries the pre-screen's KL of the served INT8 form — that KL is below `demote_kl`.
+//!    Frees its float copy for groups that need one.
+//! 6. **Calm a flapping group**: `flap_enters` or more entries into float in the span while
+//!    its median window rate sits below the trigger → its `trigger_rate` override becomes its
+//!    95th-percentile window rate (capped at `max_trigger`), so it falls back on real
+//!    excursions and not on its own normal tail.
+
+use crate::analysis::{Evidence, GroupEvidence};
+use quantmesh_types::sensitive::{GroupEntry, MonitorOverride};
+use quantmesh_types::{PrecisionClass, Residency, SensitiveLayers};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Rule parameters (`[evolution.rules]`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Rules {
+    pub min_windows: u64,
+    pub min_tokens: u64,
+    pub min_kl_samples: u64,
+    pub kl_margin: f64,
+    pub kl_limit_bounds: (f64, f64),
+    pub kl_min_change: f64,
+    pub promote_share: f64,
+    pub float_share: f64,
+    pub demote_kl: f64,
+    pub flap_enters: u64,
+    pub max_trigger: f64,
+}
+
+impl Default for Rules {
+    fn default() -> Self {
+        Self {
+            min_windows: 20,
+            min_tokens: 5_000,
+            min_kl_samples: 200,
+            kl_margin: 1.5,
+            kl_limit_bounds: (0.002, 0.2),
+            kl_min_change: 0.1,
+            promote_share: 0.25,
+            float_share: 0.9,
+            demote_kl: 1e-3,
+            flap_enters: 4,
+            max_trigger: 0.2,
+        }
+    }
+}
+
+impl Rules {
+    pub fn validate(&self) -> Result<(), String> {
+        let (lo, hi) = self.kl_limit_bounds;
+        if !(lo > 0.0 && hi > lo && hi.is_finite()) {
+            return Err("evolution.rules.kl_limit_bounds must be (lo, hi) with 0 < lo < hi".into());
+        }
+        for (n, v) in [
+            ("promote_share", self.promote_share),
+            ("float_share", self.float_share),
+            ("max_trigger", self.max_trigger),
+        ] {
+            if !(0.0..=1.0).contains(&v) {
+                return Err(format!("evolution.rules.{n} = {v}: must be in [0, 1]"));
+            }
+        }
+        if !(self.kl_margin >= 1.0 && self.kl_margin.is_finite()) {
+            return Err("evolution.rules.kl_margin must be ≥ 1".into());
+        }
+        Ok(())
+    }
+}
+
+/// The engine's values where the plan says nothing (its `[engine.monitor]` defaults).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EngineDefaults {
+    pub trigger_rate: f64,
+    pub request_kl_limit: f64,
+}
+
+impl Default for EngineDefaults {
+    fn default() -> Self {
+        Self {
+            trigger_rate: 0.01,
+            request_kl_limit: 0.02,
+        }
+    }
+}
+
+/// One change and why.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Change {
+    /// The group, or `None` for a global threshold.
+    pub group: Option<String>,
+    pub field: String,
+    pub from: String,
+    pub to: String,
+    pub reason: String,
+}
+
+/// The proposal: the new plan, its changes, and what was left alone for lack of evidence.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Proposal {
+    pub plan: SensitiveLayers,
+    pub changes: Vec<Change>,
+    pub too_little_evidence: Vec<String>,
+}
+
+impl Proposal {
+    /// The plan as the bytes committed (pretty JSON, trailing newline).
+    pub fn bytes(&self) -> Vec<u8> {
+        let mut b = serde_json::to_vec_pretty(&self.plan).unwrap_or_default();
+        b.push(b'\n');
+        b
+    }
+}
+
+fn class_for(r: Residency) -> PrecisionClass {
+    match r {
+        Residency::Int8 => PrecisionClass::W8a8,
+        Residency::Dual => PrecisionClass::W8a8PerChannel,
+        Residency::Float => PrecisionClass::Fp16,
+    }
+}
+
+/// A plan entry for a group the plan did not list (it served with the engine's defaults).
+fn bare_entry(r: Residency) -> GroupEntry {
+    GroupEntry {
+        class: class_for(r),
+        residency: None,
+        rule: None,
+        metrics: None,
+        activations: None,
+        monitor: None,
+        massive_channels: Vec::new(),
+    }
+}
+
+fn fmt(v: f64) -> String {
+    format!("{v:.4}")
+}
+
+/// Apply the rules.
+pub fn propose(
+    current: &SensitiveLayers,
+    ev: &Evidence,
+    rules: &Rules,
+    defaults: EngineDefaults,
+) -> Proposal {
+    let mut plan = current.clone();
+    let mut changes = Vec::new();
+    let mut too_little = Vec::new();
+
+    // Rule 2: the request limit.
+    let limit = current
+        .thresholds
+        .request_kl_limit
+        .unwrap_or(defaults.request_kl_limit);
+    if ev.kl.healthy_samples >= rules.min_kl_samples {
+        if let Some(p99) = ev.kl.healthy_p99 {
+            let (lo, hi) = rules.kl_limit_bounds;
+            let new = (p99 * rules.kl_margin).clamp(lo, hi);
+            let new = (new * 1e6).round() / 1e6;
+            if ((new - limit) / limit).abs() > rules.kl_min_change {
+                plan.thresholds.request_kl_limit = Some(new);
+                changes.push(Change {
+                    group: None,
+                    field: "thresholds.request_kl_limit".into(),
+                    from: fmt(limit),
+                    to: fmt(new),
+                    reason: format!(
+                        "healthy shadow KL p99 {} over {} samples × margin {}",
+                        fmt(p99),
+                        ev.kl.healthy_samples,
+                        rules.kl_margin
+                    ),
+                });
+            }
+        }
+    } else {
+        too_little.push(format!(
+            "request_kl_limit: {} healthy shadow-KL samples < {}",
+            ev.kl.healthy_samples, rules.min_kl_samples
+        ));
+    }
+
+    let global_trigger = current
+        .thresholds
+        .trigger_rate
+        .unwrap_or(defaults.trigger_rate);
+    for g in &ev.groups {
+        if g.windows < rules.min_windows || g.tokens < rules.min_tokens {
+            too_little.push(format!(
+                "{}: {} windows / {} rows < {} / {}",
+                g.group, g.windows, g.tokens, rules.min_windows, rules.min_tokens
+            ));
+            continue;
+        }
+        let entry = plan.groups.get(&g.group).cloned();
+        let trigger = entry
+            .as_ref()
+            .and_then(|e| e.monitor.as_ref())
+            .and_then(|m| m.trigger_rate)
+            .unwrap_or(global_trigger);
+        let served = match g.residency.as_str() {
+            "int8" => Residency::Int8,
+            "float" => Residency::Float,
+            _ => Residency::Dual,
+        };
+        let unavailable_share = g.unavailable_windows as f64 / g.windows.max(1) as f64;
+        let target = if served == Residency::Int8 && unavailable_share > rules.promote_share {
+            Some((
+                Residency::Dual,
+                format!(
+                    "wanted float in {:.0} % of {} windows without a float copy (> {:.0} %)",
+                    unavailable_share * 100.0,
+                    g.windows,
+                    rules.promote_share * 100.0
+                ),
+            ))
+        } else if served == Residency::Dual && g.float_share > rules.float_share {
+            Some((
+                Residency::Float,
+                format!(
+                    "in float at the end of {:.0} % of {} windows (> {:.0} %)",
+                    g.float_share * 100.0,
+                    g.windows,
+                    rules.float_share * 100.0
+                ),
+            ))
+        } else if served == Residency::Dual && demotable(g, entry.as_ref(), trigger, rules) {
+            Some((
+                Residency::Int8,
+                format!(
+                    "never in float over {} windows; window outlier rate p95 {} < trigger/2 {}{}",
+                    g.windows,
+                    fmt(g.rate_p95.unwrap_or(0.0)),
+                    fmt(trigger / 2.0),
+                    entry
+                        .as_ref()
+                        .and_then(|e| e.metrics.as_ref())
+                        .map(|m| format!(
+                            "; pre-screen KL {:.2e} < {:.0e}",
+                            int8_kl(e_class(entry.as_ref()), m),
+                            rules.demote_kl
+                        ))
+                        .unwrap_or_default()
+                ),
+            ))
+        } else {
+            None
+        };
+        if let Some((to, reason)) = target {
+            let from = entry
+                .as_ref()
+                .map(|e| e.effective_residency())
+                .unwrap_or(served);
+            let e = plan
+                .groups
+                .entry(g.group.clone())
+                .or_insert_with(|| bare_entry(to));
+            e.class = class_for(to);
+            e.residency = Some(to);
+            e.rule = Some(format!("evolve: {reason}"));
+            changes.push(Change {
+                group: Some(g.group.clone()),
+                field: "residency".into(),
+                from: quantmesh_types::wire_name(&from),
+                to: quantmesh_types::wire_name(&to),
+                reason,
+            });
+            continue;
+        }
+        // Rule 6: a flapping group.
+        if g.enters >= rules.flap_enters {
+            if let (Some(p50), Some(p95)) = (g.rate_p50, g.rate_p95) {
+                let new = (p95.min(rules.max_trigger) * 1e4).round() / 1e4;
+                if p50 < trigger && new > trigger {
+                    let e = plan
+                        .groups
+                        .entry(g.group.clone())
+                        .or_insert_with(|| bare_entry(served));
+                    let m = e.monitor.get_or_insert_with(MonitorOverride::default);
+                    m.trigger_rate = Some(new);
+                    changes.push(Change {
+                        group: Some(g.group.clone()),
+                        field: "monitor.trigger_rate".into(),
+                        from: fmt(trigger),
+                        to: fmt(new),
+                        reason: format!(
+                            "{} entries into float; window rate p50 {} below the trigger, p95 {}",
+                            g.enters,
+                            fmt(p50),
+                            fmt(p95)
+                        ),
+                    });
+                }
+            }
+        }
+    }
+    if !changes.is_empty() {
+        let mut rules_used = BTreeMap::new();
+        rules_used.insert("min_windows".to_string(), rules.min_windows as f64);
+        rules_used.insert("min_tokens".to_string(), rules.min_tokens as f64);
+        rules_used.insert("min_kl_samples".to_string(), rules.min_kl_samples as f64);
+        rules_used.insert("kl_margin".to_string(), rules.kl_margin);
+        rules_used.insert("promote_share".to_string(), rules.promote_share);
+        rules_used.insert("float_share".to_string(), rules.float_share);
+        rules_used.insert("demote_kl".to_string(), rules.demote_kl);
+        rules_used.insert("flap_enters".to_string(), rules.flap_enters as f64);
+        plan.generator = Some(quantmesh_types::sensitive::Generator {
+            tool: "quantmesh-evolve".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            timestamp: chrono::DateTime::<chrono::Utc>::from_timestamp_millis(
+                ev.last_window_ms.unwrap_or(ev.until_ms),
+            )
+            .unwrap_or_default()
+            .to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+            calibration: current
+                .generator
+                .as_ref()
+                .and_then(|g| g.calibration.clone()),
+            rules: Some(rules_used),
+        });
+    }
+    Proposal {
+        plan,
+        changes,
+        too_little_evidence: too_little,
+    }
+}
+
+fn e_class(e: Option<&GroupEntry>) -> PrecisionClass {
+    e.map(|e| e.class).unwrap_or(PrecisionClass::W8a8PerChannel)
+}
+
+/// The pre-screen's KL of the INT8 form the group would be served with.
+fn int8_kl(class: PrecisionClass, m: &quantmesh_types::sensitive::GroupMetrics) -> f64 {
+    match class {
+        PrecisionClass::W8a8 => m.kl.w8a8,
+        _ => m.kl.w8a8_per_channel,
+    }
+}
+
+fn demotable(g: &GroupEvidence, entry: Option<&GroupEntry>, trigger: f64, rules: &Rules) -> bool {
+    let quiet =
+        g.enters == 0 && g.float_windows == 0 && g.rate_p95.is_some_and(|r| r < trigger / 2.0);
+    let kl_ok = entry
+        .and_then(|e| e.metrics.as_ref())
+        .is_none_or(|m| int8_kl(e_class(entry), m) < rules.demote_kl);
+    quiet && kl_ok
+}
+
+/// The changes as a Markdown table (the dry run prints it; the PR body carries it).
+pub fn changes_table(p: &Proposal) -> String {
+    let mut s = String::from("| group | field | from | to | reason |\n|---|---|---|---|---|\n");
+    for c in &p.changes {
+        s.push_str(&format!(
+            "| {} | {} | {} | {} | {} |\n",
+            c.group.as_deref().unwrap_or("(global)"),
+            c.field,
+            c.from,
+            c.to,
+            c.reason
+        ));
+    }
+    if p.changes.is_empty() {
+        s.push_str("| — | — | — | — | no change: the evidence supports the plan in force |\n");
+    }
+    s
+}
+
+/// The evidence per group as a Markdown table.
+pub fn evidence_table(ev: &Evidence, plan: &SensitiveLayers) -> String {
+    let mut s = String::from(
+        "| group | class | served as | windows | rows | outlier rate p50 / p95 / max | windows in float | wanted, unavailable | enters / exits | token decisions |\n|---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    let r = |v: Option<f64>| v.map(|x| format!("{x:.4}")).unwrap_or_else(|| "-".into());
+    for g in &ev.groups {
+        let class = plan
+            .groups
+            .get(&g.group)
+            .map(|e| quantmesh_types::wire_name(&e.class))
+            .unwrap_or_else(|| "-".into());
+        s.push_str(&format!(
+            "| {} | {} | {} | {} | {} | {} / {} / {} | {} ({:.0} %) | {} | {} / {} | {} |\n",
+            g.group,
+            class,
+            g.residency,
+            g.windows,
+            g.tokens,
+            r(g.rate_p50),
+            r(g.rate_p95),
+            r(g.rate_max),
+            g.float_windows,
+            g.float_share * 100.0,
+            g.unavailable_windows,
+            g.enters,
+            g.exits,
+            g.token_decisions
+        ));
+    }
+    s.push_str(&format!(
+        "\nShadow KL (nats): {} samples, p50 {} / p90 {} / p99 {} / max {}; healthy p99 {} ({} samples); {} with a partial float reference; {} requests put in float by shadow KL. {} windows, {} fallback events, configs applied {} / rejected {}.\n",
+        ev.kl.samples,
+        r(ev.kl.p50),
+        r(ev.kl.p90),
+        r(ev.kl.p99),
+        r(ev.kl.max),
+        r(ev.kl.healthy_p99),
+        ev.kl.healthy_samples,
+        ev.kl.partial_reference,
+        ev.request_kl_fallbacks,
+        ev.windows,
+        ev.fallback_events,
+        ev.configs_applied,
+        ev.configs_rejected
+    ));
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::analysis::KlEvidence;
+
+    fn plan() -> SensitiveLayers {
+        SensitiveLayers::parse(br#"{"schema_version": 1}"#).unwrap()
+    }
+
+    fn group(name: &str, residency: &str) -> GroupEvidence {
+        GroupEvidence {
+            group: name.into(),
+            windows: 100,
+            tokens: 100_000,
+            outliers: 100,
+            rate_p50: Some(0.001),
+            rate_p95: Some(0.002),
+            rate_max: Some(0.004),
+            residency: residency.into(),
+            ..Default::default()
+        }
+    }
+
+    fn evidence(groups: Vec<GroupEvidence>) -> Evidence {
+        Evidence {
+            model: "m".into(),
+            since_ms: 0,
+            until_ms: 604_800_000,
+            groups,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn an_int8_group_that_wanted_float_is_promoted_to_dual() {
+        let mut g = group("layers.3.down", "int8");
+        g.unavailable_windows = 40;
+        let p = propose(
+            &plan(),
+            &evidence(vec![g]),
+            &Rules::default(),
+            EngineDefaults::default(),
+        );
+        assert_eq!(p.changes.len(), 1, "{:?}", p.changes);
+        let e = &p.plan.groups["layers.3.down"];
+        assert_eq!(e.residency, Some(Residency::Dual));
+        assert_eq!(e.class, PrecisionClass::W8a8PerChannel);
+        assert!(
+            p.changes[0].reason.contains("40 %"),
+            "{}",
+            p.changes[0].reason
+        );
+        assert!(p.plan.generator.is_some());
+    }
+
+    #[test]
+    fn a_dual_group_always_in_float_becomes_float() {
+        let mut g = group("layers.1.down", "dual");
+        g.float_windows = 95;
+        g.float_share = 0.95;
+        g.enters = 1;
+        let p = propose(
+            &plan(),
+            &evidence(vec![g]),
+            &Rules::default(),
+            EngineDefaults::default(),
+        );
+        assert_eq!(
+            p.plan.groups["layers.1.down"].residency,
+            Some(Residency::Float)
+        );
+    }
+
+    #[test]
+    fn a_quiet_dual_group_is_demoted_unless_its_kl_says_otherwise() {
+        let g = group("layers.0.o", "dual");
+        let p = propose(
+            &plan(),
+            &evidence(vec![g.clone()]),
+            &Rules::default(),
+            EngineDefaults::default(),
+        );
+        assert_eq!(p.plan.groups["layers.0.o"].residency, Some(Residency::Int8));
+        // The pre-screen measured a large INT8 error: keep the float copy.
+        let mut with_kl = plan();
+        with_kl.groups.insert(
+            "layers.0.o".into(),
+            serde_json::from_value(serde_json::json!({
+                "class": "w8a8_per_channel",
+                "metrics": {"r": 1.0, "energy": 0.1,
+                            "kl": {"w8a8": 0.01, "w8a8_per_channel": 0.01, "w4a16": 0.1}}
+            }))
+            .unwrap(),
+        );
+        let p = propose(
+            &with_kl,
+            &evidence(vec![g.clone()]),
+            &Rules::default(),
+            EngineDefaults::default(),
+        );
+        assert!(p.changes.is_empty(), "{:?}", p.changes);
+        // A group that fell back once is not demoted.
+        let mut busy = g;
+        busy.enters = 1;
+        let p = propose(
+            &plan(),
+            &evidence(vec![busy]),
+            &Rules::default(),
+            EngineDefaults::default(),
+        );
+        assert!(p.changes.is_empty());
+    }
+
+    #[test]
+    fn the_request_limit_follows_healthy_traffic_with_a_margin_and_hysteresis() {
+        let mut ev = evidence(vec![]);
+        ev.kl = KlEvidence {
+            samples: 1000,
+            healthy_samples: 990,
+            healthy_p99: Some(0.004),
+            ..Default::default()
+        };
+        let p = propose(&plan(), &ev, &Rules::default(), EngineDefaults::default());
+        assert_eq!(p.plan.thresholds.request_kl_limit, Some(0.006));
+        // Within 10 % of the limit in force: no change.
+        ev.kl.healthy_p99 = Some(0.0135);
+        let p = propose(&plan(), &ev, &Rules::default(), EngineDefaults::default());
+        assert!(p.changes.is_empty(), "{:?}", p.changes);
+        // Clamped to the bounds.
+        ev.kl.healthy_p99 = Some(1.0);
+        let p = propose(&plan(), &ev, &Rules::default(), EngineDefaults::default());
+        assert_eq!(p.plan.thresholds.request_kl_limit, Some(0.2));
+    }
+
+    #[test]
+    fn too_little_evidence_changes_nothing() {
+        let mut g = group("layers.3.down", "int8");
+        g.unavailable_windows = 9;
+        g.windows = 10;
+        let mut ev = evidence(vec![g]);
+        ev.kl = KlEvidence {
+            samples: 50,
+            healthy_samples: 50,
+            healthy_p99: Some(0.5),
+            ..Default::default()
+        };
+        let p = propose(&plan(), &ev, &Rules::default(), EngineDefaults::default());
+        assert!(p.changes.is_empty());
+        assert_eq!(p.plan, plan());
+        assert_eq!(
+            p.too_little_evidence.len(),
+            2,
+            "{:?}",
+            p.too_little_evidence
+        );
+    }
+
+    #[test]
+    fn a_flapping_group_gets_its_own_trigger() {
+        let mut g = group("layers.2.down", "dual");
+        g.enters = 6;
+        g.exits = 6;
+        g.float_windows = 30;
+        g.float_share = 0.3;
+        g.rate_p50 = Some(0.006);
+        g.rate_p95 = Some(0.03);
+        let p = propose(
+            &plan(),
+            &evidence(vec![g]),
+            &Rules::default(),
+            EngineDefaults::default(),
+        );
+        let m = p.plan.groups["layers.2.down"].monitor.clone().unwrap();
+        assert_eq!(m.trigger_rate, Some(0.03));
+    }
+
+    #[test]
+    fn the_same_evidence_gives_the_same_bytes() {
+        let mut g = group("layers.3.down", "int8");
+        g.unavailable_windows = 40;
+        let ev = evidence(vec![g]);
+        let a = propose(&plan(), &ev, &Rules::default(), EngineDefaults::default());
+        let b = propose(&plan(), &ev, &Rules::default(), EngineDefaults::default());
+        assert_eq!(a.bytes(), b.bytes());
+        let back = SensitiveLayers::parse(&a.bytes()).unwrap();
+        assert_eq!(back, a.plan);
+    }
+}

@@ -1,0 +1,222 @@
+//! `quantmesh evolve`: the evolution service (lake ingest + weekly analysis + pull request).
+
+use anyhow::Context as _;
+use quantmesh_evolution::analysis::Span;
+use quantmesh_evolution::ingest::{self, IngestOptions};
+use quantmesh_evolution::lake::Lake;
+use quantmesh_evolution::metrics::EvolutionMetrics;
+use quantmesh_evolution::run::{next_run, run_once};
+use quantmesh_evolution::EvolutionSettings;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub const EVOLVE_HELP: &str = "The evolution service: lands the fallback, config and monitor-window events from Kafka in a \
+Parquet lake (<lake>/<table>/model=…/date=…/), analyses a week of them with DataFusion, turns the evidence into a new \
+sensitive_layers.json by documented rules, and commits it on a branch of the plan repository with a pull request \
+(GitHub or Gitea REST API). Merged and published where the engines poll, it is hot-reloaded.\n\n\
+Modes:\n  quantmesh evolve                    # service: ingest continuously, run on --schedule, /metrics on evolution.listen\n  \
+quantmesh evolve --once             # catch up the lake, one run over the last evolution.window, exit\n  \
+quantmesh evolve --once --dry-run   # print the evidence and the proposed changes, push nothing\n\n\
+Config: the [evolution] and [kafka] sections of --config (see infra/quantmesh.example.toml); the forge token is read \
+from the variable named by evolution.forge.token_env (default QUANTMESH_FORGE_TOKEN), never from a file.";
+
+#[derive(clap::Args)]
+pub struct EvolveArgs {
+    /// quantmesh TOML config ([evolution] and [kafka] sections).
+    #[arg(long, env = "QUANTMESH_CONFIG")]
+    config: Option<PathBuf>,
+    /// One run, then exit (after catching up the lake when brokers are configured).
+    #[arg(long)]
+    once: bool,
+    /// Print the evidence and the proposal; push nothing, open nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Start of the analysed span (RFC 3339, or YYYY-MM-DD) [default: until − evolution.window].
+    #[arg(long)]
+    since: Option<String>,
+    /// End of the analysed span (RFC 3339, or YYYY-MM-DD) [default: now].
+    #[arg(long)]
+    until: Option<String>,
+    /// Cron schedule of runs in service mode, UTC [default: evolution.schedule, "0 3 * * 1"].
+    #[arg(long)]
+    schedule: Option<String>,
+    /// The lake (directory or URL) [default: evolution.lake].
+    #[arg(long)]
+    lake: Option<String>,
+    /// The served model's name, as in the events [default: evolution.model].
+    #[arg(long)]
+    model: Option<String>,
+    /// Kafka bootstrap brokers [default: kafka.brokers]; none: analyse the lake as it is.
+    #[arg(long, env = "QUANTMESH_KAFKA_BROKERS")]
+    brokers: Option<String>,
+    /// With --once: stop catching up after this long without a new record.
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    ingest_idle: Duration,
+    /// Skip the ingest (analyse the lake as it is).
+    #[arg(long)]
+    no_ingest: bool,
+    /// Write the run's evidence and changes (Markdown) to this file too.
+    #[arg(long)]
+    report: Option<PathBuf>,
+}
+
+fn parse_time(s: &str) -> anyhow::Result<i64> {
+    if let Ok(t) = chrono::DateTime::parse_from_rfc3339(s) {
+        return Ok(t.timestamp_millis());
+    }
+    let d = chrono::NaiveDate::parse_from_str(s, "%Y-%m-%d")
+        .with_context(|| format!("{s:?} is neither RFC 3339 nor YYYY-MM-DD"))?;
+    Ok(d.and_hms_opt(0, 0, 0)
+        .map(|t| t.and_utc().timestamp_millis())
+        .unwrap_or_default())
+}
+
+pub fn run(args: EvolveArgs) -> anyhow::Result<()> {
+    quantmesh_gateway::telemetry::init(quantmesh_gateway::LogFormat::Text, "info");
+    let all = quantmesh_gateway::Settings::load(args.config.as_deref())?;
+    let mut kafka = all.kafka;
+    let mut s = EvolutionSettings::from_table(all.evolution).map_err(anyhow::Error::msg)?;
+    if let Some(b) = args.brokers {
+        kafka.brokers = b;
+    }
+    if let Some(v) = args.lake {
+        s.lake = v;
+    }
+    if let Some(v) = args.model {
+        s.model = v;
+    }
+    if let Some(v) = args.schedule {
+        s.schedule = v;
+    }
+    s.validate().map_err(anyhow::Error::msg)?;
+    kafka.validate().map_err(anyhow::Error::msg)?;
+    let until = match &args.until {
+        Some(t) => Some(parse_time(t)?),
+        None => None,
+    };
+    let since = match &args.since {
+        Some(t) => Some(parse_time(t)?),
+        None => None,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let lake = Arc::new(Lake::open(&s.lake)?);
+        let registry = prometheus::Registry::new();
+        let metrics = EvolutionMetrics::register(&registry)?;
+        let opts = IngestOptions {
+            group_id: s.group_id.clone(),
+            batch_records: s.batch_records,
+            batch_interval: s.batch_interval,
+            dedup_capacity: s.dedup_capacity,
+        };
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let span_for = |now: i64| Span {
+            until_ms: until.unwrap_or(now),
+            since_ms: since.unwrap_or(until.unwrap_or(now) - s.window.as_millis() as i64),
+        };
+        if args.once {
+            if kafka.enabled() && !args.no_ingest {
+                let r = ingest::run(
+                    &kafka,
+                    &opts,
+                    lake.clone(),
+                    Some(metrics.clone()),
+                    stop_rx,
+                    Some(args.ingest_idle),
+                )
+                .await?;
+                tracing::info!(records = r.records, files = r.files, bytes = r.bytes, "lake caught up");
+            }
+            let span = span_for(quantmesh_types::now_ms() as i64);
+            let (report, current) = run_once(&s, &lake, span, args.dry_run, Some(&metrics)).await?;
+            let md = report.markdown(&current);
+            println!("{md}");
+            if let Some(o) = &report.outcome {
+                println!("pull request: {}", serde_json::to_string(o).unwrap_or_default());
+            }
+            if let Some(path) = &args.report {
+                std::fs::write(path, &md).with_context(|| format!("writing {}", path.display()))?;
+            }
+            return anyhow::Ok(());
+        }
+        // Service mode: metrics/health, continuous ingest, scheduled runs.
+        let listener = tokio::net::TcpListener::bind(&s.listen)
+            .await
+            .with_context(|| format!("binding evolution.listen {}", s.listen))?;
+        tracing::info!(listen = %s.listen, schedule = %s.schedule, lake = %lake.location(), "evolution service started");
+        let (http_stop_tx, http_stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(quantmesh_evolution::http::serve(listener, registry.clone(), async move {
+            let _ = http_stop_rx.await;
+        }));
+        let ingest_task = if kafka.enabled() && !args.no_ingest {
+            let (k, o, l, m) = (kafka.clone(), opts.clone(), lake.clone(), metrics.clone());
+            Some(tokio::spawn(async move {
+                // The ingest never gives up: a lake or broker failure is retried with backoff
+                // (uncommitted records are read again), and shows in quantmesh_evolution_ingest_up.
+                let mut backoff = Duration::from_secs(1);
+                loop {
+                    m.ingest_up.set(1);
+                    match ingest::run(&k, &o, l.clone(), Some(m.clone()), stop_rx.clone(), None).await {
+                        Ok(_) => break,
+                        Err(e) => {
+                            m.ingest_up.set(0);
+                            tracing::error!(error = %e, retry_in = ?backoff, "lake ingest failed");
+                        }
+                    }
+                    let mut stop = stop_rx.clone();
+                    tokio::select! {
+                        _ = tokio::time::sleep(backoff) => {}
+                        _ = stop.changed() => break,
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(60));
+                }
+            }))
+        } else {
+            tracing::warn!("no Kafka brokers: the lake is not fed (analysis runs over what it holds)");
+            let _ = registry.unregister(Box::new(metrics.ingest_up.clone()));
+            None
+        };
+        loop {
+            let now = chrono::Utc::now();
+            let next = next_run(&s.schedule, now).map_err(anyhow::Error::msg)?;
+            tracing::info!(next = %next.to_rfc3339(), "next evolution run");
+            let wait = (next - now).to_std().unwrap_or_default();
+            tokio::select! {
+                _ = tokio::time::sleep(wait) => {}
+                _ = shutdown_signal() => break,
+            }
+            let span = span_for(quantmesh_types::now_ms() as i64);
+            match run_once(&s, &lake, span, args.dry_run, Some(&metrics)).await {
+                Ok((report, _)) => tracing::info!(changes = report.proposal.changes.len(), outcome = ?report.outcome, "evolution run done"),
+                Err(e) => tracing::error!(error = %e, "evolution run failed"),
+            }
+        }
+        tracing::info!("shutting down: finishing the batch in hand");
+        let _ = stop_tx.send(true);
+        if let Some(t) = ingest_task {
+            let _ = tokio::time::timeout(Duration::from_secs(30), t).await;
+        }
+        let _ = http_stop_tx.send(());
+        let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
+        anyhow::Ok(())
+    })
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+}
