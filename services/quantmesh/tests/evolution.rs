@@ -22,7 +22,7 @@ fn window_payload(i: usize) -> String {
         "schema_version": 1, "event_id": format!("synthetic-{i}"),
         "timestamp_ms": quantmesh_types::now_ms(), "duration_ms": 1000,
         "model": "synthetic", "window": i, "config_md5": null,
-        "groups": [{"group": "layers.1.down", "tokens": 100, "outliers": 3, "in_float": i % 3 == 0,
+        "groups": [{"group": "layers.1.down", "tokens": 100, "outliers": 3, "in_float": i.is_multiple_of(3),
                     "wanted_unavailable": false, "residency": "dual"}],
         "shadow_kl": [0.001], "shadow_kl_seen": 1, "kl_reference": "float_weights",
         "request_kl_fallbacks": 0

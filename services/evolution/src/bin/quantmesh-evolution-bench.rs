@@ -75,7 +75,7 @@ fn event(i: usize, a: &Args, rng: &mut u64) -> (String, &'static str, String) {
     };
     let t = T0 + (i as u64 * WEEK) / a.events.max(1) as u64;
     let layers = (a.groups / 4).max(1);
-    if i % a.window_every == 0 {
+    if i.is_multiple_of(a.window_every) {
         let groups = (0..a.groups)
             .map(|g| {
                 let tokens = 2_000;
@@ -119,7 +119,7 @@ fn event(i: usize, a: &Args, rng: &mut u64) -> (String, &'static str, String) {
             serde_json::to_string(&ev).unwrap_or_default(),
         )
     } else {
-        let token = i % 3 != 0;
+        let token = !i.is_multiple_of(3);
         let ev = FallbackEvent {
             schema_version: 1,
             event_id: format!("f-{i}"),

@@ -36,6 +36,9 @@ pub enum LakeError {
     Encode(String, String),
 }
 
+/// The lake's files by Kafka (topic, partition): each file's first offset and path.
+type FileIndex = BTreeMap<(String, i32), Vec<(i64, ObjPath)>>;
+
 /// Which Kafka records a file holds.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Source {
@@ -77,7 +80,7 @@ pub struct Lake {
     /// `scheme://authority` the store is registered under in DataFusion.
     base_url: url::Url,
     spec: String,
-    index: Mutex<BTreeMap<(String, i32), Vec<(i64, ObjPath)>>>,
+    index: Mutex<FileIndex>,
 }
 
 impl Lake {
