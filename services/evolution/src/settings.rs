@@ -101,6 +101,14 @@ impl EvolutionSettings {
         if let Some(v) = env("QUANTMESH_EVOLUTION_FORGE_API") {
             s.forge.api_url = v;
         }
+        if let Some(v) = env("QUANTMESH_EVOLUTION_FORGE_KIND") {
+            s.forge.kind = toml::Value::String(v.clone()).try_into().map_err(|_| {
+                format!("QUANTMESH_EVOLUTION_FORGE_KIND={v:?}: expected none, github or gitea")
+            })?;
+        }
+        if let Some(v) = env("QUANTMESH_EVOLUTION_FORGE_REPOSITORY") {
+            s.forge.repository = v;
+        }
         Ok(s)
     }
 
