@@ -83,10 +83,10 @@ export QUANTMESH_TEST_MODELS="${QUANTMESH_TEST_MODELS:-$HOME/.cache/quantmesh/te
 # One build of the whole workspace (tests and binaries with the workspace's features): a
 # `cargo run -p quantmesh` here would resolve other features and compile DataFusion twice.
 log "building the workspace's tests and binaries"
-cargo nextest run --workspace --no-run
+cargo nextest run --workspace --features quantmesh/evolution --no-run
 TARGET_DIR="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')"
 log "fetching the real model into $QUANTMESH_TEST_MODELS (idempotent)"
 "$TARGET_DIR/debug/quantmesh" model fetch smollm2-135m-instruct --dir "$QUANTMESH_TEST_MODELS" --quiet
 
 log "running the test suite"
-exec cargo nextest run --workspace --no-fail-fast "$@"
+exec cargo nextest run --workspace --features quantmesh/evolution --no-fail-fast "$@"

@@ -3,6 +3,7 @@
 //! config → telemetry → build → serve → wait for a signal → drain with a timeout.
 
 mod events;
+#[cfg(feature = "evolution")]
 mod evolve;
 mod model;
 mod plan;
@@ -54,8 +55,16 @@ enum Command {
     Events(events::EventsCommand),
     /// The evolution service: Kafka → Parquet lake → weekly DataFusion analysis → a new
     /// sensitive_layers.json in a pull request.
+    #[cfg(feature = "evolution")]
     #[command(long_about = evolve::EVOLVE_HELP)]
     Evolve(evolve::EvolveArgs),
+    /// The evolution service (not in this build: rebuild with `--features evolution`).
+    #[cfg(not(feature = "evolution"))]
+    #[command(disable_help_flag = true)]
+    Evolve {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
+        args: Vec<String>,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -65,7 +74,13 @@ fn main() -> anyhow::Result<()> {
         Command::Prescreen(args) => prescreen::run(args),
         Command::Events(cmd) => events::run(cmd),
         Command::Model(cmd) => model::run(cmd),
+        #[cfg(feature = "evolution")]
         Command::Evolve(args) => evolve::run(args),
+        #[cfg(not(feature = "evolution"))]
+        Command::Evolve { .. } => anyhow::bail!(
+            "this quantmesh was built without the evolution service: rebuild with \
+             `cargo build --release -p quantmesh --features evolution`"
+        ),
         Command::Plan(cmd) => plan::run(cmd),
     }
 }
