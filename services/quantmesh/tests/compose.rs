@@ -169,7 +169,7 @@ async fn chat(client: &reqwest::Client, stack: &Stack) -> serde_json::Value {
     let r = client
         .post(stack.url("/v1/chat/completions"))
         .json(&serde_json::json!({
-            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "messages": [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
             "max_tokens": 16, "temperature": 0,
         }))
         .send()
