@@ -257,6 +257,23 @@ fn quantmesh(args: &[&str], env: &[(&str, &str)]) -> (bool, String) {
     (out.status.success(), text)
 }
 
+/// `quantmesh plan publish FILE --to STORE --model MODEL`, which must succeed.
+fn publish(file: &std::path::Path, store: &str, model: &str) {
+    let (ok, out) = quantmesh(
+        &[
+            "plan",
+            "publish",
+            file.to_str().unwrap(),
+            "--to",
+            store,
+            "--model",
+            model,
+        ],
+        &[],
+    );
+    assert!(ok, "{out}");
+}
+
 async fn admin_config(client: &reqwest::Client, serve: &Serve) -> serde_json::Value {
     client
         .get(serve.url("/admin/config"))
@@ -289,19 +306,7 @@ async fn the_loop_closes_from_served_traffic_to_a_merged_plan_the_server_reloads
     let initial_file = r.join("initial.json");
     std::fs::write(&initial_file, &initial).unwrap();
     let store = format!("file://{}", r.join("plans").display());
-    let (ok, out) = quantmesh(
-        &[
-            "plan",
-            "publish",
-            initial_file.to_str().unwrap(),
-            "--to",
-            &store,
-            "--model",
-            model_s,
-        ],
-        &[],
-    );
-    assert!(ok, "{out}");
+    publish(&initial_file, &store, model_s);
     let work = r.join("work");
     std::fs::create_dir_all(&work).unwrap();
     git(&work, &["init", "-q", "-b", "main"]);
@@ -488,19 +493,7 @@ repository = "acme/plans"
     let polls_before = serve
         .metric(&client, "quantmesh_config_polls_total", &[])
         .await;
-    let (ok, out) = quantmesh(
-        &[
-            "plan",
-            "publish",
-            merged.to_str().unwrap(),
-            "--to",
-            &store,
-            "--model",
-            model_s,
-        ],
-        &[],
-    );
-    assert!(ok, "{out}");
+    publish(&merged, &store, model_s);
     let t0 = Instant::now();
     let applied = loop {
         let c = admin_config(&client, &serve).await;
