@@ -421,3 +421,45 @@ async fn the_plan_float_budget_applies_by_reload() {
     assert_eq!(st["residency"][DOWN], "float");
     assert_eq!(st["float_bytes"].as_u64().unwrap(), float_before);
 }
+
+/// A `w4a16` group is served with 4-bit weights (Q4_0): counted as `int4`, named in
+/// `quant_format`, and a reload that changes the class rebuilds it in the other form.
+#[actix_rt::test]
+async fn a_w4a16_group_is_served_in_four_bits_and_switches_by_reload() {
+    let fx = fixture();
+    let w8 = fx.version(4.0, "w8a8");
+    std::fs::write(&fx.file, &w8).unwrap();
+    let s = Server::start(fx.settings("60s")).await;
+    let st = status(&s).await;
+    assert_eq!(st["weights"]["int4"], 0, "{st}");
+    assert_eq!(st["quant_format"], json!({}), "{st}");
+    let int8_before = st["weights"]["int8"].as_u64().unwrap();
+
+    let w4 = fx.version(4.0, "w4a16");
+    std::fs::write(&fx.file, &w4).unwrap();
+    let (code, body) = s.admin_post("/admin/config/reload").await;
+    assert_eq!((code, body["result"].as_str()), (200, Some("applied")), "{body}");
+    let st = status(&s).await;
+    assert_eq!(st["quant_format"], json!({DOWN: "q4_0"}), "{st}");
+    assert_eq!(st["residency"][DOWN], "int8");
+    // The down group's weights moved from 34 to 18 bytes per 32.
+    let int4 = st["weights"]["int4"].as_u64().unwrap();
+    let int8 = st["weights"]["int8"].as_u64().unwrap();
+    assert!(int4 > 0, "{st}");
+    assert_eq!(int4 / 18 * 34, int8_before - int8, "{st}");
+    // It serves.
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/completions", s.base))
+        .json(&json!({"prompt": "Hello", "max_tokens": 8, "temperature": 0}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+
+    std::fs::write(&fx.file, &w8).unwrap();
+    let (code, _) = s.admin_post("/admin/config/reload").await;
+    assert_eq!(code, 200);
+    let st = status(&s).await;
+    assert_eq!(st["weights"]["int4"], 0, "{st}");
+    assert_eq!(st["weights"]["int8"].as_u64().unwrap(), int8_before);
+}

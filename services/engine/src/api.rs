@@ -4,7 +4,7 @@
 //! streams.
 
 use crate::backend::cpu::LlamaModel;
-use crate::backend::Backend;
+use crate::backend::{Backend, QuantFormat};
 use crate::error::Result;
 use crate::events::{ChannelSink, LogSink};
 use crate::executor::{ExecutorActor, ExecutorState};
@@ -157,13 +157,8 @@ pub fn load_parts(
         None => None,
     };
     let live = resolve(cfg, &mcfg, validated.as_ref().map(|(p, m)| (p, m.as_str())));
-    let residency = |g: GroupId| {
-        live.residency
-            .get(&g)
-            .copied()
-            .unwrap_or(cfg.default_residency)
-    };
-    let backend = Box::new(LlamaModel::load_from(&ck, &mcfg, &residency, cfg.forms())?);
+    let form = |g: GroupId| live.form(g, cfg.default_residency);
+    let backend = Box::new(LlamaModel::load_planned(&ck, &mcfg, &form, cfg.forms())?);
     note_float_rounding(&ck, cfg.float_dtype);
     let tokenizer = TextTokenizer::load(model_dir)?;
     Ok(LoadedParts {
@@ -210,7 +205,8 @@ fn log_plan(live: &LivePlan, cfg: &EngineConfig, w: &crate::backend::WeightBytes
     let table = format!(
         "\n| form | groups | MiB |\n|---|---|---|\n\
          | int8 only | {} | |\n| dual (int8 + {} copy) | {} | |\n| float only | {} | |\n\
-         | int8 weights | | {:.1} |\n| float copies | | {:.1} |\n\
+         | int8 weights (Q8_0) | | {:.1} |\n| int4 weights (Q4_0, w4a16: {} groups) | | {:.1} |\n\
+         | float copies | | {:.1} |\n\
          | embeddings, norms, lm_head | | {:.1} |\n\
          | total | | {:.1} = {:.2}× all-f16 ({:.1}) |\n\
          float budget {budget}: {} group(s) over it are INT8-only{}",
@@ -219,6 +215,11 @@ fn log_plan(live: &LivePlan, cfg: &EngineConfig, w: &crate::backend::WeightBytes
         count(Residency::Dual),
         count(Residency::Float),
         mib(w.int8),
+        live.quant
+            .iter()
+            .filter(|(g, q)| **q == QuantFormat::Q4_0 && live.residency[*g].has_int8())
+            .count(),
+        mib(w.int4),
         mib(w.float),
         mib(w.other),
         mib(w.total()),

@@ -173,7 +173,7 @@ impl EngineMetrics {
             weight_bytes: must(IntGaugeVec::new(
                 o(
                     "quantmesh_weight_bytes",
-                    "Resident weight bytes by form: int8 (linear groups' Q8_0), float (their float copies), other (embeddings, norms, lm_head, biases).",
+                    "Resident weight bytes by form: int8 (linear groups' Q8_0), int4 (w4a16 groups' Q4_0), float (their float copies), other (embeddings, norms, lm_head, biases).",
                 ),
                 &["form"],
             )),
@@ -299,7 +299,12 @@ impl EngineMetrics {
     /// The resident weights by form (at start and after every swap).
     pub fn set_weights(&self, w: &WeightBytes) {
         self.resident_bytes.set(w.total() as i64);
-        for (form, b) in [("int8", w.int8), ("float", w.float), ("other", w.other)] {
+        for (form, b) in [
+            ("int8", w.int8),
+            ("int4", w.int4),
+            ("float", w.float),
+            ("other", w.other),
+        ] {
             self.weight_bytes.with_label_values(&[form]).set(b as i64);
         }
         self.weight_f16_ratio.set(w.ratio_to_f16());

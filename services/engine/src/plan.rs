@@ -2,6 +2,7 @@
 //! `sensitive_layers.json` in force. One pure function, so start-up and hot reload compute
 //! the plan the same way and a reload to the same file is a no-op (idempotent).
 
+use crate::backend::{GroupForm, QuantFormat};
 use crate::budget::{self, BudgetOutcome};
 use crate::config::EngineConfig;
 use crate::monitor::{GroupOverride, MonitorConfig};
@@ -17,8 +18,22 @@ pub struct LivePlan {
     pub md5: Option<String>,
     pub monitor: MonitorConfig,
     pub residency: BTreeMap<GroupId, Residency>,
+    /// How each group's quantized form is stored: the class's format (`w4a16` → Q4_0),
+    /// Q8_0 for every group the file does not class.
+    pub quant: BTreeMap<GroupId, QuantFormat>,
     /// What `engine.float_budget` did to the residencies.
     pub budget: BudgetOutcome,
+}
+
+impl LivePlan {
+    /// Group `g`'s residency and quantized format (Q8_0 + the engine's default residency
+    /// for a group the plan does not list).
+    pub fn form(&self, g: GroupId, default: Residency) -> GroupForm {
+        GroupForm {
+            residency: self.residency.get(&g).copied().unwrap_or(default),
+            quant: self.quant.get(&g).copied().unwrap_or_default(),
+        }
+    }
 }
 
 /// Parameters of a group's weight (all members).
@@ -38,6 +53,7 @@ pub fn resolve(
 ) -> LivePlan {
     let num_layers = cfg.num_hidden_layers;
     let mut residency = BTreeMap::new();
+    let mut quant = BTreeMap::new();
     for l in 0..num_layers {
         for kind in GroupKind::ALL {
             let g = GroupId::new(l, kind);
@@ -47,6 +63,7 @@ pub fn resolve(
                 .copied()
                 .unwrap_or(base.default_residency);
             residency.insert(g, r);
+            quant.insert(g, QuantFormat::Q8_0);
         }
     }
     let mut monitor = base.monitor.clone();
@@ -71,6 +88,7 @@ pub fn resolve(
         }
         for (g, entry) in &plan.groups {
             residency.insert(*g, entry.effective_residency());
+            quant.insert(*g, QuantFormat::for_class(entry.class));
             let has_override = entry.monitor.is_some() || !entry.massive_channels.is_empty();
             if has_override {
                 let o: &mut GroupOverride = monitor.overrides.entry(g.to_string()).or_default();
@@ -106,6 +124,7 @@ pub fn resolve(
         md5: file.map(|(_, md5)| md5.to_string()),
         monitor,
         residency,
+        quant,
         budget,
     }
 }
@@ -212,5 +231,30 @@ mod tests {
             assert_eq!(live.budget.demoted.len(), demoted, "{budget}");
             assert_eq!(live.budget.setting, budget.parse().unwrap());
         }
+    }
+
+    /// Classes choose the quantized form: `w4a16` → Q4_0, the rest (and unlisted groups)
+    /// Q8_0; an explicit residency keeps the class's form.
+    #[test]
+    fn w4a16_groups_are_planned_in_four_bits() {
+        let text = r#"{"schema_version": 1, "groups": {
+            "layers.0.down": {"class": "w4a16"},
+            "layers.1.down": {"class": "w4a16", "residency": "dual"},
+            "layers.0.o": {"class": "w8a8"}}}"#;
+        let plan = SensitiveLayers::parse_for(text.as_bytes(), &shape()).unwrap();
+        let live = resolve(&EngineConfig::default(), &model(), Some((&plan, "m")));
+        let g = |s: &str| s.parse::<GroupId>().unwrap();
+        let form = |s: &str| live.form(g(s), Residency::Dual);
+        assert_eq!(form("layers.0.down").quant, QuantFormat::Q4_0);
+        assert_eq!(form("layers.0.down").residency, Residency::Int8);
+        assert_eq!(
+            form("layers.1.down"),
+            GroupForm {
+                residency: Residency::Dual,
+                quant: QuantFormat::Q4_0
+            }
+        );
+        assert_eq!(form("layers.0.o").quant, QuantFormat::Q8_0);
+        assert_eq!(form("layers.1.qkv").quant, QuantFormat::Q8_0);
     }
 }

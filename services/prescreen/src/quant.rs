@@ -4,9 +4,15 @@
 //!
 //! * `w8a8`: symmetric INT8, one scale for the whole fused group: s = absmax / 127.
 //! * `w8a8_per_channel`: symmetric INT8, one scale per output row: s = row absmax / 127.
-//! * `w4a16`: asymmetric 4-bit in groups of 128 input weights along each row (the whole
-//!   row when it is shorter): s = (max − min) / 15, zero point z = round(−min / s),
-//!   q = clamp(round(w / s) + z, 0, 15), w' = (q − z)·s.
+//! * `w4a16`: exactly what the engine serves the class with — candle's Q4_0 (blocks of 32
+//!   input weights along each row, one f16 scale d = w_absmax_signed / −8 per block,
+//!   q = min(15, ⌊w/d + 8.5⌋), w' = (q − 8)·d), quantized and dequantized by candle itself.
+//!   Rows whose width 32 does not divide (the engine cannot serve those in any quantized
+//!   form) use asymmetric 4-bit in groups of 128 instead.
+//!
+//! `w8a8` and `w8a8_per_channel` are pessimistic proxies of the served form: the engine
+//! stores both as Q8_0 (a scale per 32 weights), finer than either scale here, so their KL
+//! bounds what serving loses from above.
 
 use serde::{Deserialize, Serialize};
 
@@ -55,6 +61,10 @@ pub fn fake_quant(rows: &mut [f32], cols: usize, format: Format, tensor_absmax: 
             }
         }
         Format::W4a16 => {
+            if let Some(q) = q4_0_roundtrip(rows, cols) {
+                rows.copy_from_slice(&q);
+                return;
+            }
             let g = W4_GROUP.min(cols).max(1);
             for row in rows.chunks_exact_mut(cols) {
                 for grp in row.chunks_mut(g) {
@@ -71,6 +81,23 @@ pub fn fake_quant(rows: &mut [f32], cols: usize, format: Format, tensor_absmax: 
             }
         }
     }
+}
+
+/// `rows` through candle's Q4_0 and back (`None` when 32 does not divide `cols`).
+fn q4_0_roundtrip(rows: &[f32], cols: usize) -> Option<Vec<f32>> {
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::{Device, Tensor};
+    if cols == 0 || cols % 32 != 0 || rows.len() % cols != 0 {
+        return None;
+    }
+    let t = Tensor::from_slice(rows, (rows.len() / cols, cols), &Device::Cpu).ok()?;
+    let q = QTensor::quantize(&t, GgmlDType::Q4_0).ok()?;
+    q.dequantize(&Device::Cpu)
+        .ok()?
+        .flatten_all()
+        .ok()?
+        .to_vec1::<f32>()
+        .ok()
 }
 
 #[cfg(test)]
@@ -107,5 +134,32 @@ mod tests {
             q.iter().zip(&w).map(|(a, b)| (a - b).abs()).sum::<f32>()
         };
         assert!(err(Format::W8a8PerChannel) < err(Format::W8a8));
+    }
+
+    /// w4a16 is Q4_0: per block of 32 at most 16 levels, the extreme kept, error ≤ one step.
+    #[test]
+    fn w4a16_is_the_served_q4_0() {
+        let cols = 96;
+        let w: Vec<f32> = (0..cols * 4)
+            .map(|i| ((i as f32 * 1.37).sin() * 0.05) + if i % 41 == 0 { 0.3 } else { 0.0 })
+            .collect();
+        let mut q = w.clone();
+        fake_quant(&mut q, cols, Format::W4a16, 0.0);
+        for (blk, qb) in w.chunks(32).zip(q.chunks(32)) {
+            let max = blk.iter().fold(0f32, |m, x| if x.abs() > m.abs() { *x } else { m });
+            let d = (max / -8.0).abs();
+            let mut levels: Vec<i64> = qb.iter().map(|v| (v / d).round() as i64).collect();
+            levels.sort_unstable();
+            levels.dedup();
+            assert!(levels.len() <= 16, "{levels:?}");
+            let worst = blk.iter().zip(qb).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(worst <= d * 1.01, "error {worst} > step {d}");
+            // The block's extreme is representable (q = 0 ↔ −8·d = max).
+            assert!(qb.iter().any(|v| (v - max).abs() <= d * 0.01), "{max} lost");
+        }
+        // Widths 32 does not divide keep the group-wise 4-bit form.
+        let mut odd = vec![0.5f32, -0.25, 0.125, 1.0, -1.0, 0.0, 0.75];
+        fake_quant(&mut odd, 7, Format::W4a16, 0.0);
+        assert!(odd.iter().all(|v| v.is_finite()));
     }
 }

@@ -399,13 +399,13 @@ pub fn rope_for(cfg: &ModelConfig, batch: &Batch) -> Result<(Tensor, Tensor), Pr
     Ok(rope_tables(cfg, longest.max(1))?)
 }
 
-/// Bytes a class keeps per parameter when served (`fp16` → 2; 8-bit → 1 + scales; 4-bit
-/// → 0.5 + scales and zero points), for the summary.
+/// Bytes a class keeps per parameter when served (`fp16` → 2; 8-bit → Q8_0, 1 byte + an
+/// f16 scale per 32; 4-bit → Q4_0, half a byte + an f16 scale per 32), for the summary.
 pub fn bytes_per_param(class: PrecisionClass) -> f64 {
     match class {
         PrecisionClass::Fp16 => 2.0,
-        PrecisionClass::W8a8 | PrecisionClass::W8a8PerChannel => 1.0 + 2.0 / 128.0,
-        PrecisionClass::W4a16 => 0.5 + 4.0 / 128.0,
+        PrecisionClass::W8a8 | PrecisionClass::W8a8PerChannel => 1.0 + 2.0 / 32.0,
+        PrecisionClass::W4a16 => 0.5 + 2.0 / 32.0,
     }
 }
 

@@ -179,6 +179,28 @@ async fn chat(client: &reqwest::Client, stack: &Stack) -> serde_json::Value {
     r.json().await.unwrap()
 }
 
+/// The container's address on the stack's network.
+fn container_ip(id: &str) -> String {
+    let out = run(Command::new("docker").args([
+        "inspect",
+        "--format",
+        "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}",
+        id,
+    ]));
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+async fn metrics_text(client: &reqwest::Client, stack: &Stack) -> String {
+    client
+        .get(stack.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
 #[test]
 fn the_users_compose_file_is_valid() {
     if !docker_available() {
@@ -426,7 +448,28 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
         }
     });
     tokio::time::sleep(Duration::from_millis(500)).await;
+    // The gateway found the engines by DNS (`dns+http://engine:8080`, the alias both
+    // engines carry): engine-1 is the engine named by its container's address.
+    let gateway_metric = |m: String, ip: &str| {
+        support::sum_metric(
+            &m,
+            "quantmesh_gateway_engine_up",
+            &[&format!("engine=\"engine@{ip}:8080\"")],
+        )
+    };
     let id = stack.container("engine-1");
+    let ip = container_ip(&id);
+    let discovered = metrics_text(&client, &stack).await;
+    assert_eq!(
+        gateway_metric(discovered.clone(), &ip),
+        1.0,
+        "engine-1 ({ip}) is not an engine the gateway discovered:\n{discovered}"
+    );
+    assert_eq!(
+        support::sum_metric(&discovered, "quantmesh_gateway_discovered_engines", &[]),
+        2.0,
+        "{discovered}"
+    );
     run(&mut stack.cmd(&["stop", "engine-1"]));
     let statuses = load.await.unwrap();
     assert!(
@@ -442,20 +485,9 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
         "{}",
         stack.logs()
     );
-    let gateway_metric =
-        |m: String| support::sum_metric(&m, "quantmesh_gateway_engine_up", &["engine-1"]);
-    let metrics = || async {
-        client
-            .get(stack.url("/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap()
-    };
+    let metrics = || metrics_text(&client, &stack);
     let t2 = Instant::now();
-    while gateway_metric(metrics().await) != 0.0 {
+    while gateway_metric(metrics().await, &ip) != 0.0 {
         assert!(
             t2.elapsed() < Duration::from_secs(30),
             "the gateway never marked engine-1 down"
@@ -464,8 +496,10 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
     }
     run(&mut stack.cmd(&["start", "engine-1"]));
     stack.wait_healthy(&["engine-1"], Duration::from_secs(180));
+    // Back in DNS (at the same address or a new one), it rejoins the rotation.
+    let ip = container_ip(&stack.container("engine-1"));
     let t3 = Instant::now();
-    while gateway_metric(metrics().await) != 1.0 {
+    while gateway_metric(metrics().await, &ip) != 1.0 {
         assert!(
             t3.elapsed() < Duration::from_secs(30),
             "engine-1 did not rejoin"

@@ -370,3 +370,75 @@ async fn prefix_affinity_raises_prefix_cache_hits_over_random_routing() {
         hits[1]
     );
 }
+
+/// Engines found by DNS: `dns+http://localhost:PORT` resolves (through the system resolver)
+/// to the engine on loopback, which serves under its discovered name; a service that does not
+/// resolve is counted and changes nothing. (Addresses joining and leaving a name's answer are
+/// tested with Docker's DNS in `compose.rs`, and the rule itself in `mesh/discovery.rs`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engines_are_found_by_dns_and_a_name_that_does_not_resolve_is_counted() {
+    let root = tempfile::tempdir().unwrap();
+    let model = model_dir(root.path());
+    let client = reqwest::Client::new();
+    let port = free_port();
+    // The gateway starts first: the name resolves before the engine listens, so the engine
+    // is known (down) and comes up when its /ready answers.
+    let (good, bad) = (
+        format!("dns+http://localhost:{port}"),
+        "dns+http://no-such-engine.invalid:8080".to_string(),
+    );
+    let gw_port = free_port();
+    let gw = Proc::spawn(
+        &["gateway", "--engine", &good, "--engine", &bad],
+        gw_port,
+        root.path().join("gateway-dns.log"),
+    );
+    let engine = Proc::engine(root.path(), &model, port);
+    for p in [&engine, &gw] {
+        p.ready(&client).await;
+    }
+    let name = format!("localhost@127.0.0.1:{port}");
+    wait_metric(
+        &client,
+        &gw,
+        "quantmesh_gateway_engine_up",
+        &[&format!("engine=\"{name}\"")],
+        1.0,
+    )
+    .await;
+    let (status, served_by) = complete(&client, &gw, "found by name").await;
+    assert_eq!((status, served_by.as_str()), (200, name.as_str()));
+    let m = gw.metrics(&client).await;
+    assert_eq!(
+        sum_metric(
+            &m,
+            "quantmesh_gateway_discovered_engines",
+            &[&format!("service=\"{good}\"")]
+        ),
+        1.0,
+        "{m}"
+    );
+    // The unresolvable service: counted, no engine made up for it.
+    let t0 = Instant::now();
+    while sum_metric(
+        &gw.metrics(&client).await,
+        "quantmesh_gateway_discovery_errors_total",
+        &[&format!("service=\"{bad}\"")],
+    ) < 1.0
+    {
+        assert!(t0.elapsed() < Duration::from_secs(60), "no lookup error counted");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let admin: serde_json::Value = client
+        .get(gw.url("/admin/config"))
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let engines = admin["engines"].as_array().unwrap();
+    assert_eq!(engines.len(), 1, "{admin}");
+    assert_eq!(engines[0]["engine"], name.as_str());
+}

@@ -21,6 +21,9 @@ pub enum DropReason {
     StorageError,
     /// A stored record could not be read back; removed and logged.
     Unreadable,
+    /// The outbox writer panicked on the batch these events were in (the writer goes on with
+    /// the next batch), or had stopped when they arrived; logged.
+    WriterFailed,
 }
 
 impl DropReason {
@@ -30,6 +33,7 @@ impl DropReason {
             DropReason::QueueFull => "queue_full",
             DropReason::StorageError => "storage_error",
             DropReason::Unreadable => "unreadable",
+            DropReason::WriterFailed => "writer_failed",
         }
     }
 }
@@ -66,7 +70,7 @@ impl KafkaMetrics {
         let dropped = must(IntCounterVec::new(
             Opts::new(
                 "quantmesh_events_dropped_total",
-                "Events not kept, by reason (outbox_full, queue_full, storage_error, unreadable)",
+                "Events not kept, by reason (outbox_full, queue_full, storage_error, unreadable, writer_failed)",
             ),
             &["reason"],
         ));
@@ -76,6 +80,7 @@ impl KafkaMetrics {
             DropReason::QueueFull,
             DropReason::StorageError,
             DropReason::Unreadable,
+            DropReason::WriterFailed,
         ] {
             dropped.with_label_values(&[r.as_str()]);
         }

@@ -99,6 +99,7 @@ pub struct KafkaSink {
     tx: SyncSender<WriterMsg>,
     metrics: KafkaMetrics,
     warned_full: AtomicBool,
+    warned_gone: AtomicBool,
 }
 
 impl KafkaSink {
@@ -107,6 +108,7 @@ impl KafkaSink {
             tx,
             metrics,
             warned_full: AtomicBool::new(false),
+            warned_gone: AtomicBool::new(false),
         }
     }
 
@@ -122,8 +124,12 @@ impl KafkaSink {
                 }
             }
             Err(TrySendError::Disconnected(_)) => {
-                // The pipeline was shut down; the engine is draining.
-                self.metrics.drop_event(DropReason::QueueFull, 1);
+                // The writer thread is gone: after shutdown (the engine is draining), or it
+                // died. Either way the event is lost; say so once, never silently.
+                self.metrics.drop_event(DropReason::WriterFailed, 1);
+                if !self.warned_gone.swap(true, Ordering::Relaxed) {
+                    tracing::error!(target: "quantmesh::kafka", "the outbox writer has stopped: dropping events (counted in quantmesh_events_dropped_total{{reason=\"writer_failed\"}})");
+                }
             }
         }
     }
@@ -201,31 +207,11 @@ pub(crate) fn run_writer(
                 WriterMsg::Record(r) => records.push(r),
             }
         }
-        let mut stored = [0u64; EventType::ALL.len()];
-        match outbox.append_batch(&records) {
-            Ok(results) => {
-                for (a, r) in results.iter().zip(&records) {
-                    if matches!(a, Appended::Stored { .. }) {
-                        stored[EventType::of(r) as usize] += 1;
-                    }
-                }
-            }
-            Err(e) => {
-                tracing::error!(target: "quantmesh::kafka", error = %e, events = records.len(), "outbox append failed: events dropped");
-                metrics.drop_event(DropReason::StorageError, records.len() as u64);
-            }
-        }
-        if stored.iter().sum::<u64>() > 0 {
-            if let Err(e) = outbox.flush() {
-                tracing::error!(target: "quantmesh::kafka", error = %e, "outbox fsync failed: the last events may not survive a crash");
-            }
-            for (kind, n) in EventType::ALL.into_iter().zip(stored) {
-                metrics
-                    .recorded
-                    .with_label_values(&[kind.as_str()])
-                    .inc_by(n);
-            }
-        }
+        // A panic while storing a batch (a bug, a poisoned dependency) costs that batch,
+        // counted and logged, not the event path: the writer goes on with the next one.
+        let n = records.len();
+        let stored = contained(&metrics, n, || store_batch(&outbox, &metrics, &records))
+            .unwrap_or_default();
         // Drops by the outbox's policy (newest refused or oldest evicted).
         let dropped = outbox.stats.dropped.load(Ordering::Relaxed);
         if dropped > seen_dropped {
@@ -243,6 +229,58 @@ pub(crate) fn run_writer(
         relay.notify_one();
         if stop {
             break;
+        }
+    }
+}
+
+/// Append a batch, fsync once, count what was stored by event type.
+fn store_batch(
+    outbox: &Outbox,
+    metrics: &KafkaMetrics,
+    records: &[Record],
+) -> [u64; EventType::ALL.len()] {
+    let mut stored = [0u64; EventType::ALL.len()];
+    match outbox.append_batch(records) {
+        Ok(results) => {
+            for (a, r) in results.iter().zip(records) {
+                if matches!(a, Appended::Stored { .. }) {
+                    stored[EventType::of(r) as usize] += 1;
+                }
+            }
+        }
+        Err(e) => {
+            tracing::error!(target: "quantmesh::kafka", error = %e, events = records.len(), "outbox append failed: events dropped");
+            metrics.drop_event(DropReason::StorageError, records.len() as u64);
+        }
+    }
+    if stored.iter().sum::<u64>() > 0 {
+        if let Err(e) = outbox.flush() {
+            tracing::error!(target: "quantmesh::kafka", error = %e, "outbox fsync failed: the last events may not survive a crash");
+        }
+        for (kind, n) in EventType::ALL.into_iter().zip(stored) {
+            metrics
+                .recorded
+                .with_label_values(&[kind.as_str()])
+                .inc_by(n);
+        }
+    }
+    stored
+}
+
+/// Run `f` for a batch of `events`; a panic is caught, logged and the batch counted as
+/// dropped (`writer_failed`).
+fn contained<T>(metrics: &KafkaMetrics, events: usize, f: impl FnOnce() -> T) -> Option<T> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(v) => Some(v),
+        Err(panic) => {
+            let why = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a non-string panic".into());
+            tracing::error!(target: "quantmesh::kafka", events, why, "the outbox writer panicked on a batch: its events are dropped, the writer goes on");
+            metrics.drop_event(DropReason::WriterFailed, events as u64);
+            None
         }
     }
 }
@@ -321,5 +359,23 @@ mod tests {
             .headers
             .contains(&("traceparent".into(), "00-abc-def-01".into())));
         assert!(rec.headers.contains(&("schema-version".into(), "1".into())));
+    }
+
+    #[test]
+    fn a_panicking_batch_is_counted_and_a_stopped_writer_is_not_silent() {
+        let metrics = KafkaMetrics::new();
+        let failed = || metrics.dropped.with_label_values(&["writer_failed"]).get();
+        assert_eq!(contained(&metrics, 3, || 7), Some(7));
+        assert_eq!(failed(), 0);
+        let r: Option<()> = contained(&metrics, 3, || panic!("index out of bounds"));
+        assert_eq!((r, failed()), (None, 3));
+        // A writer that is gone: each event published after is counted, not lost silently.
+        let (tx, rx) = std::sync::mpsc::sync_channel(4);
+        drop(rx);
+        let sink = KafkaSink::new(tx, metrics.clone());
+        sink.publish(&event(Some("layers.0.o"), Granularity::Layer));
+        sink.publish(&event(Some("layers.0.o"), Granularity::Layer));
+        assert_eq!(failed(), 5);
+        assert_eq!(metrics.dropped.with_label_values(&["queue_full"]).get(), 0);
     }
 }

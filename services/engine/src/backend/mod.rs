@@ -17,7 +17,7 @@ use crate::error::Result;
 use crate::kv::{KvCache, PageId, SeqId, Slot};
 use candle_core::{DType, Tensor};
 use quantmesh_model::{Checkpoint, ModelConfig};
-use quantmesh_types::{GroupId, Residency};
+use quantmesh_types::{GroupId, PrecisionClass, Residency};
 use serde::{Deserialize, Serialize};
 use std::any::Any;
 
@@ -135,6 +135,69 @@ impl FloatDtype {
     }
 }
 
+/// How a linear group's quantized form stores its weights — the form the plan and the
+/// monitor call "INT8" (the path a group leaves when it falls back to float). candle's CPU
+/// kernels quantize the activations to 8-bit blocks of 32 on the fly for both, so `Q8_0`
+/// computes W8A8 and `Q4_0` W4A8, each with a scale per block of 32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub enum QuantFormat {
+    /// 8-bit weights, an f16 scale per 32 (34 bytes per 32 weights): `w8a8`,
+    /// `w8a8_per_channel`, and every group when no plan says otherwise.
+    #[default]
+    #[serde(rename = "q8_0")]
+    Q8_0,
+    /// 4-bit weights, an f16 scale per 32 (18 bytes per 32 weights): `w4a16`. Chosen over
+    /// Q4_K (super-blocks of 256, which SmolLM2's 576-wide inputs do not divide) and Q4_1
+    /// (20 bytes) by `quantmesh-engine-bench --quant-formats`; see ARCHITECTURE.md.
+    #[serde(rename = "q4_0")]
+    Q4_0,
+}
+
+impl QuantFormat {
+    /// The form a pre-screen class is served with.
+    pub fn for_class(class: PrecisionClass) -> Self {
+        match class {
+            PrecisionClass::W4a16 => QuantFormat::Q4_0,
+            PrecisionClass::Fp16 | PrecisionClass::W8a8 | PrecisionClass::W8a8PerChannel => {
+                QuantFormat::Q8_0
+            }
+        }
+    }
+
+    /// Bytes of `params` weights in this form (a multiple of 32 in every checkpoint we load).
+    pub fn bytes(self, params: usize) -> usize {
+        match self {
+            QuantFormat::Q8_0 => params / 32 * 34,
+            QuantFormat::Q4_0 => params / 32 * 18,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            QuantFormat::Q8_0 => "q8_0",
+            QuantFormat::Q4_0 => "q4_0",
+        }
+    }
+}
+
+/// What the plan decides for one linear group: which forms stay resident and how the
+/// quantized one is stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupForm {
+    pub residency: Residency,
+    pub quant: QuantFormat,
+}
+
+impl GroupForm {
+    /// `residency` with the default (Q8_0) quantized form.
+    pub fn q8(residency: Residency) -> Self {
+        Self {
+            residency,
+            quant: QuantFormat::Q8_0,
+        }
+    }
+}
+
 /// How the vocabulary tables (token embedding, `lm_head`) are stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -167,8 +230,10 @@ impl Forms {
 /// Resident weight bytes by form.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct WeightBytes {
-    /// INT8 (Q8_0) forms of linear groups.
+    /// 8-bit (Q8_0) quantized forms of linear groups.
     pub int8: usize,
+    /// 4-bit (Q4_0) quantized forms of linear groups (`w4a16` groups).
+    pub int4: usize,
     /// Float copies of linear groups.
     pub float: usize,
     /// Everything else: embeddings, norms, lm_head, biases.
@@ -179,7 +244,7 @@ pub struct WeightBytes {
 
 impl WeightBytes {
     pub fn total(&self) -> usize {
-        self.int8 + self.float + self.other
+        self.int8 + self.int4 + self.float + self.other
     }
 
     /// Resident bytes ÷ all-f16 bytes.
@@ -192,14 +257,14 @@ impl WeightBytes {
 /// swapped in by [`Backend::replace_groups`].
 pub struct PreparedGroup {
     pub group: GroupId,
-    pub residency: Residency,
+    pub form: GroupForm,
     pub(crate) inner: Box<dyn Any + Send>,
 }
 
 /// Builds a group's resident forms from the checkpoint (runs on a background thread during
 /// hot reload, so it takes no backend reference).
 pub type GroupLoader =
-    fn(&Checkpoint, &ModelConfig, GroupId, Residency, FloatDtype) -> Result<PreparedGroup>;
+    fn(&Checkpoint, &ModelConfig, GroupId, GroupForm, FloatDtype) -> Result<PreparedGroup>;
 
 /// A device that runs the Llama-family forward pass with per-group dual precision.
 pub trait Backend: Send + 'static {
@@ -213,6 +278,8 @@ pub trait Backend: Send + 'static {
         kv: &mut KvCache,
     ) -> Result<PassOutput>;
     fn residency(&self, g: GroupId) -> Residency;
+    /// How group `g`'s quantized form is stored (meaningless when it is float-only).
+    fn quant_format(&self, g: GroupId) -> QuantFormat;
     /// Bytes of resident linear-group weights (the part the precision plan changes).
     fn linear_bytes(&self) -> usize;
     /// All resident weight bytes.

@@ -35,6 +35,7 @@ struct Args {
     float_dtype: FloatDtype,
     embeddings: quantmesh_engine::backend::EmbeddingDtype,
     float_dtypes: bool,
+    quant_formats: bool,
     memory_table: Option<std::path::PathBuf>,
     float_budget: quantmesh_engine::budget::FloatBudget,
 }
@@ -54,6 +55,7 @@ fn parse() -> Result<Args, String> {
         float_dtype: FloatDtype::F16,
         embeddings: Default::default(),
         float_dtypes: false,
+        quant_formats: false,
         memory_table: None,
         float_budget: quantmesh_engine::budget::FloatBudget::Percent(10.0),
     };
@@ -76,6 +78,7 @@ fn parse() -> Result<Args, String> {
             }
             "--per-group" => a.per_group = true,
             "--float-dtypes" => a.float_dtypes = true,
+            "--quant-formats" => a.quant_formats = true,
             "--memory-table" => a.memory_table = Some(v()?.into()),
             "--float-budget" => a.float_budget = v()?.parse()?,
             "--embeddings" => {
@@ -108,7 +111,7 @@ fn parse() -> Result<Args, String> {
                     .collect::<Result<_, _>>()?
             }
             "-h" | "--help" => {
-                println!("quantmesh-engine-bench [--size tiny|small|medium | --model PATH] [--prompt-len N] [--decode-steps N] [--batches 1,8,32] [--per-group] [--ppl-text FILE] [--ppl-tokens N] [--json FILE] [--plans float,int8,dual] [--float-dtype f16|bf16|f32] [--embeddings q8_0|f16|f32] [--float-dtypes] [--memory-table PLAN.json --ppl-text FILE [--float-budget 10%]]");
+                println!("quantmesh-engine-bench [--size tiny|small|medium | --model PATH] [--prompt-len N] [--decode-steps N] [--batches 1,8,32] [--per-group] [--ppl-text FILE] [--ppl-tokens N] [--json FILE] [--plans float,int8,dual] [--float-dtype f16|bf16|f32] [--embeddings q8_0|f16|f32] [--float-dtypes] [--quant-formats [--ppl-text FILE]] [--memory-table PLAN.json --ppl-text FILE [--float-budget 10%]]");
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument {other}")),
@@ -268,6 +271,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     if args.float_dtypes {
         float_dtype_section(&cfg)?;
+    }
+    if args.quant_formats {
+        quant_format_section(&dir, &cfg, args.ppl_text.as_deref(), args.ppl_tokens)?;
     }
     if let Some(plan) = &args.memory_table {
         let text = args
@@ -703,6 +709,157 @@ fn float_dtype_section(cfg: &ModelConfig) -> Result<(), Box<dyn std::error::Erro
                 err(&yb)?
             );
         }
+    }
+    Ok(())
+}
+
+/// The 4-bit candidates for `w4a16` against Q8_0, on the checkpoint's own weights: matmul
+/// time per call (median of 15) at batch 1/8/32, output error against the f32 weights
+/// (relative Frobenius norm, inputs N(0, 1)), bytes per weight; then, with a text, the whole
+/// model with every group in each format (teacher-forced KL to the float model, perplexity).
+fn quant_format_section(
+    dir: &std::path::Path,
+    cfg: &ModelConfig,
+    text: Option<&std::path::Path>,
+    max_tokens: usize,
+) -> Result<(), Box<dyn std::error::Error>> {
+    use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+    use candle_core::{Device, Module, Tensor};
+    use quantmesh_engine::backend::{GroupForm, QuantFormat};
+    use quantmesh_types::{GroupId, GroupKind};
+    let ck = quantmesh_model::Checkpoint::open(dir)?;
+    println!();
+    println!("Quantized forms on the checkpoint's weights (layer {}): matmul µs per call (median of 15), × Q8_0, relative output error:", cfg.num_hidden_layers / 2);
+    println!();
+    println!("| group [out × in] | batch | Q8_0 µs | Q4_0 µs | × Q8_0 | Q4_1 µs | × Q8_0 | Q4_K µs | × Q8_0 | err Q8_0 | err Q4_0 | err Q4_1 | err Q4_K |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let time = |q: &QMatMul, x: &Tensor| -> Result<(f64, Tensor), candle_core::Error> {
+        let mut v = Vec::new();
+        let mut last = q.forward(x)?;
+        for _ in 0..15 {
+            let t = Instant::now();
+            last = q.forward(x)?;
+            v.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+        v.sort_by(|a, b| a.total_cmp(b));
+        Ok((v[v.len() / 2], last))
+    };
+    for kind in GroupKind::ALL {
+        let g = GroupId::new(cfg.num_hidden_layers / 2, kind);
+        let w = quantmesh_model::ops::GroupWeights::load(&ck, cfg, g)?.weight;
+        let (out, inp) = w.dims2()?;
+        let mut forms = vec![("Q8_0", Some(GgmlDType::Q8_0)), ("Q4_0", Some(GgmlDType::Q4_0)), ("Q4_1", Some(GgmlDType::Q4_1))];
+        // Q4_K packs 256 weights per super-block: only rows that 256 divides.
+        forms.push(("Q4_K", (inp % 256 == 0).then_some(GgmlDType::Q4K)));
+        let qs: Vec<Option<QMatMul>> = forms
+            .iter()
+            .map(|(_, d)| {
+                d.map(|d| QTensor::quantize(&w, d).and_then(QMatMul::from_qtensor))
+                    .transpose()
+            })
+            .collect::<Result<_, _>>()?;
+        for b in [1usize, 8, 32] {
+            let x = Tensor::randn(0f32, 1.0, (b, inp), &Device::Cpu)?;
+            let y32 = x.matmul(&w.t()?)?;
+            let norm = y32.sqr()?.sum_all()?.to_scalar::<f32>()?.sqrt().max(1e-12);
+            let mut times = Vec::new();
+            let mut errs = Vec::new();
+            for q in &qs {
+                match q {
+                    Some(q) => {
+                        let (t, y) = time(q, &x)?;
+                        times.push(Some(t));
+                        errs.push(Some(
+                            (y - &y32)?.sqr()?.sum_all()?.to_scalar::<f32>()?.sqrt() / norm,
+                        ));
+                    }
+                    None => {
+                        times.push(None);
+                        errs.push(None);
+                    }
+                }
+            }
+            let t8 = times[0].unwrap_or(f64::NAN);
+            let cell = |t: Option<f64>| match t {
+                Some(t) => format!("{t:.0} | {:.2}", t / t8),
+                None => "— | —".into(),
+            };
+            let e = |e: Option<f32>| e.map_or("—".into(), |e| format!("{e:.4}"));
+            println!(
+                "| {} [{out} × {inp}] | {b} | {t8:.0} | {} | {} | {} | {} | {} | {} | {} |",
+                kind.name(),
+                cell(times[1]),
+                cell(times[2]),
+                cell(times[3]),
+                e(errs[0]),
+                e(errs[1]),
+                e(errs[2]),
+                e(errs[3]),
+            );
+        }
+    }
+    println!();
+    println!("Bytes per weight: Q8_0 1.0625, Q4_0 0.5625, Q4_1 0.625, Q4_K 0.5625; f16 2.");
+    let Some(text) = text else {
+        return Ok(());
+    };
+    const WINDOW: usize = 256;
+    let tok = quantmesh_model::tokenizer::TextTokenizer::load(dir)?;
+    let mut ids = tok.encode(&std::fs::read_to_string(text)?, true)?;
+    ids.truncate(max_tokens);
+    let reference = LlamaModel::load(dir, cfg, &|_| Residency::Float)?;
+    let all_float = PathMask::all_groups_float(cfg.num_hidden_layers);
+    println!();
+    println!("Every linear group in one quantized form ({} tokens, windows of {WINDOW}, C8 KV; KL to the f32 float model, teacher-forced):", ids.len());
+    println!();
+    println!("| form | linear MiB | perplexity | mean KL | × Q8_0 KL |");
+    println!("|---|---|---|---|---|");
+    let page = 16;
+    let mut kl8 = None;
+    for quant in [QuantFormat::Q8_0, QuantFormat::Q4_0] {
+        let form = GroupForm {
+            residency: Residency::Int8,
+            quant,
+        };
+        let model = LlamaModel::load_planned(&ck, cfg, &|_| form, Default::default())?;
+        let w = model.weight_bytes();
+        let (mut runner, mut ref_runner) = (StepRunner::default(), StepRunner::default());
+        let (mut nll, mut kl, mut n) = (0f64, 0f64, 0usize);
+        for (wi, window) in ids.chunks(WINDOW).enumerate() {
+            let (mut kv, mut bm) = cache(cfg, WINDOW.div_ceil(page) + 2, page);
+            let (mut rkv, mut rbm) = cache(cfg, WINDOW.div_ceil(page) + 2, page);
+            let id = 1_000_000 + wi as u64;
+            bm.admit(id, &[], WINDOW).map_err(|e| e.to_string())?;
+            rbm.admit(id, &[], WINDOW).map_err(|e| e.to_string())?;
+            for pair in window.windows(2) {
+                let step = step_for(&mut bm, &[(id, vec![pair[0]])]);
+                let logits = runner
+                    .run(&model, &step, &PathMask::default(), &mut kv, true)?
+                    .logits
+                    .remove(0)
+                    .1;
+                let rstep = step_for(&mut rbm, &[(id, vec![pair[0]])]);
+                let want = ref_runner
+                    .run(&reference, &rstep, &all_float, &mut rkv, false)?
+                    .logits
+                    .remove(0)
+                    .1;
+                let m = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+                let z: f64 = logits.iter().map(|x| (*x as f64 - m).exp()).sum();
+                nll -= logits[pair[1] as usize] as f64 - m - z.ln();
+                kl += quantmesh_model::ops::kl_logits(&want, &logits);
+                n += 1;
+            }
+        }
+        let kl = kl / n as f64;
+        let base = *kl8.get_or_insert(kl);
+        println!(
+            "| {} | {:.1} | {:.3} | {kl:.5} | {:.2} |",
+            quant.as_str(),
+            (w.int8 + w.int4) as f64 / (1 << 20) as f64,
+            (nll / n as f64).exp(),
+            kl / base
+        );
     }
     Ok(())
 }

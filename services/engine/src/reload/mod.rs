@@ -19,7 +19,7 @@
 //! at most 250 ms) and skips its turn if they changed meanwhile (a writer is still busy);
 //! a half-written file that stays half-written fails validation and is rejected.
 
-use crate::backend::{FloatDtype, GroupLoader, PreparedGroup, WeightBytes};
+use crate::backend::{FloatDtype, GroupForm, GroupLoader, PreparedGroup, QuantFormat, WeightBytes};
 use crate::config::EngineConfig;
 use crate::error::{EngineError, Result};
 use crate::events::EventSink;
@@ -105,6 +105,8 @@ pub struct ConfigStatus {
     pub trigger_rate: f64,
     pub window_requests: usize,
     pub residency: BTreeMap<String, Residency>,
+    /// Groups whose quantized form is not Q8_0 (`w4a16` → `q4_0`).
+    pub quant_format: BTreeMap<String, QuantFormat>,
     /// How float copies are stored and what the float budget allows.
     pub float_dtype: Option<FloatDtype>,
     pub float_budget: Option<String>,
@@ -350,20 +352,21 @@ impl Reloader {
     /// old groups are built and swapped back, so weights and recorded plan never disagree.
     /// Returns the groups whose residency changed.
     async fn apply(&self, old: &LivePlan, new: &LivePlan) -> Result<Vec<GroupId>> {
-        let changed: Vec<(GroupId, Residency)> = new
+        let default = self.base.default_residency;
+        let changed: Vec<(GroupId, GroupForm)> = new
             .residency
-            .iter()
-            .filter(|(g, r)| old.residency.get(g) != Some(r))
-            .map(|(g, r)| (*g, *r))
+            .keys()
+            .map(|g| (*g, new.form(*g, default)))
+            .filter(|(g, f)| old.form(*g, default) != *f)
             .collect();
         if !changed.is_empty() {
             self.swap(changed.clone()).await?;
         }
         if let Err(e) = self.reconfigure(new).await {
             if !changed.is_empty() {
-                let back: Vec<(GroupId, Residency)> = changed
+                let back: Vec<(GroupId, GroupForm)> = changed
                     .iter()
-                    .filter_map(|(g, _)| old.residency.get(g).map(|r| (*g, *r)))
+                    .map(|(g, _)| (*g, old.form(*g, default)))
                     .collect();
                 match self.swap(back).await {
                     Ok(()) => {
@@ -379,9 +382,9 @@ impl Reloader {
         Ok(changed.into_iter().map(|(g, _)| g).collect())
     }
 
-    /// Build `groups` in their residencies (blocking loader, off the actors' threads) and
-    /// swap them into the executor in one message.
-    async fn swap(&self, groups: Vec<(GroupId, Residency)>) -> Result<()> {
+    /// Build `groups` in their forms (blocking loader, off the actors' threads) and swap
+    /// them into the executor in one message.
+    async fn swap(&self, groups: Vec<(GroupId, GroupForm)>) -> Result<()> {
         let dir = self.model_dir.clone();
         let mcfg = self.model_config.clone();
         let load = self.loader;
@@ -390,7 +393,7 @@ impl Reloader {
             let ck = Checkpoint::open(&dir)?;
             groups
                 .into_iter()
-                .map(|(g, r)| load(&ck, &mcfg, g, r, float_dtype))
+                .map(|(g, f)| load(&ck, &mcfg, g, f, float_dtype))
                 .collect::<Result<Vec<_>>>()
         })
         .await
@@ -433,6 +436,12 @@ pub(crate) fn describe(s: &mut ConfigStatus, live: &LivePlan, base: &EngineConfi
         .residency
         .iter()
         .map(|(g, r)| (g.to_string(), *r))
+        .collect();
+    s.quant_format = live
+        .quant
+        .iter()
+        .filter(|(_, q)| **q != QuantFormat::Q8_0)
+        .map(|(g, q)| (g.to_string(), *q))
         .collect();
 }
 

@@ -16,7 +16,12 @@ pub struct EngineView {
     pub name: String,
     /// Base URL, no trailing slash.
     pub base: String,
+    /// The DNS name this engine was discovered under (`dns+http://…` entries), if any.
+    pub service: Option<String>,
     up: AtomicBool,
+    /// False once a discovered engine's address has left its service's DNS answer: it is no
+    /// longer routed to, checked or fanned out to (it may be listed again later).
+    listed: AtomicBool,
     outstanding: AtomicUsize,
 }
 
@@ -25,13 +30,37 @@ impl EngineView {
         Self {
             name,
             base: base.trim_end_matches('/').to_string(),
+            service: None,
             up: AtomicBool::new(false),
+            listed: AtomicBool::new(true),
             outstanding: AtomicUsize::new(0),
         }
     }
 
+    /// An engine found by resolving `service`.
+    pub fn discovered(name: String, base: &str, service: &str) -> Self {
+        Self {
+            service: Some(service.to_string()),
+            ..Self::new(name, base)
+        }
+    }
+
+    /// Up (its `/ready` answered 200) and listed: requests may go to it.
     pub fn is_up(&self) -> bool {
-        self.up.load(Ordering::Relaxed)
+        self.up.load(Ordering::Relaxed) && self.is_listed()
+    }
+
+    pub fn is_listed(&self) -> bool {
+        self.listed.load(Ordering::Relaxed)
+    }
+
+    /// List or retire the engine; true when this changed it. A retired engine counts as down.
+    pub fn set_listed(&self, listed: bool) -> bool {
+        let changed = self.listed.swap(listed, Ordering::Relaxed) != listed;
+        if changed && !listed {
+            self.up.store(false, Ordering::Relaxed);
+        }
+        changed
     }
 
     /// Mark the engine up or down; true when this changed it.
@@ -104,6 +133,11 @@ impl EngineClient {
     }
 
     fn check(&mut self, ctx: &mut Context<Self>) {
+        if !self.view.is_listed() {
+            // Retired by discovery: no checks until its address is listed again.
+            self.metrics.up(&self.view.name, false);
+            return;
+        }
         let req = self
             .http
             .get(format!("{}/ready", self.view.base))
@@ -112,6 +146,7 @@ impl EngineClient {
             async move { req.send().await.map(|r| r.status().as_u16()) }
                 .into_actor(self)
                 .map(|res, act, _| match res {
+                    _ if !act.view.is_listed() => {}
                     Ok(200) => act.note(true, ""),
                     Ok(code) => act.note(false, &format!("/ready answered {code}")),
                     Err(e) => act.note(false, &e.to_string()),

@@ -2,8 +2,9 @@
 
 use crate::auth;
 use crate::error::{parse_json, ApiError};
-use crate::mesh::client::{EngineClient, EngineView, Forward, InFlight};
-use crate::mesh::route::{affinity_key, Mesh, MeshMetrics, NoEngine};
+use crate::mesh::client::{EngineView, Forward, InFlight};
+use crate::mesh::discovery::{system_resolver, Discovery, EngineEntry};
+use crate::mesh::route::{affinity_key, ClientTemplate, Mesh, MeshMetrics, NoEngine};
 use crate::routes::read_body;
 use crate::settings::Settings;
 use actix::Actor;
@@ -20,7 +21,7 @@ use std::time::Duration;
 
 pub struct MeshState {
     pub settings: Settings,
-    pub mesh: Mesh,
+    pub mesh: Arc<Mesh>,
     pub registry: Registry,
 }
 
@@ -106,7 +107,10 @@ async fn generate(
                     (why, _) => reject(&state, why),
                 })?;
         tried.push(i);
-        let (view, addr) = &state.mesh.engines[i];
+        let engines = state.mesh.engines();
+        let Some((view, addr)) = engines.get(i) else {
+            continue;
+        };
         let in_flight = InFlight::new(view.clone(), state.mesh.metrics.clone());
         let sent = addr
             .send(Forward {
@@ -212,7 +216,7 @@ async fn from_any_engine(
     if req.path().starts_with("/v1/") {
         auth::api_key(&req, &state.settings.server.api_keys)?;
     }
-    for (view, addr) in state.mesh.engines.iter().filter(|(v, _)| v.is_up()) {
+    for (view, addr) in state.mesh.engines().iter().filter(|(v, _)| v.is_up()) {
         let sent = addr
             .send(Forward {
                 method: reqwest::Method::GET,
@@ -248,7 +252,8 @@ async fn admin(
         .uri()
         .path_and_query()
         .map_or(req.path().to_string(), |p| p.to_string());
-    let calls = state.mesh.engines.iter().map(|(view, addr)| {
+    let engines = state.mesh.engines();
+    let calls = engines.iter().filter(|(v, _)| v.is_listed()).map(|(view, addr)| {
         let f = Forward {
             method: method.clone(),
             path: path.clone(),
@@ -294,7 +299,7 @@ async fn ready(state: web::Data<MeshState>) -> Result<HttpResponse, ApiError> {
         return Err(ApiError::Unavailable("no engine is up".into()));
     }
     Ok(HttpResponse::Ok().json(json!({
-        "status": "ready", "engines_up": up, "engines": state.mesh.engines.len(),
+        "status": "ready", "engines_up": up, "engines": state.mesh.listed(),
     })))
 }
 
@@ -342,33 +347,33 @@ pub async fn run_gateway(
         .validate()
         .map_err(|e| anyhow::anyhow!("mesh settings: {e}"))?;
     let registry = Registry::new();
-    let names: Vec<String> = (1..=settings.mesh.engines.len())
-        .map(|i| format!("engine-{i}"))
-        .collect();
-    let metrics = MeshMetrics::register(&registry, &names);
-    let http = reqwest::Client::builder()
-        .connect_timeout(Duration::from_secs(2))
-        .build()?;
-    let engines = settings
-        .mesh
-        .engines
-        .iter()
-        .zip(&names)
-        .map(|(url, name)| {
-            let view = Arc::new(EngineView::new(name.clone(), url));
-            tracing::info!(engine = %name, %url, "routing to engine");
-            let addr = EngineClient {
-                view: view.clone(),
-                http: http.clone(),
-                health_interval: settings.mesh.health_interval,
-                queue: settings.mesh.max_outstanding,
-                metrics: metrics.clone(),
+    let metrics = MeshMetrics::register(&registry);
+    let template = ClientTemplate {
+        http: reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(2))
+            .build()?,
+        health_interval: settings.mesh.health_interval,
+        queue: settings.mesh.max_outstanding,
+    };
+    let mesh = Arc::new(Mesh::new(settings.mesh.clone(), metrics, template));
+    // Static engines are named by their place in the list (engine-1, engine-2, …); each DNS
+    // service gets a discovery actor that adds its engines as they resolve.
+    for (i, entry) in settings.mesh.engines.iter().enumerate() {
+        match EngineEntry::parse(entry).map_err(|e| anyhow::anyhow!("mesh settings: {e}"))? {
+            EngineEntry::Static(url) => {
+                mesh.add(EngineView::new(format!("engine-{}", i + 1), &url));
             }
-            .start();
-            (view, addr)
-        })
-        .collect();
-    let mesh = Mesh::new(engines, settings.mesh.clone(), metrics);
+            EngineEntry::Dns(service) => {
+                Discovery::new(
+                    mesh.clone(),
+                    service,
+                    settings.mesh.discovery_interval,
+                    system_resolver(),
+                )
+                .start();
+            }
+        }
+    }
     let timeout = settings.server.shutdown_timeout_secs;
     let state = web::Data::new(MeshState {
         settings,

@@ -15,10 +15,13 @@
 //! the prefix's home. A request that has not produced a byte for the client yet is
 //! retried on another engine when its engine fails (connection refused or reset, 5xx); a
 //! stream that had started ends with an error event. Every engine saturated: 429; none up:
-//! 503. The engines' internal API is the versioned OpenAI `/v1` API they serve themselves
+//! 503. Engines come from config (`http://engine-1:8080`) or from DNS (`dns+http://engine:8080`:
+//! every address the name resolves to, re-resolved every `discovery_interval`;
+//! `discovery.rs`). The engines' internal API is the versioned OpenAI `/v1` API they serve themselves
 //! (documented by their `/openapi.json`), plus `/ready`, `/metrics` and `/admin/*`.
 
 pub mod client;
+pub mod discovery;
 pub mod http;
 pub mod route;
 
@@ -40,8 +43,9 @@ pub enum Routing {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct MeshSettings {
-    /// Engine base URLs, e.g. `http://engine-1:8080` (`QUANTMESH_ENGINES`, comma-separated;
-    /// `--engine`, repeatable).
+    /// Engine base URLs, e.g. `http://engine-1:8080`, or DNS services whose name lists the
+    /// engines, e.g. `dns+http://engine:8080` (every address it resolves to is an engine;
+    /// see `discovery.rs`) (`QUANTMESH_ENGINES`, comma-separated; `--engine`, repeatable).
     pub engines: Vec<String>,
     pub routing: Routing,
     /// Requests in flight per engine before it counts as saturated.
@@ -49,6 +53,9 @@ pub struct MeshSettings {
     /// How often each engine's `/ready` is checked.
     #[serde(with = "humantime_serde")]
     pub health_interval: Duration,
+    /// How often `dns+http://` services are resolved again.
+    #[serde(with = "humantime_serde")]
+    pub discovery_interval: Duration,
     /// Characters of the prompt (or of the rendered messages) that key prefix affinity:
     /// about a KV page's worth of tokens.
     pub affinity_chars: usize,
@@ -64,6 +71,7 @@ impl Default for MeshSettings {
             routing: Routing::default(),
             max_outstanding: 64,
             health_interval: Duration::from_secs(1),
+            discovery_interval: Duration::from_secs(5),
             affinity_chars: 64,
             affinity_slack: 2,
         }
@@ -78,12 +86,13 @@ impl MeshSettings {
             );
         }
         for e in &self.engines {
-            if !(e.starts_with("http://") || e.starts_with("https://")) {
-                return Err(format!("engine {e:?} is not an http:// or https:// URL"));
-            }
+            discovery::EngineEntry::parse(e)?;
         }
         if self.max_outstanding == 0 {
             return Err("mesh.max_outstanding must be > 0".into());
+        }
+        if self.health_interval.is_zero() || self.discovery_interval.is_zero() {
+            return Err("mesh.health_interval and mesh.discovery_interval must be > 0".into());
         }
         Ok(())
     }

@@ -3,13 +3,13 @@
 use crate::mesh::client::{EngineClient, EngineView};
 use crate::mesh::{MeshSettings, Routing};
 use crate::metrics::must;
-use actix::Addr;
+use actix::{Actor, Addr};
 use prometheus::{IntCounterVec, IntGaugeVec, Opts, Registry};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 
 /// Most prefixes remembered for affinity (the map is cleared when it grows past this).
 const AFFINITY_CAPACITY: usize = 65_536;
@@ -23,10 +23,14 @@ pub struct MeshMetrics {
     pub retries: IntCounterVec,
     pub rejected: IntCounterVec,
     pub stream_failures: IntCounterVec,
+    /// Engines a `dns+http://` service resolves to now, by service.
+    pub discovered: IntGaugeVec,
+    /// Failed or empty DNS answers for a service (its engines are kept as they were).
+    pub discovery_errors: IntCounterVec,
 }
 
 impl MeshMetrics {
-    pub fn register(registry: &Registry, engines: &[String]) -> Self {
+    pub fn register(registry: &Registry) -> Self {
         let gauge = |n: &str, h: &str| must(IntGaugeVec::new(Opts::new(n, h), &["engine"]));
         let counter = |n: &str, h: &str, l: &[&str]| must(IntCounterVec::new(Opts::new(n, h), l));
         let m = Self {
@@ -55,26 +59,46 @@ impl MeshMetrics {
                 "Streams that had started and ended with an error event because their engine failed.",
                 &["engine"],
             ),
+            discovered: must(IntGaugeVec::new(
+                Opts::new(
+                    "quantmesh_gateway_discovered_engines",
+                    "Addresses the service's DNS name resolved to at the last lookup (dns+http:// engines).",
+                ),
+                &["service"],
+            )),
+            discovery_errors: counter(
+                "quantmesh_gateway_discovery_errors_total",
+                "DNS lookups of an engine service that failed or answered no address (engines kept as they were).",
+                &["service"],
+            ),
         };
-        for c in [&m.up, &m.outstanding] {
+        for c in [&m.up, &m.outstanding, &m.discovered] {
             must(registry.register(Box::new(c.clone())));
         }
-        for c in [&m.routed, &m.retries, &m.rejected, &m.stream_failures] {
+        for c in [
+            &m.routed,
+            &m.retries,
+            &m.rejected,
+            &m.stream_failures,
+            &m.discovery_errors,
+        ] {
             must(registry.register(Box::new(c.clone())));
-        }
-        for e in engines {
-            m.up.with_label_values(&[e]);
-            m.outstanding.with_label_values(&[e]);
-            m.retries.with_label_values(&[e]);
-            m.stream_failures.with_label_values(&[e]);
-            for choice in ["affinity", "least", "random"] {
-                m.routed.with_label_values(&[e, choice]);
-            }
         }
         for r in ["saturated", "no_engine"] {
             m.rejected.with_label_values(&[r]);
         }
         m
+    }
+
+    /// Export an engine's series at 0 from the moment it is known.
+    pub fn label(&self, engine: &str) {
+        self.up.with_label_values(&[engine]);
+        self.outstanding.with_label_values(&[engine]);
+        self.retries.with_label_values(&[engine]);
+        self.stream_failures.with_label_values(&[engine]);
+        for choice in ["affinity", "least", "random"] {
+            self.routed.with_label_values(&[engine, choice]);
+        }
     }
 
     pub fn up(&self, engine: &str, up: bool) {
@@ -113,39 +137,87 @@ impl Choice {
     }
 }
 
-/// The engines and the routing state.
+/// An engine the gateway knows: what the router reads, and the actor that talks to it.
+pub type Member = (Arc<EngineView>, Addr<EngineClient>);
+
+/// How new engine clients are made (discovery adds engines while the gateway runs).
+#[derive(Clone)]
+pub struct ClientTemplate {
+    pub http: reqwest::Client,
+    pub health_interval: std::time::Duration,
+    /// Bound of each engine client's mailbox.
+    pub queue: usize,
+}
+
+/// The engines and the routing state. The engine list only grows (an engine whose address
+/// left DNS is retired, not removed), so an index names the same engine for the gateway's
+/// whole life: retries' `tried` lists and prefix homes stay valid while the list changes.
 pub struct Mesh {
-    pub engines: Vec<(Arc<EngineView>, Addr<EngineClient>)>,
+    engines: RwLock<Arc<Vec<Member>>>,
     pub settings: MeshSettings,
     pub metrics: MeshMetrics,
+    template: ClientTemplate,
     affinity: Mutex<HashMap<u64, usize>>,
     rng: Mutex<StdRng>,
 }
 
 impl Mesh {
-    pub fn new(
-        engines: Vec<(Arc<EngineView>, Addr<EngineClient>)>,
-        settings: MeshSettings,
-        metrics: MeshMetrics,
-    ) -> Self {
+    pub fn new(settings: MeshSettings, metrics: MeshMetrics, template: ClientTemplate) -> Self {
         Self {
-            engines,
+            engines: RwLock::new(Arc::new(Vec::new())),
             settings,
             metrics,
+            template,
             affinity: Mutex::new(HashMap::new()),
             rng: Mutex::new(StdRng::from_entropy()),
         }
     }
 
+    /// The engines now (a snapshot; indices stay valid in later snapshots).
+    pub fn engines(&self) -> Arc<Vec<Member>> {
+        match self.engines.read() {
+            Ok(e) => e.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
+    }
+
+    /// Start a client for a new engine and add it. Must run inside an actix system.
+    pub fn add(&self, view: EngineView) -> Arc<EngineView> {
+        let view = Arc::new(view);
+        self.metrics.label(&view.name);
+        tracing::info!(engine = %view.name, url = %view.base, "routing to engine");
+        let addr = EngineClient {
+            view: view.clone(),
+            http: self.template.http.clone(),
+            health_interval: self.template.health_interval,
+            queue: self.template.queue,
+            metrics: self.metrics.clone(),
+        }
+        .start();
+        let mut guard = match self.engines.write() {
+            Ok(g) => g,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        let mut next = Vec::clone(&guard);
+        next.push((view.clone(), addr));
+        *guard = Arc::new(next);
+        view
+    }
+
     /// Engines that are up.
     pub fn up(&self) -> usize {
-        self.engines.iter().filter(|(v, _)| v.is_up()).count()
+        self.engines().iter().filter(|(v, _)| v.is_up()).count()
+    }
+
+    /// Engines that are listed (static ones, and discovered ones still in DNS).
+    pub fn listed(&self) -> usize {
+        self.engines().iter().filter(|(v, _)| v.is_listed()).count()
     }
 
     /// Choose an engine for a request keyed `key` (its prefix), not among `tried`.
     pub fn pick(&self, key: Option<u64>, tried: &[usize]) -> Result<(usize, Choice), NoEngine> {
-        let views: Vec<(usize, usize)> = self
-            .engines
+        let engines = self.engines();
+        let views: Vec<(usize, usize)> = engines
             .iter()
             .enumerate()
             .filter(|(i, (v, _))| v.is_up() && !tried.contains(i))
@@ -164,9 +236,10 @@ impl Mesh {
         // engine's cache). A prefix without a home, or whose home is down or was tried and
         // failed, gets the engine chosen now.
         if let (Some(k), Ok(mut a)) = (key, self.affinity.lock()) {
-            let home_ok = a
-                .get(&k)
-                .is_some_and(|h| *h == i || (self.engines[*h].0.is_up() && !tried.contains(h)));
+            let home_ok = a.get(&k).is_some_and(|h| {
+                *h == i
+                    || (engines.get(*h).is_some_and(|(v, _)| v.is_up()) && !tried.contains(h))
+            });
             if !home_ok {
                 if a.len() >= AFFINITY_CAPACITY {
                     a.clear();

@@ -1,9 +1,10 @@
 //! Dual-precision linear groups: an INT8 form and an exact float form, either or both
 //! resident, chosen per step and per row.
 //!
-//! INT8 form: candle's Q8_0 quantized matmul (blocks of 32 weights sharing one scale; the
-//! activations are quantized to Q8_0 blocks on the fly, so this is W8A8 with per-block
-//! scales, finer than per-channel). Chosen over a hand-written per-channel W8A8 kernel
+//! Quantized ("INT8") form: candle's Q8_0 quantized matmul (blocks of 32 weights sharing one
+//! scale; the activations are quantized to Q8_0 blocks on the fly, so this is W8A8 with
+//! per-block scales, finer than per-channel), or Q4_0 for `w4a16` groups (4-bit weights,
+//! same blocks; candle still quantizes activations to 8 bits, so it computes W4A8). Chosen over a hand-written per-channel W8A8 kernel
 //! because it is measured at 0.08–0.28× the time of the f32 matmul on this CPU
 //! (AVX-512 VNNI) and is maintained upstream; see ARCHITECTURE.md.
 //!
@@ -12,7 +13,7 @@
 //! batch 8–32 on the CPU backend, measured by `quantmesh-engine-bench --float-dtypes`); the
 //! float path casts its input rows to that dtype, multiplies, and casts the output back.
 
-use crate::backend::{FloatDtype, GroupOutcome, RowPath};
+use crate::backend::{FloatDtype, GroupForm, GroupOutcome, QuantFormat, RowPath};
 use crate::error::Result;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Module, Tensor};
@@ -20,6 +21,8 @@ use quantmesh_types::Residency;
 
 pub struct DualLinear {
     int8: Option<QMatMul>,
+    /// How `int8` stores its weights.
+    quant: QuantFormat,
     float: Option<Tensor>,
     bias: Option<Tensor>,
     out_dim: usize,
@@ -28,19 +31,32 @@ pub struct DualLinear {
 
 impl DualLinear {
     /// Build from the f32 weight `[out, in]` (and optional bias `[out]`) with the given
-    /// residency; the float copy (when the residency has one) is stored as `float_dtype`.
+    /// residency (Q8_0 quantized form); the float copy (when the residency has one) is
+    /// stored as `float_dtype`.
     pub fn new(
         weight: Tensor,
         bias: Option<Tensor>,
         residency: Residency,
         float_dtype: FloatDtype,
     ) -> Result<Self> {
+        Self::with_form(weight, bias, GroupForm::q8(residency), float_dtype)
+    }
+
+    /// As [`DualLinear::new`], the quantized form stored as `form.quant` says.
+    pub fn with_form(
+        weight: Tensor,
+        bias: Option<Tensor>,
+        form: GroupForm,
+        float_dtype: FloatDtype,
+    ) -> Result<Self> {
+        let residency = form.residency;
         let (out_dim, in_dim) = weight.dims2()?;
         let int8 = if residency.has_int8() {
-            Some(QMatMul::from_qtensor(QTensor::quantize(
-                &weight,
-                GgmlDType::Q8_0,
-            )?)?)
+            let dtype = match form.quant {
+                QuantFormat::Q8_0 => GgmlDType::Q8_0,
+                QuantFormat::Q4_0 => GgmlDType::Q4_0,
+            };
+            Some(QMatMul::from_qtensor(QTensor::quantize(&weight, dtype)?)?)
         } else {
             None
         };
@@ -51,6 +67,7 @@ impl DualLinear {
         };
         Ok(Self {
             int8,
+            quant: form.quant,
             float,
             bias,
             out_dim,
@@ -66,6 +83,10 @@ impl DualLinear {
         }
     }
 
+    pub fn quant_format(&self) -> QuantFormat {
+        self.quant
+    }
+
     pub fn out_dim(&self) -> usize {
         self.out_dim
     }
@@ -74,16 +95,20 @@ impl DualLinear {
         self.in_dim
     }
 
-    /// Bytes of resident weights (INT8 form counted at Q8_0's 34 bytes per 32 weights).
+    /// Bytes of resident weights (quantized form at its format's bytes per 32 weights).
     pub fn resident_bytes(&self) -> usize {
         let (q, f, b) = self.bytes_by_form();
         q + f + b
     }
 
-    /// (INT8 form, float copy, bias) bytes.
+    /// (quantized form, float copy, bias) bytes.
     pub fn bytes_by_form(&self) -> (usize, usize, usize) {
         let n = self.out_dim * self.in_dim;
-        let q = if self.int8.is_some() { n / 32 * 34 } else { 0 };
+        let q = if self.int8.is_some() {
+            self.quant.bytes(n)
+        } else {
+            0
+        };
         let f = self
             .float
             .as_ref()
@@ -305,5 +330,36 @@ mod tests {
             .to_scalar::<f32>()
             .unwrap();
         assert_eq!(d, 0.0);
+    }
+
+    /// `w4a16` groups are served in 4 bits: Q4_0 bytes, an error above Q8_0's and still
+    /// small, and the float copy (when dual) untouched.
+    #[test]
+    fn q4_0_form_is_four_bit_and_keeps_the_float_copy_exact() {
+        let w = rand(64, 128, 8);
+        let x = rand(5, 128, 9);
+        let want = x.matmul(&w.t().unwrap()).unwrap();
+        let err = |y: &Tensor| {
+            let d = (y - &want).unwrap().sqr().unwrap().sum_all().unwrap();
+            let n = want.sqr().unwrap().sum_all().unwrap();
+            (d.to_scalar::<f32>().unwrap() / n.to_scalar::<f32>().unwrap()).sqrt()
+        };
+        let form = |quant| GroupForm {
+            residency: Residency::Dual,
+            quant,
+        };
+        let q8 = DualLinear::with_form(w.clone(), None, form(QuantFormat::Q8_0), FloatDtype::F32)
+            .unwrap();
+        let q4 = DualLinear::with_form(w.clone(), None, form(QuantFormat::Q4_0), FloatDtype::F32)
+            .unwrap();
+        assert_eq!(q4.quant_format(), QuantFormat::Q4_0);
+        assert_eq!(q4.bytes_by_form().0, 64 * 128 / 32 * 18);
+        assert_eq!(q8.bytes_by_form().0, 64 * 128 / 32 * 34);
+        let (e8, e4) = (
+            err(&q8.forward(&x, &RowPath::AllInt8).unwrap().0),
+            err(&q4.forward(&x, &RowPath::AllInt8).unwrap().0),
+        );
+        assert!(e8 < e4 && e4 < 0.2, "Q8_0 {e8}, Q4_0 {e4}");
+        assert!(err(&q4.forward(&x, &RowPath::AllFloat).unwrap().0) < 1e-6);
     }
 }

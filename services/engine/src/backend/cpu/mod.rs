@@ -11,8 +11,8 @@ pub mod linear;
 pub mod table;
 
 use crate::backend::{
-    Backend, FloatDtype, Forms, GroupLoader, GroupOutcome, PassOutput, PreparedGroup, Router,
-    RowPath, StepInput, WeightBytes,
+    Backend, FloatDtype, Forms, GroupForm, GroupLoader, GroupOutcome, PassOutput, PreparedGroup,
+    QuantFormat, Router, RowPath, StepInput, WeightBytes,
 };
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
@@ -36,30 +36,30 @@ fn replace_rows(base: &Tensor, rows: &[usize], with: &Tensor) -> Result<Tensor> 
     Ok(stacked.index_select(&Tensor::new(map.as_slice(), base.device())?, 0)?)
 }
 
-/// Load one fused linear group from the checkpoint with the given residency. Used at model
-/// load and, in the background, when a hot reload changes a group's residency.
+/// Load one fused linear group from the checkpoint in the given form. Used at model load
+/// and, in the background, when a hot reload changes a group's residency or format.
 pub fn load_group(
     ck: &Checkpoint,
     cfg: &ModelConfig,
     g: GroupId,
-    residency: Residency,
+    form: GroupForm,
     float_dtype: FloatDtype,
 ) -> Result<DualLinear> {
     let w = GroupWeights::load(ck, cfg, g)?;
-    DualLinear::new(w.weight, w.bias, residency, float_dtype)
+    DualLinear::with_form(w.weight, w.bias, form, float_dtype)
 }
 
 fn prepare_group(
     ck: &Checkpoint,
     cfg: &ModelConfig,
     g: GroupId,
-    residency: Residency,
+    form: GroupForm,
     float_dtype: FloatDtype,
 ) -> Result<PreparedGroup> {
     Ok(PreparedGroup {
         group: g,
-        residency,
-        inner: Box::new(load_group(ck, cfg, g, residency, float_dtype)?),
+        form,
+        inner: Box::new(load_group(ck, cfg, g, form, float_dtype)?),
     })
 }
 
@@ -100,6 +100,16 @@ impl LlamaModel {
         residency: &dyn Fn(GroupId) -> Residency,
         forms: Forms,
     ) -> Result<Self> {
+        Self::load_planned(ck, cfg, &|g| GroupForm::q8(residency(g)), forms)
+    }
+
+    /// Load with each group's residency and quantized format from `form` (the plan).
+    pub fn load_planned(
+        ck: &Checkpoint,
+        cfg: &ModelConfig,
+        form: &dyn Fn(GroupId) -> GroupForm,
+        forms: Forms,
+    ) -> Result<Self> {
         let float_dtype = forms.float;
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
         let embed_w = ck.load_f32_shaped(names::EMBED, &[v, h])?;
@@ -118,7 +128,7 @@ impl LlamaModel {
         for l in 0..cfg.num_hidden_layers {
             let group = |kind| {
                 let g = GroupId::new(l, kind);
-                load_group(ck, cfg, g, residency(g), float_dtype)
+                load_group(ck, cfg, g, form(g), float_dtype)
             };
             let qkv = group(GroupKind::Qkv)?;
             let o = group(GroupKind::O)?;
@@ -187,6 +197,10 @@ impl Backend for LlamaModel {
         self.layers[g.layer].groups[g.kind.index()].residency()
     }
 
+    fn quant_format(&self, g: GroupId) -> QuantFormat {
+        self.layers[g.layer].groups[g.kind.index()].quant_format()
+    }
+
     fn linear_bytes(&self) -> usize {
         self.layers
             .iter()
@@ -224,7 +238,10 @@ impl Backend for LlamaModel {
         let mut linear_params = 0;
         for g in self.layers.iter().flat_map(|l| l.groups.iter()) {
             let (q, f, b) = g.bytes_by_form();
-            wb.int8 += q;
+            match g.quant_format() {
+                QuantFormat::Q8_0 => wb.int8 += q,
+                QuantFormat::Q4_0 => wb.int4 += q,
+            }
             wb.float += f;
             wb.other += b;
             linear_params += g.out_dim() * g.in_dim() + b / 4;
