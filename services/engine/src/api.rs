@@ -4,7 +4,7 @@
 //! streams.
 
 use crate::backend::cpu::LlamaModel;
-use crate::backend::{Backend, QuantFormat};
+use crate::backend::Backend;
 use crate::error::Result;
 use crate::events::{ChannelSink, LogSink};
 use crate::executor::{ExecutorActor, ExecutorState};
@@ -205,7 +205,7 @@ fn log_plan(live: &LivePlan, cfg: &EngineConfig, w: &crate::backend::WeightBytes
     let table = format!(
         "\n| form | groups | MiB |\n|---|---|---|\n\
          | int8 only | {} | |\n| dual (int8 + {} copy) | {} | |\n| float only | {} | |\n\
-         | int8 weights (Q8_0) | | {:.1} |\n| int4 weights (Q4_0, w4a16: {} groups) | | {:.1} |\n\
+         | int8 weights (Q8_0) | | {:.1} |\n| int4 weights (Q4_K/Q4_0, w4a16: {} groups) | | {:.1} |\n\
          | float copies | | {:.1} |\n\
          | embeddings, norms, lm_head | | {:.1} |\n\
          | total | | {:.1} = {:.2}× all-f16 ({:.1}) |\n\
@@ -217,7 +217,7 @@ fn log_plan(live: &LivePlan, cfg: &EngineConfig, w: &crate::backend::WeightBytes
         mib(w.int8),
         live.quant
             .iter()
-            .filter(|(g, q)| **q == QuantFormat::Q4_0 && live.residency[*g].has_int8())
+            .filter(|(g, q)| q.is_four_bit() && live.residency[*g].has_int8())
             .count(),
         mib(w.int4),
         mib(w.float),

@@ -18,7 +18,8 @@ pub struct LivePlan {
     pub md5: Option<String>,
     pub monitor: MonitorConfig,
     pub residency: BTreeMap<GroupId, Residency>,
-    /// How each group's quantized form is stored: the class's format (`w4a16` → Q4_0),
+    /// How each group's quantized form is stored: the class's format (`w4a16` → Q4_K, or
+    /// Q4_0 where 256 does not divide the group's input width),
     /// Q8_0 for every group the file does not class.
     pub quant: BTreeMap<GroupId, QuantFormat>,
     /// What `engine.float_budget` did to the residencies.
@@ -88,7 +89,8 @@ pub fn resolve(
         }
         for (g, entry) in &plan.groups {
             residency.insert(*g, entry.effective_residency());
-            quant.insert(*g, QuantFormat::for_class(entry.class));
+            let in_dim = member_shapes(cfg, g.kind).first().map_or(0, |s| s[1]);
+            quant.insert(*g, QuantFormat::for_class(entry.class, in_dim));
             let has_override = entry.monitor.is_some() || !entry.massive_channels.is_empty();
             if has_override {
                 let o: &mut GroupOverride = monitor.overrides.entry(g.to_string()).or_default();

@@ -4,11 +4,12 @@
 //!
 //! * `w8a8`: symmetric INT8, one scale for the whole fused group: s = absmax / 127.
 //! * `w8a8_per_channel`: symmetric INT8, one scale per output row: s = row absmax / 127.
-//! * `w4a16`: exactly what the engine serves the class with — candle's Q4_0 (blocks of 32
-//!   input weights along each row, one f16 scale d = w_absmax_signed / −8 per block,
-//!   q = min(15, ⌊w/d + 8.5⌋), w' = (q − 8)·d), quantized and dequantized by candle itself.
-//!   Rows whose width 32 does not divide (the engine cannot serve those in any quantized
-//!   form) use asymmetric 4-bit in groups of 128 instead.
+//! * `w4a16`: exactly what the engine serves the class with (`quantmesh_model::ops::w4_dtype`):
+//!   candle's Q4_K when 256 divides the row width, else Q4_0 (blocks of 32 input weights,
+//!   one f16 scale d = w_absmax_signed / −8 per block, q = min(15, ⌊w/d + 8.5⌋),
+//!   w' = (q − 8)·d), quantized and dequantized by candle itself. Rows whose width 32 does
+//!   not divide (the engine cannot serve those in any quantized form) use asymmetric 4-bit
+//!   in groups of 128 instead.
 //!
 //! `w8a8` and `w8a8_per_channel` are pessimistic proxies of the served form: the engine
 //! stores both as Q8_0 (a scale per 32 weights), finer than either scale here, so their KL
@@ -61,7 +62,7 @@ pub fn fake_quant(rows: &mut [f32], cols: usize, format: Format, tensor_absmax: 
             }
         }
         Format::W4a16 => {
-            if let Some(q) = q4_0_roundtrip(rows, cols) {
+            if let Some(q) = four_bit_roundtrip(rows, cols) {
                 rows.copy_from_slice(&q);
                 return;
             }
@@ -83,15 +84,15 @@ pub fn fake_quant(rows: &mut [f32], cols: usize, format: Format, tensor_absmax: 
     }
 }
 
-/// `rows` through candle's Q4_0 and back (`None` when 32 does not divide `cols`).
-fn q4_0_roundtrip(rows: &[f32], cols: usize) -> Option<Vec<f32>> {
-    use candle_core::quantized::{GgmlDType, QTensor};
+/// `rows` through the engine's 4-bit form and back (`None` when 32 does not divide `cols`).
+fn four_bit_roundtrip(rows: &[f32], cols: usize) -> Option<Vec<f32>> {
+    use candle_core::quantized::QTensor;
     use candle_core::{Device, Tensor};
     if cols == 0 || cols % 32 != 0 || rows.len() % cols != 0 {
         return None;
     }
     let t = Tensor::from_slice(rows, (rows.len() / cols, cols), &Device::Cpu).ok()?;
-    let q = QTensor::quantize(&t, GgmlDType::Q4_0).ok()?;
+    let q = QTensor::quantize(&t, quantmesh_model::ops::w4_dtype(cols)).ok()?;
     q.dequantize(&Device::Cpu)
         .ok()?
         .flatten_all()
@@ -136,7 +137,8 @@ mod tests {
         assert!(err(Format::W8a8PerChannel) < err(Format::W8a8));
     }
 
-    /// w4a16 is Q4_0: per block of 32 at most 16 levels, the extreme kept, error ≤ one step.
+    /// w4a16 at widths 256 does not divide is Q4_0: per block of 32 at most 16 levels, the
+    /// extreme kept, error ≤ one step.
     #[test]
     fn w4a16_is_the_served_q4_0() {
         let cols = 96;
@@ -146,13 +148,19 @@ mod tests {
         let mut q = w.clone();
         fake_quant(&mut q, cols, Format::W4a16, 0.0);
         for (blk, qb) in w.chunks(32).zip(q.chunks(32)) {
-            let max = blk.iter().fold(0f32, |m, x| if x.abs() > m.abs() { *x } else { m });
+            let max = blk
+                .iter()
+                .fold(0f32, |m, x| if x.abs() > m.abs() { *x } else { m });
             let d = (max / -8.0).abs();
             let mut levels: Vec<i64> = qb.iter().map(|v| (v / d).round() as i64).collect();
             levels.sort_unstable();
             levels.dedup();
             assert!(levels.len() <= 16, "{levels:?}");
-            let worst = blk.iter().zip(qb).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            let worst = blk
+                .iter()
+                .zip(qb)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
             assert!(worst <= d * 1.01, "error {worst} > step {d}");
             // The block's extreme is representable (q = 0 ↔ −8·d = max).
             assert!(qb.iter().any(|v| (v - max).abs() <= d * 0.01), "{max} lost");

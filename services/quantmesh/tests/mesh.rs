@@ -426,7 +426,10 @@ async fn engines_are_found_by_dns_and_a_name_that_does_not_resolve_is_counted() 
         &[&format!("service=\"{bad}\"")],
     ) < 1.0
     {
-        assert!(t0.elapsed() < Duration::from_secs(60), "no lookup error counted");
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "no lookup error counted"
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let admin: serde_json::Value = client

@@ -210,8 +210,8 @@ pub(crate) fn run_writer(
         // A panic while storing a batch (a bug, a poisoned dependency) costs that batch,
         // counted and logged, not the event path: the writer goes on with the next one.
         let n = records.len();
-        let stored = contained(&metrics, n, || store_batch(&outbox, &metrics, &records))
-            .unwrap_or_default();
+        let stored =
+            contained(&metrics, n, || store_batch(&outbox, &metrics, &records)).unwrap_or_default();
         // Drops by the outbox's policy (newest refused or oldest evicted).
         let dropped = outbox.stats.dropped.load(Ordering::Relaxed);
         if dropped > seen_dropped {

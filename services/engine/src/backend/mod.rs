@@ -137,8 +137,8 @@ impl FloatDtype {
 
 /// How a linear group's quantized form stores its weights — the form the plan and the
 /// monitor call "INT8" (the path a group leaves when it falls back to float). candle's CPU
-/// kernels quantize the activations to 8-bit blocks of 32 on the fly for both, so `Q8_0`
-/// computes W8A8 and `Q4_0` W4A8, each with a scale per block of 32.
+/// kernels quantize the activations to 8-bit blocks on the fly for all of them, so `Q8_0`
+/// computes W8A8 and the 4-bit forms W4A8.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 pub enum QuantFormat {
     /// 8-bit weights, an f16 scale per 32 (34 bytes per 32 weights): `w8a8`,
@@ -146,29 +146,50 @@ pub enum QuantFormat {
     #[default]
     #[serde(rename = "q8_0")]
     Q8_0,
-    /// 4-bit weights, an f16 scale per 32 (18 bytes per 32 weights): `w4a16`. Chosen over
-    /// Q4_K (super-blocks of 256, which SmolLM2's 576-wide inputs do not divide) and Q4_1
-    /// (20 bytes) by `quantmesh-engine-bench --quant-formats`; see ARCHITECTURE.md.
+    /// 4-bit weights, an f16 scale per 32 (18 bytes per 32 weights): `w4a16` groups whose
+    /// input width 256 does not divide.
     #[serde(rename = "q4_0")]
     Q4_0,
+    /// 4-bit weights in super-blocks of 256 (144 bytes per 256 weights): `w4a16` groups
+    /// whose input width 256 divides (`quantmesh_model::ops::w4_dtype` says why).
+    #[serde(rename = "q4_k")]
+    Q4K,
 }
 
 impl QuantFormat {
-    /// The form a pre-screen class is served with.
-    pub fn for_class(class: PrecisionClass) -> Self {
+    /// The form a pre-screen class is served with, for a group of input width `in_dim`.
+    pub fn for_class(class: PrecisionClass, in_dim: usize) -> Self {
         match class {
-            PrecisionClass::W4a16 => QuantFormat::Q4_0,
+            PrecisionClass::W4a16 => match quantmesh_model::ops::w4_dtype(in_dim) {
+                candle_core::quantized::GgmlDType::Q4K => QuantFormat::Q4K,
+                _ => QuantFormat::Q4_0,
+            },
             PrecisionClass::Fp16 | PrecisionClass::W8a8 | PrecisionClass::W8a8PerChannel => {
                 QuantFormat::Q8_0
             }
         }
     }
 
-    /// Bytes of `params` weights in this form (a multiple of 32 in every checkpoint we load).
+    pub fn ggml(self) -> candle_core::quantized::GgmlDType {
+        use candle_core::quantized::GgmlDType;
+        match self {
+            QuantFormat::Q8_0 => GgmlDType::Q8_0,
+            QuantFormat::Q4_0 => GgmlDType::Q4_0,
+            QuantFormat::Q4K => GgmlDType::Q4K,
+        }
+    }
+
+    pub fn is_four_bit(self) -> bool {
+        !matches!(self, QuantFormat::Q8_0)
+    }
+
+    /// Bytes of `params` weights in this form (whole blocks: every width we load is a
+    /// multiple of the block).
     pub fn bytes(self, params: usize) -> usize {
         match self {
             QuantFormat::Q8_0 => params / 32 * 34,
             QuantFormat::Q4_0 => params / 32 * 18,
+            QuantFormat::Q4K => params / 256 * 144,
         }
     }
 
@@ -176,6 +197,7 @@ impl QuantFormat {
         match self {
             QuantFormat::Q8_0 => "q8_0",
             QuantFormat::Q4_0 => "q4_0",
+            QuantFormat::Q4K => "q4_k",
         }
     }
 }
@@ -232,7 +254,7 @@ impl Forms {
 pub struct WeightBytes {
     /// 8-bit (Q8_0) quantized forms of linear groups.
     pub int8: usize,
-    /// 4-bit (Q4_0) quantized forms of linear groups (`w4a16` groups).
+    /// 4-bit (Q4_K or Q4_0) quantized forms of linear groups (`w4a16` groups).
     pub int4: usize,
     /// Float copies of linear groups.
     pub float: usize,

@@ -748,7 +748,11 @@ fn quant_format_section(
         let g = GroupId::new(cfg.num_hidden_layers / 2, kind);
         let w = quantmesh_model::ops::GroupWeights::load(&ck, cfg, g)?.weight;
         let (out, inp) = w.dims2()?;
-        let mut forms = vec![("Q8_0", Some(GgmlDType::Q8_0)), ("Q4_0", Some(GgmlDType::Q4_0)), ("Q4_1", Some(GgmlDType::Q4_1))];
+        let mut forms = vec![
+            ("Q8_0", Some(GgmlDType::Q8_0)),
+            ("Q4_0", Some(GgmlDType::Q4_0)),
+            ("Q4_1", Some(GgmlDType::Q4_1)),
+        ];
         // Q4_K packs 256 weights per super-block: only rows that 256 divides.
         forms.push(("Q4_K", (inp % 256 == 0).then_some(GgmlDType::Q4K)));
         let qs: Vec<Option<QMatMul>> = forms
@@ -816,12 +820,24 @@ fn quant_format_section(
     println!("|---|---|---|---|---|");
     let page = 16;
     let mut kl8 = None;
-    for quant in [QuantFormat::Q8_0, QuantFormat::Q4_0] {
-        let form = GroupForm {
+    let served_w4 = |g: GroupId| {
+        let in_dim = quantmesh_model::ops::member_shapes(cfg, g.kind)[0][1];
+        QuantFormat::for_class(quantmesh_types::PrecisionClass::W4a16, in_dim)
+    };
+    let rows: [(&str, &dyn Fn(GroupId) -> QuantFormat); 3] = [
+        ("q8_0 (w8a8)", &|_| QuantFormat::Q8_0),
+        (
+            "w4a16 as served (q4_k where 256 divides, else q4_0)",
+            &served_w4,
+        ),
+        ("q4_0 everywhere", &|_| QuantFormat::Q4_0),
+    ];
+    for (label, quant) in rows {
+        let form = |g: GroupId| GroupForm {
             residency: Residency::Int8,
-            quant,
+            quant: quant(g),
         };
-        let model = LlamaModel::load_planned(&ck, cfg, &|_| form, Default::default())?;
+        let model = LlamaModel::load_planned(&ck, cfg, &form, Default::default())?;
         let w = model.weight_bytes();
         let (mut runner, mut ref_runner) = (StepRunner::default(), StepRunner::default());
         let (mut nll, mut kl, mut n) = (0f64, 0f64, 0usize);
@@ -854,8 +870,7 @@ fn quant_format_section(
         let kl = kl / n as f64;
         let base = *kl8.get_or_insert(kl);
         println!(
-            "| {} | {:.1} | {:.3} | {kl:.5} | {:.2} |",
-            quant.as_str(),
+            "| {label} | {:.1} | {:.3} | {kl:.5} | {:.2} |",
             (w.int8 + w.int4) as f64 / (1 << 20) as f64,
             (nll / n as f64).exp(),
             kl / base

@@ -113,7 +113,11 @@ pub struct Change {
 }
 
 /// The pure rule: `known` lists (mesh index, base URL, listed) of the service's engines.
-pub fn diff(service: &DnsService, known: &[(usize, String, bool)], answer: &[SocketAddr]) -> Change {
+pub fn diff(
+    service: &DnsService,
+    known: &[(usize, String, bool)],
+    answer: &[SocketAddr],
+) -> Change {
     let mut change = Change::default();
     let mut seen: Vec<String> = Vec::new();
     for addr in answer {
@@ -149,7 +153,12 @@ pub struct Discovery {
 }
 
 impl Discovery {
-    pub fn new(mesh: Arc<Mesh>, service: DnsService, interval: Duration, resolver: Resolver) -> Self {
+    pub fn new(
+        mesh: Arc<Mesh>,
+        service: DnsService,
+        interval: Duration,
+        resolver: Resolver,
+    ) -> Self {
         Self {
             mesh,
             service,
@@ -233,13 +242,20 @@ impl Discovery {
                 if view.set_listed(listed) {
                     metrics.up(&view.name, false);
                     match listed {
-                        true => tracing::info!(engine = %view.name, service = %service.entry, "engine is back in DNS: listed again"),
-                        false => tracing::warn!(engine = %view.name, service = %service.entry, "engine left DNS: retired"),
+                        true => {
+                            tracing::info!(engine = %view.name, service = %service.entry, "engine is back in DNS: listed again")
+                        }
+                        false => {
+                            tracing::warn!(engine = %view.name, service = %service.entry, "engine left DNS: retired")
+                        }
                     }
                 }
             }
         }
-        let now = known.iter().filter(|(i, _, l)| *l && !change.retire.contains(i)).count()
+        let now = known
+            .iter()
+            .filter(|(i, _, l)| *l && !change.retire.contains(i))
+            .count()
             + change.add.len()
             + change.relist.len();
         metrics
@@ -280,7 +296,10 @@ mod tests {
             Ok(EngineEntry::Static("http://engine-1:8080".into()))
         );
         let s = service();
-        assert_eq!((s.host.as_str(), s.port, s.scheme.as_str()), ("engine", 8080, "http"));
+        assert_eq!(
+            (s.host.as_str(), s.port, s.scheme.as_str()),
+            ("engine", 8080, "http")
+        );
         match EngineEntry::parse("dns+https://engines.internal") {
             Ok(EngineEntry::Dns(s)) => assert_eq!(s.port, 443),
             other => panic!("{other:?}"),
@@ -295,7 +314,10 @@ mod tests {
             assert!(EngineEntry::parse(bad).is_err(), "{bad} was accepted");
         }
         let (name, base) = s.engine(addr("[fd00::5]:8080"));
-        assert_eq!((name.as_str(), base.as_str()), ("engine@[fd00::5]:8080", "http://[fd00::5]:8080"));
+        assert_eq!(
+            (name.as_str(), base.as_str()),
+            ("engine@[fd00::5]:8080", "http://[fd00::5]:8080")
+        );
     }
 
     #[test]
@@ -307,7 +329,10 @@ mod tests {
         // First answer: everything is new (duplicates in the answer count once).
         assert_eq!(
             diff(&s, &[], &[a, b, a]),
-            Change { add: vec![a, b], ..Change::default() }
+            Change {
+                add: vec![a, b],
+                ..Change::default()
+            }
         );
         let known = vec![
             (0, s.engine(a).1, true),
@@ -318,7 +343,11 @@ mod tests {
         let d = addr("10.0.0.5:8080");
         assert_eq!(
             diff(&s, &known, &[a, c, d]),
-            Change { add: vec![d], retire: vec![1], relist: vec![2] }
+            Change {
+                add: vec![d],
+                retire: vec![1],
+                relist: vec![2]
+            }
         );
         // The same answer again changes nothing.
         assert_eq!(diff(&s, &known[..2], &[b, a]), Change::default());

@@ -253,28 +253,33 @@ async fn admin(
         .path_and_query()
         .map_or(req.path().to_string(), |p| p.to_string());
     let engines = state.mesh.engines();
-    let calls = engines.iter().filter(|(v, _)| v.is_listed()).map(|(view, addr)| {
-        let f = Forward {
-            method: method.clone(),
-            path: path.clone(),
-            body: body.clone(),
-            headers: forwarded(&req, true),
-        };
-        async move {
-            let answer = match addr.send(f).await {
-                Ok(Ok(r)) => {
-                    let code = r.status().as_u16();
-                    let text = r.text().await.unwrap_or_default();
-                    let body =
-                        serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text));
-                    json!({"engine": view.name, "status": code, "body": body})
-                }
-                Ok(Err(e)) => json!({"engine": view.name, "status": null, "error": e.to_string()}),
-                Err(e) => json!({"engine": view.name, "status": null, "error": e.to_string()}),
+    let calls = engines
+        .iter()
+        .filter(|(v, _)| v.is_listed())
+        .map(|(view, addr)| {
+            let f = Forward {
+                method: method.clone(),
+                path: path.clone(),
+                body: body.clone(),
+                headers: forwarded(&req, true),
             };
-            answer
-        }
-    });
+            async move {
+                let answer = match addr.send(f).await {
+                    Ok(Ok(r)) => {
+                        let code = r.status().as_u16();
+                        let text = r.text().await.unwrap_or_default();
+                        let body =
+                            serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text));
+                        json!({"engine": view.name, "status": code, "body": body})
+                    }
+                    Ok(Err(e)) => {
+                        json!({"engine": view.name, "status": null, "error": e.to_string()})
+                    }
+                    Err(e) => json!({"engine": view.name, "status": null, "error": e.to_string()}),
+                };
+                answer
+            }
+        });
     let answers = futures::future::join_all(calls).await;
     let all_ok = answers.iter().all(|a| {
         a["status"]

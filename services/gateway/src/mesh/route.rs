@@ -237,8 +237,7 @@ impl Mesh {
         // failed, gets the engine chosen now.
         if let (Some(k), Ok(mut a)) = (key, self.affinity.lock()) {
             let home_ok = a.get(&k).is_some_and(|h| {
-                *h == i
-                    || (engines.get(*h).is_some_and(|(v, _)| v.is_up()) && !tried.contains(h))
+                *h == i || (engines.get(*h).is_some_and(|(v, _)| v.is_up()) && !tried.contains(h))
             });
             if !home_ok {
                 if a.len() >= AFFINITY_CAPACITY {

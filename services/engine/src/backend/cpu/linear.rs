@@ -3,8 +3,9 @@
 //!
 //! Quantized ("INT8") form: candle's Q8_0 quantized matmul (blocks of 32 weights sharing one
 //! scale; the activations are quantized to Q8_0 blocks on the fly, so this is W8A8 with
-//! per-block scales, finer than per-channel), or Q4_0 for `w4a16` groups (4-bit weights,
-//! same blocks; candle still quantizes activations to 8 bits, so it computes W4A8). Chosen over a hand-written per-channel W8A8 kernel
+//! per-block scales, finer than per-channel), or for `w4a16` groups 4-bit weights (Q4_K, or
+//! Q4_0 where 256 does not divide the input width; candle still quantizes activations to 8
+//! bits, so it computes W4A8). Chosen over a hand-written per-channel W8A8 kernel
 //! because it is measured at 0.08–0.28× the time of the f32 matmul on this CPU
 //! (AVX-512 VNNI) and is maintained upstream; see ARCHITECTURE.md.
 //!
@@ -15,7 +16,7 @@
 
 use crate::backend::{FloatDtype, GroupForm, GroupOutcome, QuantFormat, RowPath};
 use crate::error::Result;
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Module, Tensor};
 use quantmesh_types::Residency;
 
@@ -52,11 +53,10 @@ impl DualLinear {
         let residency = form.residency;
         let (out_dim, in_dim) = weight.dims2()?;
         let int8 = if residency.has_int8() {
-            let dtype = match form.quant {
-                QuantFormat::Q8_0 => GgmlDType::Q8_0,
-                QuantFormat::Q4_0 => GgmlDType::Q4_0,
-            };
-            Some(QMatMul::from_qtensor(QTensor::quantize(&weight, dtype)?)?)
+            Some(QMatMul::from_qtensor(QTensor::quantize(
+                &weight,
+                form.quant.ggml(),
+            )?)?)
         } else {
             None
         };
@@ -361,5 +361,14 @@ mod tests {
         );
         assert!(e8 < e4 && e4 < 0.2, "Q8_0 {e8}, Q4_0 {e4}");
         assert!(err(&q4.forward(&x, &RowPath::AllFloat).unwrap().0) < 1e-6);
+        // 256-wide inputs take Q4_K: the same bytes per weight, super-blocks of 256.
+        let w = rand(64, 256, 10);
+        assert_eq!(
+            QuantFormat::for_class(quantmesh_types::PrecisionClass::W4a16, 256),
+            QuantFormat::Q4K
+        );
+        let k = DualLinear::with_form(w, None, form(QuantFormat::Q4K), FloatDtype::F32).unwrap();
+        assert_eq!(k.bytes_by_form().0, 64 * 256 / 256 * 144);
+        assert_eq!(k.bytes_by_form().0, QuantFormat::Q4_0.bytes(64 * 256));
     }
 }

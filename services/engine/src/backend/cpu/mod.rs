@@ -238,9 +238,9 @@ impl Backend for LlamaModel {
         let mut linear_params = 0;
         for g in self.layers.iter().flat_map(|l| l.groups.iter()) {
             let (q, f, b) = g.bytes_by_form();
-            match g.quant_format() {
-                QuantFormat::Q8_0 => wb.int8 += q,
-                QuantFormat::Q4_0 => wb.int4 += q,
+            match g.quant_format().is_four_bit() {
+                false => wb.int8 += q,
+                true => wb.int4 += q,
             }
             wb.float += f;
             wb.other += b;
