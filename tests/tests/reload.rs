@@ -445,7 +445,7 @@ async fn a_w4a16_group_is_served_in_four_bits_and_switches_by_reload() {
     );
     let st = status(&s).await;
     // `down` reads the intermediate width: Q4_K when 256 divides it, else Q4_0.
-    let want = if fx.model.dims.2 % 256 == 0 {
+    let want = if fx.model.dims.2.is_multiple_of(256) {
         "q4_k"
     } else {
         "q4_0"

@@ -88,7 +88,7 @@ pub fn fake_quant(rows: &mut [f32], cols: usize, format: Format, tensor_absmax: 
 fn four_bit_roundtrip(rows: &[f32], cols: usize) -> Option<Vec<f32>> {
     use candle_core::quantized::QTensor;
     use candle_core::{Device, Tensor};
-    if cols == 0 || cols % 32 != 0 || rows.len() % cols != 0 {
+    if cols == 0 || !cols.is_multiple_of(32) || !rows.len().is_multiple_of(cols) {
         return None;
     }
     let t = Tensor::from_slice(rows, (rows.len() / cols, cols), &Device::Cpu).ok()?;

@@ -124,7 +124,7 @@ pub fn kl_logits(p_logits: &[f32], q_logits: &[f32]) -> f64 {
 /// Shared by the engine (what it stores) and the pre-screen (what its `w4a16` KL measures).
 pub fn w4_dtype(in_dim: usize) -> candle_core::quantized::GgmlDType {
     use candle_core::quantized::GgmlDType;
-    if in_dim % 256 == 0 {
+    if in_dim.is_multiple_of(256) {
         GgmlDType::Q4K
     } else {
         GgmlDType::Q4_0

@@ -754,7 +754,7 @@ fn quant_format_section(
             ("Q4_1", Some(GgmlDType::Q4_1)),
         ];
         // Q4_K packs 256 weights per super-block: only rows that 256 divides.
-        forms.push(("Q4_K", (inp % 256 == 0).then_some(GgmlDType::Q4K)));
+        forms.push(("Q4_K", inp.is_multiple_of(256).then_some(GgmlDType::Q4K)));
         let qs: Vec<Option<QMatMul>> = forms
             .iter()
             .map(|(_, d)| {
