@@ -18,23 +18,35 @@ pub use quantmesh_types::FloatBudget;
 /// How deserving a group's float copy is; higher first.
 #[derive(Debug, Clone, Copy, PartialEq, PartialOrd)]
 pub struct Rank {
-    /// 2 = `float` residency, 1 = `dual` with evidence, 0 = `dual` without.
+    /// 3 = `float` residency, 2 = `dual` that the monitor saw wanting float in served
+    /// traffic (`observed`, written by the evolution service), 1 = `dual` with pre-screen
+    /// evidence only, 0 = `dual` without evidence.
     tier: u8,
+    /// Share of monitor windows the group wanted float (tier 2).
+    wanted: f64,
     kl: f64,
     r: f64,
 }
 
-/// The rank of a group from its plan entry (`None`: no pre-screen evidence).
+/// The rank of a group from its plan entry (`None`: no evidence). Served-traffic evidence
+/// outranks the pre-screen's: a group the monitor kept wanting in float is what a float copy
+/// is for, whatever its weights' offline KL — without this a group the evolution service
+/// promoted could lose its new copy to the budget at the next reload.
 pub fn rank(residency: Residency, entry: Option<&GroupEntry>) -> Rank {
     let metrics = entry.and_then(|e| e.metrics.as_ref());
-    let tier = match (residency, metrics) {
-        (Residency::Float, _) => 2,
-        (_, Some(_)) => 1,
+    let wanted = entry
+        .and_then(|e| e.observed.as_ref())
+        .map_or(0.0, |o| o.wanted_float_share);
+    let tier = match (residency, wanted > 0.0, metrics) {
+        (Residency::Float, _, _) => 3,
+        (_, true, _) => 2,
+        (_, false, Some(_)) => 1,
         _ => 0,
     };
     let finite = |v: f64| if v.is_finite() { v } else { f64::MAX };
     Rank {
         tier,
+        wanted: finite(wanted),
         kl: metrics.map_or(0.0, |m| finite(m.kl.w8a8_per_channel)),
         r: metrics.map_or(0.0, |m| finite(m.r)),
     }
@@ -131,7 +143,7 @@ mod tests {
                 let g = gid(i);
                 residency.insert(g, [Residency::Int8, Residency::Dual, Residency::Float][*r as usize]);
                 sizes.insert(g, *size);
-                ranks.insert(g, Rank { tier: 1, kl: *kl as f64, r: 0.0 });
+                ranks.insert(g, Rank { tier: 1, wanted: 0.0, kl: *kl as f64, r: 0.0 });
             }
             let before = residency.clone();
             let out = apply(&mut residency, Some(budget), &|g| sizes[&g], &|g| ranks[&g]);
@@ -161,6 +173,7 @@ mod tests {
         let kl = [0.01, 0.5, 0.1];
         let out = apply(&mut residency, Some(100), &|_| 60, &|g| Rank {
             tier: 1,
+            wanted: 0.0,
             kl: kl[g.kind.index()],
             r: 0.0,
         });

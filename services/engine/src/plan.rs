@@ -259,4 +259,43 @@ mod tests {
         assert_eq!(form("layers.0.o").quant, QuantFormat::Q8_0);
         assert_eq!(form("layers.1.qkv").quant, QuantFormat::Q8_0);
     }
+
+    /// Served-traffic evidence outranks the pre-screen's: a group the evolution service
+    /// promoted because the monitor kept wanting it in float keeps its copy under a tight
+    /// budget even though its offline KL is the smaller one.
+    #[test]
+    fn observed_evidence_keeps_a_promoted_copy_under_the_budget() {
+        let base = EngineConfig {
+            default_residency: Residency::Int8,
+            float_budget: "8KiB".parse().unwrap(),
+            ..Default::default()
+        };
+        let m = |kl: f64, observed: &str| {
+            format!(
+                r#"{{"class": "w8a8_per_channel", "metrics": {{"r": 5, "energy": 0.1,
+                   "kl": {{"w8a8": {kl}, "w8a8_per_channel": {kl}, "w4a16": {kl}}}}}{observed}}}"#
+            )
+        };
+        let text = format!(
+            r#"{{"schema_version": 1, "groups": {{"layers.0.o": {}, "layers.1.o": {}}}}}"#,
+            m(
+                0.001,
+                r#", "observed": {"windows": 120, "wanted_float_share": 0.35}"#
+            ),
+            m(0.2, "")
+        );
+        let plan = SensitiveLayers::parse_for(text.as_bytes(), &shape()).unwrap();
+        let live = resolve(&base, &model(), Some((&plan, "m")));
+        let g = |s: &str| s.parse::<GroupId>().unwrap();
+        assert_eq!(live.residency[&g("layers.0.o")], Residency::Dual);
+        assert_eq!(live.residency[&g("layers.1.o")], Residency::Int8);
+        assert_eq!(live.budget.demoted, vec![g("layers.1.o")]);
+        // A share outside [0, 1] is refused by name.
+        let bad = text.replace("0.35", "1.5");
+        let err = SensitiveLayers::parse_for(bad.as_bytes(), &shape()).unwrap_err();
+        assert!(
+            err.to_string().contains("observed.wanted_float_share"),
+            "{err}"
+        );
+    }
 }

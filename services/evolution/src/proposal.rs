@@ -16,6 +16,9 @@
 //!    turning into a fallback storm. The hysteresis stops a weekly PR for noise.
 //! 3. **Promote INT8-only → `dual`** when the group wanted float but held no copy in more
 //!    than `promote_share` of its windows: the monitor asked for a float path it did not have.
+//!    The promoted entry carries `observed` (windows, share wanting float), which the
+//!    engines' float budget ranks above pre-screen evidence, so the new copy survives a
+//!    tight budget.
 //! 4. **Promote `dual` → `float`** when the group ended more than `float_share` of its
 //!    windows in float: it is effectively always in float, so the INT8 copy is dead weight.
 //! 5. **Demote `dual` → INT8-only** when the group never entered float in the span, its
@@ -28,7 +31,7 @@
 //!    excursions and not on its own normal tail.
 
 use crate::analysis::{Evidence, GroupEvidence};
-use quantmesh_types::sensitive::{GroupEntry, MonitorOverride};
+use quantmesh_types::sensitive::{GroupEntry, MonitorOverride, ObservedUse};
 use quantmesh_types::{PrecisionClass, Residency, SensitiveLayers};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -152,6 +155,7 @@ fn bare_entry(r: Residency) -> GroupEntry {
         activations: None,
         monitor: None,
         massive_channels: Vec::new(),
+        observed: None,
     }
 }
 
@@ -281,6 +285,12 @@ pub fn propose(
             e.class = class_for(to);
             e.residency = Some(to);
             e.rule = Some(format!("evolve: {reason}"));
+            // The evidence goes with the promotion, so the engines' float budget ranks this
+            // copy by what the monitor saw, not only by the pre-screen's KL.
+            e.observed = (to != Residency::Int8).then(|| ObservedUse {
+                windows: g.windows,
+                wanted_float_share: (g.float_share.max(unavailable_share) * 1e4).round() / 1e4,
+            });
             changes.push(Change {
                 group: Some(g.group.clone()),
                 field: "residency".into(),
@@ -486,6 +496,9 @@ mod tests {
         let e = &p.plan.groups["layers.3.down"];
         assert_eq!(e.residency, Some(Residency::Dual));
         assert_eq!(e.class, PrecisionClass::W8a8PerChannel);
+        // The evidence travels with the promotion, for the engines' float budget.
+        let o = e.observed.as_ref().expect("observed evidence");
+        assert_eq!((o.windows, o.wanted_float_share), (100, 0.4));
         assert!(
             p.changes[0].reason.contains("40 %"),
             "{}",

@@ -307,6 +307,7 @@ pub fn score_group(
         } else {
             Vec::new()
         },
+        observed: None,
     };
     Ok((
         outputs,

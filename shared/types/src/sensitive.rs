@@ -142,6 +142,22 @@ pub struct GroupEntry {
     /// Input channels with massive, input-invariant activations: the monitor ignores them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub massive_channels: Vec<usize>,
+    /// What the activation monitor saw of this group in served traffic (written by the
+    /// evolution service when it promotes a group); the float budget ranks such groups above
+    /// those with pre-screen evidence only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed: Option<ObservedUse>,
+}
+
+/// Served-traffic evidence for a group's float copy.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ObservedUse {
+    /// Monitor windows that measured the group.
+    pub windows: u64,
+    /// Share of those windows in which the group was in float or wanted float it did not
+    /// hold (0–1).
+    pub wanted_float_share: f64,
 }
 
 impl GroupEntry {
@@ -360,6 +376,13 @@ impl SensitiveLayers {
                 }
                 if m.min_excess.is_some_and(|e| !(e >= 0.0 && e.is_finite())) {
                     errs.push(format!("groups.{key}.monitor.min_excess must be >= 0"));
+                }
+            }
+            if let Some(o) = &entry.observed {
+                if !unit(o.wanted_float_share) {
+                    errs.push(format!(
+                        "groups.{key}.observed.wanted_float_share must be in [0, 1]"
+                    ));
                 }
             }
             if let Some(m) = &entry.metrics {
