@@ -108,6 +108,10 @@ pub struct ServerSettings {
     /// (each API key its own partition, so one tenant cannot learn from time-to-first-token
     /// whether another sent a prompt). A request's `cache_salt` field partitions further.
     pub prefix_cache_isolation: PrefixCacheIsolation,
+    /// This process's name in the mesh: when set, every series on its `/metrics` carries
+    /// `engine="<name>"` (the gateway's `engine` label names the same engine). Empty = no
+    /// label (`QUANTMESH_ENGINE_NAME`).
+    pub engine_name: String,
     /// Bearer token for /admin routes. Only from the environment (`QUANTMESH_ADMIN_TOKEN`),
     /// never from a file; unset disables admin routes.
     #[serde(skip)]
@@ -128,6 +132,7 @@ impl std::fmt::Debug for ServerSettings {
             .field("shutdown_timeout_secs", &self.shutdown_timeout_secs)
             .field("workers", &self.workers)
             .field("prefix_cache_isolation", &self.prefix_cache_isolation)
+            .field("engine_name", &self.engine_name)
             .field("admin_token", &self.admin_token.as_ref().map(|_| R))
             .finish()
     }
@@ -207,6 +212,7 @@ impl Default for ServerSettings {
             shutdown_timeout_secs: 30,
             workers: 0,
             prefix_cache_isolation: PrefixCacheIsolation::Shared,
+            engine_name: String::new(),
             admin_token: None,
         }
     }
@@ -283,6 +289,9 @@ impl Settings {
         }
         if let Some(v) = get("QUANTMESH_HOST") {
             self.server.host = v;
+        }
+        if let Some(v) = get("QUANTMESH_ENGINE_NAME") {
+            self.server.engine_name = v;
         }
         if let Some(v) = get("QUANTMESH_PORT") {
             self.server.port = parse("QUANTMESH_PORT", v)?;

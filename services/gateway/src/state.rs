@@ -25,7 +25,7 @@ impl AppState {
         let permits = server.max_concurrent_requests;
         Self {
             engine: OnceLock::new(),
-            metrics: Metrics::new(&model_name),
+            metrics: Metrics::new(&model_name, &server.engine_name),
             model_name,
             admission: Arc::new(Semaphore::new(permits)),
             admin_token: admin_token.filter(|t| !t.is_empty()),

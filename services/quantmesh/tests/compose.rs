@@ -415,6 +415,19 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
         );
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
+    // Each engine labels its own series with its name (QUANTMESH_ENGINE_NAME).
+    let named = prom(
+        "/api/v1/query?query=count%20by%20(engine)%20(quantmesh_weight_resident_bytes)".into(),
+    )
+    .await;
+    let mut engines: Vec<String> = named["data"]["result"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|r| r["metric"]["engine"].as_str().map(String::from))
+        .collect();
+    engines.sort();
+    assert_eq!(engines, ["engine-1", "engine-2"], "{named}");
     let rules = prom("/api/v1/rules".into()).await;
     assert!(
         rules.to_string().contains("QuantmeshEventsDropped"),
