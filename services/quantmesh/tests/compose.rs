@@ -19,7 +19,6 @@ use futures::StreamExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
-use support::free_port;
 
 const ROOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
 const TOKEN: &str = "compose-test-token";
@@ -179,6 +178,28 @@ async fn chat(client: &reqwest::Client, stack: &Stack) -> serde_json::Value {
     r.json().await.unwrap()
 }
 
+/// Ports for the stack to publish, free when checked and outside the kernel's ephemeral
+/// range (32768–60999): a port the kernel handed out (`free_port`) can be handed to another
+/// test's process before Docker binds it — seen in CI as "Host is already in use by another
+/// container" — while ports below the range are only taken by whoever asks for them.
+fn publish_ports() -> [u16; 3] {
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos() as usize)
+        ^ std::process::id() as usize;
+    let mut ports = Vec::new();
+    for i in 0..10_000usize {
+        let p = 20_000 + (seed.wrapping_add(i.wrapping_mul(7_919)) % 12_000) as u16;
+        if !ports.contains(&p) && std::net::TcpListener::bind(("0.0.0.0", p)).is_ok() {
+            ports.push(p);
+            if ports.len() == 3 {
+                return [ports[0], ports[1], ports[2]];
+            }
+        }
+    }
+    panic!("no free ports in 20000–31999")
+}
+
 /// The container's address on the stack's network.
 fn container_ip(id: &str) -> String {
     let out = run(Command::new("docker").args([
@@ -279,7 +300,7 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
     );
 
     let models = model_copy(tmp.path());
-    let (http, prometheus, kafka) = (free_port(), free_port(), free_port());
+    let [http, prometheus, kafka] = publish_ports();
     let stack = Stack {
         compose: compose_cmd(),
         project: format!("qmtest{}", std::process::id()),
