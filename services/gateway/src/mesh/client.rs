@@ -5,7 +5,7 @@
 use crate::mesh::route::MeshMetrics;
 use actix::prelude::*;
 use bytes::Bytes;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -22,6 +22,9 @@ pub struct EngineView {
     /// False once a discovered engine's address has left its service's DNS answer: it is no
     /// longer routed to, checked or fanned out to (it may be listed again later).
     listed: AtomicBool,
+    /// Which client is this engine's: a client whose generation is behind stops (a relisted
+    /// engine gets a new client while the old one may still be waiting for its timer).
+    generation: AtomicU64,
     outstanding: AtomicUsize,
 }
 
@@ -33,6 +36,7 @@ impl EngineView {
             service: None,
             up: AtomicBool::new(false),
             listed: AtomicBool::new(true),
+            generation: AtomicU64::new(0),
             outstanding: AtomicUsize::new(0),
         }
     }
@@ -66,6 +70,15 @@ impl EngineView {
     /// Mark the engine up or down; true when this changed it.
     pub fn set_up(&self, up: bool) -> bool {
         self.up.swap(up, Ordering::Relaxed) != up
+    }
+
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Relaxed)
+    }
+
+    /// A new client takes over; returns its generation.
+    pub fn next_generation(&self) -> u64 {
+        self.generation.fetch_add(1, Ordering::Relaxed) + 1
     }
 
     pub fn outstanding(&self) -> usize {
@@ -110,6 +123,8 @@ pub struct Forward {
 
 pub struct EngineClient {
     pub view: Arc<EngineView>,
+    /// The view's generation this client was started for.
+    pub generation: u64,
     pub http: reqwest::Client,
     pub health_interval: Duration,
     /// Bound of the mailbox: requests waiting to be forwarded.
@@ -133,9 +148,17 @@ impl EngineClient {
     }
 
     fn check(&mut self, ctx: &mut Context<Self>) {
+        if self.view.generation() != self.generation {
+            // Replaced by a newer client (the engine was retired and listed again).
+            ctx.stop();
+            return;
+        }
         if !self.view.is_listed() {
-            // Retired by discovery: no checks until its address is listed again.
+            // Retired by discovery: this client stops (no timer, no mailbox left behind for
+            // every address a service ever had); `Mesh::relist` starts a new one if the
+            // address comes back.
             self.metrics.up(&self.view.name, false);
+            ctx.stop();
             return;
         }
         let req = self
@@ -146,7 +169,7 @@ impl EngineClient {
             async move { req.send().await.map(|r| r.status().as_u16()) }
                 .into_actor(self)
                 .map(|res, act, _| match res {
-                    _ if !act.view.is_listed() => {}
+                    _ if !act.view.is_listed() || act.view.generation() != act.generation => {}
                     Ok(200) => act.note(true, ""),
                     Ok(code) => act.note(false, &format!("/ready answered {code}")),
                     Err(e) => act.note(false, &e.to_string()),

@@ -232,23 +232,18 @@ impl Discovery {
             self.mesh
                 .add(EngineView::discovered(name, &base, &service.entry));
         }
-        for (i, listed) in change
-            .retire
-            .iter()
-            .map(|i| (*i, false))
-            .chain(change.relist.iter().map(|i| (*i, true)))
-        {
+        for &i in &change.retire {
             if let Some((view, _)) = engines.get(i) {
-                if view.set_listed(listed) {
+                if view.set_listed(false) {
                     metrics.up(&view.name, false);
-                    match listed {
-                        true => {
-                            tracing::info!(engine = %view.name, service = %service.entry, "engine is back in DNS: listed again")
-                        }
-                        false => {
-                            tracing::warn!(engine = %view.name, service = %service.entry, "engine left DNS: retired")
-                        }
-                    }
+                    tracing::warn!(engine = %view.name, service = %service.entry, "engine left DNS: retired");
+                }
+            }
+        }
+        for &i in &change.relist {
+            if self.mesh.relist(i) {
+                if let Some((view, _)) = engines.get(i) {
+                    tracing::info!(engine = %view.name, service = %service.entry, "engine is back in DNS: listed again");
                 }
             }
         }

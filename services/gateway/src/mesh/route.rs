@@ -181,27 +181,55 @@ impl Mesh {
         }
     }
 
-    /// Start a client for a new engine and add it. Must run inside an actix system.
-    pub fn add(&self, view: EngineView) -> Arc<EngineView> {
-        let view = Arc::new(view);
-        self.metrics.label(&view.name);
-        tracing::info!(engine = %view.name, url = %view.base, "routing to engine");
-        let addr = EngineClient {
+    fn client(&self, view: &Arc<EngineView>, generation: u64) -> Addr<EngineClient> {
+        EngineClient {
             view: view.clone(),
+            generation,
             http: self.template.http.clone(),
             health_interval: self.template.health_interval,
             queue: self.template.queue,
             metrics: self.metrics.clone(),
         }
-        .start();
+        .start()
+    }
+
+    /// Replace the engine list by `f(current)` (copy on write: snapshots in use stay valid).
+    fn update(&self, f: impl FnOnce(&mut Vec<Member>)) {
         let mut guard = match self.engines.write() {
             Ok(g) => g,
             Err(poisoned) => poisoned.into_inner(),
         };
         let mut next = Vec::clone(&guard);
-        next.push((view.clone(), addr));
+        f(&mut next);
         *guard = Arc::new(next);
+    }
+
+    /// Start a client for a new engine and add it. Must run inside an actix system.
+    pub fn add(&self, view: EngineView) -> Arc<EngineView> {
+        let view = Arc::new(view);
+        self.metrics.label(&view.name);
+        tracing::info!(engine = %view.name, url = %view.base, "routing to engine");
+        let addr = self.client(&view, view.generation());
+        self.update(|e| e.push((view.clone(), addr)));
         view
+    }
+
+    /// List engine `i` again (its address is back in DNS) with a fresh client: the old one
+    /// stopped when it found the engine retired.
+    pub fn relist(&self, i: usize) -> bool {
+        let Some((view, _)) = self.engines().get(i).cloned() else {
+            return false;
+        };
+        if !view.set_listed(true) {
+            return false;
+        }
+        let addr = self.client(&view, view.next_generation());
+        self.update(|e| {
+            if let Some(m) = e.get_mut(i) {
+                m.1 = addr;
+            }
+        });
+        true
     }
 
     /// Engines that are up.
