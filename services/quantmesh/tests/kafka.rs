@@ -407,7 +407,7 @@ async fn full_outbox_drops_the_newest_counts_and_fires_the_alert() {
     tokio::time::sleep(Duration::from_millis(20)).await;
     fire_events_from(&client, &serve.base, 1, 6).await;
     let created = serve.decisions(&client).await as f64;
-    let dropped = wait_metric(
+    wait_metric(
         &serve,
         &client,
         "quantmesh_events_dropped_total",
@@ -416,15 +416,25 @@ async fn full_outbox_drops_the_newest_counts_and_fires_the_alert() {
         Duration::from_secs(30),
     )
     .await;
-    let recorded = wait_metric(
-        &serve,
-        &client,
-        "quantmesh_events_recorded_total",
-        &["fallback"],
-        |v| v + dropped >= created,
-        Duration::from_secs(30),
-    )
-    .await;
+    // Both counters move until the writer has seen every event: read them together each
+    // time (reading `dropped` once, at its first non-zero value, raced later drops).
+    let t1 = Instant::now();
+    let (recorded, dropped) = loop {
+        let dropped = serve
+            .metric(&client, "quantmesh_events_dropped_total", &["outbox_full"])
+            .await;
+        let recorded = serve
+            .metric(&client, "quantmesh_events_recorded_total", &["fallback"])
+            .await;
+        if recorded + dropped >= created {
+            break (recorded, dropped);
+        }
+        assert!(
+            t1.elapsed() < Duration::from_secs(30),
+            "recorded {recorded} + dropped {dropped} < created {created}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
     assert_eq!(
         recorded + dropped,
         created,
