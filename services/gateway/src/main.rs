@@ -6,7 +6,7 @@ use clap::Parser;
 #[derive(Parser)]
 #[command(
     version,
-    about = "quantmesh gateway: the OpenAI API in front of quantmesh engines (--engine URL, repeatable)"
+    about = "quantmesh gateway: the OpenAI API in front of quantmesh engines (--engine URL or dns+http://NAME:PORT, repeatable)"
 )]
 struct Args {
     #[command(flatten)]

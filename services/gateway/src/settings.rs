@@ -639,8 +639,10 @@ pub struct ServeFlags {
 pub struct GatewayFlags {
     #[command(flatten)]
     pub listen: ListenFlags,
-    /// An engine's base URL, e.g. `http://127.0.0.1:8081` (repeat for each engine; env
-    /// `QUANTMESH_ENGINES`, comma-separated; file `mesh.engines`).
+    /// An engine's base URL, e.g. `http://127.0.0.1:8081`, or a DNS name whose every
+    /// address is an engine, e.g. `dns+http://engine:8080` (re-resolved every
+    /// `mesh.discovery_interval`) (repeat for each; env `QUANTMESH_ENGINES`,
+    /// comma-separated; file `mesh.engines`).
     #[arg(long = "engine")]
     pub engines: Vec<String>,
     /// How requests are spread: least-outstanding (with prefix affinity) or random.

@@ -34,11 +34,13 @@ enum Command {
     Serve(quantmesh_gateway::ServeFlags),
     /// Run one engine for a gateway (mesh mode): the model, scheduler, executor, monitor,
     /// config reload and event outbox behind the versioned OpenAI `/v1` API, `/ready`,
-    /// `/metrics` and `/admin/*`. Same flags as `serve`.
+    /// `/metrics` and `/admin/*`. Same flags as `serve`; `QUANTMESH_ENGINE_NAME` labels
+    /// every series of its `/metrics` with `engine="<name>"`.
     Engine(quantmesh_gateway::ServeFlags),
     /// Run the gateway (mesh mode): the OpenAI API, auth and limits in front of engine
     /// processes reached over HTTP; least-outstanding routing with prefix affinity, retry on
-    /// another engine before the first byte, 429 when all are saturated, admin fan-out.
+    /// another engine before the first byte, 429 when all are saturated, admin fan-out;
+    /// engines listed by URL or found by DNS (`--engine dns+http://engine:8080`).
     Gateway(quantmesh_gateway::GatewayFlags),
     /// Manage model checkpoints.
     #[command(subcommand)]
