@@ -807,18 +807,15 @@ fn quant_format_section(
     let Some(text) = text else {
         return Ok(());
     };
-    const WINDOW: usize = 256;
     let tok = quantmesh_model::tokenizer::TextTokenizer::load(dir)?;
     let mut ids = tok.encode(&std::fs::read_to_string(text)?, true)?;
     ids.truncate(max_tokens);
     let reference = LlamaModel::load(dir, cfg, &|_| Residency::Float)?;
-    let all_float = PathMask::all_groups_float(cfg.num_hidden_layers);
     println!();
-    println!("Every linear group in one quantized form ({} tokens, windows of {WINDOW}, C8 KV; KL to the f32 float model, teacher-forced):", ids.len());
+    println!("Every linear group in one quantized form ({} tokens, windows of {KL_WINDOW}, C8 KV; KL to the f32 float model, teacher-forced):", ids.len());
     println!();
     println!("| form | linear MiB | perplexity | mean KL | × Q8_0 KL |");
     println!("|---|---|---|---|---|");
-    let page = 16;
     let mut kl8 = None;
     let served_w4 = |g: GroupId| {
         let in_dim = quantmesh_model::ops::member_shapes(cfg, g.kind)[0][1];
@@ -839,44 +836,62 @@ fn quant_format_section(
         };
         let model = LlamaModel::load_planned(&ck, cfg, &form, Default::default())?;
         let w = model.weight_bytes();
-        let (mut runner, mut ref_runner) = (StepRunner::default(), StepRunner::default());
-        let (mut nll, mut kl, mut n) = (0f64, 0f64, 0usize);
-        for (wi, window) in ids.chunks(WINDOW).enumerate() {
-            let (mut kv, mut bm) = cache(cfg, WINDOW.div_ceil(page) + 2, page);
-            let (mut rkv, mut rbm) = cache(cfg, WINDOW.div_ceil(page) + 2, page);
-            let id = 1_000_000 + wi as u64;
-            bm.admit(id, &[], WINDOW).map_err(|e| e.to_string())?;
-            rbm.admit(id, &[], WINDOW).map_err(|e| e.to_string())?;
-            for pair in window.windows(2) {
-                let step = step_for(&mut bm, &[(id, vec![pair[0]])]);
-                let logits = runner
-                    .run(&model, &step, &PathMask::default(), &mut kv, true)?
-                    .logits
-                    .remove(0)
-                    .1;
-                let rstep = step_for(&mut rbm, &[(id, vec![pair[0]])]);
-                let want = ref_runner
-                    .run(&reference, &rstep, &all_float, &mut rkv, false)?
-                    .logits
-                    .remove(0)
-                    .1;
-                let m = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
-                let z: f64 = logits.iter().map(|x| (*x as f64 - m).exp()).sum();
-                nll -= logits[pair[1] as usize] as f64 - m - z.ln();
-                kl += quantmesh_model::ops::kl_logits(&want, &logits);
-                n += 1;
-            }
-        }
-        let kl = kl / n as f64;
+        let (ppl, kl) = teacher_forced(&model, &reference, cfg, &ids, &PathMask::default(), true)?;
         let base = *kl8.get_or_insert(kl);
         println!(
-            "| {label} | {:.1} | {:.3} | {kl:.5} | {:.2} |",
+            "| {label} | {:.1} | {ppl:.3} | {kl:.5} | {:.2} |",
             (w.int8 + w.int4) as f64 / (1 << 20) as f64,
-            (nll / n as f64).exp(),
             kl / base
         );
     }
     Ok(())
+}
+
+/// Tokens per window of the teacher-forced KL/perplexity runs.
+const KL_WINDOW: usize = 256;
+
+/// Teacher-forced perplexity of `ids` on `model` under `mask`, and its mean next-token KL to
+/// `reference` (run all-float, float KV), in windows of `KL_WINDOW` tokens, one token per step.
+fn teacher_forced(
+    model: &LlamaModel,
+    reference: &LlamaModel,
+    cfg: &ModelConfig,
+    ids: &[u32],
+    mask: &PathMask,
+    kv_int8: bool,
+) -> Result<(f64, f64), Box<dyn std::error::Error>> {
+    let page = 16;
+    let all_float = PathMask::all_groups_float(cfg.num_hidden_layers);
+    let (mut runner, mut ref_runner) = (StepRunner::default(), StepRunner::default());
+    let (mut nll, mut kl, mut n) = (0f64, 0f64, 0usize);
+    for (wi, window) in ids.chunks(KL_WINDOW).enumerate() {
+        let (mut kv, mut bm) = cache(cfg, KL_WINDOW.div_ceil(page) + 2, page);
+        let (mut rkv, mut rbm) = cache(cfg, KL_WINDOW.div_ceil(page) + 2, page);
+        let id = 1_000_000 + wi as u64;
+        bm.admit(id, &[], KL_WINDOW).map_err(|e| e.to_string())?;
+        rbm.admit(id, &[], KL_WINDOW).map_err(|e| e.to_string())?;
+        for pair in window.windows(2) {
+            let step = step_for(&mut bm, &[(id, vec![pair[0]])]);
+            let logits = runner
+                .run(model, &step, mask, &mut kv, kv_int8)?
+                .logits
+                .remove(0)
+                .1;
+            let rstep = step_for(&mut rbm, &[(id, vec![pair[0]])]);
+            let want = ref_runner
+                .run(reference, &rstep, &all_float, &mut rkv, false)?
+                .logits
+                .remove(0)
+                .1;
+            let m = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+            let z: f64 = logits.iter().map(|x| (*x as f64 - m).exp()).sum();
+            nll -= logits[pair[1] as usize] as f64 - m - z.ln();
+            kl += quantmesh_model::ops::kl_logits(&want, &logits);
+            n += 1;
+        }
+    }
+    let n = n.max(1) as f64;
+    Ok(((nll / n).exp(), kl / n))
 }
 
 fn rss_mib(key: &str) -> Option<f64> {
@@ -900,7 +915,6 @@ fn memory_table(
     use quantmesh_engine::backend::{EmbeddingDtype, Forms};
     use quantmesh_engine::plan::resolve;
     use quantmesh_types::{GroupId, SensitiveLayers};
-    const WINDOW: usize = 256;
     let tok = quantmesh_model::tokenizer::TextTokenizer::load(dir)?;
     let mut ids = tok.encode(&std::fs::read_to_string(text)?, true)?;
     ids.truncate(args.ppl_tokens);
@@ -992,7 +1006,7 @@ fn memory_table(
             PathMask::default()
         };
         // Speed: a 128-token prefill, then 32 decode steps, batch 1.
-        let (mut runner, mut ref_runner) = (StepRunner::default(), StepRunner::default());
+        let mut runner = StepRunner::default();
         let (prefill, decode) = {
             let (mut kv, mut bm) = cache(cfg, 16, page);
             bm.admit(7, &[], 200).map_err(|e| e.to_string())?;
@@ -1008,33 +1022,7 @@ fn memory_table(
             }
             (prefill, 32.0 / t.elapsed().as_secs_f64())
         };
-        let (mut nll, mut kl, mut n) = (0f64, 0f64, 0usize);
-        for (wi, window) in ids.chunks(WINDOW).enumerate() {
-            let (mut kv, mut bm) = cache(cfg, WINDOW.div_ceil(page) + 2, page);
-            let (mut rkv, mut rbm) = cache(cfg, WINDOW.div_ceil(page) + 2, page);
-            let id = 1_000_000 + wi as u64;
-            bm.admit(id, &[], WINDOW).map_err(|e| e.to_string())?;
-            rbm.admit(id, &[], WINDOW).map_err(|e| e.to_string())?;
-            for pair in window.windows(2) {
-                let step = step_for(&mut bm, &[(id, vec![pair[0]])]);
-                let logits = runner
-                    .run(&model, &step, &mask, &mut kv, kv_int8)?
-                    .logits
-                    .remove(0)
-                    .1;
-                let rstep = step_for(&mut rbm, &[(id, vec![pair[0]])]);
-                let want = ref_runner
-                    .run(&reference, &rstep, &all_float, &mut rkv, false)?
-                    .logits
-                    .remove(0)
-                    .1;
-                let m = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
-                let z: f64 = logits.iter().map(|x| (*x as f64 - m).exp()).sum();
-                nll -= logits[pair[1] as usize] as f64 - m - z.ln();
-                kl += quantmesh_model::ops::kl_logits(&want, &logits);
-                n += 1;
-            }
-        }
+        let (ppl, kl) = teacher_forced(&model, &reference, cfg, &ids, &mask, kv_int8)?;
         let mib = |b: usize| b as f64 / (1 << 20) as f64;
         println!(
             "| {name} | {:.1} / {:.1} / {:.1} | {:.1} | {:.2} | {rss:.0} | {prefill:.0} | {decode:.1} | {:.3} | {:.5} |",
@@ -1043,8 +1031,8 @@ fn memory_table(
             mib(w.other),
             mib(w.total()),
             w.ratio_to_f16(),
-            (nll / n as f64).exp(),
-            kl / n as f64
+            ppl,
+            kl
         );
     }
     Ok(())
