@@ -107,7 +107,7 @@ pub fn resolve(
     }
     let int8_bytes: usize = (0..num_layers)
         .flat_map(|_| GroupKind::ALL)
-        .map(|k| group_params(cfg, k) / 32 * 34)
+        .map(|k| QuantFormat::Q8_0.bytes(group_params(cfg, k)))
         .sum();
     let float_size = base.float_dtype.bytes();
     let wanted = residency.clone();

@@ -184,13 +184,10 @@ impl QuantFormat {
     }
 
     /// Bytes of `params` weights in this form (whole blocks: every width we load is a
-    /// multiple of the block).
+    /// multiple of the block), from candle's own block layout.
     pub fn bytes(self, params: usize) -> usize {
-        match self {
-            QuantFormat::Q8_0 => params / 32 * 34,
-            QuantFormat::Q4_0 => params / 32 * 18,
-            QuantFormat::Q4K => params / 256 * 144,
-        }
+        let d = self.ggml();
+        params / d.block_size() * d.type_size()
     }
 
     pub fn as_str(self) -> &'static str {
