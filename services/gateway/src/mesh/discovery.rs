@@ -247,12 +247,12 @@ impl Discovery {
                 }
             }
         }
-        let now = known
-            .iter()
-            .filter(|(i, _, l)| *l && !change.retire.contains(i))
-            .count()
-            + change.add.len()
-            + change.relist.len();
+        // After the change, the service's listed engines are exactly the distinct addresses
+        // of the answer.
+        let mut distinct = addrs;
+        distinct.sort_unstable();
+        distinct.dedup();
+        let now = distinct.len();
         metrics
             .discovered
             .with_label_values(&[&service.entry])
