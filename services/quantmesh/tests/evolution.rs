@@ -138,18 +138,9 @@ async fn served_windows_land_in_the_lake_once_across_a_sigkill_between_write_and
         assert_eq!(r.status(), 200);
     }
     // The server's windows reach the broker (its outbox drains).
-    let t0 = Instant::now();
-    while serve
-        .metric(&client, "quantmesh_events_outbox_depth", &[])
-        .await
-        > 0.0
-    {
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "outbox did not drain"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    serve
+        .wait_outbox_drained(&client, Duration::from_secs(60))
+        .await;
     serve.terminate();
     produce(&broker.addr()).await;
 
@@ -415,18 +406,9 @@ repository = "acme/plans"
                 });
         futures::future::join_all(reqs).await;
     }
-    let t0 = Instant::now();
-    while serve
-        .metric(&client, "quantmesh_events_outbox_depth", &[])
-        .await
-        > 0.0
-    {
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "outbox did not drain"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    serve
+        .wait_outbox_drained(&client, Duration::from_secs(60))
+        .await;
 
     // One evolution run: ingest, analyse, propose, push, open the PR.
     let token = "ghp_test_token_never_logged";

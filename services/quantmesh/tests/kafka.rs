@@ -78,15 +78,7 @@ impl Fx {
 
 /// Wait until the relay has emptied the outbox.
 async fn drained(s: &Serve, c: &reqwest::Client) {
-    wait_metric(
-        s,
-        c,
-        "quantmesh_events_outbox_depth",
-        &[],
-        |v| v == 0.0,
-        Duration::from_secs(120),
-    )
-    .await;
+    s.wait_outbox_drained(c, Duration::from_secs(120)).await;
 }
 
 async fn wait_metric(

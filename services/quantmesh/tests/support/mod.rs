@@ -242,6 +242,24 @@ impl Serve {
         sum_metric(&text, name, labels)
     }
 
+    /// Wait until the relay has emptied the outbox (`quantmesh_events_outbox_depth` 0).
+    pub async fn wait_outbox_drained(&self, client: &reqwest::Client, within: Duration) {
+        let t0 = Instant::now();
+        loop {
+            let depth = self
+                .metric(client, "quantmesh_events_outbox_depth", &[])
+                .await;
+            if depth == 0.0 {
+                return;
+            }
+            assert!(
+                t0.elapsed() < within,
+                "outbox did not drain: {depth} events left"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
     /// Every fallback event the engine's monitor has created (independent of the Kafka path).
     pub async fn decisions(&self, client: &reqwest::Client) -> u64 {
         self.metric(client, "quantmesh_fallback_decisions_total", &[])
