@@ -8,5 +8,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/base-image.sh
 export QUANTMESH_TEST_MODELS="${QUANTMESH_TEST_MODELS:-$HOME/.cache/quantmesh/test-models}"
-cargo run --quiet -p quantmesh --features evolution -- model fetch smollm2-135m-instruct --dir "$QUANTMESH_TEST_MODELS" --quiet
-exec cargo nextest run -p quantmesh --features evolution --test compose --no-capture "$@"
+cargo run --quiet -p quantmesh --features evolution,cloud -- model fetch smollm2-135m-instruct --dir "$QUANTMESH_TEST_MODELS" --quiet
+exec cargo nextest run -p quantmesh --features evolution,cloud --test compose --no-capture "$@"

