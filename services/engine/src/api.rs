@@ -24,7 +24,7 @@ use crate::tokenize::EncodePrompt;
 use crate::tokenize::TokenizerActor;
 use actix::prelude::*;
 use quantmesh_model::{model_shape, Checkpoint, IncrementalDecoder, TextTokenizer};
-use quantmesh_store::Location;
+use quantmesh_store::{Location, StoreError};
 use quantmesh_types::{
     ConfigEvent, FallbackEvent, FinishReason, GroupId, GroupKind, ModelShape, Residency,
     SamplingParams, SensitiveLayers, TokenLogprobs, Usage,
@@ -401,6 +401,16 @@ impl Wiring {
     }
 }
 
+/// Whether a configured plan source answers "no such object" (nothing published there
+/// yet). Any other outcome — readable, unreachable, malformed — is false: those are for
+/// [`Engine::start`] to serve or report.
+pub async fn plan_source_is_empty(spec: Option<&str>) -> bool {
+    let Some(Ok(loc)) = spec.map(Location::parse) else {
+        return false;
+    };
+    matches!(loc.read().await, Err(StoreError::NotFound(_)))
+}
+
 impl Engine {
     /// Load the model from `model_dir` (with `cfg.sensitive_layers` when set) and start the
     /// actors, including the config actor that hot-reloads the plan. Must run inside an
@@ -422,13 +432,34 @@ impl Engine {
             }
             None => None,
         };
-        let plan_bytes =
-            match &source {
-                Some(src) => Some(src.read().await.map_err(|e| {
-                    EngineError::Config(format!("reading sensitive_layers.json: {e}"))
-                })?),
-                None => None,
-            };
+        let plan_bytes = match &source {
+            Some(src) => match src.read().await {
+                Ok(bytes) => Some(bytes),
+                Err(StoreError::NotFound(what)) if cfg.sensitive_layers_optional => {
+                    tracing::warn!(
+                        source = %src,
+                        missing = %what,
+                        initial_plan = ?cfg.initial_plan,
+                        "no plan published at the sensitive_layers source yet: serving the initial plan and polling for one"
+                    );
+                    match &cfg.initial_plan {
+                        Some(p) => Some(std::fs::read(p).map(Into::into).map_err(|e| {
+                            EngineError::Config(format!(
+                                "reading the initial plan {}: {e}",
+                                p.display()
+                            ))
+                        })?),
+                        None => None,
+                    }
+                }
+                Err(e) => {
+                    return Err(EngineError::Config(format!(
+                        "reading sensitive_layers.json: {e}"
+                    )))
+                }
+            },
+            None => None,
+        };
         let dir = model_dir.to_path_buf();
         let cfg2 = cfg.clone();
         let parts =

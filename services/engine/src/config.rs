@@ -44,6 +44,14 @@ pub struct EngineConfig {
     /// URL (`file://`, and `s3://`, `gs://`, `az://` when built with `--features cloud`).
     /// A versioned prefix's `latest` pointer is followed.
     pub sensitive_layers: Option<String>,
+    /// An absent `sensitive_layers` object is not an error: serve `initial_plan` (or
+    /// `default_residency` everywhere) until one is published there, then hot-reload it —
+    /// for a plan store that starts empty (the compose stack's object store). Only a
+    /// "not found" is tolerated; an unreachable store still fails the start.
+    pub sensitive_layers_optional: bool,
+    /// The plan served while an optional `sensitive_layers` source has no object yet (a
+    /// local file; the gateway puts the first-load plan here).
+    pub initial_plan: Option<std::path::PathBuf>,
     /// How often the source is polled for a new version (md5 of its bytes).
     #[serde(with = "humantime_serde")]
     pub reload_interval: std::time::Duration,
@@ -67,6 +75,8 @@ impl Default for EngineConfig {
             prefix_caching: true,
             monitor: Default::default(),
             sensitive_layers: None,
+            sensitive_layers_optional: false,
+            initial_plan: None,
             reload_interval: std::time::Duration::from_secs(30),
         }
     }

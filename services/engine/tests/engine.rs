@@ -356,3 +356,76 @@ async fn n_answers_share_the_prompt_pages() {
     assert_eq!(e.stats().kv_pages_used, 0, "every page back");
     assert!(e.submit_n(req(), 9).await.is_err(), "n is bounded");
 }
+
+/// A plan store that starts empty (`sensitive_layers_optional`): the engine starts on its
+/// initial plan, keeps polling, and hot-reloads the first plan published there. Without the
+/// option the same missing object fails the start, naming it.
+#[actix_rt::test]
+async fn an_optional_plan_source_may_start_empty_and_is_applied_once_published() {
+    let dir = tempfile::tempdir().unwrap();
+    init_model(dir.path(), &InitOptions::default()).unwrap();
+    let store = tempfile::tempdir().unwrap();
+    let source = store.path().join("plans/latest");
+    let cfg = EngineConfig {
+        sensitive_layers: Some(format!("file://{}", source.display())),
+        reload_interval: Duration::from_millis(50),
+        default_residency: Residency::Int8,
+        ..Default::default()
+    };
+    let err = Engine::start(dir.path(), cfg.clone(), "t")
+        .await
+        .err()
+        .expect("a missing plan fails the start unless optional")
+        .to_string();
+    assert!(err.contains("not found") && err.contains("latest"), "{err}");
+    assert!(quantmesh_engine::api::plan_source_is_empty(cfg.sensitive_layers.as_deref()).await);
+
+    // The initial plan: one group dual, the rest INT8.
+    let initial = store.path().join("initial.json");
+    std::fs::write(
+        &initial,
+        r#"{"schema_version": 1, "groups": {"layers.0.o": {"residency": "dual"}}}"#,
+    )
+    .unwrap();
+    let e = Engine::start(
+        dir.path(),
+        EngineConfig {
+            sensitive_layers_optional: true,
+            initial_plan: Some(initial.clone()),
+            ..cfg
+        },
+        "t",
+    )
+    .await
+    .unwrap();
+    let st = e.config_status();
+    assert_eq!(st.residency["layers.0.o"], Residency::Dual);
+    assert_eq!(st.residency["layers.1.o"], Residency::Int8);
+    let initial_md5 = st.md5.clone();
+    assert!(initial_md5.is_some());
+    // It serves, and the polls report the empty source without dropping the plan.
+    assert_eq!(run_alone(&e, "Hello there", 4).await.len(), 4);
+    let t0 = std::time::Instant::now();
+    while e.config_status().fetch_errors_total == 0 {
+        assert!(t0.elapsed() < Duration::from_secs(20), "never polled");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(e.config_status().md5, initial_md5);
+
+    // Published: applied by the next poll.
+    std::fs::create_dir_all(source.parent().unwrap()).unwrap();
+    std::fs::write(
+        &source,
+        r#"{"schema_version": 1, "groups": {"layers.1.o": {"residency": "float"}}}"#,
+    )
+    .unwrap();
+    let t0 = std::time::Instant::now();
+    while e.config_status().md5 == initial_md5 {
+        assert!(t0.elapsed() < Duration::from_secs(20), "never applied");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let st = e.config_status();
+    assert_eq!(st.residency["layers.1.o"], Residency::Float);
+    assert_eq!(st.residency["layers.0.o"], Residency::Int8);
+    assert_eq!(run_alone(&e, "Hello there", 4).await.len(), 4);
+}

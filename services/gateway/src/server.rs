@@ -147,6 +147,21 @@ pub async fn load_engine(
         if engine_cfg.float_budget == FloatBudget::Unlimited {
             engine_cfg.float_budget = settings.model.plan_float_budget;
         }
+    } else if engine_cfg.sensitive_layers_optional
+        && engine_cfg.initial_plan.is_none()
+        && settings.model.plan == PlanMode::Auto
+        && quantmesh_engine::api::plan_source_is_empty(engine_cfg.sensitive_layers.as_deref()).await
+    {
+        // An empty plan store: serve the first-load plan until a plan is published there.
+        let (model, prompts) = (dir.clone(), settings.model.plan_prompts);
+        let plan = tokio::task::spawn_blocking(move || first_plan::ensure(&model, prompts))
+            .await
+            .context("first-load plan task")?
+            .context("computing the first-load precision plan (`--plan none` skips it)")?;
+        engine_cfg.initial_plan = Some(plan.path);
+        if engine_cfg.float_budget == FloatBudget::Unlimited {
+            engine_cfg.float_budget = settings.model.plan_float_budget;
+        }
     }
     tracing::info!(path = %dir.display(), model = %name, "loading model");
     let start = EngineStart {

@@ -364,6 +364,10 @@ impl Settings {
         if let Some(v) = get("QUANTMESH_SENSITIVE_LAYERS") {
             self.engine.sensitive_layers = Some(v).filter(|v| !v.is_empty());
         }
+        if let Some(v) = get("QUANTMESH_SENSITIVE_LAYERS_OPTIONAL") {
+            self.engine.sensitive_layers_optional =
+                parse("QUANTMESH_SENSITIVE_LAYERS_OPTIONAL", v)?;
+        }
         if let Some(v) = get("QUANTMESH_RELOAD_INTERVAL") {
             self.engine.reload_interval =
                 humantime::parse_duration(&v).map_err(|e| SettingsError::Env {
@@ -613,6 +617,12 @@ pub struct ServeFlags {
     /// without restart; SIGHUP or `POST /admin/config/reload` reloads at once.
     #[arg(long, env = "QUANTMESH_SENSITIVE_LAYERS")]
     pub sensitive_layers: Option<String>,
+    /// Start even when --sensitive-layers has no object yet (an empty plan store): serve the
+    /// first-load plan (--plan auto) or --residency until a plan is published there, then
+    /// hot-reload it. Without it a missing plan fails the start. Env
+    /// `QUANTMESH_SENSITIVE_LAYERS_OPTIONAL`, file `engine.sensitive_layers_optional`.
+    #[arg(long)]
+    pub sensitive_layers_optional: bool,
     /// How often to poll --sensitive-layers, e.g. `30s`, `500ms`, `2m` [default: 30s].
     #[arg(long, value_parser = humantime::parse_duration)]
     pub reload_interval: Option<std::time::Duration>,
@@ -732,6 +742,9 @@ impl ServeFlags {
         }
         if let Some(p) = &self.sensitive_layers {
             s.engine.sensitive_layers = Some(p.clone());
+        }
+        if self.sensitive_layers_optional {
+            s.engine.sensitive_layers_optional = true;
         }
         if let Some(i) = self.reload_interval {
             s.engine.reload_interval = i;

@@ -21,6 +21,8 @@ use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 const ROOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
+/// The object store's access key in the test stack (the secret is made per run).
+const S3_USER: &str = "quantmesh-test";
 const TOKEN: &str = "compose-test-token";
 
 fn docker_available() -> bool {
@@ -182,7 +184,7 @@ async fn chat(client: &reqwest::Client, stack: &Stack) -> serde_json::Value {
 /// range (32768–60999): a port the kernel handed out (`free_port`) can be handed to another
 /// test's process before Docker binds it — seen in CI as "Host is already in use by another
 /// container" — while ports below the range are only taken by whoever asks for them.
-fn publish_ports() -> [u16; 3] {
+fn publish_ports() -> [u16; 5] {
     let seed = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.subsec_nanos() as usize)
@@ -192,8 +194,8 @@ fn publish_ports() -> [u16; 3] {
         let p = 20_000 + (seed.wrapping_add(i.wrapping_mul(7_919)) % 12_000) as u16;
         if !ports.contains(&p) && std::net::TcpListener::bind(("0.0.0.0", p)).is_ok() {
             ports.push(p);
-            if ports.len() == 3 {
-                return [ports[0], ports[1], ports[2]];
+            if ports.len() == 5 {
+                return [ports[0], ports[1], ports[2], ports[3], ports[4]];
             }
         }
     }
@@ -240,8 +242,22 @@ fn the_users_compose_file_is_valid() {
         run(c
             .arg("config")
             .arg("-q")
-            .env("QUANTMESH_TEST_MODEL_DIR", "/tmp"));
+            .env("QUANTMESH_TEST_MODEL_DIR", "/tmp")
+            .env("MINIO_ROOT_USER", S3_USER)
+            .env("MINIO_ROOT_PASSWORD", "not-a-real-secret"));
     }
+    // No secrets in the file: without the object store's credentials (from .env) it refuses,
+    // naming them.
+    let out = Command::new(&compose[0])
+        .args(&compose[1..])
+        .current_dir(ROOT)
+        .args(["-f", "docker-compose.yml", "config", "-q"])
+        .env_remove("MINIO_ROOT_USER")
+        .env_remove("MINIO_ROOT_PASSWORD")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("MINIO_ROOT_"), "{err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -292,15 +308,27 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
         &pctx,
         None,
     );
+    let sctx = tmp.path().join("s3-ctx");
+    std::fs::create_dir_all(&sctx).unwrap();
+    let s3s = which("s3s-fs").expect("s3s-fs (crates.io; scripts/test.sh installs it)");
+    std::fs::copy(s3s, sctx.join("s3s-fs")).unwrap();
+    let s3_size = build_image(
+        "quantmesh-test/s3:local",
+        &Path::new(ROOT).join("infra/docker/s3.Dockerfile"),
+        &sctx,
+        None,
+    );
     eprintln!(
-        "image sizes: quantmesh {:.0} MB, tansu {:.0} MB, prometheus {:.0} MB (base debian:bookworm-slim included)",
+        "image sizes: quantmesh {:.0} MB, tansu {:.0} MB, prometheus {:.0} MB, s3s-fs {:.0} MB (base debian:bookworm-slim included)",
         qm_size as f64 / 1e6,
         tansu_size as f64 / 1e6,
-        prom_size as f64 / 1e6
+        prom_size as f64 / 1e6,
+        s3_size as f64 / 1e6
     );
 
     let models = model_copy(tmp.path());
-    let [http, prometheus, kafka] = publish_ports();
+    let [http, prometheus, kafka, s3, s3_console] = publish_ports();
+    let s3_secret = format!("test-secret-{}", std::process::id());
     let stack = Stack {
         compose: compose_cmd(),
         project: format!("qmtest{}", std::process::id()),
@@ -313,11 +341,16 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
             ("QUANTMESH_HTTP_PORT".into(), http.to_string()),
             ("PROMETHEUS_PORT".into(), prometheus.to_string()),
             ("KAFKA_PORT".into(), kafka.to_string()),
+            ("MINIO_PORT".into(), s3.to_string()),
+            ("MINIO_CONSOLE_PORT".into(), s3_console.to_string()),
+            ("MINIO_ROOT_USER".into(), S3_USER.into()),
+            ("MINIO_ROOT_PASSWORD".into(), s3_secret.clone()),
         ],
         http,
     };
     run(&mut stack.cmd(&["up", "-d", "--no-build"]));
     let services = [
+        "minio",
         "kafka",
         "engine-1",
         "engine-2",
@@ -399,6 +432,68 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
         assert_eq!(ev["group"], group.as_str());
         assert_eq!(ev["reason"], "admin");
         assert_eq!(ev["action"], "enter");
+    }
+
+    // The plan store (S3, bucket made at start): nothing is published yet, so each engine
+    // serves its first-load plan and polls `s3://quantmesh/plans/latest`.
+    for e in engines {
+        assert_eq!(e["body"]["source"], "s3://quantmesh/plans/latest", "{cfg}");
+    }
+    // A reviewed plan published from the host through the S3 API (as a merge job would)
+    // reaches both engines by polling, without a restart.
+    let plan = tmp.path().join("plan.json");
+    std::fs::write(
+        &plan,
+        serde_json::to_vec_pretty(&serde_json::json!({
+            "schema_version": 1,
+            "groups": {group.as_str(): {"residency": "float"}},
+        }))
+        .unwrap(),
+    )
+    .unwrap();
+    let model_dir = std::fs::read_dir(&models)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.is_dir())
+        .unwrap();
+    let publish = run(Command::new(env!("CARGO_BIN_EXE_quantmesh"))
+        .args(["plan", "publish"])
+        .arg(&plan)
+        .args(["--to", "s3://quantmesh/plans", "--model"])
+        .arg(&model_dir)
+        .env("AWS_ENDPOINT", format!("http://127.0.0.1:{s3}"))
+        .env("AWS_ALLOW_HTTP", "true")
+        .env("AWS_REGION", "us-east-1")
+        .env("AWS_ACCESS_KEY_ID", S3_USER)
+        .env("AWS_SECRET_ACCESS_KEY", &s3_secret));
+    let published = String::from_utf8_lossy(&publish.stdout).to_string();
+    let md5 = format!("{:x}", md5::compute(std::fs::read(&plan).unwrap()));
+    assert!(published.contains(&md5), "{published}");
+    let t_plan = Instant::now();
+    loop {
+        let cfg: serde_json::Value = client
+            .get(stack.url("/admin/config"))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let engines = cfg["engines"].as_array().unwrap();
+        if engines.len() == 2
+            && engines.iter().all(|e| {
+                e["body"]["md5"] == md5.as_str() && e["body"]["residency"][&group] == "float"
+            })
+        {
+            break;
+        }
+        assert!(
+            t_plan.elapsed() < Duration::from_secs(60),
+            "the published plan {md5} was not applied by both engines: {cfg}\n{}",
+            stack.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
 
     // Prometheus (in its container) scrapes the gateway and both engines and has loaded our
@@ -561,15 +656,30 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
         );
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
+    // The lake is in the object store: Parquet files in the S3 server's bucket…
     let lake = run(&mut stack.cmd(&[
         "exec",
         "-T",
-        "evolution",
+        "minio",
         "bash",
         "-c",
-        "ls -R /var/lib/quantmesh/lake | grep -c parquet",
+        "find /data/quantmesh/lake -name '*.parquet' | wc -l",
     ]));
-    assert_ne!(String::from_utf8_lossy(&lake.stdout).trim(), "0");
+    let files: usize = String::from_utf8_lossy(&lake.stdout).trim().parse().unwrap();
+    assert!(files > 0, "no Parquet in s3://quantmesh/lake\n{}", stack.logs());
+    // …which the analysis reads back through S3 (DataFusion over the same object store).
+    let analysis = run(&mut stack.cmd(&[
+        "exec",
+        "-T",
+        "evolution",
+        "quantmesh",
+        "evolve",
+        "--once",
+        "--dry-run",
+        "--no-ingest",
+    ]));
+    let report = String::from_utf8_lossy(&analysis.stdout);
+    assert!(report.contains(&group), "{report}");
     eprintln!(
         "compose test: images + stack healthy in {:.0} s, whole test {:.0} s",
         up.as_secs_f64(),
