@@ -257,7 +257,10 @@ fn the_users_compose_file_is_valid() {
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("MINIO_ROOT_"), "{err}");
+    assert!(
+        !out.status.success() && err.contains("MINIO_ROOT_"),
+        "{err}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -665,8 +668,15 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
         "-c",
         "find /data/quantmesh/lake -name '*.parquet' | wc -l",
     ]));
-    let files: usize = String::from_utf8_lossy(&lake.stdout).trim().parse().unwrap();
-    assert!(files > 0, "no Parquet in s3://quantmesh/lake\n{}", stack.logs());
+    let files: usize = String::from_utf8_lossy(&lake.stdout)
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        files > 0,
+        "no Parquet in s3://quantmesh/lake\n{}",
+        stack.logs()
+    );
     // …which the analysis reads back through S3 (DataFusion over the same object store).
     let analysis = run(&mut stack.cmd(&[
         "exec",

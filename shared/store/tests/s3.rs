@@ -44,7 +44,10 @@ fn s3_server(buckets: &[&str]) -> S3Server {
         .expect("s3s-fs, the S3 server the tests use (cargo install s3s-fs --features binary; scripts/test.sh does)");
     let t0 = Instant::now();
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(t0.elapsed() < Duration::from_secs(20), "s3s-fs did not listen");
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "s3s-fs did not listen"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     S3Server {
