@@ -3,6 +3,7 @@
 //! [`GenerateRequest`]s (validated here, in one place) and come back as [`Generation`]
 //! streams.
 
+use crate::backend::cpu::reference::ReferenceWeights;
 use crate::backend::cpu::LlamaModel;
 use crate::backend::Backend;
 use crate::error::Result;
@@ -158,8 +159,19 @@ pub fn load_parts(
     };
     let live = resolve(cfg, &mcfg, validated.as_ref().map(|(p, m)| (p, m.as_str())));
     let form = |g: GroupId| live.form(g, cfg.default_residency);
-    let backend = Box::new(LlamaModel::load_planned(&ck, &mcfg, &form, cfg.forms())?);
+    let mut model = LlamaModel::load_planned(&ck, &mcfg, &form, cfg.forms())?;
     note_float_rounding(&ck, cfg.float_dtype);
+    let m = &cfg.monitor;
+    // Filled lazily by shadow passes (a plan reload may turn them on later).
+    if m.enabled && m.shadow_reference == crate::monitor::ShadowReference::Checkpoint {
+        model = model.with_reference(ReferenceWeights::new(
+            ck,
+            mcfg.clone(),
+            cfg.float_dtype,
+            m.shadow_reference_cache_mib << 20,
+        ));
+    }
+    let backend = Box::new(model);
     let tokenizer = TextTokenizer::load(model_dir)?;
     Ok(LoadedParts {
         backend,

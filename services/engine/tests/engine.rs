@@ -384,7 +384,7 @@ async fn an_optional_plan_source_may_start_empty_and_is_applied_once_published()
     let initial = store.path().join("initial.json");
     std::fs::write(
         &initial,
-        r#"{"schema_version": 1, "groups": {"layers.0.o": {"residency": "dual"}}}"#,
+        r#"{"schema_version": 1, "groups": {"layers.0.o": {"class": "w8a8", "residency": "dual"}}}"#,
     )
     .unwrap();
     let e = Engine::start(
@@ -416,7 +416,7 @@ async fn an_optional_plan_source_may_start_empty_and_is_applied_once_published()
     std::fs::create_dir_all(source.parent().unwrap()).unwrap();
     std::fs::write(
         &source,
-        r#"{"schema_version": 1, "groups": {"layers.1.o": {"residency": "float"}}}"#,
+        r#"{"schema_version": 1, "groups": {"layers.1.o": {"class": "fp16", "residency": "float"}}}"#,
     )
     .unwrap();
     let t0 = std::time::Instant::now();

@@ -567,3 +567,69 @@ mod corrupt_inputs {
         }
     }
 }
+
+/// The shadow pass's reference on an INT8-only model reads every group's weights from the
+/// checkpoint: its logits are the float model's, not the INT8 model's; the kept weights stay
+/// within the cache's bytes, and weights beyond it are read again on every pass.
+#[test]
+fn the_reference_pass_of_an_int8_only_model_is_the_float_model() {
+    use quantmesh_engine::backend::cpu::reference::ReferenceWeights;
+    use quantmesh_engine::backend::FloatDtype;
+    use quantmesh_engine::precision::MaskRouter;
+    let dir = model_dir(InitOptions::default());
+    let cfg = ModelConfig::load(dir.path()).unwrap();
+    let float = LlamaModel::load(dir.path(), &cfg, &|_| Residency::Float).unwrap();
+    let one_group = {
+        let w = quantmesh_model::ops::GroupWeights::load(
+            &quantmesh_model::Checkpoint::open(dir.path()).unwrap(),
+            &cfg,
+            GroupId::new(0, GroupKind::Qkv),
+        )
+        .unwrap();
+        w.weight.elem_count() * 4
+    };
+    let int8 = LlamaModel::load(dir.path(), &cfg, &|_| Residency::Int8)
+        .unwrap()
+        .with_reference(ReferenceWeights::new(
+            quantmesh_model::Checkpoint::open(dir.path()).unwrap(),
+            cfg.clone(),
+            FloatDtype::F32,
+            one_group,
+        ));
+    let p = prompt();
+    let mut want = Rig::with_model(float, &cfg, KvFloatDtype::F32);
+    let want = want.feed(1, &p, &all_float(cfg.num_hidden_layers), false);
+    let mut rig = Rig::with_model(int8, &cfg, KvFloatDtype::F32);
+    let served = rig.feed(1, &p, &PathMask::default(), false);
+    let groups = cfg.num_hidden_layers * 4;
+    for pass in 1..=2u64 {
+        let step = rig.prepare(10 + pass, &p);
+        let mask = PathMask::default();
+        let mut router = MaskRouter::new(&mask, step.rows(), false).reference();
+        let out = rig.model.pass(&step, &mut router, &mut rig.kv).unwrap();
+        assert!(
+            router
+                .outcomes
+                .iter()
+                .all(|(_, o)| o.fallback_unavailable_rows == 0 && o.int8_rows == 0),
+            "every group ran float: {:?}",
+            router.outcomes
+        );
+        let got = &out.logits[0].1;
+        let d = max_abs_diff(got, &want);
+        assert!(
+            d <= 1e-4,
+            "pass {pass}: reference differs from the float model by {d}"
+        );
+        let s = rig.model.reference().unwrap().stats();
+        // Only the first group fits: it is read once and then held; the others are read on
+        // every pass.
+        assert_eq!(s.held_bytes, one_group);
+        assert_eq!(s.hits, pass - 1);
+        assert_eq!(s.reads, groups as u64 * pass - (pass - 1));
+    }
+    assert!(
+        max_abs_diff(&served, &want) > 1e-3,
+        "INT8 must differ from float"
+    );
+}

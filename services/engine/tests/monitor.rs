@@ -2,7 +2,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use quantmesh_engine::monitor::{GroupMode, MonitorConfig, MonitorReport};
+use quantmesh_engine::monitor::{GroupMode, MonitorConfig, MonitorReport, ShadowReference};
 use quantmesh_engine::{Engine, EngineConfig};
 use quantmesh_model::bundled::{init_model, InitOptions, Planted};
 use quantmesh_types::{
@@ -136,6 +136,7 @@ async fn without_exclusion_the_statistic_measures_the_massive_channel() {
 async fn shadow_run(
     residency: Residency,
     kv_int8: bool,
+    shadow_reference: ShadowReference,
 ) -> (Vec<FallbackEvent>, Vec<(String, f64, u64)>) {
     let dir = tempfile::tempdir().unwrap();
     init_model(dir.path(), &InitOptions::default()).unwrap();
@@ -149,6 +150,7 @@ async fn shadow_run(
                 token_k: 1e9,
                 shadow_sample_rate: 1.0,
                 request_kl_limit: 2e-5,
+                shadow_reference,
                 ..monitor_cfg()
             },
             ..Default::default()
@@ -204,7 +206,7 @@ async fn shadow_run(
 #[actix_rt::test]
 async fn shadow_kl_sees_a_damaged_int8_group_and_is_zero_for_a_float_plan() {
     // Dual: served INT8 (with the planted INT8-hostile `layers.1.down`), reference float.
-    let (events, hist) = shadow_run(Residency::Dual, true).await;
+    let (events, hist) = shadow_run(Residency::Dual, true, ShadowReference::Checkpoint).await;
     let (reference, sum, count) = hist[0].clone();
     assert_eq!(hist.len(), 1, "{hist:?}");
     assert_eq!(reference, "float_weights");
@@ -221,7 +223,7 @@ async fn shadow_kl_sees_a_damaged_int8_group_and_is_zero_for_a_float_plan() {
     }
     // Float plan (float weights, float KV): served = reference, KL ≈ 0, no per-request
     // fallback.
-    let (events, hist) = shadow_run(Residency::Float, false).await;
+    let (events, hist) = shadow_run(Residency::Float, false, ShadowReference::Checkpoint).await;
     let (reference, sum, count) = hist[0].clone();
     assert_eq!(reference, "float_weights");
     let float_mean = sum / count as f64;
@@ -231,9 +233,31 @@ async fn shadow_kl_sees_a_damaged_int8_group_and_is_zero_for_a_float_plan() {
         dual_mean > 1e3 * float_mean.max(1e-9),
         "{dual_mean} vs {float_mean}"
     );
-    // INT8-only: the reference cannot be float for any group, and the label says so.
-    let (_, hist) = shadow_run(Residency::Int8, true).await;
+    // INT8-only: the reference reads every group's weights from the checkpoint, so it is
+    // the dual plan's exact reference — the same label, per-request fallbacks asked for, and
+    // at least the dual plan's KL (dual requests that fell back were then served in float;
+    // INT8-only ones cannot be).
+    let (events, hist) = shadow_run(Residency::Int8, true, ShadowReference::Checkpoint).await;
+    assert_eq!(hist.len(), 1, "{hist:?}");
+    let (reference, sum, count) = hist[0].clone();
+    assert_eq!(reference, "float_weights");
+    let int8_mean = sum / count as f64;
+    assert!(
+        int8_mean >= 0.99 * dual_mean,
+        "INT8-only {int8_mean} vs dual {dual_mean}"
+    );
+    assert!(events
+        .iter()
+        .any(|e| e.granularity == Granularity::Request && e.reason == FallbackReason::ShadowKl));
+    // Without the checkpoint reference the INT8-only groups run INT8 in the reference too:
+    // the KL misses them, and the label says so.
+    let (_, hist) = shadow_run(Residency::Int8, true, ShadowReference::Resident).await;
     assert_eq!(hist[0].0, "partial_float_weights");
+    let partial_mean = hist[0].1 / hist[0].2 as f64;
+    assert!(
+        partial_mean < 0.5 * int8_mean,
+        "partial {partial_mean} vs exact {int8_mean}"
+    );
 }
 
 /// One window event per closed window, carrying every group's counts.

@@ -64,6 +64,10 @@ pub enum RowPath {
     AllFloat,
     /// Row indices (ascending, unique) computed in float; the rest in INT8.
     FloatRows(Vec<usize>),
+    /// Every row in float from the checkpoint's own weights: the shadow pass's reference.
+    /// The resident float copy where there is one, else the backend's reference weights
+    /// (read from the checkpoint) where it keeps them, else INT8 (counted as unavailable).
+    Reference,
 }
 
 /// What happened inside one group on one step: used for counting "wanted fallback,

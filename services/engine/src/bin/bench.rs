@@ -37,6 +37,7 @@ struct Args {
     float_dtypes: bool,
     quant_formats: bool,
     memory_table: Option<std::path::PathBuf>,
+    shadow_cost: bool,
     float_budget: quantmesh_engine::budget::FloatBudget,
 }
 
@@ -57,6 +58,7 @@ fn parse() -> Result<Args, String> {
         float_dtypes: false,
         quant_formats: false,
         memory_table: None,
+        shadow_cost: false,
         float_budget: quantmesh_engine::budget::FloatBudget::Percent(10.0),
     };
     let mut it = std::env::args().skip(1);
@@ -78,6 +80,7 @@ fn parse() -> Result<Args, String> {
             }
             "--per-group" => a.per_group = true,
             "--float-dtypes" => a.float_dtypes = true,
+            "--shadow-cost" => a.shadow_cost = true,
             "--quant-formats" => a.quant_formats = true,
             "--memory-table" => a.memory_table = Some(v()?.into()),
             "--float-budget" => a.float_budget = v()?.parse()?,
@@ -111,7 +114,7 @@ fn parse() -> Result<Args, String> {
                     .collect::<Result<_, _>>()?
             }
             "-h" | "--help" => {
-                println!("quantmesh-engine-bench [--size tiny|small|medium | --model PATH] [--prompt-len N] [--decode-steps N] [--batches 1,8,32] [--per-group] [--ppl-text FILE] [--ppl-tokens N] [--json FILE] [--plans float,int8,dual] [--float-dtype f16|bf16|f32] [--embeddings q8_0|f16|f32] [--float-dtypes] [--quant-formats [--ppl-text FILE]] [--memory-table PLAN.json --ppl-text FILE [--float-budget 10%]]");
+                println!("quantmesh-engine-bench [--size tiny|small|medium | --model PATH] [--prompt-len N] [--decode-steps N] [--batches 1,8,32] [--per-group] [--ppl-text FILE] [--ppl-tokens N] [--json FILE] [--plans float,int8,dual] [--float-dtype f16|bf16|f32] [--embeddings q8_0|f16|f32] [--float-dtypes] [--quant-formats [--ppl-text FILE]] [--memory-table PLAN.json --ppl-text FILE [--float-budget 10%]] [--shadow-cost]");
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument {other}")),
@@ -274,6 +277,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     if args.quant_formats {
         quant_format_section(&dir, &cfg, args.ppl_text.as_deref(), args.ppl_tokens)?;
+    }
+    if args.shadow_cost {
+        shadow_cost_section(&dir, &cfg, &args)?;
     }
     if let Some(plan) = &args.memory_table {
         let text = args
@@ -974,6 +980,42 @@ fn memory_table(
             true,
         ),
     ];
+    // What each difference between the rows above costs, one change at a time: the float
+    // copies' dtype and the vocabulary tables' form under the same plan, and the tables alone.
+    let plan_resid = || -> Resid {
+        let r = live.residency.clone();
+        Box::new(move |g| r[&g])
+    };
+    let variants: Vec<(String, Resid, Forms, bool, bool)> = vec![
+        (
+            "first-load plan, f32 float copies".into(),
+            plan_resid(),
+            Forms {
+                float: FloatDtype::F32,
+                ..q
+            },
+            true,
+            true,
+        ),
+        (
+            "first-load plan, f16 vocabulary tables".into(),
+            plan_resid(),
+            f16,
+            true,
+            true,
+        ),
+        (
+            "INT8 only, f32 vocabulary tables".into(),
+            Box::new(|_| Residency::Int8),
+            Forms {
+                float: FloatDtype::F16,
+                embeddings: EmbeddingDtype::F32,
+            },
+            false,
+            true,
+        ),
+    ];
+    let configs: Vec<_> = configs.into_iter().chain(variants).collect();
     let reference = LlamaModel::load(dir, cfg, &|_| Residency::Float)?;
     let all_float = PathMask::all_groups_float(cfg.num_hidden_layers);
     let page = 16;
@@ -1033,6 +1075,87 @@ fn memory_table(
             w.ratio_to_f16(),
             ppl,
             kl
+        );
+    }
+    Ok(())
+}
+
+/// What the shadow pass's exact reference costs on an INT8-only model: a batch-1 decode step
+/// served, against the same step's reference pass (every group's weights from the checkpoint,
+/// the first `cache` MiB of them kept), for a few cache sizes.
+fn shadow_cost_section(
+    dir: &std::path::Path,
+    cfg: &ModelConfig,
+    args: &Args,
+) -> Result<(), Box<dyn std::error::Error>> {
+    use quantmesh_engine::backend::cpu::reference::ReferenceWeights;
+    use quantmesh_engine::precision::MaskRouter;
+    let page = 16;
+    let steps = args.decode_steps.max(4);
+    println!();
+    println!(
+        "Shadow reference cost (INT8-only model, batch 1, {} prompt + {steps} decode steps; ms per step):",
+        args.prompt_len
+    );
+    println!();
+    println!("| reference cache MiB | held MiB | served step | reference pass | × served | checkpoint reads / pass |");
+    println!("|---|---|---|---|---|---|");
+    for cache_mib in [0usize, 128, 1 << 20] {
+        let ck = quantmesh_model::Checkpoint::open(dir)?;
+        let forms = quantmesh_engine::backend::Forms {
+            float: args.float_dtype,
+            embeddings: args.embeddings,
+        };
+        let model = LlamaModel::load_from(&ck, cfg, &|_| Residency::Int8, forms)?.with_reference(
+            ReferenceWeights::new(ck, cfg.clone(), args.float_dtype, cache_mib << 20),
+        );
+        let (mut kv, mut bm) = cache(cfg, (args.prompt_len + steps).div_ceil(page) + 4, page);
+        bm.admit(1, &[], args.prompt_len + steps)
+            .map_err(|e| e.to_string())?;
+        let prompt: Vec<u32> = (0..args.prompt_len as u32).map(|t| 32 + t % 90).collect();
+        let mut runner = StepRunner::default();
+        runner.run(
+            &model,
+            &step_for(&mut bm, &[(1, prompt)]),
+            &PathMask::default(),
+            &mut kv,
+            true,
+        )?;
+        let mask = PathMask::default();
+        let (mut served, mut reference) = (0.0, 0.0);
+        let mut reads0 = 0;
+        for i in 0..steps as u32 {
+            let step = step_for(&mut bm, &[(1, vec![40 + i % 50])]);
+            let t = Instant::now();
+            let mut router = MaskRouter::new(&mask, step.rows(), false).reference();
+            model.pass(&step, &mut router, &mut kv)?;
+            // the first reference pass fills the cache: not counted
+            if i > 0 {
+                reference += t.elapsed().as_secs_f64();
+            } else {
+                reads0 = model.reference().map_or(0, |r| r.stats().reads);
+            }
+            let t = Instant::now();
+            let mut router = MaskRouter::new(&mask, step.rows(), true);
+            model.pass(&step, &mut router, &mut kv)?;
+            if i > 0 {
+                served += t.elapsed().as_secs_f64();
+            }
+        }
+        let n = (steps - 1) as f64;
+        let s = model.reference().map(|r| r.stats()).unwrap_or_default();
+        println!(
+            "| {} | {:.0} | {:.1} | {:.1} | {:.1} | {:.0} |",
+            if cache_mib >= 1 << 20 {
+                "unlimited".to_string()
+            } else {
+                cache_mib.to_string()
+            },
+            s.held_bytes as f64 / (1 << 20) as f64,
+            served / n * 1e3,
+            reference / n * 1e3,
+            reference / served,
+            (s.reads - reads0) as f64 / n,
         );
     }
     Ok(())

@@ -41,6 +41,14 @@ pub struct MonitorConfig {
     pub massive_channels: Vec<usize>,
     /// Fraction of steps on which the float-path logits are computed too (shadow KL).
     pub shadow_sample_rate: f64,
+    /// Where the shadow pass takes the float weights of groups that hold no float copy:
+    /// `checkpoint` (exact: read from the memory-mapped checkpoint, the first
+    /// `shadow_reference_cache_mib` of them kept) or `resident` (they run INT8 in the
+    /// reference too; the KL is labelled `partial_float_weights`).
+    pub shadow_reference: ShadowReference,
+    /// MiB of checkpoint weights the shadow reference keeps in memory (in the engine's
+    /// `float_dtype`); groups beyond it are read again on every shadow pass.
+    pub shadow_reference_cache_mib: usize,
     /// A request whose sampled KL(P_float ‖ P_served) exceeds this runs in float from then on.
     pub request_kl_limit: f64,
     /// More than this share of groups in fallback → every step runs in float.
@@ -50,6 +58,17 @@ pub struct MonitorConfig {
     pub event_token_ids: bool,
     /// Per-group overrides of `k` and `trigger_rate`, keyed like `layers.1.down`.
     pub overrides: BTreeMap<String, GroupOverride>,
+}
+
+/// Where the shadow pass's reference takes float weights for groups without a float copy.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ShadowReference {
+    /// The checkpoint's weights (exact reference; costs reads on shadow passes).
+    #[default]
+    Checkpoint,
+    /// Only resident float copies (groups without one run INT8 in the reference too).
+    Resident,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -80,6 +99,8 @@ impl Default for MonitorConfig {
             massive_channel_ratio: quantmesh_model::massive::DEFAULT_MASSIVE_RATIO,
             massive_channels: Vec::new(),
             shadow_sample_rate: 0.01,
+            shadow_reference: ShadowReference::Checkpoint,
+            shadow_reference_cache_mib: 128,
             request_kl_limit: 0.02,
             batch_group_share: 0.5,
             event_token_ids: false,

@@ -6,7 +6,7 @@ pub mod actor;
 pub mod config;
 pub mod core;
 
-pub use self::config::{GroupOverride, MonitorConfig};
+pub use self::config::{GroupOverride, MonitorConfig, ShadowReference};
 pub use self::core::{
     uuid_v4, Decision, DecisionCount, ForceMode, GroupMode, GroupReport, Monitor, MonitorReport,
 };

@@ -17,6 +17,8 @@ pub struct MaskRouter<'a> {
     rows: Vec<(SeqId, usize)>,
     /// Whether the cache stores new K/V in INT8 at all (`engine.kv_int8`).
     kv_int8: bool,
+    /// The shadow pass's reference: every group on [`RowPath::Reference`].
+    reference: bool,
     pub obs: Vec<GroupObs>,
     pub outcomes: Vec<(GroupId, GroupOutcome)>,
     pub non_finite: bool,
@@ -30,12 +32,19 @@ impl<'a> MaskRouter<'a> {
             mask,
             rows,
             kv_int8,
+            reference: false,
             obs: Vec::new(),
             outcomes: Vec::new(),
             non_finite: false,
             mask_check_ns: 0,
             stats_ns: 0,
         }
+    }
+
+    /// Route every group to [`RowPath::Reference`] (the shadow pass's float reference).
+    pub fn reference(mut self) -> Self {
+        self.reference = true;
+        self
     }
 
     /// Which rows of the step take the float path through group `g` by the mask alone.
@@ -72,6 +81,7 @@ fn with_token_rows(path: RowPath, extra: &[usize]) -> RowPath {
     }
     match path {
         RowPath::AllFloat => RowPath::AllFloat,
+        RowPath::Reference => RowPath::Reference,
         RowPath::AllInt8 => RowPath::FloatRows(extra.to_vec()),
         RowPath::FloatRows(mut v) => {
             v.extend_from_slice(extra);
@@ -86,6 +96,9 @@ impl Router for MaskRouter<'_> {
     /// Measure the group's input (when monitored), then choose its row path: the mask's
     /// rows plus the rows above the per-token bound.
     fn route(&mut self, g: GroupId, input: &Tensor) -> Result<RowPath> {
+        if self.reference {
+            return Ok(RowPath::Reference);
+        }
         let det = self
             .mask
             .detector

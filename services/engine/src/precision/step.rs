@@ -53,8 +53,9 @@ impl StepRunner {
     /// float-only pass to get `KL(P_float ‖ P_served)` for each sequence's next token: every
     /// group on its float copy, the step's own K/V written in float (the served pass then
     /// rewrites those slots, so the cache holds served values). Earlier tokens' K/V are the
-    /// served cache's, and groups holding no float copy run INT8 in the reference as well:
-    /// the output says which reference it was (`KlReference`). A NaN/Inf in activations
+    /// served cache's. Groups holding no float copy take the checkpoint's weights where the
+    /// backend keeps a reference, else run INT8 in the reference as well: the output says
+    /// which reference it was (`KlReference`). A NaN/Inf in activations
     /// or logits makes the whole step recompute in float.
     pub fn run(
         &mut self,
@@ -81,7 +82,7 @@ impl StepRunner {
             _ => false,
         };
         let shadow_logits = if shadow {
-            let reference = pass(backend, step, &float_mask(), kv, false)?;
+            let reference = pass(backend, step, &float_mask(), kv, false, true)?;
             let partial = reference
                 .outcomes
                 .iter()
@@ -97,7 +98,7 @@ impl StepRunner {
         } else {
             None
         };
-        let mut out = pass(backend, step, mask, kv, kv_int8)?;
+        let mut out = pass(backend, step, mask, kv, kv_int8, false)?;
         let bad_logits = out
             .logits
             .iter()
@@ -107,7 +108,7 @@ impl StepRunner {
                 tokens = out.num_tokens,
                 "non-finite activations or logits: recomputing the step in float"
             );
-            let again = pass(backend, step, &float_mask(), kv, kv_int8)?;
+            let again = pass(backend, step, &float_mask(), kv, kv_int8, false)?;
             out.logits = again.logits;
             out.outcomes.extend(again.outcomes);
             out.non_finite = true;
@@ -125,15 +126,20 @@ impl StepRunner {
     }
 }
 
-/// One pass of the backend under one mask.
+/// One pass of the backend under one mask; `reference`: the shadow pass (every group on
+/// [`crate::backend::RowPath::Reference`]).
 fn pass(
     backend: &dyn Backend,
     step: &StepInput,
     mask: &PathMask,
     kv: &mut KvCache,
     kv_int8: bool,
+    reference: bool,
 ) -> Result<StepOutput> {
     let mut router = MaskRouter::new(mask, step.rows(), kv_int8);
+    if reference {
+        router = router.reference();
+    }
     let logits = backend.pass(step, &mut router, kv)?.logits;
     Ok(StepOutput {
         logits,

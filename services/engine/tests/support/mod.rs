@@ -42,12 +42,20 @@ impl Rig {
 
     /// Run `tokens` of `seq` (appending to whatever it has) as one step.
     pub fn step(&mut self, seq: u64, tokens: &[u32], mask: &PathMask, kv_int8: bool) -> StepOutput {
+        let step = self.prepare(seq, tokens);
+        self.runner
+            .run(&self.model, &step, mask, &mut self.kv, kv_int8)
+            .unwrap()
+    }
+
+    /// The step that appends `tokens` to `seq` (its cache slots allocated).
+    pub fn prepare(&mut self, seq: u64, tokens: &[u32]) -> StepInput {
         if !self.bm.contains(seq) {
             self.bm.admit(seq, &[], 512).unwrap();
         }
         let start = self.bm.num_tokens(seq).unwrap();
         let out = self.bm.append(seq, tokens.len()).unwrap();
-        let step = StepInput {
+        StepInput {
             chunks: vec![SeqChunk {
                 seq,
                 tokens: tokens.to_vec(),
@@ -57,10 +65,7 @@ impl Rig {
                 want_logits: true,
             }],
             copies: out.copies,
-        };
-        self.runner
-            .run(&self.model, &step, mask, &mut self.kv, kv_int8)
-            .unwrap()
+        }
     }
 
     /// Feed `tokens` of `seq` and return the last logits.

@@ -20,6 +20,17 @@ use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Module, Tensor};
 use quantmesh_types::Residency;
 
+/// `x · wᵀ` in `w`'s dtype, f32 in and out.
+fn float_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    Ok(if w.dtype() == DType::F32 {
+        x.matmul(&w.t()?)?
+    } else {
+        x.to_dtype(w.dtype())?
+            .matmul(&w.t()?)?
+            .to_dtype(DType::F32)?
+    })
+}
+
 pub struct DualLinear {
     int8: Option<QMatMul>,
     /// How `int8` stores its weights.
@@ -118,15 +129,7 @@ impl DualLinear {
     }
 
     fn float_mm(&self, x: &Tensor) -> Result<Option<Tensor>> {
-        match &self.float {
-            Some(w) if w.dtype() == DType::F32 => Ok(Some(x.matmul(&w.t()?)?)),
-            Some(w) => Ok(Some(
-                x.to_dtype(w.dtype())?
-                    .matmul(&w.t()?)?
-                    .to_dtype(DType::F32)?,
-            )),
-            None => Ok(None),
-        }
+        self.float.as_ref().map(|w| float_matmul(x, w)).transpose()
     }
 
     fn int8_mm(&self, x: &Tensor) -> Result<Option<Tensor>> {
@@ -182,6 +185,7 @@ impl DualLinear {
                 }
                 self.whole(x, true)?
             }
+            RowPath::Reference => return self.forward(x, &RowPath::AllFloat),
             RowPath::FloatRows(float_rows) if float_rows.is_empty() => {
                 return self.forward(x, &RowPath::AllInt8);
             }
@@ -208,6 +212,22 @@ impl DualLinear {
         let y = match &self.bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,
+        };
+        Ok((y, outcome))
+    }
+
+    /// Every row through `weight` (the group's exact float weight `[out, in]`, from the
+    /// shadow reference; stored in any float dtype), plus the bias: the float path of a
+    /// group that holds no float copy.
+    pub fn forward_with(&self, x: &Tensor, weight: &Tensor) -> Result<(Tensor, GroupOutcome)> {
+        let y = float_matmul(x, weight)?;
+        let y = match &self.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        };
+        let outcome = GroupOutcome {
+            float_rows: x.dim(0)?,
+            ..Default::default()
         };
         Ok((y, outcome))
     }

@@ -8,6 +8,7 @@
 //! `quantmesh_model::ops`, shared with the pre-screen.
 
 pub mod linear;
+pub mod reference;
 pub mod table;
 
 use crate::backend::{
@@ -21,6 +22,7 @@ use linear::DualLinear;
 use quantmesh_model::ops::{rms_norm, rope, rope_tables, swiglu_fused, GroupWeights};
 use quantmesh_model::{names, Checkpoint, ModelConfig};
 use quantmesh_types::{GroupId, GroupKind, Residency};
+use reference::ReferenceWeights;
 use std::path::Path;
 use std::sync::Arc;
 use table::Table;
@@ -78,6 +80,8 @@ pub struct LlamaModel {
     cos: Tensor,
     sin: Tensor,
     forms: Forms,
+    /// Exact float weights for the shadow reference of groups without a float copy.
+    reference: Option<ReferenceWeights>,
 }
 
 impl LlamaModel {
@@ -150,7 +154,19 @@ impl LlamaModel {
             cos,
             sin,
             forms,
+            reference: None,
         })
+    }
+
+    /// Give the shadow pass ([`RowPath::Reference`]) the checkpoint's weights for groups that
+    /// hold no float copy (otherwise they run INT8 in the reference too).
+    pub fn with_reference(mut self, reference: ReferenceWeights) -> Self {
+        self.reference = Some(reference);
+        self
+    }
+
+    pub fn reference(&self) -> Option<&ReferenceWeights> {
+        self.reference.as_ref()
     }
 
     fn slot(&self, g: GroupId) -> Result<&DualLinear> {
@@ -176,15 +192,34 @@ impl LlamaModel {
     }
 
     fn run_group(
+        &self,
         layer: &Layer,
         g: GroupId,
         input: &Tensor,
         router: &mut dyn Router,
     ) -> Result<Tensor> {
         let path = router.route(g, input)?;
-        let (y, o) = layer.groups[g.kind.index()].forward(input, &path)?;
+        let (y, o) = self.forward_group(layer, g, input, &path)?;
         router.record(g, o);
         Ok(y)
+    }
+
+    /// Group `g` on `path`; the reference path of a group without a float copy reads the
+    /// checkpoint's weights when the model has them.
+    fn forward_group(
+        &self,
+        layer: &Layer,
+        g: GroupId,
+        input: &Tensor,
+        path: &RowPath,
+    ) -> Result<(Tensor, GroupOutcome)> {
+        let lin = &layer.groups[g.kind.index()];
+        match (&self.reference, path) {
+            (Some(r), RowPath::Reference) if !lin.residency().has_float() => {
+                lin.forward_with(input, &r.weight(g)?)
+            }
+            _ => lin.forward(input, path),
+        }
     }
 }
 
@@ -265,6 +300,11 @@ impl Backend for LlamaModel {
             ready.push((g, *new));
         }
         for (g, new) in ready {
+            if let Some(r) = &self.reference {
+                if new.residency().has_float() {
+                    r.forget(g);
+                }
+            }
             // The replaced forms (e.g. a float copy no longer wanted) are freed here.
             self.layers[g.layer].groups[g.kind.index()] = new;
         }
@@ -312,7 +352,7 @@ impl Backend for LlamaModel {
             let g = |kind| GroupId::new(l, kind);
             // --- attention ---
             let h = rms_norm(&x, &layer.input_norm, cfg.rms_norm_eps)?;
-            let qkv = Self::run_group(layer, g(GroupKind::Qkv), &h, router)?;
+            let qkv = self.run_group(layer, g(GroupKind::Qkv), &h, router)?;
             let q = qkv.narrow(1, 0, nh * hd)?.reshape((n, nh, hd))?;
             let k = qkv.narrow(1, nh * hd, kv_dim)?.reshape((n, nkv, hd))?;
             let v = qkv.narrow(1, nh * hd + kv_dim, kv_dim)?;
@@ -350,10 +390,10 @@ impl Backend for LlamaModel {
                 row += m;
             }
             let attn = Tensor::from_vec(attn, (n, nh * hd), &dev)?;
-            x = (x + Self::run_group(layer, g(GroupKind::O), &attn, router)?)?;
+            x = (x + self.run_group(layer, g(GroupKind::O), &attn, router)?)?;
             // --- MLP ---
             let h = rms_norm(&x, &layer.post_norm, cfg.rms_norm_eps)?;
-            let gu = Self::run_group(layer, g(GroupKind::GateUp), &h, router)?;
+            let gu = self.run_group(layer, g(GroupKind::GateUp), &h, router)?;
             let inter = cfg.intermediate_size;
             let mut act = swiglu_fused(&gu, inter)?;
             let down = g(GroupKind::Down);
@@ -367,8 +407,7 @@ impl Backend for LlamaModel {
                 router.record(g(GroupKind::GateUp), o);
                 act = replace_rows(&act, &coupled, &swiglu_fused(&gu_f, inter)?)?;
             }
-            let (y, o): (Tensor, GroupOutcome) =
-                layer.groups[GroupKind::Down.index()].forward(&act, &down_path)?;
+            let (y, o) = self.forward_group(layer, down, &act, &down_path)?;
             router.record(down, o);
             x = (x + y)?;
         }
