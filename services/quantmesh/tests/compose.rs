@@ -213,6 +213,19 @@ fn container_ip(id: &str) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
+/// The gateway's `/admin/config`: every engine's answer under `engines`.
+async fn admin_config(client: &reqwest::Client, stack: &Stack) -> serde_json::Value {
+    client
+        .get(stack.url("/admin/config"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
 async fn metrics_text(client: &reqwest::Client, stack: &Stack) -> String {
     client
         .get(stack.url("/metrics"))
@@ -372,15 +385,7 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
 
     // A forced fallback on a group that holds a float copy, asked of the gateway, which fans
     // it out to both engines; the events reach the broker container.
-    let cfg: serde_json::Value = client
-        .get(stack.url("/admin/config"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let cfg = admin_config(&client, &stack).await;
     let engines = cfg["engines"].as_array().unwrap();
     assert_eq!(engines.len(), 2, "{cfg}");
     let group = engines[0]["body"]["residency"]
@@ -474,15 +479,7 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
     assert!(published.contains(&md5), "{published}");
     let t_plan = Instant::now();
     loop {
-        let cfg: serde_json::Value = client
-            .get(stack.url("/admin/config"))
-            .bearer_auth(TOKEN)
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let cfg = admin_config(&client, &stack).await;
         let engines = cfg["engines"].as_array().unwrap();
         if engines.len() == 2
             && engines.iter().all(|e| {
