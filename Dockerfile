@@ -6,13 +6,17 @@
 #                                                    # (our tests: no registry, nothing is pulled)
 #
 # Both run on debian:bookworm-slim — pulled by users, made from Debian packages by
-# scripts/base-image.sh where no registry is reachable. The binary needs only glibc, libgcc
-# and zlib from it. Non-root user, graceful shutdown on SIGTERM (in-flight requests drain,
+# scripts/base-image.sh where no registry is reachable. The binary needs glibc, libgcc and
+# zlib from it, and the CA certificates (Debian's ca-certificates) for TLS: object stores,
+# the git forge's REST API and OTLP collectors — the HTTP client refuses to start without a
+# root store, so an `s3://` plan source failed with "builder error" before. Non-root user, graceful shutdown on SIGTERM (in-flight requests drain,
 # the outbox is flushed), healthcheck on /ready, volumes for models and the event outbox.
 # Stage order matters for the classic builder, which builds every stage up to --target:
 # `prebuilt` comes before `build`, so building it never touches the Rust image.
 
 FROM debian:bookworm-slim AS runtime-base
+RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates && apt-get clean \
+ && rm -rf /var/lib/apt/lists/*
 RUN useradd --system --uid 10001 --user-group --home-dir /var/lib/quantmesh --create-home quantmesh \
  && mkdir -p /models /var/lib/quantmesh/outbox /var/lib/quantmesh/lake \
  && chown -R quantmesh:quantmesh /models /var/lib/quantmesh

@@ -454,7 +454,7 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
         &plan,
         serde_json::to_vec_pretty(&serde_json::json!({
             "schema_version": 1,
-            "groups": {group.as_str(): {"residency": "float"}},
+            "groups": {group.as_str(): {"class": "fp16", "residency": "float"}},
         }))
         .unwrap(),
     )
@@ -686,7 +686,22 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
         "--no-ingest",
     ]));
     let report = String::from_utf8_lossy(&analysis.stdout);
-    assert!(report.contains(&group), "{report}");
+    // The counts come from the Parquet it read: the forced fallbacks' events and both
+    // engines' applications of the published plan.
+    let count_before = |what: &str| -> u64 {
+        report
+            .split(what)
+            .next()
+            .and_then(|head| head.split_whitespace().last())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    };
+    assert!(report.contains("smollm2-135m-instruct"), "{report}");
+    assert!(count_before(" fallback events") > 0, "{report}");
+    assert!(
+        report.contains("configs applied") && !report.contains("configs applied 0"),
+        "{report}"
+    );
     eprintln!(
         "compose test: images + stack healthy in {:.0} s, whole test {:.0} s",
         up.as_secs_f64(),

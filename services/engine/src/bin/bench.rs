@@ -38,6 +38,8 @@ struct Args {
     quant_formats: bool,
     memory_table: Option<std::path::PathBuf>,
     shadow_cost: bool,
+    /// Rows of the memory table to run (1-based; empty = all).
+    memory_rows: Vec<usize>,
     float_budget: quantmesh_engine::budget::FloatBudget,
 }
 
@@ -59,6 +61,7 @@ fn parse() -> Result<Args, String> {
         quant_formats: false,
         memory_table: None,
         shadow_cost: false,
+        memory_rows: Vec::new(),
         float_budget: quantmesh_engine::budget::FloatBudget::Percent(10.0),
     };
     let mut it = std::env::args().skip(1);
@@ -81,6 +84,12 @@ fn parse() -> Result<Args, String> {
             "--per-group" => a.per_group = true,
             "--float-dtypes" => a.float_dtypes = true,
             "--shadow-cost" => a.shadow_cost = true,
+            "--memory-rows" => {
+                a.memory_rows = v()?
+                    .split(',')
+                    .map(|s| s.parse().map_err(|e| format!("--memory-rows: {e}")))
+                    .collect::<Result<_, _>>()?
+            }
             "--quant-formats" => a.quant_formats = true,
             "--memory-table" => a.memory_table = Some(v()?.into()),
             "--float-budget" => a.float_budget = v()?.parse()?,
@@ -114,7 +123,7 @@ fn parse() -> Result<Args, String> {
                     .collect::<Result<_, _>>()?
             }
             "-h" | "--help" => {
-                println!("quantmesh-engine-bench [--size tiny|small|medium | --model PATH] [--prompt-len N] [--decode-steps N] [--batches 1,8,32] [--per-group] [--ppl-text FILE] [--ppl-tokens N] [--json FILE] [--plans float,int8,dual] [--float-dtype f16|bf16|f32] [--embeddings q8_0|f16|f32] [--float-dtypes] [--quant-formats [--ppl-text FILE]] [--memory-table PLAN.json --ppl-text FILE [--float-budget 10%]] [--shadow-cost]");
+                println!("quantmesh-engine-bench [--size tiny|small|medium | --model PATH] [--prompt-len N] [--decode-steps N] [--batches 1,8,32] [--per-group] [--ppl-text FILE] [--ppl-tokens N] [--json FILE] [--plans float,int8,dual] [--float-dtype f16|bf16|f32] [--embeddings q8_0|f16|f32] [--float-dtypes] [--quant-formats [--ppl-text FILE]] [--memory-table PLAN.json --ppl-text FILE [--float-budget 10%] [--memory-rows 2,3,4]] [--shadow-cost]");
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument {other}")),
@@ -1015,7 +1024,13 @@ fn memory_table(
             true,
         ),
     ];
-    let configs: Vec<_> = configs.into_iter().chain(variants).collect();
+    let configs: Vec<_> = configs
+        .into_iter()
+        .chain(variants)
+        .enumerate()
+        .filter(|(i, _)| args.memory_rows.is_empty() || args.memory_rows.contains(&(i + 1)))
+        .map(|(_, c)| c)
+        .collect();
     let reference = LlamaModel::load(dir, cfg, &|_| Residency::Float)?;
     let all_float = PathMask::all_groups_float(cfg.num_hidden_layers);
     let page = 16;
