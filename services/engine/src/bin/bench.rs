@@ -1014,6 +1014,13 @@ fn memory_table(
             true,
         ),
         (
+            "first-load plan, no monitor".into(),
+            plan_resid(),
+            q,
+            false,
+            true,
+        ),
+        (
             "INT8 only, f32 vocabulary tables".into(),
             Box::new(|_| Residency::Int8),
             Forms {
