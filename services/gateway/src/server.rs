@@ -122,6 +122,24 @@ pub fn start_http(
     .run())
 }
 
+/// The first-load plan of the model in `dir` (cached beside it; computed by the pre-screen
+/// when missing), with the plan's default float budget unless one is configured.
+async fn first_load_plan(
+    dir: &std::path::Path,
+    settings: &Settings,
+    engine_cfg: &mut quantmesh_engine::EngineConfig,
+) -> anyhow::Result<std::path::PathBuf> {
+    let (model, prompts) = (dir.to_path_buf(), settings.model.plan_prompts);
+    let plan = tokio::task::spawn_blocking(move || first_plan::ensure(&model, prompts))
+        .await
+        .context("first-load plan task")?
+        .context("computing the first-load precision plan (`--plan none` skips it)")?;
+    if engine_cfg.float_budget == FloatBudget::Unlimited {
+        engine_cfg.float_budget = settings.model.plan_float_budget;
+    }
+    Ok(plan.path)
+}
+
 /// Make `source` present on disk (fetching or writing it when allowed), load it and start
 /// the engine, served as `name`; its events also go to `sinks`, its metrics into
 /// `registry`.
@@ -137,31 +155,17 @@ pub async fn load_engine(
         .await
         .context("model fetch task")??;
     let mut engine_cfg = settings.engine.clone();
-    if engine_cfg.sensitive_layers.is_none() && settings.model.plan == PlanMode::Auto {
-        let (model, prompts) = (dir.clone(), settings.model.plan_prompts);
-        let plan = tokio::task::spawn_blocking(move || first_plan::ensure(&model, prompts))
-            .await
-            .context("first-load plan task")?
-            .context("computing the first-load precision plan (`--plan none` skips it)")?;
-        engine_cfg.sensitive_layers = Some(plan.path.display().to_string());
-        if engine_cfg.float_budget == FloatBudget::Unlimited {
-            engine_cfg.float_budget = settings.model.plan_float_budget;
-        }
-    } else if engine_cfg.sensitive_layers_optional
+    let auto = settings.model.plan == PlanMode::Auto;
+    if auto && engine_cfg.sensitive_layers.is_none() {
+        let plan = first_load_plan(&dir, settings, &mut engine_cfg).await?;
+        engine_cfg.sensitive_layers = Some(plan.display().to_string());
+    } else if auto
+        && engine_cfg.sensitive_layers_optional
         && engine_cfg.initial_plan.is_none()
-        && settings.model.plan == PlanMode::Auto
         && quantmesh_engine::api::plan_source_is_empty(engine_cfg.sensitive_layers.as_deref()).await
     {
         // An empty plan store: serve the first-load plan until a plan is published there.
-        let (model, prompts) = (dir.clone(), settings.model.plan_prompts);
-        let plan = tokio::task::spawn_blocking(move || first_plan::ensure(&model, prompts))
-            .await
-            .context("first-load plan task")?
-            .context("computing the first-load precision plan (`--plan none` skips it)")?;
-        engine_cfg.initial_plan = Some(plan.path);
-        if engine_cfg.float_budget == FloatBudget::Unlimited {
-            engine_cfg.float_budget = settings.model.plan_float_budget;
-        }
+        engine_cfg.initial_plan = Some(first_load_plan(&dir, settings, &mut engine_cfg).await?);
     }
     tracing::info!(path = %dir.display(), model = %name, "loading model");
     let start = EngineStart {

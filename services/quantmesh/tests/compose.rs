@@ -215,15 +215,7 @@ fn container_ip(id: &str) -> String {
 
 /// The gateway's `/admin/config`: every engine's answer under `engines`.
 async fn admin_config(client: &reqwest::Client, stack: &Stack) -> serde_json::Value {
-    client
-        .get(stack.url("/admin/config"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
+    support::get_json(client, &stack.url("/admin/config"), TOKEN).await
 }
 
 async fn metrics_text(client: &reqwest::Client, stack: &Stack) -> String {

@@ -266,15 +266,7 @@ fn publish(file: &std::path::Path, store: &str, model: &str) {
 }
 
 async fn admin_config(client: &reqwest::Client, serve: &Serve) -> serde_json::Value {
-    client
-        .get(serve.url("/admin/config"))
-        .bearer_auth(ADMIN_TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
+    get_json(client, &serve.url("/admin/config"), ADMIN_TOKEN).await
 }
 
 /// The whole loop: a server whose planted INT8-hostile group (`layers.1.down`) is INT8-only

@@ -13,7 +13,7 @@ use futures::StreamExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
-use support::{free_port, model_dir, sum_metric, ADMIN_TOKEN};
+use support::{free_port, get_json, model_dir, sum_metric, ADMIN_TOKEN};
 
 /// A `quantmesh` process (engine or gateway) and its port.
 struct Proc {
@@ -432,15 +432,7 @@ async fn engines_are_found_by_dns_and_a_name_that_does_not_resolve_is_counted() 
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let admin: serde_json::Value = client
-        .get(gw.url("/admin/config"))
-        .bearer_auth(ADMIN_TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let admin = get_json(&client, &gw.url("/admin/config"), ADMIN_TOKEN).await;
     let engines = admin["engines"].as_array().unwrap();
     assert_eq!(engines.len(), 1, "{admin}");
     assert_eq!(engines[0]["engine"], name.as_str());

@@ -43,6 +43,16 @@ struct Args {
     float_budget: quantmesh_engine::budget::FloatBudget,
 }
 
+impl Args {
+    /// How float copies and vocabulary tables are stored (`--float-dtype`, `--embeddings`).
+    fn forms(&self) -> quantmesh_engine::backend::Forms {
+        quantmesh_engine::backend::Forms {
+            float: self.float_dtype,
+            embeddings: self.embeddings,
+        }
+    }
+}
+
 fn parse() -> Result<Args, String> {
     let mut a = Args {
         size: ModelSize::Small,
@@ -207,11 +217,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut dual_numbers = serde_json::Map::new();
     for (pi, plan) in args.plans.iter().copied().enumerate() {
         let ck = quantmesh_model::Checkpoint::open(&dir)?;
-        let forms = quantmesh_engine::backend::Forms {
-            float: args.float_dtype,
-            embeddings: args.embeddings,
-        };
-        let model = LlamaModel::load_from(&ck, &cfg, &|_| plan, forms)?;
+        let model = LlamaModel::load_from(&ck, &cfg, &|_| plan, args.forms())?;
         let mut runner = StepRunner::default();
         let mib = model.resident_bytes() as f64 / (1 << 20) as f64;
         // Warm-up (thread pools, page faults of the freshly loaded weights), untimed.
@@ -1124,13 +1130,10 @@ fn shadow_cost_section(
     println!("|---|---|---|---|---|---|");
     for cache_mib in [0usize, 128, 1 << 20] {
         let ck = quantmesh_model::Checkpoint::open(dir)?;
-        let forms = quantmesh_engine::backend::Forms {
-            float: args.float_dtype,
-            embeddings: args.embeddings,
-        };
-        let model = LlamaModel::load_from(&ck, cfg, &|_| Residency::Int8, forms)?.with_reference(
-            ReferenceWeights::new(ck, cfg.clone(), args.float_dtype, cache_mib << 20),
-        );
+        let model =
+            LlamaModel::load_from(&ck, cfg, &|_| Residency::Int8, args.forms())?.with_reference(
+                ReferenceWeights::new(ck, cfg.clone(), args.float_dtype, cache_mib << 20),
+            );
         let (mut kv, mut bm) = cache(cfg, (args.prompt_len + steps).div_ceil(page) + 4, page);
         bm.admit(1, &[], args.prompt_len + steps)
             .map_err(|e| e.to_string())?;

@@ -16,6 +16,19 @@ pub const ADMIN_TOKEN: &str = "kafka-test-token";
 pub const TOPIC: &str = quantmesh_kafka::DEFAULT_TOPIC;
 pub const CONFIG_TOPIC: &str = quantmesh_kafka::DEFAULT_CONFIG_TOPIC;
 
+/// GET `url` with a bearer token and parse the JSON answer (the admin API's reads).
+pub async fn get_json(client: &reqwest::Client, url: &str, token: &str) -> serde_json::Value {
+    client
+        .get(url)
+        .bearer_auth(token)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
