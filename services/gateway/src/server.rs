@@ -127,7 +127,7 @@ pub fn start_http(
 async fn first_load_plan(
     dir: &std::path::Path,
     settings: &Settings,
-    engine_cfg: &mut quantmesh_engine::EngineConfig,
+    engine_cfg: &mut quantmesh_engine::api::EngineConfig,
 ) -> anyhow::Result<std::path::PathBuf> {
     let (model, prompts) = (dir.to_path_buf(), settings.model.plan_prompts);
     let plan = tokio::task::spawn_blocking(move || first_plan::ensure(&model, prompts))
