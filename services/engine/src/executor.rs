@@ -61,14 +61,16 @@ impl ExecutorState {
         m.steps.inc();
         m.mask_check_seconds.inc_by(out.mask_check_ns as f64 * 1e-9);
         m.batch_recomputes.inc_by(u64::from(out.non_finite));
-        let (mut float, mut int8, mut unavailable) = (0u64, 0u64, 0u64);
+        let (mut float, mut int8, mut split, mut unavailable) = (0u64, 0u64, 0u64, 0u64);
         for (_, o) in &out.outcomes {
             float += o.float_rows as u64;
             int8 += o.int8_rows as u64;
+            split += o.split_rows as u64;
             unavailable += o.fallback_unavailable_rows as u64;
         }
         m.rows(RowPathLabel::Float, float);
         m.rows(RowPathLabel::Int8, int8);
+        m.rows(RowPathLabel::Split, split);
         m.fallback_unavailable.inc_by(unavailable);
         self.stats.update(|s| {
             s.steps += 1;
@@ -79,6 +81,7 @@ impl ExecutorState {
             s.batch_recomputes += u64::from(out.non_finite);
             s.float_rows += float;
             s.int8_rows += int8;
+            s.split_rows += split;
             s.fallback_unavailable_rows += unavailable;
         });
     }

@@ -15,6 +15,9 @@ use quantmesh_types::FallbackEvent;
 pub enum RowPathLabel {
     Float,
     Int8,
+    /// The quantized weights with split (≈ 16-bit) activations: rows that wanted float in
+    /// a group without a float copy.
+    Split,
 }
 
 impl RowPathLabel {
@@ -22,6 +25,7 @@ impl RowPathLabel {
         match self {
             RowPathLabel::Float => "float",
             RowPathLabel::Int8 => "int8",
+            RowPathLabel::Split => "split",
         }
     }
 }
@@ -149,7 +153,7 @@ impl EngineMetrics {
             )),
             fallback_unavailable: ic(
                 "quantmesh_fallback_unavailable_rows_total",
-                "Rows that wanted the float path in a group holding only INT8.",
+                "Rows that wanted the float path in a group holding only INT8 (plain INT8, or split activations with engine.copyless_fallback = \"split_activations\": quantmesh_linear_rows_total{path=\"split\"}).",
             ),
             mask_check_seconds: must(Counter::with_opts(o(
                 "quantmesh_mask_check_seconds_total",

@@ -16,6 +16,9 @@ pub struct EngineStats {
     /// Linear-group rows computed in float / INT8 since start.
     pub float_rows: u64,
     pub int8_rows: u64,
+    /// Of the rows that wanted float in a group without a float copy, those computed with
+    /// split (≈ 16-bit) activations on the quantized weights.
+    pub split_rows: u64,
     /// Rows that asked for float in a group holding only INT8 ("wanted fallback, unavailable").
     pub fallback_unavailable_rows: u64,
     pub mask_version: u64,

@@ -80,6 +80,7 @@ fn f16_float_copies_halve_memory_and_keep_quality() {
         let forms = Forms {
             float,
             embeddings: EmbeddingDtype::F32,
+            ..Forms::EXACT
         };
         LlamaModel::load_from(&ck, &cfg, &|_| r, forms).unwrap()
     };
@@ -107,6 +108,7 @@ fn q8_0_vocabulary_tables_are_small_and_close() {
         let forms = Forms {
             float: FloatDtype::F32,
             embeddings,
+            ..Forms::EXACT
         };
         LlamaModel::load_from(&ck, &cfg, &|_| r, forms).unwrap()
     };

@@ -78,6 +78,35 @@ pub struct GroupOutcome {
     pub int8_rows: usize,
     /// Rows that asked for float but the group holds no float copy.
     pub fallback_unavailable_rows: usize,
+    /// Of those, rows computed on the quantized weights with split activations
+    /// ([`CopylessFallback::SplitActivations`]); the rest took the plain INT8 path.
+    pub split_rows: usize,
+}
+
+/// What rows that want the float path get in a group that holds no float copy (an
+/// INT8-only group, e.g. one the float budget left without a copy).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CopylessFallback {
+    /// The group's quantized weights with the activations carried in two 8-bit parts — the
+    /// kernel's own quantization of the row and what that quantization left out — run as
+    /// one matmul of twice the rows and summed: activations to ≈ 16 bits, the weights'
+    /// quantization error stays. No extra memory; twice the rows through the kernel.
+    /// Opt-in: measured on SmolLM2 with the C8 KV cache it did not pay (ARCHITECTURE,
+    /// "Split activations").
+    SplitActivations,
+    /// The plain INT8 path: the rows are only counted as "wanted fallback, unavailable".
+    #[default]
+    Int8,
+}
+
+impl CopylessFallback {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CopylessFallback::SplitActivations => "split_activations",
+            CopylessFallback::Int8 => "int8",
+        }
+    }
 }
 
 /// The precision policy as a backend sees it, asked in the order the layer runs.
@@ -194,6 +223,16 @@ impl QuantFormat {
         params / d.block_size() * d.type_size()
     }
 
+    /// The form candle's kernel quantizes the activations to for these weights (its
+    /// `VecDotType`): 8-bit blocks of 32 for Q8_0 and Q4_0, of 256 (f32 scale) for Q4_K.
+    pub fn activation_ggml(self) -> candle_core::quantized::GgmlDType {
+        use candle_core::quantized::GgmlDType;
+        match self {
+            QuantFormat::Q8_0 | QuantFormat::Q4_0 => GgmlDType::Q8_0,
+            QuantFormat::Q4K => GgmlDType::Q8K,
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             QuantFormat::Q8_0 => "q8_0",
@@ -240,6 +279,8 @@ pub struct Forms {
     pub float: FloatDtype,
     /// Token embedding and `lm_head`.
     pub embeddings: EmbeddingDtype,
+    /// How groups without a float copy serve rows that want float.
+    pub copyless: CopylessFallback,
 }
 
 impl Forms {
@@ -247,6 +288,7 @@ impl Forms {
     pub const EXACT: Forms = Forms {
         float: FloatDtype::F32,
         embeddings: EmbeddingDtype::F32,
+        copyless: CopylessFallback::Int8,
     };
 }
 

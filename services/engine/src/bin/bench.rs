@@ -41,6 +41,7 @@ struct Args {
     /// Rows of the memory table to run (1-based; empty = all).
     memory_rows: Vec<usize>,
     float_budget: quantmesh_engine::budget::FloatBudget,
+    copyless: quantmesh_engine::backend::CopylessFallback,
 }
 
 impl Args {
@@ -49,6 +50,7 @@ impl Args {
         quantmesh_engine::backend::Forms {
             float: self.float_dtype,
             embeddings: self.embeddings,
+            copyless: self.copyless,
         }
     }
 }
@@ -73,6 +75,7 @@ fn parse() -> Result<Args, String> {
         shadow_cost: false,
         memory_rows: Vec::new(),
         float_budget: quantmesh_engine::budget::FloatBudget::Percent(10.0),
+        copyless: Default::default(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -103,6 +106,18 @@ fn parse() -> Result<Args, String> {
             "--quant-formats" => a.quant_formats = true,
             "--memory-table" => a.memory_table = Some(v()?.into()),
             "--float-budget" => a.float_budget = v()?.parse()?,
+            "--copyless-fallback" => {
+                use quantmesh_engine::backend::CopylessFallback;
+                a.copyless = match v()?.as_str() {
+                    "split_activations" => CopylessFallback::SplitActivations,
+                    "int8" => CopylessFallback::Int8,
+                    other => {
+                        return Err(format!(
+                            "--copyless-fallback {other:?}: split_activations or int8"
+                        ))
+                    }
+                }
+            }
             "--embeddings" => {
                 use quantmesh_engine::backend::EmbeddingDtype;
                 a.embeddings = match v()?.as_str() {
@@ -133,7 +148,7 @@ fn parse() -> Result<Args, String> {
                     .collect::<Result<_, _>>()?
             }
             "-h" | "--help" => {
-                println!("quantmesh-engine-bench [--size tiny|small|medium | --model PATH] [--prompt-len N] [--decode-steps N] [--batches 1,8,32] [--per-group] [--ppl-text FILE] [--ppl-tokens N] [--json FILE] [--plans float,int8,dual] [--float-dtype f16|bf16|f32] [--embeddings q8_0|f16|f32] [--float-dtypes] [--quant-formats [--ppl-text FILE]] [--memory-table PLAN.json --ppl-text FILE [--float-budget 10%] [--memory-rows 2,3,4]] [--shadow-cost]");
+                println!("quantmesh-engine-bench [--size tiny|small|medium | --model PATH] [--prompt-len N] [--decode-steps N] [--batches 1,8,32] [--per-group] [--ppl-text FILE] [--ppl-tokens N] [--json FILE] [--plans float,int8,dual] [--float-dtype f16|bf16|f32] [--embeddings q8_0|f16|f32] [--copyless-fallback split_activations|int8] [--float-dtypes] [--quant-formats [--ppl-text FILE]] [--memory-table PLAN.json --ppl-text FILE [--float-budget 10%] [--memory-rows 2,3,4]] [--shadow-cost]");
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument {other}")),
@@ -933,8 +948,16 @@ fn memory_table(
     text: &std::path::Path,
     args: &Args,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    use quantmesh_engine::backend::{EmbeddingDtype, Forms};
+    use quantmesh_engine::backend::{CopylessFallback, EmbeddingDtype, Forms};
     use quantmesh_engine::plan::resolve;
+    /// Which mask a row runs under: the monitor's after watching the text, every group
+    /// wanting float, or none (every group on its resident quantized form).
+    #[derive(PartialEq)]
+    enum Watch {
+        Monitor,
+        AllFloat,
+        Nothing,
+    }
     use quantmesh_types::{GroupId, SensitiveLayers};
     let tok = quantmesh_model::tokenizer::TextTokenizer::load(dir)?;
     let mut ids = tok.encode(&std::fs::read_to_string(text)?, true)?;
@@ -951,26 +974,27 @@ fn memory_table(
     let q = Forms {
         float: FloatDtype::F16,
         embeddings: EmbeddingDtype::Q8_0,
+        copyless: CopylessFallback::Int8,
     };
     let f16 = Forms {
-        float: FloatDtype::F16,
         embeddings: EmbeddingDtype::F16,
+        ..q
     };
     type Resid = Box<dyn Fn(GroupId) -> Residency>;
-    // (name, residency, forms, monitor-driven, kv_int8)
-    let configs: Vec<(String, Resid, Forms, bool, bool)> = vec![
+    // (name, residency, forms, which mask, kv_int8)
+    let configs: Vec<(String, Resid, Forms, Watch, bool)> = vec![
         (
             "all-f16 float".into(),
             Box::new(|_| Residency::Float),
             f16,
-            false,
+            Watch::AllFloat,
             false,
         ),
         (
             "all-dual f32 (previous default), monitor-driven".into(),
             Box::new(|_| Residency::Dual),
             Forms::EXACT,
-            true,
+            Watch::Monitor,
             true,
         ),
         (
@@ -984,14 +1008,14 @@ fn memory_table(
                 move |g| r[&g]
             }),
             q,
-            true,
+            Watch::Monitor,
             true,
         ),
         (
             "INT8 only".into(),
             Box::new(|_| Residency::Int8),
             q,
-            false,
+            Watch::Nothing,
             true,
         ),
     ];
@@ -1001,7 +1025,7 @@ fn memory_table(
         let r = live.residency.clone();
         Box::new(move |g| r[&g])
     };
-    let variants: Vec<(String, Resid, Forms, bool, bool)> = vec![
+    let variants: Vec<(String, Resid, Forms, Watch, bool)> = vec![
         (
             "first-load plan, f32 float copies".into(),
             plan_resid(),
@@ -1009,31 +1033,65 @@ fn memory_table(
                 float: FloatDtype::F32,
                 ..q
             },
-            true,
+            Watch::Monitor,
             true,
         ),
         (
             "first-load plan, f16 vocabulary tables".into(),
             plan_resid(),
             f16,
-            true,
+            Watch::Monitor,
             true,
         ),
         (
             "first-load plan, no monitor".into(),
             plan_resid(),
             q,
+            Watch::Nothing,
+            true,
+        ),
+        (
+            "first-load plan, monitor-driven, split activations".into(),
+            plan_resid(),
+            Forms {
+                copyless: CopylessFallback::SplitActivations,
+                ..q
+            },
+            Watch::Monitor,
+            true,
+        ),
+        (
+            "INT8 only, every row split activations".into(),
+            Box::new(|_| Residency::Int8),
+            Forms {
+                copyless: CopylessFallback::SplitActivations,
+                ..q
+            },
+            Watch::AllFloat,
+            true,
+        ),
+        (
+            "INT8 only, f16 KV cache".into(),
+            Box::new(|_| Residency::Int8),
+            q,
+            Watch::Nothing,
             false,
+        ),
+        (
+            "all-f16 float, C8 KV cache".into(),
+            Box::new(|_| Residency::Float),
+            f16,
+            Watch::AllFloat,
             true,
         ),
         (
             "INT8 only, f32 vocabulary tables".into(),
             Box::new(|_| Residency::Int8),
             Forms {
-                float: FloatDtype::F16,
                 embeddings: EmbeddingDtype::F32,
+                ..q
             },
-            false,
+            Watch::Nothing,
             true,
         ),
     ];
@@ -1057,12 +1115,12 @@ fn memory_table(
     println!();
     println!("| configuration | int8 / float / other MiB | total MiB | × all-f16 | RSS at load MiB | prefill tok/s (b1, 128) | decode tok/s (b1) | perplexity | mean KL |");
     println!("|---|---|---|---|---|---|---|---|---|");
-    for (name, resid, forms, monitored, kv_int8) in configs {
+    for (name, resid, forms, mask_from, kv_int8) in configs {
         let rss0 = rss_mib("VmRSS:").unwrap_or(f64::NAN);
         let model = LlamaModel::load_from(&ck, cfg, &*resid, forms)?;
         let rss = rss_mib("VmRSS:").unwrap_or(f64::NAN) - rss0;
         let w = model.weight_bytes();
-        let mask = if monitored {
+        let mask = if mask_from == Watch::Monitor {
             let mcfg = quantmesh_engine::monitor::MonitorConfig {
                 window_requests: 4,
                 shadow_sample_rate: 0.0,
@@ -1070,7 +1128,7 @@ fn memory_table(
             };
             let requests: Vec<Vec<u32>> = ids.chunks(64).map(<[u32]>::to_vec).collect();
             watch(&model, cfg, mcfg, &requests, 1)?.1
-        } else if forms == f16 {
+        } else if mask_from == Watch::AllFloat {
             all_float.clone()
         } else {
             PathMask::default()

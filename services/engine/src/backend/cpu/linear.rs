@@ -14,11 +14,12 @@
 //! batch 8–32 on the CPU backend, measured by `quantmesh-engine-bench --float-dtypes`); the
 //! float path casts its input rows to that dtype, multiplies, and casts the output back.
 
-use crate::backend::{FloatDtype, GroupForm, GroupOutcome, QuantFormat, RowPath};
+use crate::backend::{CopylessFallback, FloatDtype, GroupForm, GroupOutcome, QuantFormat, RowPath};
 use crate::error::Result;
-use candle_core::quantized::{QMatMul, QTensor};
-use candle_core::{DType, Module, Tensor};
+use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
+use candle_core::{DType, Device, Module, Tensor};
 use quantmesh_types::Residency;
+use std::sync::{Arc, OnceLock};
 
 /// `x · wᵀ` in `w`'s dtype, f32 in and out.
 fn float_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
@@ -31,10 +32,71 @@ fn float_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     })
 }
 
+/// Which grid candle's kernel quantizes the activations of `q` (`[out, in]`, quantized as
+/// `qt`) to. It depends on the weight format, the shape and the CPU (on x86 with VNNI,
+/// Q8_0 weights whose input width 256 divides run a repacked kernel on Q8_K activations;
+/// elsewhere Q8_0 blocks of 32), so it is measured rather than assumed: two probe rows are
+/// put on each candidate grid and multiplied by the kernel; on the kernel's own grid the
+/// product equals the dequantized weights' exactly (up to float summation), off it the
+/// kernel's re-quantization shows (≈ 1e-3). Checked on the first 16 output rows.
+fn activation_grid(
+    q: &QMatMul,
+    qt: &QTensor,
+    out_dim: usize,
+    in_dim: usize,
+) -> Result<Option<GgmlDType>> {
+    let dev = Device::Cpu;
+    let rows = out_dim.min(16);
+    let dt = qt.dtype();
+    let row_bytes = in_dim / dt.block_size() * dt.type_size();
+    let data = qt.data()?;
+    let head = QTensor::new(
+        QStorage::from_data(
+            std::borrow::Cow::Borrowed(&data[..rows * row_bytes]),
+            &dev,
+            dt,
+        )?,
+        (rows, in_dim),
+    )?
+    .dequantize(&dev)?;
+    // Deterministic probe rows with a spread of magnitudes (a few large channels).
+    let probe: Vec<f32> = (0..2 * in_dim)
+        .map(|i| {
+            let t = i as f32;
+            (t * 0.618_034).fract() * 2.0 - 1.0 + if i % 97 == 5 { 6.0 } else { 0.0 }
+        })
+        .collect();
+    let probe = Tensor::from_vec(probe, (2, in_dim), &dev)?;
+    let mut best: Option<(GgmlDType, f32)> = None;
+    for grid in [GgmlDType::Q8_0, GgmlDType::Q8K] {
+        if in_dim % grid.block_size() != 0 {
+            continue;
+        }
+        let on_grid = QTensor::quantize(&probe, grid)?.dequantize(&dev)?;
+        let got = q.forward(&on_grid)?.narrow(1, 0, rows)?;
+        let want = on_grid.matmul(&head.t()?)?;
+        let err = ((&got - &want)?.sqr()?.sum_all()?.to_scalar::<f32>()?
+            / want
+                .sqr()?
+                .sum_all()?
+                .to_scalar::<f32>()?
+                .max(f32::MIN_POSITIVE))
+        .sqrt();
+        if err < 1e-4 && best.is_none_or(|(_, e)| err < e) {
+            best = Some((grid, err));
+        }
+    }
+    Ok(best.map(|(g, _)| g))
+}
+
 pub struct DualLinear {
-    int8: Option<QMatMul>,
+    int8: Option<(QMatMul, Arc<QTensor>)>,
     /// How `int8` stores its weights.
     quant: QuantFormat,
+    /// The grid the kernel quantizes this group's activations to, found by
+    /// [`activation_grid`] on the first split-activation call (`None`: not reproducible, so
+    /// split activations would gain nothing and the rows take the plain INT8 path).
+    split_grid: OnceLock<Option<GgmlDType>>,
     float: Option<Tensor>,
     bias: Option<Tensor>,
     out_dim: usize,
@@ -64,10 +126,8 @@ impl DualLinear {
         let residency = form.residency;
         let (out_dim, in_dim) = weight.dims2()?;
         let int8 = if residency.has_int8() {
-            Some(QMatMul::from_qtensor(QTensor::quantize(
-                &weight,
-                form.quant.ggml(),
-            )?)?)
+            let q = Arc::new(QTensor::quantize(&weight, form.quant.ggml())?);
+            Some((QMatMul::from_arc(q.clone())?, q))
         } else {
             None
         };
@@ -79,6 +139,7 @@ impl DualLinear {
         Ok(Self {
             int8,
             quant: form.quant,
+            split_grid: OnceLock::new(),
             float,
             bias,
             out_dim,
@@ -134,39 +195,87 @@ impl DualLinear {
 
     fn int8_mm(&self, x: &Tensor) -> Result<Option<Tensor>> {
         match &self.int8 {
-            Some(q) => Ok(Some(q.forward(x)?)),
+            Some((q, _)) => Ok(Some(q.forward(x)?)),
             None => Ok(None),
         }
     }
 
-    /// The preferred path, falling back to whichever form is resident.
-    fn whole(&self, x: &Tensor, want_float: bool) -> Result<Tensor> {
-        let first = if want_float {
-            self.float_mm(x)?
-        } else {
-            self.int8_mm(x)?
+    /// The quantized weights with split activations: `x` is cut into the kernel's own
+    /// quantization of it, `x̂ = deq(q(x))`, and the remainder `x − x̂`; both go through the
+    /// kernel as one matmul of twice the rows and the halves are summed. `x̂` lies on the
+    /// kernel's grid, so the kernel reproduces it exactly; only the remainder (≈ 1/254 of a
+    /// block's step) is quantized again, so the activations carry ≈ 16 bits while the
+    /// weights keep their quantization error. Where the kernel's grid cannot be reproduced
+    /// this is the plain INT8 product.
+    fn split_mm(&self, x: &Tensor) -> Result<Option<Tensor>> {
+        let Some((q, qt)) = &self.int8 else {
+            return Ok(None);
         };
-        match first {
-            Some(y) => Ok(y),
+        let grid = match self.split_grid.get() {
+            Some(g) => *g,
             None => {
-                let other = if want_float {
-                    self.int8_mm(x)?
-                } else {
-                    self.float_mm(x)?
-                };
-                other.ok_or_else(|| {
-                    candle_core::Error::Msg("linear group has no resident weights".into()).into()
-                })
+                let g = activation_grid(q, qt, self.out_dim, self.in_dim)?;
+                if g.is_none() {
+                    tracing::warn!(
+                        out = self.out_dim,
+                        input = self.in_dim,
+                        format = self.quant.as_str(),
+                        "the kernel's activation grid is neither Q8_0 nor Q8_K here: split activations fall back to the INT8 path"
+                    );
+                }
+                *self.split_grid.get_or_init(|| g)
             }
+        };
+        let Some(grid) = grid else {
+            return self.int8_mm(x);
+        };
+        let rows = x.dim(0)?;
+        let x = x.contiguous()?;
+        let on_grid = QTensor::quantize(&x, grid)?.dequantize(x.device())?;
+        let rest = (&x - &on_grid)?;
+        let y = q.forward(&Tensor::cat(&[&on_grid, &rest], 0)?)?;
+        Ok(Some((y.narrow(0, 0, rows)? + y.narrow(0, rows, rows)?)?))
+    }
+
+    /// Every row through one path: float when `want_float` and a copy is resident; else the
+    /// quantized weights — with split activations for rows that wanted float when
+    /// `copyless` says so; a float-only group serves everything in float.
+    fn whole(&self, x: &Tensor, want_float: bool, copyless: CopylessFallback) -> Result<Tensor> {
+        let y = match (want_float, &self.float) {
+            (true, Some(w)) => Some(float_matmul(x, w)?),
+            (true, None) if copyless == CopylessFallback::SplitActivations => self.split_mm(x)?,
+            _ => self.int8_mm(x)?,
+        };
+        match y {
+            Some(y) => Ok(y),
+            None => self.float_mm(x)?.ok_or_else(|| {
+                candle_core::Error::Msg("linear group has no resident weights".into()).into()
+            }),
         }
     }
 
-    /// `x` is `[rows, in]`; returns `[rows, out]`.
-    pub fn forward(&self, x: &Tensor, path: &RowPath) -> Result<(Tensor, GroupOutcome)> {
+    /// `x` is `[rows, in]`; returns `[rows, out]`. Rows that want float in a group without a
+    /// float copy are served as `copyless` says and counted as unavailable.
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        path: &RowPath,
+        copyless: CopylessFallback,
+    ) -> Result<(Tensor, GroupOutcome)> {
         let rows = x.dim(0)?;
         let has_float = self.float.is_some();
         let has_int8 = self.int8.is_some();
+        let split = copyless == CopylessFallback::SplitActivations;
         let mut outcome = GroupOutcome::default();
+        // Counts for `n` rows that want float in a group holding only the quantized form.
+        let copyless_rows = |o: &mut GroupOutcome, n: usize| {
+            o.fallback_unavailable_rows += n;
+            if split {
+                o.split_rows += n;
+            } else {
+                o.int8_rows += n;
+            }
+        };
         let y = match path {
             RowPath::AllInt8 => {
                 if has_int8 {
@@ -174,38 +283,40 @@ impl DualLinear {
                 } else {
                     outcome.float_rows = rows
                 }
-                self.whole(x, false)?
+                self.whole(x, false, copyless)?
             }
             RowPath::AllFloat => {
                 if has_float {
                     outcome.float_rows = rows;
                 } else {
-                    outcome.int8_rows = rows;
-                    outcome.fallback_unavailable_rows = rows;
+                    copyless_rows(&mut outcome, rows);
                 }
-                self.whole(x, true)?
+                self.whole(x, true, copyless)?
             }
-            RowPath::Reference => return self.forward(x, &RowPath::AllFloat),
+            RowPath::Reference => return self.forward(x, &RowPath::AllFloat, copyless),
             RowPath::FloatRows(float_rows) if float_rows.is_empty() => {
-                return self.forward(x, &RowPath::AllInt8);
+                return self.forward(x, &RowPath::AllInt8, copyless);
             }
             RowPath::FloatRows(float_rows) if float_rows.len() == rows => {
-                return self.forward(x, &RowPath::AllFloat);
+                return self.forward(x, &RowPath::AllFloat, copyless);
             }
             RowPath::FloatRows(float_rows) => {
-                if !(has_float && has_int8) {
-                    // Only one form resident: every row takes it.
-                    let forced_float = has_float;
-                    outcome.float_rows = if forced_float { rows } else { 0 };
-                    outcome.int8_rows = rows - outcome.float_rows;
-                    if !has_float {
-                        outcome.fallback_unavailable_rows = float_rows.len();
-                    }
-                    self.whole(x, forced_float)?
-                } else {
-                    outcome.float_rows = float_rows.len();
+                if !has_int8 {
+                    // Float only: every row takes it.
+                    outcome.float_rows = rows;
+                    self.whole(x, true, copyless)?
+                } else if !has_float && !split {
                     outcome.int8_rows = rows - float_rows.len();
-                    self.split_rows(x, float_rows)?
+                    copyless_rows(&mut outcome, float_rows.len());
+                    self.whole(x, false, copyless)?
+                } else {
+                    if has_float {
+                        outcome.float_rows = float_rows.len();
+                    } else {
+                        copyless_rows(&mut outcome, float_rows.len());
+                    }
+                    outcome.int8_rows = rows - float_rows.len();
+                    self.split_rows(x, float_rows, copyless)?
                 }
             }
         };
@@ -232,9 +343,15 @@ impl DualLinear {
         Ok((y, outcome))
     }
 
-    /// Rows in `float_rows` through the float form, the rest through INT8, merged back
+    /// Rows in `float_rows` through the float form (or as `copyless` says when there is no
+    /// float copy), the rest through INT8, merged back
     /// into the original row order.
-    fn split_rows(&self, x: &Tensor, float_rows: &[usize]) -> Result<Tensor> {
+    fn split_rows(
+        &self,
+        x: &Tensor,
+        float_rows: &[usize],
+        copyless: CopylessFallback,
+    ) -> Result<Tensor> {
         let rows = x.dim(0)?;
         let mut is_float = vec![false; rows];
         for &r in float_rows {
@@ -247,8 +364,8 @@ impl DualLinear {
         let dev = x.device();
         let xi = x.index_select(&Tensor::new(int_rows.as_slice(), dev)?, 0)?;
         let xf = x.index_select(&Tensor::new(flt_rows.as_slice(), dev)?, 0)?;
-        let yi = self.whole(&xi, false)?;
-        let yf = self.whole(&xf, true)?;
+        let yi = self.whole(&xi, false, copyless)?;
+        let yf = self.whole(&xf, true, copyless)?;
         let stacked = Tensor::cat(&[&yi, &yf], 0)?;
         // position of original row r inside `stacked`
         let mut inverse = vec![0u32; rows];
@@ -285,11 +402,19 @@ mod tests {
             FloatDtype::F32,
         )
         .unwrap();
-        let (all_f, _) = lin.forward(&x, &RowPath::AllFloat).unwrap();
-        let (all_i, _) = lin.forward(&x, &RowPath::AllInt8).unwrap();
+        let (all_f, _) = lin
+            .forward(&x, &RowPath::AllFloat, CopylessFallback::Int8)
+            .unwrap();
+        let (all_i, _) = lin
+            .forward(&x, &RowPath::AllInt8, CopylessFallback::Int8)
+            .unwrap();
         let float_rows = vec![0, 3, 8];
         let (mixed, outcome) = lin
-            .forward(&x, &RowPath::FloatRows(float_rows.clone()))
+            .forward(
+                &x,
+                &RowPath::FloatRows(float_rows.clone()),
+                CopylessFallback::Int8,
+            )
             .unwrap();
         assert_eq!(outcome.float_rows, 3);
         assert_eq!(outcome.int8_rows, 6);
@@ -325,9 +450,13 @@ mod tests {
     fn int8_only_group_reports_unavailable_fallback() {
         let lin = DualLinear::new(rand(32, 64, 4), None, Residency::Int8, FloatDtype::F32).unwrap();
         let x = rand(4, 64, 5);
-        let (_, o) = lin.forward(&x, &RowPath::AllFloat).unwrap();
+        let (_, o) = lin
+            .forward(&x, &RowPath::AllFloat, CopylessFallback::Int8)
+            .unwrap();
         assert_eq!(o.fallback_unavailable_rows, 4);
-        let (_, o) = lin.forward(&x, &RowPath::FloatRows(vec![1])).unwrap();
+        let (_, o) = lin
+            .forward(&x, &RowPath::FloatRows(vec![1]), CopylessFallback::Int8)
+            .unwrap();
         assert_eq!(o.fallback_unavailable_rows, 1);
         assert_eq!(lin.residency(), Residency::Int8);
     }
@@ -337,7 +466,9 @@ mod tests {
         let w = rand(32, 64, 6);
         let x = rand(3, 64, 7);
         let lin = DualLinear::new(w.clone(), None, Residency::Float, FloatDtype::F32).unwrap();
-        let (y, _) = lin.forward(&x, &RowPath::AllInt8).unwrap();
+        let (y, _) = lin
+            .forward(&x, &RowPath::AllInt8, CopylessFallback::Int8)
+            .unwrap();
         let want = x.matmul(&w.t().unwrap()).unwrap();
         let d = (y - want)
             .unwrap()
@@ -376,11 +507,23 @@ mod tests {
         assert_eq!(q4.bytes_by_form().0, 64 * 128 / 32 * 18);
         assert_eq!(q8.bytes_by_form().0, 64 * 128 / 32 * 34);
         let (e8, e4) = (
-            err(&q8.forward(&x, &RowPath::AllInt8).unwrap().0),
-            err(&q4.forward(&x, &RowPath::AllInt8).unwrap().0),
+            err(&q8
+                .forward(&x, &RowPath::AllInt8, CopylessFallback::Int8)
+                .unwrap()
+                .0),
+            err(&q4
+                .forward(&x, &RowPath::AllInt8, CopylessFallback::Int8)
+                .unwrap()
+                .0),
         );
         assert!(e8 < e4 && e4 < 0.2, "Q8_0 {e8}, Q4_0 {e4}");
-        assert!(err(&q4.forward(&x, &RowPath::AllFloat).unwrap().0) < 1e-6);
+        assert!(
+            err(&q4
+                .forward(&x, &RowPath::AllFloat, CopylessFallback::Int8)
+                .unwrap()
+                .0)
+                < 1e-6
+        );
         // 256-wide inputs take Q4_K: the same bytes per weight, super-blocks of 256.
         let w = rand(64, 256, 10);
         assert_eq!(
@@ -390,5 +533,110 @@ mod tests {
         let k = DualLinear::with_form(w, None, form(QuantFormat::Q4K), FloatDtype::F32).unwrap();
         assert_eq!(k.bytes_by_form().0, 64 * 256 / 256 * 144);
         assert_eq!(k.bytes_by_form().0, QuantFormat::Q4_0.bytes(64 * 256));
+    }
+}
+
+#[cfg(test)]
+mod split_tests {
+    use super::*;
+
+    fn rand(rows: usize, cols: usize, seed: u64) -> Tensor {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let v: Vec<f32> = (0..rows * cols).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        Tensor::from_vec(v, (rows, cols), &Device::Cpu).unwrap()
+    }
+
+    /// Split activations leave only the weights' quantization error: against the product of
+    /// the dequantized weights, the plain INT8 path has the activations' 8-bit error and
+    /// the split path ≥ 20× less — for every format, at widths where candle runs its
+    /// repacked kernel (256 divides the input) and where it does not, at 1 and 5 rows.
+    #[test]
+    fn split_activations_remove_the_activation_error() {
+        let cases = [
+            (QuantFormat::Q8_0, 512),
+            (QuantFormat::Q8_0, 576),
+            (QuantFormat::Q4_0, 576),
+            (QuantFormat::Q4K, 512),
+        ];
+        for (fmt, in_dim) in cases {
+            let w = rand(64, in_dim, 1);
+            let form = GroupForm {
+                residency: Residency::Int8,
+                quant: fmt,
+            };
+            let lin = DualLinear::with_form(w.clone(), None, form, FloatDtype::F32).unwrap();
+            let deq = QTensor::quantize(&w, fmt.ggml())
+                .unwrap()
+                .dequantize(&Device::Cpu)
+                .unwrap();
+            for rows in [1, 5] {
+                let x = rand(rows, in_dim, 2);
+                let want = x.matmul(&deq.t().unwrap()).unwrap();
+                let err = |y: &Tensor| {
+                    let d = (y - &want).unwrap().sqr().unwrap().sum_all().unwrap();
+                    let n = want.sqr().unwrap().sum_all().unwrap();
+                    (d.to_scalar::<f32>().unwrap() / n.to_scalar::<f32>().unwrap()).sqrt()
+                };
+                let plain = err(&lin.int8_mm(&x).unwrap().unwrap());
+                let split = err(&lin.split_mm(&x).unwrap().unwrap());
+                assert!(
+                    plain > 1e-3,
+                    "{fmt:?} {in_dim} rows {rows}: int8 error {plain}"
+                );
+                assert!(
+                    split * 20.0 < plain,
+                    "{fmt:?} {in_dim} rows {rows}: split {split} vs int8 {plain}"
+                );
+            }
+        }
+    }
+
+    /// Through `forward`: rows that want float in an INT8-only group are counted as
+    /// unavailable and served split (or plain INT8 when configured so); the other rows of
+    /// the step stay on the plain INT8 path.
+    #[test]
+    fn copyless_rows_are_split_and_counted() {
+        let lin = DualLinear::new(rand(32, 64, 4), None, Residency::Int8, FloatDtype::F32).unwrap();
+        let x = rand(4, 64, 5);
+        let (plain, _) = lin
+            .forward(&x, &RowPath::AllInt8, CopylessFallback::SplitActivations)
+            .unwrap();
+        let (split_all, o) = lin
+            .forward(&x, &RowPath::AllFloat, CopylessFallback::SplitActivations)
+            .unwrap();
+        assert_eq!(
+            (o.fallback_unavailable_rows, o.split_rows, o.int8_rows),
+            (4, 4, 0)
+        );
+        let (mixed, o) = lin
+            .forward(
+                &x,
+                &RowPath::FloatRows(vec![1, 2]),
+                CopylessFallback::SplitActivations,
+            )
+            .unwrap();
+        assert_eq!(
+            (o.fallback_unavailable_rows, o.split_rows, o.int8_rows),
+            (2, 2, 2)
+        );
+        let row = |t: &Tensor, r: usize| t.get(r).unwrap().to_vec1::<f32>().unwrap();
+        for r in 0..4 {
+            let want = if r == 1 || r == 2 { &split_all } else { &plain };
+            for (a, b) in row(&mixed, r).iter().zip(row(want, r)) {
+                assert!(
+                    (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                    "row {r}: {a} vs {b}"
+                );
+            }
+        }
+        assert_ne!(row(&split_all, 1), row(&plain, 1));
+        let (_, o) = lin
+            .forward(&x, &RowPath::FloatRows(vec![1]), CopylessFallback::Int8)
+            .unwrap();
+        assert_eq!(
+            (o.fallback_unavailable_rows, o.split_rows, o.int8_rows),
+            (1, 0, 4)
+        );
     }
 }

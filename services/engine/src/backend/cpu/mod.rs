@@ -218,7 +218,7 @@ impl LlamaModel {
             (Some(r), RowPath::Reference) if !lin.residency().has_float() => {
                 lin.forward_with(input, &r.weight(g)?)
             }
-            _ => lin.forward(input, path),
+            _ => lin.forward(input, path, self.forms.copyless),
         }
     }
 }
@@ -403,7 +403,11 @@ impl Backend for LlamaModel {
             if !coupled.is_empty() && gate_up.residency().has_float() {
                 let idx: Vec<u32> = coupled.iter().map(|&r| r as u32).collect();
                 let idx = Tensor::new(idx.as_slice(), &dev)?;
-                let (gu_f, o) = gate_up.forward(&h.index_select(&idx, 0)?, &RowPath::AllFloat)?;
+                let (gu_f, o) = gate_up.forward(
+                    &h.index_select(&idx, 0)?,
+                    &RowPath::AllFloat,
+                    self.forms.copyless,
+                )?;
                 router.record(g(GroupKind::GateUp), o);
                 act = replace_rows(&act, &coupled, &swiglu_fused(&gu_f, inter)?)?;
             }
