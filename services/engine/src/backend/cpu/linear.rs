@@ -69,7 +69,7 @@ fn activation_grid(
     let probe = Tensor::from_vec(probe, (2, in_dim), &dev)?;
     let mut best: Option<(GgmlDType, f32)> = None;
     for grid in [GgmlDType::Q8_0, GgmlDType::Q8K] {
-        if in_dim % grid.block_size() != 0 {
+        if !in_dim.is_multiple_of(grid.block_size()) {
             continue;
         }
         let on_grid = QTensor::quantize(&probe, grid)?.dequantize(&dev)?;
