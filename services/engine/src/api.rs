@@ -36,12 +36,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use tokio::sync::mpsc;
 
-pub use crate::backend::{EmbeddingDtype, FloatDtype, Forms, WeightBytes};
+pub use crate::backend::{CopylessFallback, EmbeddingDtype, FloatDtype, Forms, WeightBytes};
 pub use crate::budget::FloatBudget;
 pub use crate::config::EngineConfig;
 pub use crate::error::{EngineError, ModelError};
 pub use crate::events::EventSink;
-pub use crate::kv::KvFloatDtype;
+pub use crate::kv::{KvFloatDtype, KvScale};
 pub use crate::metrics::EngineMetrics as Metrics;
 pub use crate::monitor::{
     Decision, DecisionCount, ForceMode, GroupMode, GroupReport, MonitorConfig, MonitorReport,
@@ -295,7 +295,12 @@ impl Wiring {
         metrics.set_weights(&weights);
         let layers = mcfg.num_hidden_layers;
         let kv_bytes = |int8| {
-            KvCache::bytes_per_token_layer_for(mcfg.kv_dim(), cfg.kv_float_dtype, int8) * layers
+            KvCache::bytes_per_token_layer_for(
+                mcfg.kv_dim(),
+                cfg.kv_scale.count(mcfg.kv_dim(), mcfg.head_dim()),
+                cfg.kv_float_dtype,
+                int8,
+            ) * layers
         };
         let stats = StatsCell::new(EngineStats {
             kv_pages_total: cfg.num_pages,
@@ -368,7 +373,8 @@ impl Wiring {
             cfg.page_size,
             mcfg.kv_dim(),
             cfg.kv_float_dtype,
-        );
+        )
+        .with_scale(cfg.kv_scale, mcfg.head_dim());
         let state = Arc::new(Mutex::new(ExecutorState {
             backend,
             kv,

@@ -3,7 +3,7 @@
 use crate::backend::{CopylessFallback, EmbeddingDtype, FloatDtype, Forms};
 use crate::budget::FloatBudget;
 use crate::error::EngineError;
-use crate::kv::KvFloatDtype;
+use crate::kv::{KvFloatDtype, KvScale};
 use quantmesh_types::Residency;
 use serde::{Deserialize, Serialize};
 
@@ -41,6 +41,9 @@ pub struct EngineConfig {
     /// KV cache precision at start for every layer: `true` = INT8 (C8).
     pub kv_int8: bool,
     pub kv_float_dtype: KvFloatDtype,
+    /// Channels sharing one C8 scale: `token` (the whole K or V vector, the seed's) or
+    /// `head` (one scale per KV head).
+    pub kv_scale: KvScale,
     /// Reuse full KV pages across requests with the same prefix.
     pub prefix_caching: bool,
     /// The activation monitor (statistics, fallback decisions, shadow KL).
@@ -78,6 +81,7 @@ impl Default for EngineConfig {
             copyless_fallback: CopylessFallback::default(),
             kv_int8: true,
             kv_float_dtype: KvFloatDtype::F16,
+            kv_scale: KvScale::default(),
             prefix_caching: true,
             monitor: Default::default(),
             sensitive_layers: None,

@@ -18,7 +18,7 @@ use crate::backend::cpu::LlamaModel;
 use crate::backend::{SeqChunk, StepInput};
 use crate::config::EngineConfig;
 use crate::error::{EngineError, Result};
-use crate::kv::{BlockManager, KvCache, KvFloatDtype};
+use crate::kv::{BlockManager, KvCache, KvFloatDtype, KvScale};
 use crate::monitor::{GroupMode, MonitorConfig};
 use crate::precision::{PathMask, StepRunner};
 use quantmesh_model::recipe::{self, Planted, Recipe};
@@ -382,8 +382,19 @@ pub async fn run_case(dir: &Path, r: &Recipe, opts: &EvalOptions) -> Result<Case
     })
 }
 
-/// An empty KV cache (f16 float pages) and its block manager: `pages` pages of `page` tokens.
+/// An empty KV cache (f16 float pages, the default C8 scale) and its block manager: `pages`
+/// pages of `page` tokens.
 pub fn scratch_cache(cfg: &ModelConfig, pages: usize, page: usize) -> (KvCache, BlockManager) {
+    scratch_cache_with(cfg, pages, page, KvScale::default())
+}
+
+/// [`scratch_cache`] with C8 scales as `scale` says.
+pub fn scratch_cache_with(
+    cfg: &ModelConfig,
+    pages: usize,
+    page: usize,
+    scale: KvScale,
+) -> (KvCache, BlockManager) {
     (
         KvCache::new(
             cfg.num_hidden_layers,
@@ -391,7 +402,8 @@ pub fn scratch_cache(cfg: &ModelConfig, pages: usize, page: usize) -> (KvCache, 
             page,
             cfg.kv_dim(),
             KvFloatDtype::F16,
-        ),
+        )
+        .with_scale(scale, cfg.head_dim()),
         BlockManager::new(pages, page, false),
     )
 }

@@ -429,3 +429,73 @@ async fn an_optional_plan_source_may_start_empty_and_is_applied_once_published()
     assert_eq!(st.residency["layers.0.o"], Residency::Int8);
     assert_eq!(run_alone(&e, "Hello there", 4).await.len(), 4);
 }
+
+/// An INT8-only group pinned to float through the real engine: with
+/// `copyless_fallback = "split_activations"` its rows are counted as unavailable *and* served
+/// split; with `int8` only counted. `kv_scale = "head"` is what the cache is built with (its
+/// bytes per token carry one scale per KV head).
+#[actix_rt::test]
+async fn copyless_rows_are_served_split_and_kv_scales_follow_the_config() {
+    use quantmesh_engine::api::{CopylessFallback, ForceMode, KvScale};
+    use quantmesh_model::ModelConfig;
+    use quantmesh_types::{GroupId, GroupKind};
+    let dir = tempfile::tempdir().unwrap();
+    init_model(dir.path(), &InitOptions::default()).unwrap();
+    let mcfg = ModelConfig::load(dir.path()).unwrap();
+    let mut split_counts = Vec::new();
+    for (copyless, kv_scale) in [
+        (CopylessFallback::SplitActivations, KvScale::Head),
+        (CopylessFallback::Int8, KvScale::Token),
+    ] {
+        // Every group INT8-only but `layers.1.o`, which is pinned to float; with one group in
+        // fallback over a 0 share, the monitor puts whole batches in float at the next window,
+        // so every INT8-only group then has rows that want float.
+        let cfg = EngineConfig {
+            default_residency: Residency::Int8,
+            group_residency: [("layers.1.o".to_string(), Residency::Dual)].into(),
+            copyless_fallback: copyless,
+            kv_scale,
+            monitor: quantmesh_engine::api::MonitorConfig {
+                window_requests: 1,
+                batch_group_share: 0.0,
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let e = engine(dir.path(), cfg).await;
+        let scales = match kv_scale {
+            KvScale::Head => mcfg.num_kv_heads(),
+            KvScale::Token => 1,
+        };
+        assert_eq!(
+            e.stats().kv_bytes_per_token_int8,
+            mcfg.num_hidden_layers * 2 * (mcfg.kv_dim() + 4 * scales)
+        );
+        e.force_group(GroupId::new(1, GroupKind::O), ForceMode::Float)
+            .await
+            .unwrap();
+        // the monitor publishes the mask asynchronously: generate until the rows show up
+        // (bounded: 50 requests)
+        let mut s = e.stats();
+        for _ in 0..50 {
+            let toks = run_alone(&e, "Once upon a time", 4).await;
+            assert_eq!(toks.len(), 4);
+            s = e.stats();
+            if s.fallback_unavailable_rows > 0 {
+                break;
+            }
+        }
+        assert!(
+            s.fallback_unavailable_rows > 0,
+            "{copyless:?}: no row wanted float"
+        );
+        match copyless {
+            CopylessFallback::SplitActivations => {
+                assert_eq!(s.split_rows, s.fallback_unavailable_rows)
+            }
+            CopylessFallback::Int8 => assert_eq!(s.split_rows, 0),
+        }
+        split_counts.push(s.split_rows);
+    }
+    assert!(split_counts[0] > 0);
+}

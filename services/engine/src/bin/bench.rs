@@ -14,7 +14,7 @@
 
 use quantmesh_engine::backend::cpu::LlamaModel;
 use quantmesh_engine::backend::{Backend, FloatDtype, StepInput};
-use quantmesh_engine::kv::{BlockManager, KvCache, KvFloatDtype};
+use quantmesh_engine::kv::{BlockManager, KvCache};
 use quantmesh_engine::precision::{PathMask, StepRunner};
 use quantmesh_model::bundled::{init_model, InitOptions, ModelSize};
 use quantmesh_model::ModelConfig;
@@ -106,6 +106,17 @@ fn parse() -> Result<Args, String> {
             "--quant-formats" => a.quant_formats = true,
             "--memory-table" => a.memory_table = Some(v()?.into()),
             "--float-budget" => a.float_budget = v()?.parse()?,
+            "--kv-scale" => {
+                use quantmesh_engine::kv::KvScale;
+                let scale = match v()?.as_str() {
+                    "token" => KvScale::Token,
+                    "head" => KvScale::Head,
+                    other => return Err(format!("--kv-scale {other:?}: token or head")),
+                };
+                KV_SCALE
+                    .set(scale)
+                    .map_err(|_| "--kv-scale given twice".to_string())?;
+            }
             "--copyless-fallback" => {
                 use quantmesh_engine::backend::CopylessFallback;
                 a.copyless = match v()?.as_str() {
@@ -148,7 +159,7 @@ fn parse() -> Result<Args, String> {
                     .collect::<Result<_, _>>()?
             }
             "-h" | "--help" => {
-                println!("quantmesh-engine-bench [--size tiny|small|medium | --model PATH] [--prompt-len N] [--decode-steps N] [--batches 1,8,32] [--per-group] [--ppl-text FILE] [--ppl-tokens N] [--json FILE] [--plans float,int8,dual] [--float-dtype f16|bf16|f32] [--embeddings q8_0|f16|f32] [--copyless-fallback split_activations|int8] [--float-dtypes] [--quant-formats [--ppl-text FILE]] [--memory-table PLAN.json --ppl-text FILE [--float-budget 10%] [--memory-rows 2,3,4]] [--shadow-cost]");
+                println!("quantmesh-engine-bench [--size tiny|small|medium | --model PATH] [--prompt-len N] [--decode-steps N] [--batches 1,8,32] [--per-group] [--ppl-text FILE] [--ppl-tokens N] [--json FILE] [--plans float,int8,dual] [--float-dtype f16|bf16|f32] [--embeddings q8_0|f16|f32] [--copyless-fallback split_activations|int8] [--kv-scale token|head] [--float-dtypes] [--quant-formats [--ppl-text FILE]] [--memory-table PLAN.json --ppl-text FILE [--float-budget 10%] [--memory-rows 2,3,4]] [--shadow-cost]");
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument {other}")),
@@ -157,8 +168,12 @@ fn parse() -> Result<Args, String> {
     Ok(a)
 }
 
+/// C8 scales of every cache the bench makes (`--kv-scale`; set once at start).
+static KV_SCALE: std::sync::OnceLock<quantmesh_engine::kv::KvScale> = std::sync::OnceLock::new();
+
 fn cache(cfg: &ModelConfig, pages: usize, page: usize) -> (KvCache, BlockManager) {
-    quantmesh_engine::evaluation::scratch_cache(cfg, pages, page)
+    let scale = KV_SCALE.get().copied().unwrap_or_default();
+    quantmesh_engine::evaluation::scratch_cache_with(cfg, pages, page, scale)
 }
 
 /// `b` synthetic prompts of printable tokens, admitted with room for `decode_steps` more.
@@ -222,6 +237,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         args.prompt_len,
         args.decode_steps
     );
+    if let Some(plan) = &args.memory_table {
+        // The memory table alone: its rows carry their own speed columns.
+        let text = args
+            .ppl_text
+            .as_deref()
+            .ok_or("--memory-table needs --ppl-text FILE")?;
+        return memory_table(&dir, &cfg, plan, text, &args);
+    }
     let page = 16;
     let max_b = args.batches.iter().copied().max().unwrap_or(1);
     let pages = max_b * (args.prompt_len + args.decode_steps).div_ceil(page) + 8;
@@ -276,13 +299,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             );
         }
     }
-    let kv = KvCache::new(
-        cfg.num_hidden_layers,
-        1,
-        page,
-        cfg.kv_dim(),
-        KvFloatDtype::F16,
-    );
+    let (kv, _) = cache(&cfg, 1, page);
     let (q, f) = (
         kv.bytes_per_token_layer(true) * cfg.num_hidden_layers,
         kv.bytes_per_token_layer(false) * cfg.num_hidden_layers,
@@ -310,13 +327,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     if args.shadow_cost {
         shadow_cost_section(&dir, &cfg, &args)?;
-    }
-    if let Some(plan) = &args.memory_table {
-        let text = args
-            .ppl_text
-            .as_deref()
-            .ok_or("--memory-table needs --ppl-text FILE")?;
-        memory_table(&dir, &cfg, plan, text, &args)?;
     }
     println!();
     println!(
@@ -896,10 +906,24 @@ fn teacher_forced(
     mask: &PathMask,
     kv_int8: bool,
 ) -> Result<(f64, f64), Box<dyn std::error::Error>> {
+    let (ppl, kls) = teacher_forced_tokens(model, reference, cfg, ids, mask, kv_int8)?;
+    Ok((ppl, kls.iter().sum::<f64>() / kls.len().max(1) as f64))
+}
+
+/// As [`teacher_forced`], with every token's KL (for quantiles: the mean is carried by a few
+/// tokens, so configurations are compared on the median and tail too).
+fn teacher_forced_tokens(
+    model: &LlamaModel,
+    reference: &LlamaModel,
+    cfg: &ModelConfig,
+    ids: &[u32],
+    mask: &PathMask,
+    kv_int8: bool,
+) -> Result<(f64, Vec<f64>), Box<dyn std::error::Error>> {
     let page = 16;
     let all_float = PathMask::all_groups_float(cfg.num_hidden_layers);
     let (mut runner, mut ref_runner) = (StepRunner::default(), StepRunner::default());
-    let (mut nll, mut kl, mut n) = (0f64, 0f64, 0usize);
+    let (mut nll, mut kls) = (0f64, Vec::with_capacity(ids.len()));
     for (wi, window) in ids.chunks(KL_WINDOW).enumerate() {
         let (mut kv, mut bm) = cache(cfg, KL_WINDOW.div_ceil(page) + 2, page);
         let (mut rkv, mut rbm) = cache(cfg, KL_WINDOW.div_ceil(page) + 2, page);
@@ -922,12 +946,20 @@ fn teacher_forced(
             let m = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
             let z: f64 = logits.iter().map(|x| (*x as f64 - m).exp()).sum();
             nll -= logits[pair[1] as usize] as f64 - m - z.ln();
-            kl += quantmesh_model::ops::kl_logits(&want, &logits);
-            n += 1;
+            kls.push(quantmesh_model::ops::kl_logits(&want, &logits));
         }
     }
-    let n = n.max(1) as f64;
-    Ok(((nll / n).exp(), kl / n))
+    let n = kls.len().max(1) as f64;
+    Ok(((nll / n).exp(), kls))
+}
+
+/// The `q`-quantile (0..=1) of `v` (nearest rank; 0 for an empty slice).
+fn quantile(v: &[f64], q: f64) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    s.get(((s.len() as f64 - 1.0) * q).round().max(0.0) as usize)
+        .copied()
+        .unwrap_or(0.0)
 }
 
 fn rss_mib(key: &str) -> Option<f64> {
@@ -1113,8 +1145,8 @@ fn memory_table(
         text.display()
     );
     println!();
-    println!("| configuration | int8 / float / other MiB | total MiB | × all-f16 | RSS at load MiB | prefill tok/s (b1, 128) | decode tok/s (b1) | perplexity | mean KL |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("| configuration | int8 / float / other MiB | total MiB | × all-f16 | RSS at load MiB | prefill tok/s (b1, 128) | decode tok/s (b1) | perplexity | mean KL | median KL | p99 KL | worst 1 % share |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     for (name, resid, forms, mask_from, kv_int8) in configs {
         let rss0 = rss_mib("VmRSS:").unwrap_or(f64::NAN);
         let model = LlamaModel::load_from(&ck, cfg, &*resid, forms)?;
@@ -1150,17 +1182,27 @@ fn memory_table(
             }
             (prefill, 32.0 / t.elapsed().as_secs_f64())
         };
-        let (ppl, kl) = teacher_forced(&model, &reference, cfg, &ids, &mask, kv_int8)?;
+        let (ppl, kls) = teacher_forced_tokens(&model, &reference, cfg, &ids, &mask, kv_int8)?;
+        let kl = kls.iter().sum::<f64>() / kls.len().max(1) as f64;
+        let top = {
+            // share of the total KL carried by the 1 % worst tokens
+            let mut s = kls.clone();
+            s.sort_by(|a, b| b.total_cmp(a));
+            let k = s.len().div_ceil(100);
+            s[..k].iter().sum::<f64>() / s.iter().sum::<f64>().max(f64::MIN_POSITIVE)
+        };
+        let (p50, p99) = (quantile(&kls, 0.5), quantile(&kls, 0.99));
         let mib = |b: usize| b as f64 / (1 << 20) as f64;
         println!(
-            "| {name} | {:.1} / {:.1} / {:.1} | {:.1} | {:.2} | {rss:.0} | {prefill:.0} | {decode:.1} | {:.3} | {:.5} |",
+            "| {name} | {:.1} / {:.1} / {:.1} | {:.1} | {:.2} | {rss:.0} | {prefill:.0} | {decode:.1} | {:.3} | {:.5} | {p50:.5} | {p99:.4} | {:.0} % |",
             mib(w.int8),
             mib(w.float),
             mib(w.other),
             mib(w.total()),
             w.ratio_to_f16(),
             ppl,
-            kl
+            kl,
+            100.0 * top
         );
     }
     Ok(())

@@ -117,10 +117,34 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     lanes.iter().sum::<f32>() + tail
 }
 
+/// Channels of a token's K (or V) vector that share one C8 scale (`engine.kv_scale`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KvScale {
+    /// One scale for the whole `kv_dim` vector (every KV head): the seed's per-token scale.
+    #[default]
+    Token,
+    /// One scale per KV head (`head_dim` channels): a head whose keys carry large RoPE
+    /// channels no longer coarsens the other heads' grid. 4 more bytes per extra head.
+    Head,
+}
+
+impl KvScale {
+    /// Scales per token vector of `kv_dim` channels in heads of `head_dim`.
+    pub fn count(self, kv_dim: usize, head_dim: usize) -> usize {
+        match self {
+            KvScale::Token => 1,
+            KvScale::Head => kv_dim / head_dim.max(1),
+        }
+    }
+}
+
 pub struct KvCache {
     page_size: usize,
     kv_dim: usize,
     float_dtype: KvFloatDtype,
+    /// Channels per C8 scale (divides `kv_dim`).
+    scale_width: usize,
     /// `layers[l][page]`
     layers: Vec<Vec<PageData>>,
 }
@@ -137,25 +161,42 @@ impl KvCache {
             page_size,
             kv_dim,
             float_dtype,
+            scale_width: kv_dim,
             layers: (0..num_layers)
                 .map(|_| vec![PageData::default(); num_pages])
                 .collect(),
         }
     }
 
+    /// C8 scales per token as `scale` says for heads `head_dim` wide (default: one per
+    /// token). A `head_dim` that does not divide `kv_dim` keeps one scale per token.
+    pub fn with_scale(mut self, scale: KvScale, head_dim: usize) -> Self {
+        let n = scale.count(self.kv_dim, head_dim);
+        if n > 0 && n * head_dim == self.kv_dim {
+            self.scale_width = self.kv_dim / n;
+        }
+        self
+    }
+
+    /// Scales per token vector.
+    fn scales(&self) -> usize {
+        self.kv_dim / self.scale_width
+    }
+
     /// Bytes one token occupies in one layer (K and V) in each precision.
     pub fn bytes_per_token_layer(&self, int8: bool) -> usize {
-        Self::bytes_per_token_layer_for(self.kv_dim, self.float_dtype, int8)
+        Self::bytes_per_token_layer_for(self.kv_dim, self.scales(), self.float_dtype, int8)
     }
 
     /// [`KvCache::bytes_per_token_layer`] for a cache of this geometry, without one.
     pub fn bytes_per_token_layer_for(
         kv_dim: usize,
+        scales: usize,
         float_dtype: KvFloatDtype,
         int8: bool,
     ) -> usize {
         if int8 {
-            2 * (kv_dim + 4)
+            2 * (kv_dim + 4 * scales)
         } else {
             let w = match float_dtype {
                 KvFloatDtype::F16 => 2,
@@ -183,6 +224,7 @@ impl KvCache {
     /// Write one token's K and V into `slot` of `layer`, in INT8 when `int8`.
     pub fn write(&mut self, layer: usize, slot: Slot, k: &[f32], v: &[f32], int8: bool) {
         let (ps, d, dtype) = (self.page_size, self.kv_dim, self.float_dtype);
+        let (w, ns) = (self.scale_width, self.scales());
         let page = &mut self.layers[layer][slot.page as usize];
         if page.tag.is_empty() {
             page.tag = vec![EMPTY; ps];
@@ -192,11 +234,16 @@ impl KvCache {
             let q = page.quant.get_or_insert_with(|| Quant {
                 k: vec![0; ps * d],
                 v: vec![0; ps * d],
-                k_scale: vec![0.0; ps],
-                v_scale: vec![0.0; ps],
+                k_scale: vec![0.0; ps * ns],
+                v_scale: vec![0.0; ps * ns],
             });
-            q.k_scale[slot.offset] = quantize_c8(k, &mut q.k[at..at + d]);
-            q.v_scale[slot.offset] = quantize_c8(v, &mut q.v[at..at + d]);
+            for c in 0..ns {
+                let (lo, hi) = (c * w, (c + 1) * w);
+                q.k_scale[slot.offset * ns + c] =
+                    quantize_c8(&k[lo..hi], &mut q.k[at + lo..at + hi]);
+                q.v_scale[slot.offset * ns + c] =
+                    quantize_c8(&v[lo..hi], &mut q.v[at + lo..at + hi]);
+            }
             page.tag[slot.offset] = INT8;
         } else {
             let (fk, fv) = page.float.get_or_insert_with(|| {
@@ -239,13 +286,25 @@ impl KvCache {
         match page.tag.get(off).copied().unwrap_or(EMPTY) {
             INT8 => {
                 if let Some(q) = &page.quant {
-                    let (ks, vs) = (q.k_scale[off], q.v_scale[off]);
-                    k.iter_mut()
-                        .zip(&q.k[at..at + hd])
-                        .for_each(|(o, x)| *o = *x as f32 * ks);
-                    v.iter_mut()
-                        .zip(&q.v[at..at + hd])
-                        .for_each(|(o, x)| *o = *x as f32 * vs);
+                    // Runs of channels that share one scale (the whole head, or a part of
+                    // it when scale groups are narrower than a head).
+                    let (w, ns) = (self.scale_width, self.scales());
+                    let mut i = 0;
+                    while i < hd {
+                        let ch = g * hd + i;
+                        let end = ((ch / w + 1) * w - g * hd).min(hd);
+                        let si = off * ns + ch / w;
+                        let (ks, vs) = (q.k_scale[si], q.v_scale[si]);
+                        k[i..end]
+                            .iter_mut()
+                            .zip(&q.k[at + i..at + end])
+                            .for_each(|(o, x)| *o = *x as f32 * ks);
+                        v[i..end]
+                            .iter_mut()
+                            .zip(&q.v[at + i..at + end])
+                            .for_each(|(o, x)| *o = *x as f32 * vs);
+                        i = end;
+                    }
                 }
             }
             FLOAT => {
@@ -451,5 +510,59 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Per-head C8 scales: a head of small values next to a head with a large channel keeps
+    /// its own grid (error bounded by half of *its* step, not the large head's), both in
+    /// `gather` (whole rows) and in attention's per-head reads; the scales cost 4 bytes per
+    /// head per vector; per-token scales on the same data show the coarse grid.
+    #[test]
+    fn per_head_scales_keep_a_quiet_head_on_its_own_grid() {
+        let (nkv, hd) = (3, 8);
+        let d = nkv * hd;
+        // head 0 quiet (|x| ≤ 0.1), head 1 carries a channel of 50, head 2 ordinary (≤ 1)
+        let tok: Vec<f32> = (0..d)
+            .map(|j| match j / hd {
+                0 => 0.1 * ((j as f32) * 0.7).sin(),
+                1 if j % hd == 3 => 50.0,
+                _ => ((j as f32) * 1.3).cos(),
+            })
+            .collect();
+        let max_err = |kv: &KvCache, head: usize| {
+            let (k, v) = kv.gather(0, &[0], 1);
+            (head * hd..(head + 1) * hd)
+                .map(|j| (k[j] - tok[j]).abs().max((v[j] - tok[j]).abs()))
+                .fold(0f32, f32::max)
+        };
+        let write = |scale| {
+            let mut kv = KvCache::new(1, 1, 4, d, KvFloatDtype::F32).with_scale(scale, hd);
+            kv.write(0, Slot { page: 0, offset: 0 }, &tok, &tok, true);
+            kv
+        };
+        let (per_head, per_token) = (write(KvScale::Head), write(KvScale::Token));
+        let half_step = |amax: f32| amax / 127.0 / 2.0 + 1e-7;
+        assert!(max_err(&per_head, 0) <= half_step(0.1));
+        assert!(max_err(&per_head, 1) <= half_step(50.0));
+        assert!(max_err(&per_head, 2) <= half_step(1.0));
+        // per token, the quiet head rounds on the loud head's grid: most of it reads 0
+        assert!(max_err(&per_token, 0) > half_step(0.1) * 10.0);
+        // attention's per-head read decodes the same values as `gather`
+        let (mut k, mut v) = (vec![0f32; hd], vec![0f32; hd]);
+        per_head.read_head(0, &[0], 0, 2, &mut k, &mut v);
+        let (gk, _) = per_head.gather(0, &[0], 1);
+        assert_eq!(k, gk[2 * hd..3 * hd]);
+        assert_eq!(
+            per_head.bytes_per_token_layer(true),
+            per_token.bytes_per_token_layer(true) + 2 * 4 * (nkv - 1)
+        );
+        assert_eq!(
+            KvCache::bytes_per_token_layer_for(
+                d,
+                KvScale::Head.count(d, hd),
+                KvFloatDtype::F32,
+                true
+            ),
+            per_head.bytes_per_token_layer(true)
+        );
     }
 }

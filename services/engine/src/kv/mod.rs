@@ -7,4 +7,4 @@ pub mod blocks;
 pub mod cache;
 
 pub use blocks::{salt_of, BlockManager, PageId, SeqId, Slot};
-pub use cache::{KvCache, KvFloatDtype};
+pub use cache::{KvCache, KvFloatDtype, KvScale};
