@@ -36,7 +36,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use tokio::sync::mpsc;
 
-pub use crate::backend::{CopylessFallback, EmbeddingDtype, FloatDtype, Forms, WeightBytes};
+pub use crate::backend::{EmbeddingDtype, FloatDtype, Forms, SplitActivations, WeightBytes};
 pub use crate::budget::FloatBudget;
 pub use crate::config::EngineConfig;
 pub use crate::error::{EngineError, ModelError};

@@ -1,6 +1,6 @@
 //! Engine configuration: cache geometry, batching limits, the default precision plan.
 
-use crate::backend::{CopylessFallback, EmbeddingDtype, FloatDtype, Forms};
+use crate::backend::{EmbeddingDtype, FloatDtype, Forms, SplitActivations};
 use crate::budget::FloatBudget;
 use crate::error::EngineError;
 use crate::kv::{KvFloatDtype, KvScale};
@@ -33,11 +33,11 @@ pub struct EngineConfig {
     pub float_budget: FloatBudget,
     /// How the token embedding and `lm_head` are stored (`q8_0`, `f16`, `f32`).
     pub embeddings: EmbeddingDtype,
-    /// What rows that want float get in a group without a float copy (INT8-only, e.g. over
-    /// the float budget): `int8` (the plain INT8 path, default) or `split_activations` (the
-    /// quantized weights with ≈ 16-bit activations, no extra memory). Counted as "wanted
-    /// fallback, unavailable" either way.
-    pub copyless_fallback: CopylessFallback,
+    /// Which rows on the quantized path carry ≈ 16-bit activations (two 8-bit parts; no
+    /// extra memory, twice the rows through the kernel): `off` (default), `copyless` (rows
+    /// that want float in a group without a float copy, e.g. over the float budget) or
+    /// `all`.
+    pub split_activations: SplitActivations,
     /// KV cache precision at start for every layer: `true` = INT8 (C8).
     pub kv_int8: bool,
     pub kv_float_dtype: KvFloatDtype,
@@ -78,7 +78,7 @@ impl Default for EngineConfig {
             float_dtype: FloatDtype::default(),
             float_budget: FloatBudget::default(),
             embeddings: EmbeddingDtype::default(),
-            copyless_fallback: CopylessFallback::default(),
+            split_activations: SplitActivations::default(),
             kv_int8: true,
             kv_float_dtype: KvFloatDtype::F16,
             kv_scale: KvScale::default(),
@@ -98,7 +98,7 @@ impl EngineConfig {
         Forms {
             float: self.float_dtype,
             embeddings: self.embeddings,
-            copyless: self.copyless_fallback,
+            split: self.split_activations,
         }
     }
 

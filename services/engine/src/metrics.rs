@@ -153,7 +153,7 @@ impl EngineMetrics {
             )),
             fallback_unavailable: ic(
                 "quantmesh_fallback_unavailable_rows_total",
-                "Rows that wanted the float path in a group holding only INT8 (plain INT8, or split activations with engine.copyless_fallback = \"split_activations\": quantmesh_linear_rows_total{path=\"split\"}).",
+                "Rows that wanted the float path in a group holding only INT8 (served on the quantized weights: plain INT8, or split activations with engine.split_activations = \"copyless\" or \"all\").",
             ),
             mask_check_seconds: must(Counter::with_opts(o(
                 "quantmesh_mask_check_seconds_total",

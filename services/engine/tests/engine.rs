@@ -430,22 +430,23 @@ async fn an_optional_plan_source_may_start_empty_and_is_applied_once_published()
     assert_eq!(run_alone(&e, "Hello there", 4).await.len(), 4);
 }
 
-/// An INT8-only group pinned to float through the real engine: with
-/// `copyless_fallback = "split_activations"` its rows are counted as unavailable *and* served
-/// split; with `int8` only counted. `kv_scale = "head"` is what the cache is built with (its
+/// INT8-only groups whose rows want float, through the real engine: with
+/// `split_activations = "copyless"` those rows are counted as unavailable *and* served split;
+/// with `off` only counted; with `all` every quantized row is split. `kv_scale = "head"` is what the cache is built with (its
 /// bytes per token carry one scale per KV head).
 #[actix_rt::test]
 async fn copyless_rows_are_served_split_and_kv_scales_follow_the_config() {
-    use quantmesh_engine::api::{CopylessFallback, ForceMode, KvScale};
+    use quantmesh_engine::api::{ForceMode, KvScale, SplitActivations};
     use quantmesh_model::ModelConfig;
     use quantmesh_types::{GroupId, GroupKind};
     let dir = tempfile::tempdir().unwrap();
     init_model(dir.path(), &InitOptions::default()).unwrap();
     let mcfg = ModelConfig::load(dir.path()).unwrap();
     let mut split_counts = Vec::new();
-    for (copyless, kv_scale) in [
-        (CopylessFallback::SplitActivations, KvScale::Head),
-        (CopylessFallback::Int8, KvScale::Token),
+    for (split, kv_scale) in [
+        (SplitActivations::Copyless, KvScale::Head),
+        (SplitActivations::Off, KvScale::Token),
+        (SplitActivations::All, KvScale::Token),
     ] {
         // Every group INT8-only but `layers.1.o`, which is pinned to float; with one group in
         // fallback over a 0 share, the monitor puts whole batches in float at the next window,
@@ -453,7 +454,7 @@ async fn copyless_rows_are_served_split_and_kv_scales_follow_the_config() {
         let cfg = EngineConfig {
             default_residency: Residency::Int8,
             group_residency: [("layers.1.o".to_string(), Residency::Dual)].into(),
-            copyless_fallback: copyless,
+            split_activations: split,
             kv_scale,
             monitor: quantmesh_engine::api::MonitorConfig {
                 window_requests: 1,
@@ -487,13 +488,19 @@ async fn copyless_rows_are_served_split_and_kv_scales_follow_the_config() {
         }
         assert!(
             s.fallback_unavailable_rows > 0,
-            "{copyless:?}: no row wanted float"
+            "{split:?}: no row wanted float"
         );
-        match copyless {
-            CopylessFallback::SplitActivations => {
+        match split {
+            SplitActivations::Copyless => {
                 assert_eq!(s.split_rows, s.fallback_unavailable_rows)
             }
-            CopylessFallback::Int8 => assert_eq!(s.split_rows, 0),
+            SplitActivations::Off => assert_eq!(s.split_rows, 0),
+            // every quantized row: the copyless ones and all the others (`layers.1.o` is
+            // float, so some rows are neither)
+            SplitActivations::All => {
+                assert!(s.split_rows > s.fallback_unavailable_rows);
+                assert_eq!(s.int8_rows, 0);
+            }
         }
         split_counts.push(s.split_rows);
     }

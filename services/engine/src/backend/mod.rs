@@ -79,32 +79,34 @@ pub struct GroupOutcome {
     /// Rows that asked for float but the group holds no float copy.
     pub fallback_unavailable_rows: usize,
     /// Of those, rows computed on the quantized weights with split activations
-    /// ([`CopylessFallback::SplitActivations`]); the rest took the plain INT8 path.
+    /// ([`SplitActivations::Copyless`]); the rest took the plain INT8 path.
     pub split_rows: usize,
 }
 
-/// What rows that want the float path get in a group that holds no float copy (an
-/// INT8-only group, e.g. one the float budget left without a copy).
+/// Which rows on the quantized path carry their activations in two 8-bit parts — the
+/// kernel's own quantization of the row and what that quantization left out, run as one
+/// matmul of twice the rows and summed: activations to ≈ 16 bits (W8A16-like), the weights'
+/// quantization error stays, no extra memory (`engine.split_activations`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum CopylessFallback {
-    /// The group's quantized weights with the activations carried in two 8-bit parts — the
-    /// kernel's own quantization of the row and what that quantization left out — run as
-    /// one matmul of twice the rows and summed: activations to ≈ 16 bits, the weights'
-    /// quantization error stays. No extra memory; twice the rows through the kernel.
-    /// Opt-in: measured on SmolLM2 with the C8 KV cache it did not pay (ARCHITECTURE,
-    /// "Split activations").
-    SplitActivations,
-    /// The plain INT8 path: the rows are only counted as "wanted fallback, unavailable".
+pub enum SplitActivations {
+    /// None: the plain W8A8 kernel everywhere; rows that want float in a group without a
+    /// float copy are only counted as "wanted fallback, unavailable".
     #[default]
-    Int8,
+    Off,
+    /// Rows that want float in a group without a float copy (INT8-only, e.g. over the float
+    /// budget): a fallback that costs no memory.
+    Copyless,
+    /// Every row on the quantized path (twice the rows through the kernel).
+    All,
 }
 
-impl CopylessFallback {
+impl SplitActivations {
     pub fn as_str(self) -> &'static str {
         match self {
-            CopylessFallback::SplitActivations => "split_activations",
-            CopylessFallback::Int8 => "int8",
+            SplitActivations::Off => "off",
+            SplitActivations::Copyless => "copyless",
+            SplitActivations::All => "all",
         }
     }
 }
@@ -279,8 +281,8 @@ pub struct Forms {
     pub float: FloatDtype,
     /// Token embedding and `lm_head`.
     pub embeddings: EmbeddingDtype,
-    /// How groups without a float copy serve rows that want float.
-    pub copyless: CopylessFallback,
+    /// Which quantized-path rows run with split activations.
+    pub split: SplitActivations,
 }
 
 impl Forms {
@@ -288,7 +290,7 @@ impl Forms {
     pub const EXACT: Forms = Forms {
         float: FloatDtype::F32,
         embeddings: EmbeddingDtype::F32,
-        copyless: CopylessFallback::Int8,
+        split: SplitActivations::Off,
     };
 }
 

@@ -41,7 +41,7 @@ struct Args {
     /// Rows of the memory table to run (1-based; empty = all).
     memory_rows: Vec<usize>,
     float_budget: quantmesh_engine::budget::FloatBudget,
-    copyless: quantmesh_engine::backend::CopylessFallback,
+    split: quantmesh_engine::backend::SplitActivations,
 }
 
 impl Args {
@@ -50,7 +50,7 @@ impl Args {
         quantmesh_engine::backend::Forms {
             float: self.float_dtype,
             embeddings: self.embeddings,
-            copyless: self.copyless,
+            split: self.split,
         }
     }
 }
@@ -75,7 +75,7 @@ fn parse() -> Result<Args, String> {
         shadow_cost: false,
         memory_rows: Vec::new(),
         float_budget: quantmesh_engine::budget::FloatBudget::Percent(10.0),
-        copyless: Default::default(),
+        split: Default::default(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -117,14 +117,15 @@ fn parse() -> Result<Args, String> {
                     .set(scale)
                     .map_err(|_| "--kv-scale given twice".to_string())?;
             }
-            "--copyless-fallback" => {
-                use quantmesh_engine::backend::CopylessFallback;
-                a.copyless = match v()?.as_str() {
-                    "split_activations" => CopylessFallback::SplitActivations,
-                    "int8" => CopylessFallback::Int8,
+            "--split-activations" => {
+                use quantmesh_engine::backend::SplitActivations;
+                a.split = match v()?.as_str() {
+                    "off" => SplitActivations::Off,
+                    "copyless" => SplitActivations::Copyless,
+                    "all" => SplitActivations::All,
                     other => {
                         return Err(format!(
-                            "--copyless-fallback {other:?}: split_activations or int8"
+                            "--split-activations {other:?}: off, copyless or all"
                         ))
                     }
                 }
@@ -159,7 +160,7 @@ fn parse() -> Result<Args, String> {
                     .collect::<Result<_, _>>()?
             }
             "-h" | "--help" => {
-                println!("quantmesh-engine-bench [--size tiny|small|medium | --model PATH] [--prompt-len N] [--decode-steps N] [--batches 1,8,32] [--per-group] [--ppl-text FILE] [--ppl-tokens N] [--json FILE] [--plans float,int8,dual] [--float-dtype f16|bf16|f32] [--embeddings q8_0|f16|f32] [--copyless-fallback split_activations|int8] [--kv-scale token|head] [--float-dtypes] [--quant-formats [--ppl-text FILE]] [--memory-table PLAN.json --ppl-text FILE [--float-budget 10%] [--memory-rows 2,3,4]] [--shadow-cost]");
+                println!("quantmesh-engine-bench [--size tiny|small|medium | --model PATH] [--prompt-len N] [--decode-steps N] [--batches 1,8,32] [--per-group] [--ppl-text FILE] [--ppl-tokens N] [--json FILE] [--plans float,int8,dual] [--float-dtype f16|bf16|f32] [--embeddings q8_0|f16|f32] [--split-activations off|copyless|all] [--kv-scale token|head] [--float-dtypes] [--quant-formats [--ppl-text FILE]] [--memory-table PLAN.json --ppl-text FILE [--float-budget 10%] [--memory-rows 2,3,4]] [--shadow-cost]");
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument {other}")),
@@ -980,7 +981,7 @@ fn memory_table(
     text: &std::path::Path,
     args: &Args,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    use quantmesh_engine::backend::{CopylessFallback, EmbeddingDtype, Forms};
+    use quantmesh_engine::backend::{EmbeddingDtype, Forms, SplitActivations};
     use quantmesh_engine::plan::resolve;
     /// Which mask a row runs under: the monitor's after watching the text, every group
     /// wanting float, or none (every group on its resident quantized form).
@@ -1006,7 +1007,7 @@ fn memory_table(
     let q = Forms {
         float: FloatDtype::F16,
         embeddings: EmbeddingDtype::Q8_0,
-        copyless: CopylessFallback::Int8,
+        split: SplitActivations::Off,
     };
     let f16 = Forms {
         embeddings: EmbeddingDtype::F16,
@@ -1083,23 +1084,23 @@ fn memory_table(
             true,
         ),
         (
-            "first-load plan, monitor-driven, split activations".into(),
+            "first-load plan, monitor-driven, split activations for copyless rows".into(),
             plan_resid(),
             Forms {
-                copyless: CopylessFallback::SplitActivations,
+                split: SplitActivations::Copyless,
                 ..q
             },
             Watch::Monitor,
             true,
         ),
         (
-            "INT8 only, every row split activations".into(),
+            "INT8 only, split activations everywhere".into(),
             Box::new(|_| Residency::Int8),
             Forms {
-                copyless: CopylessFallback::SplitActivations,
+                split: SplitActivations::All,
                 ..q
             },
-            Watch::AllFloat,
+            Watch::Nothing,
             true,
         ),
         (

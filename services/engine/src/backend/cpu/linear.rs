@@ -14,7 +14,7 @@
 //! batch 8–32 on the CPU backend, measured by `quantmesh-engine-bench --float-dtypes`); the
 //! float path casts its input rows to that dtype, multiplies, and casts the output back.
 
-use crate::backend::{CopylessFallback, FloatDtype, GroupForm, GroupOutcome, QuantFormat, RowPath};
+use crate::backend::{FloatDtype, GroupForm, GroupOutcome, QuantFormat, RowPath, SplitActivations};
 use crate::error::Result;
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
@@ -238,12 +238,13 @@ impl DualLinear {
     }
 
     /// Every row through one path: float when `want_float` and a copy is resident; else the
-    /// quantized weights — with split activations for rows that wanted float when
-    /// `copyless` says so; a float-only group serves everything in float.
-    fn whole(&self, x: &Tensor, want_float: bool, copyless: CopylessFallback) -> Result<Tensor> {
+    /// quantized weights, with split activations where `split` says so; a float-only group
+    /// serves everything in float.
+    fn whole(&self, x: &Tensor, want_float: bool, split: SplitActivations) -> Result<Tensor> {
         let y = match (want_float, &self.float) {
             (true, Some(w)) => Some(float_matmul(x, w)?),
-            (true, None) if copyless == CopylessFallback::SplitActivations => self.split_mm(x)?,
+            (true, None) if split != SplitActivations::Off => self.split_mm(x)?,
+            (false, _) if split == SplitActivations::All => self.split_mm(x)?,
             _ => self.int8_mm(x)?,
         };
         match y {
@@ -255,22 +256,30 @@ impl DualLinear {
     }
 
     /// `x` is `[rows, in]`; returns `[rows, out]`. Rows that want float in a group without a
-    /// float copy are served as `copyless` says and counted as unavailable.
+    /// float copy are counted as unavailable and take the quantized path; `split` says which
+    /// quantized-path rows carry split activations.
     pub fn forward(
         &self,
         x: &Tensor,
         path: &RowPath,
-        copyless: CopylessFallback,
+        split: SplitActivations,
     ) -> Result<(Tensor, GroupOutcome)> {
         let rows = x.dim(0)?;
         let has_float = self.float.is_some();
         let has_int8 = self.int8.is_some();
-        let split = copyless == CopylessFallback::SplitActivations;
         let mut outcome = GroupOutcome::default();
-        // Counts for `n` rows that want float in a group holding only the quantized form.
-        let copyless_rows = |o: &mut GroupOutcome, n: usize| {
-            o.fallback_unavailable_rows += n;
-            if split {
+        // Counts `n` rows on the quantized path; `wanted_float`: they asked for the float
+        // path in a group that has no float copy.
+        let quantized = |o: &mut GroupOutcome, n: usize, wanted_float: bool| {
+            if wanted_float {
+                o.fallback_unavailable_rows += n;
+            }
+            let is_split = match split {
+                SplitActivations::Off => false,
+                SplitActivations::Copyless => wanted_float,
+                SplitActivations::All => true,
+            };
+            if is_split {
                 o.split_rows += n;
             } else {
                 o.int8_rows += n;
@@ -279,44 +288,46 @@ impl DualLinear {
         let y = match path {
             RowPath::AllInt8 => {
                 if has_int8 {
-                    outcome.int8_rows = rows
+                    quantized(&mut outcome, rows, false);
                 } else {
                     outcome.float_rows = rows
                 }
-                self.whole(x, false, copyless)?
+                self.whole(x, false, split)?
             }
             RowPath::AllFloat => {
                 if has_float {
                     outcome.float_rows = rows;
                 } else {
-                    copyless_rows(&mut outcome, rows);
+                    quantized(&mut outcome, rows, true);
                 }
-                self.whole(x, true, copyless)?
+                self.whole(x, true, split)?
             }
-            RowPath::Reference => return self.forward(x, &RowPath::AllFloat, copyless),
+            RowPath::Reference => return self.forward(x, &RowPath::AllFloat, split),
             RowPath::FloatRows(float_rows) if float_rows.is_empty() => {
-                return self.forward(x, &RowPath::AllInt8, copyless);
+                return self.forward(x, &RowPath::AllInt8, split);
             }
             RowPath::FloatRows(float_rows) if float_rows.len() == rows => {
-                return self.forward(x, &RowPath::AllFloat, copyless);
+                return self.forward(x, &RowPath::AllFloat, split);
             }
             RowPath::FloatRows(float_rows) => {
+                let (f, i) = (float_rows.len(), rows - float_rows.len());
                 if !has_int8 {
                     // Float only: every row takes it.
                     outcome.float_rows = rows;
-                    self.whole(x, true, copyless)?
-                } else if !has_float && !split {
-                    outcome.int8_rows = rows - float_rows.len();
-                    copyless_rows(&mut outcome, float_rows.len());
-                    self.whole(x, false, copyless)?
+                    self.whole(x, true, split)?
+                } else if !has_float && split != SplitActivations::Copyless {
+                    // Every row on the same quantized path: no need to split the batch.
+                    quantized(&mut outcome, i, false);
+                    quantized(&mut outcome, f, true);
+                    self.whole(x, false, split)?
                 } else {
                     if has_float {
-                        outcome.float_rows = float_rows.len();
+                        outcome.float_rows = f;
                     } else {
-                        copyless_rows(&mut outcome, float_rows.len());
+                        quantized(&mut outcome, f, true);
                     }
-                    outcome.int8_rows = rows - float_rows.len();
-                    self.split_rows(x, float_rows, copyless)?
+                    quantized(&mut outcome, i, false);
+                    self.split_rows(x, float_rows, split)?
                 }
             }
         };
@@ -343,14 +354,14 @@ impl DualLinear {
         Ok((y, outcome))
     }
 
-    /// Rows in `float_rows` through the float form (or as `copyless` says when there is no
-    /// float copy), the rest through INT8, merged back
+    /// Rows in `float_rows` through the float form (or the quantized one, split as `split`
+    /// says, when there is no float copy), the rest through INT8, merged back
     /// into the original row order.
     fn split_rows(
         &self,
         x: &Tensor,
         float_rows: &[usize],
-        copyless: CopylessFallback,
+        split: SplitActivations,
     ) -> Result<Tensor> {
         let rows = x.dim(0)?;
         let mut is_float = vec![false; rows];
@@ -364,8 +375,8 @@ impl DualLinear {
         let dev = x.device();
         let xi = x.index_select(&Tensor::new(int_rows.as_slice(), dev)?, 0)?;
         let xf = x.index_select(&Tensor::new(flt_rows.as_slice(), dev)?, 0)?;
-        let yi = self.whole(&xi, false, copyless)?;
-        let yf = self.whole(&xf, true, copyless)?;
+        let yi = self.whole(&xi, false, split)?;
+        let yf = self.whole(&xf, true, split)?;
         let stacked = Tensor::cat(&[&yi, &yf], 0)?;
         // position of original row r inside `stacked`
         let mut inverse = vec![0u32; rows];
@@ -403,17 +414,17 @@ mod tests {
         )
         .unwrap();
         let (all_f, _) = lin
-            .forward(&x, &RowPath::AllFloat, CopylessFallback::Int8)
+            .forward(&x, &RowPath::AllFloat, SplitActivations::Off)
             .unwrap();
         let (all_i, _) = lin
-            .forward(&x, &RowPath::AllInt8, CopylessFallback::Int8)
+            .forward(&x, &RowPath::AllInt8, SplitActivations::Off)
             .unwrap();
         let float_rows = vec![0, 3, 8];
         let (mixed, outcome) = lin
             .forward(
                 &x,
                 &RowPath::FloatRows(float_rows.clone()),
-                CopylessFallback::Int8,
+                SplitActivations::Off,
             )
             .unwrap();
         assert_eq!(outcome.float_rows, 3);
@@ -451,11 +462,11 @@ mod tests {
         let lin = DualLinear::new(rand(32, 64, 4), None, Residency::Int8, FloatDtype::F32).unwrap();
         let x = rand(4, 64, 5);
         let (_, o) = lin
-            .forward(&x, &RowPath::AllFloat, CopylessFallback::Int8)
+            .forward(&x, &RowPath::AllFloat, SplitActivations::Off)
             .unwrap();
         assert_eq!(o.fallback_unavailable_rows, 4);
         let (_, o) = lin
-            .forward(&x, &RowPath::FloatRows(vec![1]), CopylessFallback::Int8)
+            .forward(&x, &RowPath::FloatRows(vec![1]), SplitActivations::Off)
             .unwrap();
         assert_eq!(o.fallback_unavailable_rows, 1);
         assert_eq!(lin.residency(), Residency::Int8);
@@ -467,7 +478,7 @@ mod tests {
         let x = rand(3, 64, 7);
         let lin = DualLinear::new(w.clone(), None, Residency::Float, FloatDtype::F32).unwrap();
         let (y, _) = lin
-            .forward(&x, &RowPath::AllInt8, CopylessFallback::Int8)
+            .forward(&x, &RowPath::AllInt8, SplitActivations::Off)
             .unwrap();
         let want = x.matmul(&w.t().unwrap()).unwrap();
         let d = (y - want)
@@ -508,18 +519,18 @@ mod tests {
         assert_eq!(q8.bytes_by_form().0, 64 * 128 / 32 * 34);
         let (e8, e4) = (
             err(&q8
-                .forward(&x, &RowPath::AllInt8, CopylessFallback::Int8)
+                .forward(&x, &RowPath::AllInt8, SplitActivations::Off)
                 .unwrap()
                 .0),
             err(&q4
-                .forward(&x, &RowPath::AllInt8, CopylessFallback::Int8)
+                .forward(&x, &RowPath::AllInt8, SplitActivations::Off)
                 .unwrap()
                 .0),
         );
         assert!(e8 < e4 && e4 < 0.2, "Q8_0 {e8}, Q4_0 {e4}");
         assert!(
             err(&q4
-                .forward(&x, &RowPath::AllFloat, CopylessFallback::Int8)
+                .forward(&x, &RowPath::AllFloat, SplitActivations::Off)
                 .unwrap()
                 .0)
                 < 1e-6
@@ -600,10 +611,10 @@ mod split_tests {
         let lin = DualLinear::new(rand(32, 64, 4), None, Residency::Int8, FloatDtype::F32).unwrap();
         let x = rand(4, 64, 5);
         let (plain, _) = lin
-            .forward(&x, &RowPath::AllInt8, CopylessFallback::SplitActivations)
+            .forward(&x, &RowPath::AllInt8, SplitActivations::Copyless)
             .unwrap();
         let (split_all, o) = lin
-            .forward(&x, &RowPath::AllFloat, CopylessFallback::SplitActivations)
+            .forward(&x, &RowPath::AllFloat, SplitActivations::Copyless)
             .unwrap();
         assert_eq!(
             (o.fallback_unavailable_rows, o.split_rows, o.int8_rows),
@@ -613,7 +624,7 @@ mod split_tests {
             .forward(
                 &x,
                 &RowPath::FloatRows(vec![1, 2]),
-                CopylessFallback::SplitActivations,
+                SplitActivations::Copyless,
             )
             .unwrap();
         assert_eq!(
@@ -632,11 +643,27 @@ mod split_tests {
         }
         assert_ne!(row(&split_all, 1), row(&plain, 1));
         let (_, o) = lin
-            .forward(&x, &RowPath::FloatRows(vec![1]), CopylessFallback::Int8)
+            .forward(&x, &RowPath::FloatRows(vec![1]), SplitActivations::Off)
             .unwrap();
         assert_eq!(
             (o.fallback_unavailable_rows, o.split_rows, o.int8_rows),
             (1, 0, 4)
         );
+        // `all`: every quantized row is split, whether it wanted float or not
+        let (every, o) = lin
+            .forward(&x, &RowPath::FloatRows(vec![1]), SplitActivations::All)
+            .unwrap();
+        assert_eq!(
+            (o.fallback_unavailable_rows, o.split_rows, o.int8_rows),
+            (1, 4, 0)
+        );
+        for r in 0..4 {
+            for (a, b) in row(&every, r).iter().zip(row(&split_all, r)) {
+                assert!(
+                    (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                    "row {r}: {a} vs {b}"
+                );
+            }
+        }
     }
 }

@@ -218,7 +218,7 @@ impl LlamaModel {
             (Some(r), RowPath::Reference) if !lin.residency().has_float() => {
                 lin.forward_with(input, &r.weight(g)?)
             }
-            _ => lin.forward(input, path, self.forms.copyless),
+            _ => lin.forward(input, path, self.forms.split),
         }
     }
 }
@@ -406,7 +406,7 @@ impl Backend for LlamaModel {
                 let (gu_f, o) = gate_up.forward(
                     &h.index_select(&idx, 0)?,
                     &RowPath::AllFloat,
-                    self.forms.copyless,
+                    self.forms.split,
                 )?;
                 router.record(g(GroupKind::GateUp), o);
                 act = replace_rows(&act, &coupled, &swiglu_fused(&gu_f, inter)?)?;
