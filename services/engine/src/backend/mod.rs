@@ -101,6 +101,18 @@ pub enum SplitActivations {
     All,
 }
 
+impl std::str::FromStr for SplitActivations {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "off" => Ok(SplitActivations::Off),
+            "copyless" => Ok(SplitActivations::Copyless),
+            "all" => Ok(SplitActivations::All),
+            other => Err(format!("{other:?} is not off, copyless or all")),
+        }
+    }
+}
+
 impl SplitActivations {
     pub fn as_str(self) -> &'static str {
         match self {
