@@ -545,18 +545,6 @@ mod tests {
         assert_eq!(k.bytes_by_form().0, 64 * 256 / 256 * 144);
         assert_eq!(k.bytes_by_form().0, QuantFormat::Q4_0.bytes(64 * 256));
     }
-}
-
-#[cfg(test)]
-mod split_tests {
-    use super::*;
-
-    fn rand(rows: usize, cols: usize, seed: u64) -> Tensor {
-        use rand::{Rng, SeedableRng};
-        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-        let v: Vec<f32> = (0..rows * cols).map(|_| rng.gen_range(-1.0..1.0)).collect();
-        Tensor::from_vec(v, (rows, cols), &Device::Cpu).unwrap()
-    }
 
     /// Split activations leave only the weights' quantization error: against the product of
     /// the dequantized weights, the plain INT8 path has the activations' 8-bit error and
