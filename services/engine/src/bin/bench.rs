@@ -1094,6 +1094,16 @@ fn memory_table(
             true,
         ),
         (
+            "first-load plan, monitor-driven, split activations everywhere".into(),
+            plan_resid(),
+            Forms {
+                split: SplitActivations::All,
+                ..q
+            },
+            Watch::Monitor,
+            true,
+        ),
+        (
             "INT8 only, split activations everywhere".into(),
             Box::new(|_| Residency::Int8),
             Forms {
