@@ -114,6 +114,16 @@ impl std::str::FromStr for SplitActivations {
 }
 
 impl SplitActivations {
+    /// Whether a row on the quantized path is split: `wanted_float` when it asked for the
+    /// float path in a group without a float copy.
+    pub fn splits(self, wanted_float: bool) -> bool {
+        match self {
+            SplitActivations::Off => false,
+            SplitActivations::Copyless => wanted_float,
+            SplitActivations::All => true,
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             SplitActivations::Off => "off",

@@ -883,7 +883,8 @@ fn quant_format_section(
         };
         let model = LlamaModel::load_planned(&ck, cfg, &form, Default::default())?;
         let w = model.weight_bytes();
-        let (ppl, kl) = teacher_forced(&model, &reference, cfg, &ids, &PathMask::default(), true)?;
+        let (ppl, kls) = teacher_forced(&model, &reference, cfg, &ids, &PathMask::default(), true)?;
+        let kl = KlSummary::of(&kls).mean;
         let base = *kl8.get_or_insert(kl);
         println!(
             "| {label} | {:.1} | {ppl:.3} | {kl:.5} | {:.2} |",
@@ -897,23 +898,11 @@ fn quant_format_section(
 /// Tokens per window of the teacher-forced KL/perplexity runs.
 const KL_WINDOW: usize = 256;
 
-/// Teacher-forced perplexity of `ids` on `model` under `mask`, and its mean next-token KL to
-/// `reference` (run all-float, float KV), in windows of `KL_WINDOW` tokens, one token per step.
+/// Teacher-forced perplexity of `ids` on `model` under `mask`, and every token's next-token
+/// KL to `reference` (run all-float, float KV), in windows of `KL_WINDOW` tokens, one token
+/// per step. [`KlSummary`] reduces the KLs: the mean is carried by a few tokens, so
+/// configurations are compared on the median and tail too.
 fn teacher_forced(
-    model: &LlamaModel,
-    reference: &LlamaModel,
-    cfg: &ModelConfig,
-    ids: &[u32],
-    mask: &PathMask,
-    kv_int8: bool,
-) -> Result<(f64, f64), Box<dyn std::error::Error>> {
-    let (ppl, kls) = teacher_forced_tokens(model, reference, cfg, ids, mask, kv_int8)?;
-    Ok((ppl, kls.iter().sum::<f64>() / kls.len().max(1) as f64))
-}
-
-/// As [`teacher_forced`], with every token's KL (for quantiles: the mean is carried by a few
-/// tokens, so configurations are compared on the median and tail too).
-fn teacher_forced_tokens(
     model: &LlamaModel,
     reference: &LlamaModel,
     cfg: &ModelConfig,
@@ -954,13 +943,34 @@ fn teacher_forced_tokens(
     Ok(((nll / n).exp(), kls))
 }
 
-/// The `q`-quantile (0..=1) of `v` (nearest rank; 0 for an empty slice).
-fn quantile(v: &[f64], q: f64) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    s.get(((s.len() as f64 - 1.0) * q).round().max(0.0) as usize)
-        .copied()
-        .unwrap_or(0.0)
+/// A run's per-token KLs reduced: mean, median, p99 and the share of the total carried by
+/// the worst 1 % of tokens.
+struct KlSummary {
+    mean: f64,
+    median: f64,
+    p99: f64,
+    worst_share: f64,
+}
+
+impl KlSummary {
+    fn of(kls: &[f64]) -> Self {
+        let mut s = kls.to_vec();
+        s.sort_by(f64::total_cmp);
+        let total: f64 = s.iter().sum();
+        // nearest rank; 0 for an empty run
+        let at = |q: f64| {
+            s.get(((s.len() as f64 - 1.0) * q).round().max(0.0) as usize)
+                .copied()
+                .unwrap_or(0.0)
+        };
+        let worst: f64 = s[s.len() - s.len().div_ceil(100)..].iter().sum();
+        KlSummary {
+            mean: total / s.len().max(1) as f64,
+            median: at(0.5),
+            p99: at(0.99),
+            worst_share: worst / total.max(f64::MIN_POSITIVE),
+        }
+    }
 }
 
 fn rss_mib(key: &str) -> Option<f64> {
@@ -1193,16 +1203,13 @@ fn memory_table(
             }
             (prefill, 32.0 / t.elapsed().as_secs_f64())
         };
-        let (ppl, kls) = teacher_forced_tokens(&model, &reference, cfg, &ids, &mask, kv_int8)?;
-        let kl = kls.iter().sum::<f64>() / kls.len().max(1) as f64;
-        let top = {
-            // share of the total KL carried by the 1 % worst tokens
-            let mut s = kls.clone();
-            s.sort_by(|a, b| b.total_cmp(a));
-            let k = s.len().div_ceil(100);
-            s[..k].iter().sum::<f64>() / s.iter().sum::<f64>().max(f64::MIN_POSITIVE)
-        };
-        let (p50, p99) = (quantile(&kls, 0.5), quantile(&kls, 0.99));
+        let (ppl, kls) = teacher_forced(&model, &reference, cfg, &ids, &mask, kv_int8)?;
+        let KlSummary {
+            mean: kl,
+            median: p50,
+            p99,
+            worst_share: top,
+        } = KlSummary::of(&kls);
         let mib = |b: usize| b as f64 / (1 << 20) as f64;
         println!(
             "| {name} | {:.1} / {:.1} / {:.1} | {:.1} | {:.2} | {rss:.0} | {prefill:.0} | {decode:.1} | {:.3} | {:.5} | {p50:.5} | {p99:.4} | {:.0} % |",

@@ -243,8 +243,7 @@ impl DualLinear {
     fn whole(&self, x: &Tensor, want_float: bool, split: SplitActivations) -> Result<Tensor> {
         let y = match (want_float, &self.float) {
             (true, Some(w)) => Some(float_matmul(x, w)?),
-            (true, None) if split != SplitActivations::Off => self.split_mm(x)?,
-            (false, _) if split == SplitActivations::All => self.split_mm(x)?,
+            _ if split.splits(want_float) => self.split_mm(x)?,
             _ => self.int8_mm(x)?,
         };
         match y {
@@ -274,12 +273,7 @@ impl DualLinear {
             if wanted_float {
                 o.fallback_unavailable_rows += n;
             }
-            let is_split = match split {
-                SplitActivations::Off => false,
-                SplitActivations::Copyless => wanted_float,
-                SplitActivations::All => true,
-            };
-            if is_split {
+            if split.splits(wanted_float) {
                 o.split_rows += n;
             } else {
                 o.int8_rows += n;
