@@ -159,7 +159,7 @@ pub fn load_parts(
     };
     let live = resolve(cfg, &mcfg, validated.as_ref().map(|(p, m)| (p, m.as_str())));
     let form = |g: GroupId| live.form(g, cfg.default_residency);
-    let mut model = LlamaModel::load_planned(&ck, &mcfg, &form, cfg.forms())?;
+    let mut model = LlamaModel::load_planned(&ck, &mcfg, &form, live.forms(cfg))?;
     note_float_rounding(&ck, cfg.float_dtype);
     let m = &cfg.monitor;
     // Filled lazily by shadow passes (a plan reload may turn them on later).
@@ -219,9 +219,9 @@ fn log_plan(live: &LivePlan, cfg: &EngineConfig, w: &crate::backend::WeightBytes
          | int8 only | {} | |\n| dual (int8 + {} copy) | {} | |\n| float only | {} | |\n\
          | int8 weights (Q8_0) | | {:.1} |\n| int4 weights (Q4_K/Q4_0, w4a16: {} groups) | | {:.1} |\n\
          | float copies | | {:.1} |\n\
-         | embeddings, norms, lm_head | | {:.1} |\n\
+         | embeddings, norms, lm_head (tables {}) | | {:.1} |\n\
          | total | | {:.1} = {:.2}× all-f16 ({:.1}) |\n\
-         float budget {budget}: {} group(s) over it are INT8-only{}",
+         float budget {budget}: tables {:.1} MiB beyond Q8_0, {} group(s) over it are INT8-only{}",
         count(Residency::Int8),
         cfg.float_dtype.as_str(),
         count(Residency::Dual),
@@ -233,10 +233,12 @@ fn log_plan(live: &LivePlan, cfg: &EngineConfig, w: &crate::backend::WeightBytes
             .count(),
         mib(w.int4),
         mib(w.float),
+        live.embeddings.as_str(),
         mib(w.other),
         mib(w.total()),
         w.ratio_to_f16(),
         mib(w.all_f16),
+        mib(live.budget.table_bytes),
         live.budget.demoted.len(),
         if live.budget.demoted.is_empty() {
             String::new()
@@ -514,6 +516,12 @@ impl Engine {
             shape,
             live,
         } = parts;
+        // The tables are stored once, at load: later plans (hot reload) resolve against the
+        // form they got, so the budget keeps charging what is resident.
+        let cfg = EngineConfig {
+            embeddings: live.embeddings,
+            ..cfg
+        };
         let registry = start.registry.clone().unwrap_or_default();
         let wiring = Wiring::new(&start, &registry, &cfg, &mcfg, backend.as_ref())?;
         if let Ok(mut st) = wiring.config_status.lock() {

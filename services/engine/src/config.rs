@@ -31,12 +31,14 @@ pub struct EngineConfig {
     /// INT8 linear weights (`"10%"`), or bytes (`"64MiB"`). Groups over budget become
     /// INT8-only, weakest pre-screen evidence first.
     pub float_budget: FloatBudget,
-    /// How the token embedding and `lm_head` are stored (`q8_0`, `f16`, `f32`).
+    /// How the token embedding and `lm_head` are stored: `auto` (default: f16 when their
+    /// bytes beyond Q8_0 fit in `float_budget`, which serves them first; else `q8_0`),
+    /// `q8_0`, `f16` or `f32`. 16-bit tables are charged to the float budget either way.
     pub embeddings: EmbeddingDtype,
     /// Which rows on the quantized path carry ≈ 16-bit activations (two 8-bit parts; no
-    /// extra memory, twice the rows through the kernel): `off` (default), `copyless` (rows
-    /// that want float in a group without a float copy, e.g. over the float budget) or
-    /// `all`.
+    /// extra memory, twice the rows through the kernel): `all` (default; the Q8_0
+    /// `lm_head` too), `copyless` (rows that want float in a group without a float copy,
+    /// e.g. over the float budget) or `off` (the plain W8A8 kernel: fastest).
     pub split_activations: SplitActivations,
     /// KV cache precision at start for every layer: `true` = INT8 (C8).
     pub kv_int8: bool,
@@ -77,7 +79,7 @@ impl Default for EngineConfig {
             group_residency: Default::default(),
             float_dtype: FloatDtype::default(),
             float_budget: FloatBudget::default(),
-            embeddings: EmbeddingDtype::default(),
+            embeddings: EmbeddingDtype::Auto,
             split_activations: SplitActivations::default(),
             kv_int8: true,
             kv_float_dtype: KvFloatDtype::F16,
@@ -93,11 +95,12 @@ impl Default for EngineConfig {
 }
 
 impl EngineConfig {
-    /// How the backend stores what the plan does not decide.
-    pub fn forms(&self) -> Forms {
+    /// How the backend stores what the plan does not decide, with the vocabulary tables
+    /// in `tables` (the plan's resolution of `embeddings`: [`crate::plan::LivePlan::forms`]).
+    pub fn forms_with(&self, tables: EmbeddingDtype) -> Forms {
         Forms {
             float: self.float_dtype,
-            embeddings: self.embeddings,
+            embeddings: tables,
             split: self.split_activations,
         }
     }

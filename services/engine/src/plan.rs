@@ -2,7 +2,7 @@
 //! `sensitive_layers.json` in force. One pure function, so start-up and hot reload compute
 //! the plan the same way and a reload to the same file is a no-op (idempotent).
 
-use crate::backend::{GroupForm, QuantFormat};
+use crate::backend::{EmbeddingDtype, Forms, GroupForm, QuantFormat};
 use crate::budget::{self, BudgetOutcome};
 use crate::config::EngineConfig;
 use crate::monitor::{GroupOverride, MonitorConfig};
@@ -22,11 +22,18 @@ pub struct LivePlan {
     /// Q4_0 where 256 does not divide the group's input width),
     /// Q8_0 for every group the file does not class.
     pub quant: BTreeMap<GroupId, QuantFormat>,
-    /// What `engine.float_budget` did to the residencies.
+    /// What `engine.float_budget` did to the residencies (and the tables).
     pub budget: BudgetOutcome,
+    /// How the vocabulary tables are stored (`engine.embeddings` resolved; never `auto`).
+    pub embeddings: EmbeddingDtype,
 }
 
 impl LivePlan {
+    /// What the backend loads with: `base`'s forms, the tables as this plan resolved them.
+    pub fn forms(&self, base: &EngineConfig) -> Forms {
+        base.forms_with(self.embeddings)
+    }
+
     /// Group `g`'s residency and quantized format (Q8_0 + the engine's default residency
     /// for a group the plan does not list).
     pub fn form(&self, g: GroupId, default: Residency) -> GroupForm {
@@ -35,6 +42,20 @@ impl LivePlan {
             quant: self.quant.get(&g).copied().unwrap_or_default(),
         }
     }
+}
+
+/// Bytes the vocabulary tables stored as `dtype` take beyond Q8_0 (one table when tied;
+/// widths 32 does not divide have no Q8_0 form and are f16 already).
+pub fn table_extra_bytes(cfg: &ModelConfig, dtype: EmbeddingDtype) -> usize {
+    let tables = if cfg.tie_word_embeddings { 1 } else { 2 };
+    let values = tables * cfg.vocab_size * cfg.hidden_size;
+    let floor = if cfg.hidden_size.is_multiple_of(32) {
+        EmbeddingDtype::Q8_0
+    } else {
+        EmbeddingDtype::F16
+    };
+    let per = |d: EmbeddingDtype| d.bytes_per_value().unwrap_or(0.0);
+    ((per(dtype) - per(floor)).max(0.0) * values as f64).round() as usize
 }
 
 /// Parameters of a group's weight (all members).
@@ -115,19 +136,26 @@ pub fn resolve(
     let setting = file
         .and_then(|(p, _)| p.file.float_budget)
         .unwrap_or(base.float_budget);
+    let budget_bytes = setting.bytes(int8_bytes);
+    let (embeddings, table_bytes) = budget::tables(base.embeddings, budget_bytes, &|d| {
+        table_extra_bytes(cfg, d)
+    });
     let mut budget = budget::apply(
         &mut residency,
-        setting.bytes(int8_bytes),
+        budget_bytes.map(|b| b.saturating_sub(table_bytes)),
         &|g| group_params(cfg, g.kind) * float_size,
         &|g| budget::rank(wanted[&g], file.and_then(|(p, _)| p.groups.get(&g))),
     );
     budget.setting = setting;
+    budget.budget_bytes = budget_bytes;
+    budget.table_bytes = table_bytes;
     LivePlan {
         md5: file.map(|(_, md5)| md5.to_string()),
         monitor,
         residency,
         quant,
         budget,
+        embeddings,
     }
 }
 
@@ -204,6 +232,8 @@ mod tests {
         let base = EngineConfig {
             default_residency: Residency::Int8,
             float_budget: "8KiB".parse().unwrap(),
+            // Q8_0 tables take nothing from the budget: it is the groups' alone.
+            embeddings: EmbeddingDtype::Q8_0,
             ..Default::default()
         };
         let m = |kl: f64| {
@@ -232,6 +262,72 @@ mod tests {
             let live = resolve(&base, &model(), Some((&plan, "m")));
             assert_eq!(live.budget.demoted.len(), demoted, "{budget}");
             assert_eq!(live.budget.setting, budget.parse().unwrap());
+        }
+    }
+
+    /// The vocabulary tables are served first: `auto` stores them in f16 exactly when their
+    /// bytes beyond Q8_0 fit (then the groups share the rest), a fixed 16-bit form is
+    /// charged whether it fits or not, and tables plus copies never exceed the budget
+    /// unless a fixed form alone does. Tables here: 2 × 100 × 64 values, f16 = 12 000 bytes
+    /// beyond Q8_0 (f32: 38 400); an `o` copy 8 KiB.
+    #[test]
+    fn tables_are_served_first_from_the_budget() {
+        let m = model();
+        assert_eq!(table_extra_bytes(&m, EmbeddingDtype::F16), 12_000);
+        assert_eq!(table_extra_bytes(&m, EmbeddingDtype::F32), 38_400);
+        assert_eq!(table_extra_bytes(&m, EmbeddingDtype::Q8_0), 0);
+        let tied = ModelConfig {
+            tie_word_embeddings: true,
+            ..m.clone()
+        };
+        assert_eq!(table_extra_bytes(&tied, EmbeddingDtype::F16), 6_000);
+        for (setting, budget, tables, copies) in [
+            (EmbeddingDtype::Auto, "unlimited", EmbeddingDtype::F16, 8),
+            (EmbeddingDtype::Auto, "11KiB", EmbeddingDtype::Q8_0, 1),
+            (EmbeddingDtype::Auto, "12000", EmbeddingDtype::F16, 0),
+            (EmbeddingDtype::Auto, "21000", EmbeddingDtype::F16, 1),
+            (EmbeddingDtype::Q8_0, "21000", EmbeddingDtype::Q8_0, 2),
+            (EmbeddingDtype::F16, "11KiB", EmbeddingDtype::F16, 0),
+            (EmbeddingDtype::F32, "80000", EmbeddingDtype::F32, 3),
+        ] {
+            let base = EngineConfig {
+                default_residency: Residency::Int8,
+                group_residency: ["layers.0.o", "layers.1.o", "layers.0.qkv"]
+                    .map(|g| (g.to_string(), Residency::Dual))
+                    .into_iter()
+                    .collect(),
+                embeddings: setting,
+                float_budget: budget.parse().unwrap(),
+                ..Default::default()
+            };
+            let base = if budget == "unlimited" {
+                EngineConfig {
+                    default_residency: Residency::Dual,
+                    ..base
+                }
+            } else {
+                base
+            };
+            let live = resolve(&base, &m, None);
+            let case = format!("{setting:?} under {budget}");
+            assert_eq!(live.embeddings, tables, "{case}");
+            assert_eq!(live.forms(&base).embeddings, tables, "{case}");
+            assert_eq!(
+                live.budget.table_bytes,
+                table_extra_bytes(&m, tables),
+                "{case}"
+            );
+            let kept = live.residency.values().filter(|r| r.has_float()).count();
+            assert_eq!(kept, copies, "{case}");
+            if let Some(b) = live.budget.budget_bytes {
+                let fixed_over = setting != EmbeddingDtype::Auto && live.budget.table_bytes > b;
+                assert!(
+                    fixed_over || live.budget.table_bytes + live.budget.float_bytes <= b,
+                    "{case}: {} + {} > {b}",
+                    live.budget.table_bytes,
+                    live.budget.float_bytes
+                );
+            }
         }
     }
 
@@ -268,6 +364,8 @@ mod tests {
         let base = EngineConfig {
             default_residency: Residency::Int8,
             float_budget: "8KiB".parse().unwrap(),
+            // Q8_0 tables take nothing from the budget: it is the groups' alone.
+            embeddings: EmbeddingDtype::Q8_0,
             ..Default::default()
         };
         let m = |kl: f64, observed: &str| {

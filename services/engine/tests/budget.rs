@@ -43,7 +43,8 @@ fn over_budget_groups_are_int8_only_and_count_wanted_fallback() {
     assert!(!live.budget.demoted.is_empty());
     assert!(live.budget.float_bytes <= 3 * o_bytes);
     let ck = Checkpoint::open(dir.path()).unwrap();
-    let model = LlamaModel::load_from(&ck, &cfg, &|g| live.residency[&g], base.forms()).unwrap();
+    let model =
+        LlamaModel::load_from(&ck, &cfg, &|g| live.residency[&g], live.forms(&base)).unwrap();
     let w = model.weight_bytes();
     assert_eq!(
         w.float, live.budget.float_bytes,

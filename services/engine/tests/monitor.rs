@@ -145,6 +145,10 @@ async fn shadow_run(
         EngineConfig {
             default_residency: residency,
             kv_int8,
+            // The plain W8A8 path and Q8_0 tables: the INT8 error these tests look for at
+            // its full size (split activations would leave the weights' error alone).
+            split_activations: quantmesh_engine::api::SplitActivations::Off,
+            embeddings: quantmesh_engine::api::EmbeddingDtype::Q8_0,
             monitor: MonitorConfig {
                 trigger_rate: 1.0,
                 token_k: 1e9,

@@ -320,6 +320,9 @@ impl Settings {
         if let Some(v) = get("QUANTMESH_FLOAT_BUDGET") {
             self.engine.float_budget = parse("QUANTMESH_FLOAT_BUDGET", v)?;
         }
+        if let Some(v) = get("QUANTMESH_EMBEDDINGS") {
+            self.engine.embeddings = parse("QUANTMESH_EMBEDDINGS", v)?;
+        }
         if let Some(v) = get("QUANTMESH_SPLIT_ACTIVATIONS") {
             self.engine.split_activations = parse("QUANTMESH_SPLIT_ACTIVATIONS", v)?;
         }
@@ -513,7 +516,7 @@ mod tests {
     }
 
     #[test]
-    fn split_activations_and_kv_scale_from_file_and_env() {
+    fn split_activations_kv_scale_and_tables_from_file_and_env() {
         use quantmesh_engine::api::{KvScale, SplitActivations};
         let mut s: Settings =
             toml::from_str("[engine]\nsplit_activations = \"copyless\"\nkv_scale = \"head\"\n")
@@ -531,8 +534,21 @@ mod tests {
         assert!(toml::from_str::<Settings>("[engine]\nsplit_activations = \"yes\"\n").is_err());
         assert_eq!(
             Settings::default().engine.split_activations,
-            SplitActivations::Off
+            SplitActivations::All
         );
+        // The vocabulary tables: file, env, default `auto`, bad values refused by name.
+        use quantmesh_engine::api::EmbeddingDtype;
+        let mut s: Settings = toml::from_str("[engine]\nembeddings = \"f16\"\n").unwrap();
+        assert_eq!(s.engine.embeddings, EmbeddingDtype::F16);
+        s.apply_env(|k| (k == "QUANTMESH_EMBEDDINGS").then(|| "q8_0".to_string()))
+            .unwrap();
+        assert_eq!(s.engine.embeddings, EmbeddingDtype::Q8_0);
+        let err = s
+            .apply_env(|k| (k == "QUANTMESH_EMBEDDINGS").then(|| "int4".to_string()))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("QUANTMESH_EMBEDDINGS"), "{err}");
+        assert_eq!(Settings::default().engine.embeddings, EmbeddingDtype::Auto);
     }
 
     #[test]
@@ -639,11 +655,17 @@ pub struct ServeFlags {
     #[arg(long, env = "QUANTMESH_FLOAT_BUDGET")]
     pub float_budget: Option<quantmesh_engine::api::FloatBudget>,
     /// Quantized-path rows whose activations go in two 8-bit parts (≈ 16 bits, no extra
-    /// memory, twice the rows through the kernel): `off` [default], `copyless` (rows that
-    /// want float in a group without a float copy) or `all` (INT8 weights served W8A16-like:
-    /// on SmolLM2 half the median KL to float at 0.70x the decode speed).
+    /// memory, twice the rows through the kernel): `all` [default] (INT8 weights and the
+    /// Q8_0 lm_head served W8A16-like: on SmolLM2 the first-load plan's median KL to float
+    /// falls to 0.4x, at 0.7x the decode and 0.5x the prefill speed of `off`), `copyless`
+    /// (rows that want float in a group without a float copy) or `off` (fastest).
     #[arg(long, env = "QUANTMESH_SPLIT_ACTIVATIONS")]
     pub split_activations: Option<quantmesh_engine::api::SplitActivations>,
+    /// How the token embedding and lm_head are stored: `auto` [default] (f16 when their
+    /// bytes beyond Q8_0 fit in the float budget, which serves them first; else q8_0),
+    /// `q8_0`, `f16` or `f32` (16-bit tables are charged to the float budget).
+    #[arg(long, env = "QUANTMESH_EMBEDDINGS")]
+    pub embeddings: Option<quantmesh_engine::api::EmbeddingDtype>,
     /// sensitive_layers.json to serve with: a path, or an object-store URL (file://; s3://,
     /// gs://, az:// in builds with `--features cloud`). Polled for changes and applied
     /// without restart; SIGHUP or `POST /admin/config/reload` reloads at once.
@@ -771,6 +793,9 @@ impl ServeFlags {
         }
         if let Some(b) = self.float_budget {
             s.engine.float_budget = b;
+        }
+        if let Some(e) = self.embeddings {
+            s.engine.embeddings = e;
         }
         if let Some(m) = self.split_activations {
             s.engine.split_activations = m;

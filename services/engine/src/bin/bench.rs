@@ -1023,6 +1023,11 @@ fn memory_table(
         embeddings: EmbeddingDtype::F16,
         ..q
     };
+    // The first-load plan's rows: the tables as the budget resolved them.
+    let p = Forms {
+        embeddings: live.embeddings,
+        ..q
+    };
     type Resid = Box<dyn Fn(GroupId) -> Residency>;
     // (name, residency, forms, which mask, kv_int8)
     let configs: Vec<(String, Resid, Forms, Watch, bool)> = vec![
@@ -1042,15 +1047,16 @@ fn memory_table(
         ),
         (
             format!(
-                "first-load plan, budget {} ({} over), monitor-driven",
+                "first-load plan, budget {} ({} over, {} tables), monitor-driven",
                 args.float_budget,
-                live.budget.demoted.len()
+                live.budget.demoted.len(),
+                live.embeddings.as_str()
             ),
             Box::new({
                 let r = live.residency.clone();
                 move |g| r[&g]
             }),
-            q,
+            p,
             Watch::Monitor,
             true,
         ),
@@ -1074,7 +1080,7 @@ fn memory_table(
             plan_resid(),
             Forms {
                 float: FloatDtype::F32,
-                ..q
+                ..p
             },
             Watch::Monitor,
             true,
@@ -1089,7 +1095,7 @@ fn memory_table(
         (
             "first-load plan, no monitor".into(),
             plan_resid(),
-            q,
+            p,
             Watch::Nothing,
             true,
         ),
@@ -1098,7 +1104,7 @@ fn memory_table(
             plan_resid(),
             Forms {
                 split: SplitActivations::Copyless,
-                ..q
+                ..p
             },
             Watch::Monitor,
             true,
@@ -1108,7 +1114,7 @@ fn memory_table(
             plan_resid(),
             Forms {
                 split: SplitActivations::All,
-                ..q
+                ..p
             },
             Watch::Monitor,
             true,
@@ -1135,6 +1141,26 @@ fn memory_table(
             Box::new(|_| Residency::Float),
             f16,
             Watch::AllFloat,
+            true,
+        ),
+        (
+            "first-load plan, monitor-driven, split everywhere, f16 KV cache".into(),
+            plan_resid(),
+            Forms {
+                split: SplitActivations::All,
+                ..p
+            },
+            Watch::Monitor,
+            false,
+        ),
+        (
+            "first-load plan, monitor-driven, split everywhere, f16 vocabulary tables".into(),
+            plan_resid(),
+            Forms {
+                split: SplitActivations::All,
+                ..f16
+            },
+            Watch::Monitor,
             true,
         ),
         (

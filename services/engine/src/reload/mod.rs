@@ -19,7 +19,9 @@
 //! at most 250 ms) and skips its turn if they changed meanwhile (a writer is still busy);
 //! a half-written file that stays half-written fails validation and is rejected.
 
-use crate::backend::{FloatDtype, GroupForm, GroupLoader, PreparedGroup, QuantFormat, WeightBytes};
+use crate::backend::{
+    EmbeddingDtype, FloatDtype, GroupForm, GroupLoader, PreparedGroup, QuantFormat, WeightBytes,
+};
 use crate::config::EngineConfig;
 use crate::error::{EngineError, Result};
 use crate::events::EventSink;
@@ -113,6 +115,10 @@ pub struct ConfigStatus {
     pub float_budget_bytes: Option<usize>,
     /// Bytes of the float copies the plan keeps.
     pub float_bytes: usize,
+    /// How the vocabulary tables are stored, and the bytes beyond Q8_0 they take from the
+    /// float budget (`engine.embeddings`; decided at load).
+    pub tables: Option<EmbeddingDtype>,
+    pub table_bytes: usize,
     /// Groups that wanted a float copy and are INT8-only because of the budget.
     pub over_budget: Vec<String>,
     /// Resident weights by form (filled in by `Engine::config_status`).
@@ -427,6 +433,8 @@ pub(crate) fn describe(s: &mut ConfigStatus, live: &LivePlan, base: &EngineConfi
     s.float_budget = Some(live.budget.setting.to_string());
     s.float_budget_bytes = live.budget.budget_bytes;
     s.float_bytes = live.budget.float_bytes;
+    s.tables = Some(live.embeddings);
+    s.table_bytes = live.budget.table_bytes;
     s.over_budget = live.budget.demoted.iter().map(|g| g.to_string()).collect();
     s.md5 = live.md5.clone();
     s.k = live.monitor.k;

@@ -89,14 +89,77 @@ fn activation_grid(
     Ok(best.map(|(g, _)| g))
 }
 
+/// A quantized weight and candle's kernel for it, with the split-activation product beside
+/// the plain one. Shared by the linear groups and the Q8_0 vocabulary table (`lm_head`).
+pub struct QuantKernel {
+    mm: QMatMul,
+    q: Arc<QTensor>,
+    /// The grid the kernel quantizes activations to, found by [`activation_grid`] on the
+    /// first split call (`None`: not reproducible, so splitting would gain nothing and the
+    /// rows take the plain product).
+    split_grid: OnceLock<Option<GgmlDType>>,
+}
+
+impl QuantKernel {
+    /// Quantize the f32 weight `[out, in]` to `dtype`.
+    pub fn quantize(weight: &Tensor, dtype: GgmlDType) -> Result<Self> {
+        let q = Arc::new(QTensor::quantize(weight, dtype)?);
+        Ok(Self {
+            mm: QMatMul::from_arc(q.clone())?,
+            q,
+            split_grid: OnceLock::new(),
+        })
+    }
+
+    pub fn qtensor(&self) -> &QTensor {
+        &self.q
+    }
+
+    /// `x · deq(W)ᵀ` through the kernel (activations quantized to 8 bits on the fly).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(self.mm.forward(x)?)
+    }
+
+    /// The same product with split activations: `x` is cut into the kernel's own
+    /// quantization of it, `x̂ = deq(q(x))`, and the remainder `x − x̂`; both go through the
+    /// kernel as one matmul of twice the rows and the halves are summed. `x̂` lies on the
+    /// kernel's grid, so the kernel reproduces it exactly; only the remainder (≈ 1/254 of a
+    /// block's step) is quantized again, so the activations carry ≈ 16 bits while the
+    /// weights keep their quantization error. Where the kernel's grid cannot be reproduced
+    /// this is the plain product.
+    pub fn split_forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (out_dim, in_dim) = self.q.shape().dims2()?;
+        let grid = match self.split_grid.get() {
+            Some(g) => *g,
+            None => {
+                let g = activation_grid(&self.mm, &self.q, out_dim, in_dim)?;
+                if g.is_none() {
+                    tracing::warn!(
+                        out = out_dim,
+                        input = in_dim,
+                        format = ?self.q.dtype(),
+                        "the kernel's activation grid is neither Q8_0 nor Q8_K here: split activations fall back to the plain quantized product"
+                    );
+                }
+                *self.split_grid.get_or_init(|| g)
+            }
+        };
+        let Some(grid) = grid else {
+            return self.forward(x);
+        };
+        let rows = x.dim(0)?;
+        let x = x.contiguous()?;
+        let on_grid = QTensor::quantize(&x, grid)?.dequantize(x.device())?;
+        let rest = (&x - &on_grid)?;
+        let y = self.mm.forward(&Tensor::cat(&[&on_grid, &rest], 0)?)?;
+        Ok((y.narrow(0, 0, rows)? + y.narrow(0, rows, rows)?)?)
+    }
+}
+
 pub struct DualLinear {
-    int8: Option<(QMatMul, Arc<QTensor>)>,
+    int8: Option<QuantKernel>,
     /// How `int8` stores its weights.
     quant: QuantFormat,
-    /// The grid the kernel quantizes this group's activations to, found by
-    /// [`activation_grid`] on the first split-activation call (`None`: not reproducible, so
-    /// split activations would gain nothing and the rows take the plain INT8 path).
-    split_grid: OnceLock<Option<GgmlDType>>,
     float: Option<Tensor>,
     bias: Option<Tensor>,
     out_dim: usize,
@@ -126,8 +189,7 @@ impl DualLinear {
         let residency = form.residency;
         let (out_dim, in_dim) = weight.dims2()?;
         let int8 = if residency.has_int8() {
-            let q = Arc::new(QTensor::quantize(&weight, form.quant.ggml())?);
-            Some((QMatMul::from_arc(q.clone())?, q))
+            Some(QuantKernel::quantize(&weight, form.quant.ggml())?)
         } else {
             None
         };
@@ -139,7 +201,6 @@ impl DualLinear {
         Ok(Self {
             int8,
             quant: form.quant,
-            split_grid: OnceLock::new(),
             float,
             bias,
             out_dim,
@@ -194,47 +255,12 @@ impl DualLinear {
     }
 
     fn int8_mm(&self, x: &Tensor) -> Result<Option<Tensor>> {
-        match &self.int8 {
-            Some((q, _)) => Ok(Some(q.forward(x)?)),
-            None => Ok(None),
-        }
+        self.int8.as_ref().map(|k| k.forward(x)).transpose()
     }
 
-    /// The quantized weights with split activations: `x` is cut into the kernel's own
-    /// quantization of it, `x̂ = deq(q(x))`, and the remainder `x − x̂`; both go through the
-    /// kernel as one matmul of twice the rows and the halves are summed. `x̂` lies on the
-    /// kernel's grid, so the kernel reproduces it exactly; only the remainder (≈ 1/254 of a
-    /// block's step) is quantized again, so the activations carry ≈ 16 bits while the
-    /// weights keep their quantization error. Where the kernel's grid cannot be reproduced
-    /// this is the plain INT8 product.
+    /// The quantized weights with split activations ([`QuantKernel::split_forward`]).
     fn split_mm(&self, x: &Tensor) -> Result<Option<Tensor>> {
-        let Some((q, qt)) = &self.int8 else {
-            return Ok(None);
-        };
-        let grid = match self.split_grid.get() {
-            Some(g) => *g,
-            None => {
-                let g = activation_grid(q, qt, self.out_dim, self.in_dim)?;
-                if g.is_none() {
-                    tracing::warn!(
-                        out = self.out_dim,
-                        input = self.in_dim,
-                        format = self.quant.as_str(),
-                        "the kernel's activation grid is neither Q8_0 nor Q8_K here: split activations fall back to the INT8 path"
-                    );
-                }
-                *self.split_grid.get_or_init(|| g)
-            }
-        };
-        let Some(grid) = grid else {
-            return self.int8_mm(x);
-        };
-        let rows = x.dim(0)?;
-        let x = x.contiguous()?;
-        let on_grid = QTensor::quantize(&x, grid)?.dequantize(x.device())?;
-        let rest = (&x - &on_grid)?;
-        let y = q.forward(&Tensor::cat(&[&on_grid, &rest], 0)?)?;
-        Ok(Some((y.narrow(0, 0, rows)? + y.narrow(0, rows, rows)?)?))
+        self.int8.as_ref().map(|k| k.split_forward(x)).transpose()
     }
 
     /// Every row through one path: float when `want_float` and a copy is resident; else the

@@ -1,25 +1,23 @@
 //! The vocabulary tables: the token embedding (row lookups) and the output projection
 //! (`lm_head`, a matmul), stored in f32, f16, or 8 bits (Q8_0: blocks of 32 values with one
 //! f16 scale, as llama.cpp stores them). A tied model keeps one copy for both uses; in Q8_0
-//! the lookup decodes the rows it needs straight from the blocks the matmul reads.
+//! the lookup decodes the rows it needs straight from the blocks the matmul reads, and the
+//! projection can split its activations like a linear group (`engine.split_activations =
+//! all`), so the logits carry only the table's weight error.
 
+use crate::backend::cpu::linear::QuantKernel;
 use crate::backend::EmbeddingDtype;
 use crate::error::{EngineError, Result};
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::quantized::GgmlDType;
+use candle_core::{DType, Device, Tensor};
 use half::f16;
-use std::sync::Arc;
 
 /// Q8_0: 2 bytes of f16 scale + 32 signed bytes per block.
 const Q8_BLOCK: usize = 34;
 
 pub enum Table {
     Float(Tensor),
-    Q8 {
-        q: Arc<QTensor>,
-        mm: QMatMul,
-        cols: usize,
-    },
+    Q8 { kernel: QuantKernel, cols: usize },
 }
 
 impl Table {
@@ -28,27 +26,31 @@ impl Table {
     pub fn new(w: &Tensor, dtype: EmbeddingDtype) -> Result<Self> {
         let (_, cols) = w.dims2()?;
         Ok(match dtype {
-            EmbeddingDtype::Q8_0 if cols % 32 == 0 => {
-                let q = Arc::new(QTensor::quantize(w, GgmlDType::Q8_0)?);
-                let mm = QMatMul::from_arc(q.clone())?;
-                Table::Q8 { q, mm, cols }
-            }
+            EmbeddingDtype::Q8_0 if cols % 32 == 0 => Table::Q8 {
+                kernel: QuantKernel::quantize(w, GgmlDType::Q8_0)?,
+                cols,
+            },
             EmbeddingDtype::Q8_0 | EmbeddingDtype::F16 => Table::Float(w.to_dtype(DType::F16)?),
             EmbeddingDtype::F32 => Table::Float(w.clone()),
+            EmbeddingDtype::Auto => {
+                return Err(EngineError::Config(
+                    "vocabulary tables: `auto` is decided by the plan before loading".into(),
+                ))
+            }
         })
     }
 
     pub fn bytes(&self) -> usize {
         match self {
             Table::Float(t) => t.elem_count() * t.dtype().size_in_bytes(),
-            Table::Q8 { q, .. } => q.storage_size_in_bytes(),
+            Table::Q8 { kernel, .. } => kernel.qtensor().storage_size_in_bytes(),
         }
     }
 
     pub fn elem_count(&self) -> usize {
         match self {
             Table::Float(t) => t.elem_count(),
-            Table::Q8 { q, .. } => q.shape().elem_count(),
+            Table::Q8 { kernel, .. } => kernel.qtensor().shape().elem_count(),
         }
     }
 
@@ -58,7 +60,8 @@ impl Table {
             Table::Float(t) => Ok(t
                 .index_select(&Tensor::new(ids, &Device::Cpu)?, 0)?
                 .to_dtype(DType::F32)?),
-            Table::Q8 { q, cols, .. } => {
+            Table::Q8 { kernel, cols } => {
+                let q = kernel.qtensor();
                 let data = q.data()?;
                 let per_row = cols / 32 * Q8_BLOCK;
                 let rows = q.shape().dims()[0];
@@ -80,15 +83,17 @@ impl Table {
         }
     }
 
-    /// `x · tableᵀ`: `x` is `[n, cols]` f32, the result `[n, rows]` f32.
-    pub fn project(&self, x: &Tensor) -> Result<Tensor> {
+    /// `x · tableᵀ`: `x` is `[n, cols]` f32, the result `[n, rows]` f32. `split`: a Q8_0
+    /// table carries the activations in two 8-bit parts (see [`QuantKernel::split_forward`]).
+    pub fn project(&self, x: &Tensor, split: bool) -> Result<Tensor> {
         match self {
             Table::Float(t) if t.dtype() == DType::F32 => Ok(x.matmul(&t.t()?)?),
             Table::Float(t) => Ok(x
                 .to_dtype(t.dtype())?
                 .matmul(&t.t()?)?
                 .to_dtype(DType::F32)?),
-            Table::Q8 { mm, .. } => Ok(mm.forward(x)?),
+            Table::Q8 { kernel, .. } if split => kernel.split_forward(x),
+            Table::Q8 { kernel, .. } => kernel.forward(x),
         }
     }
 }
@@ -103,10 +108,10 @@ mod tests {
     fn q8_rows_match_the_dequantized_table() {
         let w = Tensor::randn(0f32, 1.0, (10, 64), &Device::Cpu).unwrap();
         let t = Table::new(&w, EmbeddingDtype::Q8_0).unwrap();
-        let Table::Q8 { q, .. } = &t else {
+        let Table::Q8 { kernel, .. } = &t else {
             panic!("64 columns fit Q8_0")
         };
-        let deq = q.dequantize(&Device::Cpu).unwrap();
+        let deq = kernel.qtensor().dequantize(&Device::Cpu).unwrap();
         let want = deq
             .index_select(&Tensor::new(&[3u32, 7, 3], &Device::Cpu).unwrap(), 0)
             .unwrap();
@@ -125,5 +130,37 @@ mod tests {
             t.rows(&[10]).is_err(),
             "out of range is an error, not a panic"
         );
+    }
+
+    /// The Q8_0 projection with split activations carries the table's weight error alone:
+    /// against the dequantized table it is ≥ 20× closer than the plain 8-bit product. f16
+    /// tables ignore the flag (their product is already float). `auto` is refused.
+    #[test]
+    fn q8_projection_splits_its_activations() {
+        let w = Tensor::randn(0f32, 1.0, (300, 576), &Device::Cpu).unwrap();
+        let t = Table::new(&w, EmbeddingDtype::Q8_0).unwrap();
+        let Table::Q8 { kernel, .. } = &t else {
+            panic!("576 columns fit Q8_0")
+        };
+        let deq = kernel.qtensor().dequantize(&Device::Cpu).unwrap();
+        let x = Tensor::randn(0f32, 1.0, (3, 576), &Device::Cpu).unwrap();
+        let want = x.matmul(&deq.t().unwrap()).unwrap();
+        let err = |y: Tensor| {
+            let d = (y - &want).unwrap().sqr().unwrap().sum_all().unwrap();
+            let n = want.sqr().unwrap().sum_all().unwrap();
+            (d.to_scalar::<f32>().unwrap() / n.to_scalar::<f32>().unwrap()).sqrt()
+        };
+        let plain = err(t.project(&x, false).unwrap());
+        let split = err(t.project(&x, true).unwrap());
+        assert!(plain > 1e-3, "plain {plain}");
+        assert!(split * 20.0 < plain, "split {split} vs plain {plain}");
+        let f16 = Table::new(&w, EmbeddingDtype::F16).unwrap();
+        let (a, b) = (
+            f16.project(&x, false).unwrap(),
+            f16.project(&x, true).unwrap(),
+        );
+        let same = (a - b).unwrap().abs().unwrap().max_all().unwrap();
+        assert_eq!(same.to_scalar::<f32>().unwrap(), 0.0);
+        assert!(Table::new(&w, EmbeddingDtype::Auto).is_err());
     }
 }
