@@ -96,7 +96,7 @@ impl Default for EngineConfig {
 
 impl EngineConfig {
     /// How the backend stores what the plan does not decide, with the vocabulary tables
-    /// in `tables` (the plan's resolution of `embeddings`: [`crate::plan::LivePlan::forms`]).
+    /// in `tables` (the plan's resolution of `embeddings`: `LivePlan::forms`).
     pub fn forms_with(&self, tables: EmbeddingDtype) -> Forms {
         Forms {
             float: self.float_dtype,

@@ -300,7 +300,7 @@ pub enum EmbeddingDtype {
     F32,
     /// A setting, not a form (`engine.embeddings`, the default): f16 when the tables' bytes
     /// beyond Q8_0 fit in the float budget (they are served first), else Q8_0. The plan
-    /// resolves it ([`crate::plan::resolve`]) before anything is loaded.
+    /// resolves it (`plan::resolve`) before anything is loaded.
     Auto,
 }
 
