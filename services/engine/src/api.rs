@@ -221,6 +221,7 @@ fn log_plan(live: &LivePlan, cfg: &EngineConfig, w: &crate::backend::WeightBytes
          | float copies | | {:.1} |\n\
          | embeddings, norms, lm_head (tables {}) | | {:.1} |\n\
          | total | | {:.1} = {:.2}× all-f16 ({:.1}) |\n\
+         split activations: {}\n\
          float budget {budget}: tables {:.1} MiB beyond Q8_0, {} group(s) over it are INT8-only{}",
         count(Residency::Int8),
         cfg.float_dtype.as_str(),
@@ -238,6 +239,7 @@ fn log_plan(live: &LivePlan, cfg: &EngineConfig, w: &crate::backend::WeightBytes
         mib(w.total()),
         w.ratio_to_f16(),
         mib(w.all_f16),
+        cfg.split_activations.as_str(),
         mib(live.budget.table_bytes),
         live.budget.demoted.len(),
         if live.budget.demoted.is_empty() {

@@ -20,7 +20,8 @@
 //! a half-written file that stays half-written fails validation and is rejected.
 
 use crate::backend::{
-    EmbeddingDtype, FloatDtype, GroupForm, GroupLoader, PreparedGroup, QuantFormat, WeightBytes,
+    EmbeddingDtype, FloatDtype, GroupForm, GroupLoader, PreparedGroup, QuantFormat,
+    SplitActivations, WeightBytes,
 };
 use crate::config::EngineConfig;
 use crate::error::{EngineError, Result};
@@ -119,6 +120,8 @@ pub struct ConfigStatus {
     /// float budget (`engine.embeddings`; decided at load).
     pub tables: Option<EmbeddingDtype>,
     pub table_bytes: usize,
+    /// Which quantized-path rows carry split activations (`engine.split_activations`).
+    pub split_activations: Option<SplitActivations>,
     /// Groups that wanted a float copy and are INT8-only because of the budget.
     pub over_budget: Vec<String>,
     /// Resident weights by form (filled in by `Engine::config_status`).
@@ -435,6 +438,7 @@ pub(crate) fn describe(s: &mut ConfigStatus, live: &LivePlan, base: &EngineConfi
     s.float_bytes = live.budget.float_bytes;
     s.tables = Some(live.embeddings);
     s.table_bytes = live.budget.table_bytes;
+    s.split_activations = Some(base.split_activations);
     s.over_budget = live.budget.demoted.iter().map(|g| g.to_string()).collect();
     s.md5 = live.md5.clone();
     s.k = live.monitor.k;
