@@ -54,8 +54,8 @@ pub fn table_extra_bytes(cfg: &ModelConfig, dtype: EmbeddingDtype) -> usize {
     } else {
         EmbeddingDtype::F16
     };
-    let per = |d: EmbeddingDtype| d.bytes_per_value().unwrap_or(0.0);
-    ((per(dtype) - per(floor)).max(0.0) * values as f64).round() as usize
+    let bytes = |d: EmbeddingDtype| d.bytes(values).unwrap_or(0);
+    bytes(dtype).saturating_sub(bytes(floor))
 }
 
 /// Parameters of a group's weight (all members).

@@ -305,12 +305,13 @@ pub enum EmbeddingDtype {
 }
 
 impl EmbeddingDtype {
-    /// Bytes per value of the stored form (`None` for `Auto`, which is not one).
-    pub fn bytes_per_value(self) -> Option<f64> {
+    /// Bytes of `values` table values in this form (Q8_0 by [`QuantFormat::bytes`]; `None`
+    /// for `Auto`, which is not a form).
+    pub fn bytes(self, values: usize) -> Option<usize> {
         match self {
-            EmbeddingDtype::Q8_0 => Some(34.0 / 32.0),
-            EmbeddingDtype::F16 => Some(2.0),
-            EmbeddingDtype::F32 => Some(4.0),
+            EmbeddingDtype::Q8_0 => Some(QuantFormat::Q8_0.bytes(values)),
+            EmbeddingDtype::F16 => Some(2 * values),
+            EmbeddingDtype::F32 => Some(4 * values),
             EmbeddingDtype::Auto => None,
         }
     }

@@ -118,25 +118,19 @@ fn parse() -> Result<Args, String> {
                     .map_err(|_| "--kv-scale given twice".to_string())?;
             }
             "--split-activations" => {
-                use quantmesh_engine::backend::SplitActivations;
-                a.split = match v()?.as_str() {
-                    "off" => SplitActivations::Off,
-                    "copyless" => SplitActivations::Copyless,
-                    "all" => SplitActivations::All,
-                    other => {
-                        return Err(format!(
-                            "--split-activations {other:?}: off, copyless or all"
-                        ))
-                    }
-                }
+                a.split = v()?
+                    .parse()
+                    .map_err(|e| format!("--split-activations: {e}"))?
             }
             "--embeddings" => {
                 use quantmesh_engine::backend::EmbeddingDtype;
-                a.embeddings = match v()?.as_str() {
-                    "q8_0" => EmbeddingDtype::Q8_0,
-                    "f16" => EmbeddingDtype::F16,
-                    "f32" => EmbeddingDtype::F32,
-                    other => return Err(format!("--embeddings {other:?}: q8_0, f16 or f32")),
+                a.embeddings = match v()?.parse() {
+                    // The bench loads tables directly; `auto` needs a plan's budget.
+                    Ok(EmbeddingDtype::Auto) => {
+                        return Err("--embeddings auto: give q8_0, f16 or f32".into())
+                    }
+                    Ok(d) => d,
+                    Err(e) => return Err(format!("--embeddings: {e}")),
                 }
             }
             "--float-dtype" => {

@@ -22,7 +22,7 @@ use quantmesh_types::Residency;
 use std::sync::{Arc, OnceLock};
 
 /// `x · wᵀ` in `w`'s dtype, f32 in and out.
-fn float_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+pub(crate) fn float_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     Ok(if w.dtype() == DType::F32 {
         x.matmul(&w.t()?)?
     } else {

@@ -5,7 +5,7 @@
 //! projection can split its activations like a linear group (`engine.split_activations =
 //! all`), so the logits carry only the table's weight error.
 
-use crate::backend::cpu::linear::QuantKernel;
+use crate::backend::cpu::linear::{float_matmul, QuantKernel};
 use crate::backend::EmbeddingDtype;
 use crate::error::{EngineError, Result};
 use candle_core::quantized::GgmlDType;
@@ -87,11 +87,7 @@ impl Table {
     /// table carries the activations in two 8-bit parts (see [`QuantKernel::split_forward`]).
     pub fn project(&self, x: &Tensor, split: bool) -> Result<Tensor> {
         match self {
-            Table::Float(t) if t.dtype() == DType::F32 => Ok(x.matmul(&t.t()?)?),
-            Table::Float(t) => Ok(x
-                .to_dtype(t.dtype())?
-                .matmul(&t.t()?)?
-                .to_dtype(DType::F32)?),
+            Table::Float(t) => float_matmul(x, t),
             Table::Q8 { kernel, .. } if split => kernel.split_forward(x),
             Table::Q8 { kernel, .. } => kernel.forward(x),
         }
