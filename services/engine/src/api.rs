@@ -348,6 +348,12 @@ impl Wiring {
             .map(|g| (g, backend.residency(g)))
             .collect();
         let mut core = Monitor::new(live.monitor.clone(), &self.name, &residencies);
+        core.set_column_errors(
+            residencies
+                .iter()
+                .map(|(g, _)| (*g, backend.column_error(*g))),
+        );
+        core.set_activation_spikes(cfg.split_activations != SplitActivations::All);
         core.config_md5 = live.md5.clone();
         Some(
             MonitorActor {

@@ -15,7 +15,10 @@
 
 use crate::api::Engine;
 use crate::backend::cpu::LlamaModel;
-use crate::backend::{SeqChunk, StepInput};
+use crate::backend::{
+    Backend, EmbeddingDtype, FloatDtype, Forms, GroupForm, QuantFormat, RowPath, SeqChunk,
+    SplitActivations, StepInput,
+};
 use crate::config::EngineConfig;
 use crate::error::{EngineError, Result};
 use crate::kv::{BlockManager, KvCache, KvFloatDtype, KvScale};
@@ -24,7 +27,8 @@ use crate::precision::{PathMask, StepRunner};
 use quantmesh_model::recipe::{self, Planted, Recipe};
 use quantmesh_model::{ModelConfig, TextTokenizer};
 use quantmesh_types::{
-    FallbackAction, FallbackReason, Granularity, GroupId, GroupKind, Residency, SamplingParams,
+    FallbackAction, FallbackReason, Granularity, GroupId, GroupKind, PrecisionClass, Residency,
+    SamplingParams,
 };
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -42,6 +46,14 @@ pub struct EvalOptions {
     /// Tokens generated per request.
     pub max_tokens: usize,
     pub monitor: MonitorConfig,
+    /// The class every group is served as (its quantized form, `QuantFormat::for_class`);
+    /// every group keeps an exact float copy so the monitor can fall back anywhere.
+    pub class: PrecisionClass,
+    /// Which quantized-path rows carry split activations. The planted family's truth is
+    /// activation harm (input spikes against INT8-hostile weights), which exists only where
+    /// activations are quantized to 8 bits, so its default is `off`; a real model is
+    /// served with the engine's default (`all`) unless told otherwise.
+    pub split: SplitActivations,
 }
 
 impl Default for EvalOptions {
@@ -57,6 +69,8 @@ impl Default for EvalOptions {
                 shadow_sample_rate: 0.0,
                 ..Default::default()
             },
+            class: PrecisionClass::W8a8,
+            split: SplitActivations::Off,
         }
     }
 }
@@ -164,9 +178,18 @@ impl Observed {
 /// ordinary requests and return what the monitor saw and decided. `chat`: wrap each text in
 /// the model's chat template (real chat traffic) instead of sending it raw.
 pub async fn observe(dir: &Path, name: &str, opts: &EvalOptions, chat: bool) -> Result<Observed> {
+    // Another class than the default Q8_0 everywhere: a plan file that says so.
+    let plan = match opts.class {
+        PrecisionClass::W8a8 => None,
+        class => Some(every_group_plan(&ModelConfig::load(dir)?, class)?),
+    };
     let cfg = EngineConfig {
         monitor: opts.monitor.clone(),
         default_residency: Residency::Dual,
+        split_activations: opts.split,
+        sensitive_layers: plan
+            .as_ref()
+            .map(|p| p.path().to_string_lossy().into_owned()),
         ..Default::default()
     };
     let engine = Engine::start(dir, cfg, name).await?;
@@ -257,6 +280,9 @@ pub async fn observe(dir: &Path, name: &str, opts: &EvalOptions, chat: bool) -> 
             res?;
         }
         done += n;
+        if opts.requests >= 100 && done % 40 < n {
+            eprintln!("  served {done} of {} requests", opts.requests);
+        }
     }
     // The monitor handles observations asynchronously: wait until it has seen every request.
     let window = opts.monitor.window_requests.max(1);
@@ -305,6 +331,32 @@ pub async fn observe(dir: &Path, name: &str, opts: &EvalOptions, chat: bool) -> 
         )));
     }
     Ok(Observed { report, fell_back })
+}
+
+/// A `sensitive_layers.json` (in a temporary file) that serves every group of a model as
+/// `class`, dual.
+fn every_group_plan(cfg: &ModelConfig, class: PrecisionClass) -> Result<tempfile::NamedTempFile> {
+    let groups: serde_json::Map<String, serde_json::Value> = (0..cfg.num_hidden_layers)
+        .flat_map(|l| GroupKind::ALL.map(|k| GroupId::new(l, k)))
+        .map(|g| {
+            (
+                g.to_string(),
+                serde_json::json!({"class": class, "residency": "dual"}),
+            )
+        })
+        .collect();
+    let plan = serde_json::json!({
+        "schema_version": quantmesh_types::SENSITIVE_LAYERS_SCHEMA_VERSION,
+        "groups": groups,
+    });
+    let mut f = tempfile::Builder::new()
+        .prefix("quantmesh-eval-plan-")
+        .suffix(".json")
+        .tempfile()
+        .map_err(|e| EngineError::Config(format!("plan file: {e}")))?;
+    serde_json::to_writer(&mut f, &plan)
+        .map_err(|e| EngineError::Config(format!("plan file: {e}")))?;
+    Ok(f)
 }
 
 /// Write `r` under `dir`, serve it with `opts`, and score the monitor.
@@ -357,9 +409,11 @@ pub async fn run_case(dir: &Path, r: &Recipe, opts: &EvalOptions) -> Result<Case
             PathMask::with_float_groups(final_float.iter().copied()),
             PathMask::with_float_groups(expected.iter().copied()),
         ];
-        let kls = tokio::task::spawn_blocking(move || teacher_forced_kl(&dir, &masks))
-            .await
-            .map_err(|e| EngineError::Config(format!("KL task: {e}")))??;
+        let (class, split) = (opts.class, opts.split);
+        let kls =
+            tokio::task::spawn_blocking(move || teacher_forced_kl(&dir, class, split, &masks))
+                .await
+                .map_err(|e| EngineError::Config(format!("KL task: {e}")))??;
         (kls[0], kls[1], kls[2])
     };
     let names = |set: &BTreeSet<GroupId>| set.iter().map(|g| g.to_string()).collect();
@@ -430,14 +484,18 @@ pub fn step_for(bm: &mut BlockManager, seqs: &[(u64, Vec<u32>)]) -> Result<StepI
 }
 
 /// Mean next-token KL(P_float ‖ P_mask) for each mask over [`ORDINARY_TEXT`], teacher-forced
-/// one token per step (the model is loaded with every group dual, exact f32 float copies).
-pub fn teacher_forced_kl(dir: &Path, masks: &[PathMask]) -> Result<Vec<f64>> {
-    let r = Reference::load(dir)?;
+/// (the model loaded by [`Reference::load_class`]).
+pub fn teacher_forced_kl(
+    dir: &Path,
+    class: PrecisionClass,
+    split: SplitActivations,
+    masks: &[PathMask],
+) -> Result<Vec<f64>> {
+    let r = Reference::load_class(dir, class, split)?;
     r.mean_kl(&r.texts, masks)
 }
 
-/// A checkpoint loaded for KL measurements: every group dual with exact f32 float copies,
-/// and [`ORDINARY_TEXT`] tokenized.
+/// A checkpoint loaded for KL measurements, and [`ORDINARY_TEXT`] tokenized.
 pub struct Reference {
     pub cfg: ModelConfig,
     pub model: LlamaModel,
@@ -445,10 +503,27 @@ pub struct Reference {
 }
 
 impl Reference {
-    pub fn load(dir: &Path) -> Result<Self> {
+    /// Every group dual with exact f32 float copies and its quantized form the one `class`
+    /// is served with ([`QuantFormat::for_class`]), quantized-path rows split as `split`
+    /// says, f32 vocabulary tables: the served linear groups against their own float weights.
+    pub fn load_class(dir: &Path, class: PrecisionClass, split: SplitActivations) -> Result<Self> {
         let cfg = ModelConfig::load(dir)?;
+        let ck = quantmesh_model::Checkpoint::open(dir)?;
+        let form = |g: GroupId| GroupForm {
+            residency: Residency::Dual,
+            quant: QuantFormat::for_class(class, crate::plan::group_in_dim(&cfg, g.kind)),
+        };
+        let forms = Forms {
+            float: FloatDtype::F32,
+            embeddings: EmbeddingDtype::F32,
+            split,
+        };
+        let model = LlamaModel::load_planned(&ck, &cfg, &form, forms)?;
+        Self::with_model(dir, cfg, model)
+    }
+
+    fn with_model(dir: &Path, cfg: ModelConfig, model: LlamaModel) -> Result<Self> {
         let tok = TextTokenizer::load(dir)?;
-        let model = LlamaModel::load(dir, &cfg, &|_| Residency::Dual)?;
         let texts = ORDINARY_TEXT
             .iter()
             .map(|t| tok.encode(t, true))
@@ -470,8 +545,9 @@ impl Reference {
 }
 
 /// Summed next-token KL(P_float-only ‖ P_mask) for each mask over `texts` (token ids), and
-/// the number of positions summed: each text runs one token per step from an empty cache,
-/// once all-float (the reference) and once per mask.
+/// the number of positions summed: the texts run together, one token of each per step from
+/// an empty cache (a batch of sequences, as the engine serves them), once all-float (the
+/// reference) and once per mask.
 pub fn teacher_forced_kl_on(
     model: &dyn crate::backend::Backend,
     cfg: &ModelConfig,
@@ -480,35 +556,74 @@ pub fn teacher_forced_kl_on(
 ) -> Result<(Vec<f64>, usize)> {
     let all_float = PathMask::all_groups_float(cfg.num_hidden_layers);
     let mut runner = StepRunner::default();
-    let page = 16;
     let mut sums = vec![0f64; masks.len()];
     let mut n = 0usize;
-    for ids in texts {
-        let mut per_mask: Vec<Vec<Vec<f32>>> = Vec::new();
-        for mask in std::iter::once(&all_float).chain(masks) {
-            let (mut kv, mut bm) = scratch_cache(cfg, ids.len().div_ceil(page) + 1, page);
-            bm.admit(0, &[], ids.len())
-                .map_err(|e| EngineError::Config(format!("KV pages: {e}")))?;
-            let mut logits = Vec::new();
-            for t in ids {
-                let step = step_for(&mut bm, &[(0, vec![*t])])?;
-                let mut out = runner.run(model, &step, mask, &mut kv, true)?;
-                if out.logits.is_empty() {
-                    return Err(EngineError::Config("a step returned no logits".into()));
-                }
-                logits.push(out.logits.remove(0).1);
-            }
-            per_mask.push(logits);
+    let mut reference: Vec<Vec<Vec<f32>>> = Vec::new();
+    for (m, mask) in std::iter::once(&all_float).chain(masks).enumerate() {
+        let logits = teacher_forced_logits(cfg, texts, |step, kv| {
+            Ok(runner.run(model, step, mask, kv, true)?.logits)
+        })?;
+        // Long runs (the oracle's one mask per group) say how far they are.
+        if masks.len() >= 16 && m % 10 == 0 {
+            eprintln!("  teacher-forced KL: {m} of {} masks", masks.len());
         }
-        let (reference, served) = per_mask.split_at(1);
-        for (pos, want) in reference[0].iter().enumerate().skip(1) {
-            for (s, got) in sums.iter_mut().zip(served) {
-                *s += quantmesh_model::ops::kl_logits(want, &got[pos]);
+        if m == 0 {
+            reference = logits;
+            continue;
+        }
+        for (want, got) in reference.iter().zip(&logits) {
+            for (w, g) in want.iter().zip(got).skip(1) {
+                sums[m - 1] += quantmesh_model::ops::kl_logits(w, g);
+                if m == 1 {
+                    n += 1;
+                }
             }
-            n += 1;
         }
     }
     Ok((sums, n))
+}
+
+/// Every position's next-token logits of each text, teacher-forced: the texts run as one
+/// batch of sequences from an empty cache, one token of each per step, each step through
+/// `pass`.
+fn teacher_forced_logits(
+    cfg: &ModelConfig,
+    texts: &[Vec<u32>],
+    mut pass: impl FnMut(&StepInput, &mut KvCache) -> Result<Vec<(u64, Vec<f32>)>>,
+) -> Result<Vec<Vec<Vec<f32>>>> {
+    let page = 16;
+    let pages: usize = texts.iter().map(|t| t.len().div_ceil(page) + 1).sum();
+    let (mut kv, mut bm) = scratch_cache(cfg, pages, page);
+    for (i, ids) in texts.iter().enumerate() {
+        bm.admit(i as u64, &[], ids.len())
+            .map_err(|e| EngineError::Config(format!("KV pages: {e}")))?;
+    }
+    let longest = texts.iter().map(Vec::len).max().unwrap_or(0);
+    let mut logits: Vec<Vec<Vec<f32>>> = vec![Vec::new(); texts.len()];
+    for t in 0..longest {
+        let seqs: Vec<(u64, Vec<u32>)> = texts
+            .iter()
+            .enumerate()
+            .filter(|(_, ids)| t < ids.len())
+            .map(|(i, ids)| (i as u64, vec![ids[t]]))
+            .collect();
+        let step = step_for(&mut bm, &seqs)?;
+        let out = pass(&step, &mut kv)?;
+        if out.len() != seqs.len() {
+            return Err(EngineError::Config(format!(
+                "a step of {} sequences returned {} logits",
+                seqs.len(),
+                out.len()
+            )));
+        }
+        for (seq, l) in out {
+            logits
+                .get_mut(seq as usize)
+                .ok_or_else(|| EngineError::Config(format!("logits for unknown sequence {seq}")))?
+                .push(l);
+        }
+    }
+    Ok(logits)
 }
 
 /// The suite's table (markdown).
@@ -587,8 +702,9 @@ pub async fn real_model_report(dir: &Path, opts: &EvalOptions, oracle: bool) -> 
     let (kls, oracle_text) = {
         let dir = dir.to_path_buf();
         let chosen = final_float.clone();
+        let (class, split) = (opts.class, opts.split);
         tokio::task::spawn_blocking(move || -> Result<(Vec<f64>, Option<String>)> {
-            let r = Reference::load(&dir)?;
+            let r = Reference::load_class(&dir, class, split)?;
             let kls = r.mean_kl(
                 &r.texts,
                 &[
@@ -679,64 +795,269 @@ pub async fn real_model_report(dir: &Path, opts: &EvalOptions, oracle: bool) -> 
 }
 
 /// The oracle the monitor is measured against: every group's own KL contribution (KL of
-/// INT8-only minus KL with that group alone in float, on the first four held-out texts),
+/// the quantized model minus KL with that group alone in float, over the held-out texts),
 /// then groups put in float in that order until they hold as many float parameters as the
 /// monitor's `chosen` set; report both sets' KL and the share of the oracle's KL reduction
-/// the monitor reached.
+/// the monitor reached. Then the same comparison for rankings by the groups' measured harm
+/// ([`harm_by_group`]) at a few float shares: how well a statistic the monitor can compute
+/// online orders the groups.
 pub fn oracle_at_same_bytes(r: &Reference, chosen: &BTreeSet<GroupId>) -> Result<String> {
     let cfg = &r.cfg;
-    let texts = &r.texts[..r.texts.len().min(4)];
+    let texts = &r.texts;
     let groups: Vec<GroupId> = (0..cfg.num_hidden_layers)
         .flat_map(|l| GroupKind::ALL.map(|k| GroupId::new(l, k)))
         .collect();
     let mut masks = vec![PathMask::default()];
     masks.extend(groups.iter().map(|g| PathMask::with_float_groups([*g])));
-    let (kl, _) = r.mean_kl_n(texts, &masks)?;
+    eprintln!(
+        "oracle: every group's own KL gain ({} masks over {} texts)",
+        masks.len(),
+        texts.len()
+    );
+    let (kl, n) = r.mean_kl_n(texts, &masks)?;
+    let kl_quantized = kl[0];
     let mut gain: Vec<(GroupId, f64)> = groups
         .iter()
         .zip(&kl[1..])
-        .map(|(g, k)| (*g, kl[0] - k))
+        .map(|(g, k)| (*g, kl_quantized - k))
         .collect();
     gain.sort_by(|a, b| b.1.total_cmp(&a.1));
     let params = |g: &GroupId| crate::plan::group_params(cfg, g.kind);
-    let budget: usize = chosen.iter().map(params).sum();
-    let mut oracle = BTreeSet::new();
-    let mut used = 0;
-    for (g, _) in &gain {
-        if used + params(g) > budget {
-            continue;
+    let total: usize = groups.iter().map(params).sum();
+    // Groups in `order` until `budget` parameters are used (a group that would overflow is
+    // skipped, a smaller one after it may still fit).
+    let take = |order: &[GroupId], budget: usize| {
+        let mut set = BTreeSet::new();
+        let mut used = 0;
+        for g in order {
+            if used + params(g) <= budget {
+                used += params(g);
+                set.insert(*g);
+            }
         }
-        used += params(g);
-        oracle.insert(*g);
-    }
-    let (kl, n) = r.mean_kl_n(
+        (set, used)
+    };
+    let oracle_order: Vec<GroupId> = gain.iter().map(|(g, _)| *g).collect();
+    let budget: usize = chosen.iter().map(params).sum();
+    let (oracle, _) = take(&oracle_order, budget);
+    let kl = r.mean_kl(
         texts,
         &[
-            PathMask::default(),
             PathMask::with_float_groups(chosen.iter().copied()),
             PathMask::with_float_groups(oracle.iter().copied()),
         ],
     )?;
-    let reached = if kl[0] - kl[2] > 0.0 {
-        (kl[0] - kl[1]) / (kl[0] - kl[2])
-    } else {
-        f64::NAN
+    let reach = |got: f64, best: f64| {
+        if kl_quantized - best > 0.0 {
+            (kl_quantized - got) / (kl_quantized - best)
+        } else {
+            f64::NAN
+        }
     };
-    let total: usize = groups.iter().map(params).sum();
     let top: Vec<String> = gain
         .iter()
         .take(8)
         .map(|(g, d)| format!("{g} {d:.5}"))
         .collect();
-    Ok(format!(
-        "\nOracle at the same float parameters ({:.1} % of the linear weights; 4 texts, {n} positions): INT8 only {:.5}, monitor's set ({} groups) {:.5}, oracle's set ({} groups) {:.5}: the monitor reaches {:.0} % of the oracle's KL reduction. Largest single-group KL reductions: {}.\n",
+    let mut out = format!(
+        "\nOracle at the same float parameters ({:.1} % of the linear weights; {} texts, {n} positions): quantized only {:.5}, monitor's set ({} groups) {:.5}, oracle's set ({} groups) {:.5}: the monitor reaches {:.0} % of the oracle's KL reduction. Largest single-group KL reductions: {}.\n",
         100.0 * budget as f64 / total.max(1) as f64,
-        kl[0],
+        texts.len(),
+        kl_quantized,
         chosen.len(),
-        kl[1],
+        kl[0],
         oracle.len(),
-        kl[2],
-        100.0 * reached,
+        kl[1],
+        100.0 * reach(kl[0], kl[1]),
         top.join(", ")
-    ))
+    );
+    // Rankings by harm statistics against the oracle at fixed float shares.
+    eprintln!("oracle: harm rankings at {HARM_SHARES:?} of the linear parameters");
+    let harm = harm_by_group(r, texts)?;
+    let rank = |key: &dyn Fn(&GroupHarm) -> f64| {
+        let mut v: Vec<(GroupId, f64)> = harm.iter().map(|(g, h)| (*g, key(h))).collect();
+        v.sort_by(|a, b| b.1.total_cmp(&a.1));
+        v.into_iter().map(|(g, _)| g).collect::<Vec<_>>()
+    };
+    let rankings: Vec<(&str, Vec<GroupId>)> = vec![
+        ("traffic NSR", rank(&|h| h.nsr_of_power)),
+        ("mean row NSR", rank(&|h| h.mean_row_nsr)),
+        ("output error power", rank(&|h| h.error_power)),
+        ("weight NSR", rank(&|h| h.weight_nsr)),
+        (
+            "traffic NSR without massive channels",
+            rank(&|h| h.nsr_without_massive),
+        ),
+    ];
+    if std::env::var_os("QUANTMESH_EVAL_VERBOSE").is_some() {
+        out += "\n| group | single-group KL gain | traffic NSR | mean row NSR | without massive | weight NSR |\n|---|---|---|---|---|---|\n";
+        for (g, d) in &gain {
+            if let Some(h) = harm.get(g) {
+                out += &format!(
+                    "| {g} | {d:.5} | {:.2e} | {:.2e} | {:.2e} | {:.2e} |\n",
+                    h.nsr_of_power, h.mean_row_nsr, h.nsr_without_massive, h.weight_nsr
+                );
+            }
+        }
+    }
+    out += &format!(
+        "\nRankings against the oracle (Spearman ρ with the single-group gains; reach = share of the oracle's KL reduction at the same float parameters):\n\n| ranking | ρ | {} |\n|---|---|{}\n",
+        HARM_SHARES
+            .iter()
+            .map(|f| format!("reach at {:.0} %", 100.0 * f))
+            .collect::<Vec<_>>()
+            .join(" | "),
+        "---|".repeat(HARM_SHARES.len())
+    );
+    for (name, order) in &rankings {
+        let rho = spearman(&oracle_order, order);
+        let mut cells = Vec::new();
+        for f in HARM_SHARES {
+            let (set, used) = take(order, (f * total as f64) as usize);
+            let (best, _) = take(&oracle_order, used);
+            let kl = r.mean_kl(
+                texts,
+                &[
+                    PathMask::with_float_groups(set.iter().copied()),
+                    PathMask::with_float_groups(best.iter().copied()),
+                ],
+            )?;
+            cells.push(format!(
+                "{:.0} % ({:.5} vs {:.5})",
+                100.0 * reach(kl[0], kl[1]),
+                kl[0],
+                kl[1]
+            ));
+        }
+        out += &format!("| {name} | {rho:.2} | {} |\n", cells.join(" | "));
+    }
+    Ok(out)
+}
+
+/// Float shares of the linear parameters the harm rankings are scored at.
+const HARM_SHARES: [f64; 4] = [0.05, 0.1, 0.2, 0.4];
+
+/// Spearman's rank correlation of two orderings of the same groups.
+fn spearman(a: &[GroupId], b: &[GroupId]) -> f64 {
+    let pos: std::collections::BTreeMap<GroupId, usize> =
+        b.iter().enumerate().map(|(i, g)| (*g, i)).collect();
+    let n = a.len() as f64;
+    let d2: f64 = a
+        .iter()
+        .enumerate()
+        .filter_map(|(i, g)| pos.get(g).map(|j| (i as f64 - *j as f64).powi(2)))
+        .sum();
+    1.0 - 6.0 * d2 / (n * (n * n - 1.0)).max(1.0)
+}
+
+/// One group's measured harm on traffic: what its quantized weights do to the inputs it
+/// actually sees ([`crate::backend::ColumnError`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GroupHarm {
+    /// Output noise-to-signal ratio for the traffic's mean input power per channel.
+    pub nsr_of_power: f64,
+    /// Mean over rows of each row's output noise-to-signal ratio.
+    pub mean_row_nsr: f64,
+    /// Expected squared output error per row, `Σ_j E[x_j²]·error_j`.
+    pub error_power: f64,
+    /// The weights alone: `Σ error_j / Σ energy_j` (every channel equally loud).
+    pub weight_nsr: f64,
+    /// [`GroupHarm::nsr_of_power`] without the channels whose mean power is over 36× the
+    /// median channel's (6× in magnitude: the massive, input-invariant channels).
+    pub nsr_without_massive: f64,
+}
+
+/// Every quantized group's [`GroupHarm`] on `texts` (teacher-forced, all groups on their
+/// quantized path, position 0 left out as the monitor does).
+pub fn harm_by_group(
+    r: &Reference,
+    texts: &[Vec<u32>],
+) -> Result<std::collections::BTreeMap<GroupId, GroupHarm>> {
+    #[derive(Default)]
+    struct Acc {
+        power: Vec<f64>,
+        nsr_sum: f64,
+        rows: usize,
+    }
+    struct PowerProbe<'a> {
+        model: &'a LlamaModel,
+        rows: Vec<(u64, usize)>,
+        acc: std::collections::BTreeMap<GroupId, Acc>,
+    }
+    impl crate::backend::Router for PowerProbe<'_> {
+        fn route(&mut self, g: GroupId, input: &candle_core::Tensor) -> Result<RowPath> {
+            let Some(ce) = self.model.column_error(g) else {
+                return Ok(RowPath::AllInt8);
+            };
+            let (n, d) = input.dims2()?;
+            let data = input.flatten_all()?.to_vec1::<f32>()?;
+            let acc = self.acc.entry(g).or_default();
+            acc.power.resize(d, 0.0);
+            for r in 0..n {
+                if self.rows.get(r).is_none_or(|(_, p)| *p == 0) {
+                    continue;
+                }
+                let row = &data[r * d..(r + 1) * d];
+                for (p, x) in acc.power.iter_mut().zip(row) {
+                    *p += (*x as f64) * (*x as f64);
+                }
+                acc.nsr_sum += ce.nsr(row) as f64;
+                acc.rows += 1;
+            }
+            Ok(RowPath::AllInt8)
+        }
+        fn coupled_gate_up_rows(&mut self, _layer: usize) -> Vec<usize> {
+            Vec::new()
+        }
+        fn kv_int8(&self, _layer: usize) -> bool {
+            true
+        }
+        fn record(&mut self, _g: GroupId, _o: crate::backend::GroupOutcome) {}
+    }
+    let mut probe = PowerProbe {
+        model: &r.model,
+        rows: Vec::new(),
+        acc: Default::default(),
+    };
+    teacher_forced_logits(&r.cfg, texts, |step, kv| {
+        probe.rows = step.rows();
+        Ok(r.model.pass(step, &mut probe, kv)?.logits)
+    })?;
+    let mut out = std::collections::BTreeMap::new();
+    for (g, acc) in probe.acc {
+        let Some(ce) = r.model.column_error(g) else {
+            continue;
+        };
+        let rows = acc.rows.max(1) as f64;
+        let power: Vec<f64> = acc.power.iter().map(|p| p / rows).collect();
+        let error_power = power
+            .iter()
+            .zip(&ce.error)
+            .map(|(p, e)| p * *e as f64)
+            .sum();
+        let weight_nsr = ce.error.iter().map(|e| *e as f64).sum::<f64>()
+            / ce.energy
+                .iter()
+                .map(|e| *e as f64)
+                .sum::<f64>()
+                .max(f64::MIN_POSITIVE);
+        let mut sorted = power.clone();
+        sorted.sort_by(|a, b| a.total_cmp(b));
+        let median = sorted.get(sorted.len() / 2).copied().unwrap_or(0.0);
+        let ordinary: Vec<f64> = power
+            .iter()
+            .map(|p| if *p > 36.0 * median { 0.0 } else { *p })
+            .collect();
+        out.insert(
+            g,
+            GroupHarm {
+                nsr_without_massive: ce.nsr_of_power(&ordinary),
+                nsr_of_power: ce.nsr_of_power(&power),
+                mean_row_nsr: acc.nsr_sum / rows,
+                error_power,
+                weight_nsr,
+            },
+        );
+    }
+    Ok(out)
 }

@@ -87,6 +87,7 @@ pub struct EngineMetrics {
     pub weight_f16_ratio: Gauge,
     pub monitor_dropped: IntCounter,
     outlier_rate: GaugeVec,
+    harm_nsr: GaugeVec,
     pub groups_in_fallback: IntGauge,
     decisions: IntCounterVec,
     pub shadow_kl: HistogramVec,
@@ -196,6 +197,13 @@ impl EngineMetrics {
                 ),
                 &["group"],
             )),
+            harm_nsr: must(GaugeVec::new(
+                o(
+                    "quantmesh_monitor_harm_nsr",
+                    "Mean output noise-to-signal ratio a group's quantized weights gave its rows in the last completed window (the harm statistic).",
+                ),
+                &["group"],
+            )),
             groups_in_fallback: ig(
                 "quantmesh_monitor_groups_in_fallback",
                 "Linear groups running their float path (monitor or admin).",
@@ -264,6 +272,7 @@ impl EngineMetrics {
             Box::new(m.weight_f16_ratio.clone()),
             Box::new(m.monitor_dropped.clone()),
             Box::new(m.outlier_rate.clone()),
+            Box::new(m.harm_nsr.clone()),
             Box::new(m.groups_in_fallback.clone()),
             Box::new(m.decisions.clone()),
             Box::new(m.shadow_kl.clone()),
@@ -329,6 +338,10 @@ impl EngineMetrics {
                 ev.action.as_str(),
             ])
             .inc();
+    }
+
+    pub fn harm_nsr(&self, group: &str, nsr: f64) {
+        self.harm_nsr.with_label_values(&[group]).set(nsr);
     }
 
     pub fn outlier_rate(&self, group: &str, rate: f64) {

@@ -63,6 +63,11 @@ pub fn group_params(cfg: &ModelConfig, kind: GroupKind) -> usize {
     member_shapes(cfg, kind).iter().map(|s| s[0] * s[1]).sum()
 }
 
+/// Input width of a group of `kind` (what decides its 4-bit format).
+pub fn group_in_dim(cfg: &ModelConfig, kind: GroupKind) -> usize {
+    member_shapes(cfg, kind).first().map_or(0, |s| s[1])
+}
+
 /// Overlay `file` on `base`. Precedence, lowest first: `engine.default_residency`,
 /// `engine.group_residency`, the file's groups (class → residency, or the explicit
 /// `residency`); monitor thresholds: `engine.monitor`, the file's `thresholds`, the file's
@@ -99,6 +104,7 @@ pub fn resolve(
         set(&mut monitor.k, t.k);
         set(&mut monitor.trigger_rate, t.trigger_rate);
         set(&mut monitor.min_excess, t.min_excess);
+        set(&mut monitor.max_nsr, t.max_nsr);
         set(&mut monitor.token_k, t.token_k);
         set(&mut monitor.shadow_sample_rate, t.shadow_sample_rate);
         set(&mut monitor.request_kl_limit, t.request_kl_limit);
@@ -110,8 +116,10 @@ pub fn resolve(
         }
         for (g, entry) in &plan.groups {
             residency.insert(*g, entry.effective_residency());
-            let in_dim = member_shapes(cfg, g.kind).first().map_or(0, |s| s[1]);
-            quant.insert(*g, QuantFormat::for_class(entry.class, in_dim));
+            quant.insert(
+                *g,
+                QuantFormat::for_class(entry.class, group_in_dim(cfg, g.kind)),
+            );
             let has_override = entry.monitor.is_some() || !entry.massive_channels.is_empty();
             if has_override {
                 let o: &mut GroupOverride = monitor.overrides.entry(g.to_string()).or_default();
@@ -119,6 +127,7 @@ pub fn resolve(
                     o.k = m.k.or(o.k);
                     o.trigger_rate = m.trigger_rate.or(o.trigger_rate);
                     o.min_excess = m.min_excess.or(o.min_excess);
+                    o.max_nsr = m.max_nsr.or(o.max_nsr);
                 }
                 o.massive_channels.extend(&entry.massive_channels);
                 o.massive_channels.sort_unstable();

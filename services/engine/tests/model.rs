@@ -339,6 +339,7 @@ fn detector_for(
             token_bound: bound,
             learn_channels: false,
             massive_ratio: 0.0,
+            column_error: None,
         },
     );
     std::sync::Arc::new(quantmesh_engine::precision::DetectorParams {

@@ -229,6 +229,8 @@ pub fn run(opts: &Options, progress: &dyn scan::Progress) -> Result<Outcome, Pre
         thresholds: HookThresholds {
             k: Some(hook.k),
             min_excess: Some(hook.min_excess),
+            // The engine's harm bound applies unless an operator sets one.
+            max_nsr: None,
             trigger_rate: Some(hook.trigger_rate),
             window_requests: Some(hook.window_requests),
             recovery_windows: Some(hook.recovery_windows),

@@ -97,6 +97,11 @@ pub struct HookThresholds {
     /// optional field).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub min_excess: Option<f64>,
+    /// Harm bound: a row counts as an outlier too when the group's quantized weights give
+    /// its output a noise-to-signal ratio above this (≥ 0, 0 = off; added in v1 as an
+    /// optional field).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_nsr: Option<f64>,
     /// Outlier share of a window above which a group falls back (0–1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trigger_rate: Option<f64>,
@@ -177,6 +182,9 @@ pub struct MonitorOverride {
     /// This group's relative floor of the outlier bound (≥ 0).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub min_excess: Option<f64>,
+    /// This group's harm bound (≥ 0, 0 = off).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_nsr: Option<f64>,
 }
 
 /// Weight metrics of a group (the fused members' weights taken together).
@@ -323,6 +331,12 @@ impl SensitiveLayers {
             ">= 0",
         );
         check(
+            "thresholds.max_nsr",
+            t.max_nsr,
+            |v| v >= 0.0 && v.is_finite(),
+            ">= 0",
+        );
+        check(
             "thresholds.shadow_sample_rate",
             t.shadow_sample_rate,
             unit,
@@ -376,6 +390,9 @@ impl SensitiveLayers {
                 }
                 if m.min_excess.is_some_and(|e| !(e >= 0.0 && e.is_finite())) {
                     errs.push(format!("groups.{key}.monitor.min_excess must be >= 0"));
+                }
+                if m.max_nsr.is_some_and(|e| !(e >= 0.0 && e.is_finite())) {
+                    errs.push(format!("groups.{key}.monitor.max_nsr must be >= 0"));
                 }
             }
             if let Some(o) = &entry.observed {

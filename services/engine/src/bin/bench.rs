@@ -454,6 +454,7 @@ fn perplexity_section(
 }
 
 fn detector(
+    model: &LlamaModel,
     cfg: &ModelConfig,
     planted_massive: &[usize],
     shadow: f64,
@@ -474,6 +475,7 @@ fn detector(
                     token_bound: f32::INFINITY,
                     learn_channels: false,
                     massive_ratio: 0.0,
+                    column_error: quantmesh_engine::backend::Backend::column_error(model, g),
                 },
             )
         })
@@ -506,7 +508,7 @@ fn monitor_section(
     let b = 8usize;
     let pages = b * (args.prompt_len + args.decode_steps).div_ceil(page) + 8;
     let fallback = PathMask {
-        detector: Some(detector(cfg, &planted.massive_channels, 0.0)),
+        detector: Some(detector(&model, cfg, &planted.massive_channels, 0.0)),
         ..PathMask::with_float_groups(sensitive.iter().copied())
     };
     let variants: Vec<(&str, PathMask)> = vec![
@@ -514,14 +516,14 @@ fn monitor_section(
         (
             "monitoring on (stats, per-token check)",
             PathMask {
-                detector: Some(detector(cfg, &planted.massive_channels, 0.0)),
+                detector: Some(detector(&model, cfg, &planted.massive_channels, 0.0)),
                 ..Default::default()
             },
         ),
         (
             "monitoring on + 1 % shadow KL",
             PathMask {
-                detector: Some(detector(cfg, &planted.massive_channels, 0.01)),
+                detector: Some(detector(&model, cfg, &planted.massive_channels, 0.01)),
                 ..Default::default()
             },
         ),

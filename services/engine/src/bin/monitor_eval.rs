@@ -10,7 +10,7 @@ const HELP: &str = "\
 quantmesh-monitor-eval — score the activation monitor on planted-truth checkpoints
 
 USAGE: quantmesh-monitor-eval [--models N] [--seed S] [--requests R] [--window W] [--min-excess E] [--k K] [--dir DIR] [--only I]
-       quantmesh-monitor-eval --model DIR [--oracle] [--requests R] [--window W]
+       quantmesh-monitor-eval --model DIR [--oracle] [--class C] [--split-activations S] [--requests R] [--window W]
 
   --models N      models in the family (default 12; every third has nothing planted)
   --seed S        family seed (default 1)
@@ -23,7 +23,14 @@ USAGE: quantmesh-monitor-eval [--models N] [--seed S] [--requests R] [--window W
   --model DIR     instead: serve a real checkpoint (HF directory or GGUF) with ordinary chat
                   traffic and report per-group statistics, fallbacks and KL
   --oracle        with --model: also rank every group by its own KL contribution and compare
-                  the monitor's float set with the oracle's at the same float parameters
+                  the monitor's float set with the oracle's at the same float parameters, and
+                  rank the groups by their measured harm against the oracle at 5–40 % float
+  --split-activations off|copyless|all
+                  which quantized rows carry split activations (default: off for the
+                  planted family, whose truth is 8-bit activation harm; the engine's
+                  default, all, for --model)
+  --class C       serve every group as class C (w8a8, the default; or w4a16: 4-bit weights),
+                  each with an exact float copy
 
 Set QUANTMESH_EVAL_VERBOSE=1 to print every group's final statistics.
 ";
@@ -36,6 +43,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut only: Option<usize> = None;
     let mut model: Option<std::path::PathBuf> = None;
     let mut oracle = false;
+    let mut split_given = false;
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
         let mut val = || it.next().ok_or_else(|| format!("{a} needs a value"));
@@ -50,6 +58,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "--only" => only = Some(val()?.parse::<usize>()?),
             "--model" => model = Some(std::path::PathBuf::from(val()?)),
             "--oracle" => oracle = true,
+            "--split-activations" => {
+                opts.split = val()?.parse()?;
+                split_given = true;
+            }
+            "--class" => {
+                let v = val()?;
+                opts.class =
+                    serde_json::from_value(serde_json::Value::String(v.clone())).map_err(|_| {
+                        format!("--class: {v:?} is not w4a16, w8a8, w8a8_per_channel or fp16")
+                    })?
+            }
             "-h" | "--help" => {
                 print!("{HELP}");
                 return Ok(());
@@ -58,6 +77,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     if let Some(m) = model {
+        if !split_given {
+            opts.split = quantmesh_engine::backend::SplitActivations::default();
+        }
         let sys = actix::System::new();
         let text = sys.block_on(quantmesh_engine::evaluation::real_model_report(
             &m, &opts, oracle,

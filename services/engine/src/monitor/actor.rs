@@ -2,6 +2,7 @@
 //! finished requests into decisions, publishes the mask, the fallback events and the
 //! monitor's series.
 
+use crate::backend::ColumnError;
 use crate::events::EventSink;
 use crate::kv::SeqId;
 use crate::metrics::EngineMetrics;
@@ -54,6 +55,8 @@ pub struct Reconfigure {
     pub config: MonitorConfig,
     pub residencies: Vec<(GroupId, Residency)>,
     pub md5: Option<String>,
+    /// The rebuilt groups' column errors (their quantized form changed or appeared).
+    pub column_errors: Vec<(GroupId, Option<Arc<ColumnError>>)>,
 }
 
 pub struct MonitorActor {
@@ -109,6 +112,9 @@ impl MonitorActor {
         for g in &report.groups {
             if let Some(rate) = g.last_window_rate {
                 self.metrics.outlier_rate(&g.group, rate);
+            }
+            if let Some(nsr) = g.last_window_nsr {
+                self.metrics.harm_nsr(&g.group, nsr);
             }
         }
         if let Ok(mut r) = self.report.lock() {
@@ -173,6 +179,7 @@ impl Handler<Reconfigure> for MonitorActor {
     type Result = ();
     fn handle(&mut self, msg: Reconfigure, _: &mut Self::Context) {
         self.core.reconfigure(msg.config, &msg.residencies, msg.md5);
+        self.core.set_column_errors(msg.column_errors);
         self.publish(Vec::new());
     }
 }

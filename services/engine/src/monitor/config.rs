@@ -13,6 +13,12 @@ pub struct MonitorConfig {
     /// Relative floor of the outlier bound: a row is an outlier only above
     /// `mean·(1 + min_excess)` as well (a material growth of its INT8 scale).
     pub min_excess: f64,
+    /// A row also counts as an outlier when the group's quantized weights give its output a
+    /// noise-to-signal ratio above this (the harm statistic, `ColumnError::nsr`: per input
+    /// column, the weights' squared quantization error against their energy, weighted by
+    /// the row's squared inputs). It sees what the activation spike test cannot: weights
+    /// that their quantization hurts on the inputs they get. 0 turns it off.
+    pub max_nsr: f64,
     /// Confidence of the fallback decision: a window enters fallback only when its outlier
     /// rate exceeds `trigger_rate` by `trigger_z` binomial standard errors.
     pub trigger_z: f64,
@@ -82,9 +88,13 @@ pub struct GroupOverride {
     pub k: Option<f64>,
     pub trigger_rate: Option<f64>,
     pub min_excess: Option<f64>,
+    pub max_nsr: Option<f64>,
     /// Input channels this group's statistic ignores (from `sensitive_layers.json`).
     pub massive_channels: Vec<usize>,
 }
+
+/// The harm bound's default (see ARCHITECTURE.md, "Activation monitor").
+pub const DEFAULT_MAX_NSR: f64 = 0.01;
 
 impl Default for MonitorConfig {
     fn default() -> Self {
@@ -92,6 +102,7 @@ impl Default for MonitorConfig {
             enabled: true,
             k: 4.0,
             min_excess: 1.0,
+            max_nsr: DEFAULT_MAX_NSR,
             trigger_z: 2.0,
             trigger_rate: 0.01,
             window_requests: 1000,

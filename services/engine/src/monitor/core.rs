@@ -45,6 +45,7 @@
 //! the same per token: rows routed to float at `down` get their `gate_up` recomputed in
 //! float first.
 
+use crate::backend::ColumnError;
 use crate::kv::SeqId;
 use crate::monitor::config::MonitorConfig;
 use crate::precision::{DetectorParams, GroupDetector, PathMask, StepOutput};
@@ -89,6 +90,14 @@ struct GroupState {
     k: f64,
     trigger: f64,
     min_excess: f64,
+    /// Rows whose harm (output noise-to-signal ratio on the quantized path) exceeds this
+    /// count as outliers too (0: off).
+    max_nsr: f64,
+    /// What the group's quantized weights do to each input column (the harm statistic).
+    column_error: Option<Arc<ColumnError>>,
+    /// Harm summed over the window's counted rows (for the mean in reports).
+    window_harm: f64,
+    last_nsr: Option<f64>,
     massive: MassiveCounter,
     learn_rows: usize,
     warm: Vec<f32>,
@@ -142,6 +151,12 @@ pub struct GroupReport {
     pub min_excess: f64,
     /// The current outlier bound `max(mean + k·σ, mean·(1 + min_excess))`.
     pub outlier_bound: Option<f64>,
+    /// The harm bound: rows whose output noise-to-signal ratio on the quantized path
+    /// exceeds it count as outliers (0: off).
+    pub max_nsr: f64,
+    /// Mean harm (output noise-to-signal ratio on the quantized path) over the last
+    /// decided window's rows.
+    pub last_window_nsr: Option<f64>,
     pub last_window_rate: Option<f64>,
     pub window_tokens: u64,
     pub window_outliers: u64,
@@ -192,6 +207,9 @@ pub struct DecisionCount {
 
 pub struct Monitor {
     cfg: MonitorConfig,
+    /// Whether activation spikes count (the rows on the quantized path quantize their
+    /// activations to 8 bits); off where every such row carries split activations.
+    activation_spikes: bool,
     model: String,
     groups: BTreeMap<GroupId, GroupState>,
     requests_in_window: usize,
@@ -313,6 +331,10 @@ impl Monitor {
                         k: o.k.unwrap_or(cfg.k),
                         trigger: o.trigger_rate.unwrap_or(cfg.trigger_rate),
                         min_excess: o.min_excess.unwrap_or(cfg.min_excess),
+                        max_nsr: o.max_nsr.unwrap_or(cfg.max_nsr),
+                        column_error: None,
+                        window_harm: 0.0,
+                        last_nsr: None,
                         massive: MassiveCounter::default(),
                         learn_rows: 0,
                         warm: Vec::new(),
@@ -335,6 +357,7 @@ impl Monitor {
             .collect();
         Self {
             cfg,
+            activation_spikes: true,
             model: model.to_string(),
             groups,
             requests_in_window: 0,
@@ -386,6 +409,7 @@ impl Monitor {
             s.k = o.k.unwrap_or(cfg.k);
             s.trigger = o.trigger_rate.unwrap_or(cfg.trigger_rate);
             s.min_excess = o.min_excess.unwrap_or(cfg.min_excess);
+            s.max_nsr = o.max_nsr.unwrap_or(cfg.max_nsr);
             s.excluded = union(&configured_channels(&cfg, *g), &s.learned);
             if s.ready {
                 s.token_bound = s.bound(cfg.token_k) as f32;
@@ -393,6 +417,28 @@ impl Monitor {
         }
         self.cfg = cfg;
         self.config_md5 = config_md5;
+    }
+
+    /// Whether the quantized path quantizes activations to 8 bits (`split_activations` other
+    /// than `all`): only then is an activation spike material for the quantizer. With every
+    /// quantized row split the activations carry ≈ 16 bits, a spike costs only what the
+    /// weights' error does to it, and that is what the harm test measures.
+    pub fn set_activation_spikes(&mut self, on: bool) {
+        self.activation_spikes = on;
+    }
+
+    /// What each group's quantized weights do to its input columns (at start, and for the
+    /// groups a reload rebuilt): the harm statistic's weights. `None` for a group without a
+    /// quantized form.
+    pub fn set_column_errors(
+        &mut self,
+        errors: impl IntoIterator<Item = (GroupId, Option<Arc<ColumnError>>)>,
+    ) {
+        for (g, e) in errors {
+            if let Some(s) = self.groups.get_mut(&g) {
+                s.column_error = e;
+            }
+        }
     }
 
     fn event(
@@ -459,6 +505,7 @@ impl Monitor {
                         token_bound,
                         learn_channels: learning,
                         massive_ratio: self.cfg.massive_channel_ratio,
+                        column_error: s.column_error.clone().filter(|_| s.max_nsr > 0.0),
                     },
                 )
             })
@@ -531,9 +578,20 @@ impl Monitor {
                 }
                 s.window_tokens += 1;
                 let x = x as f64;
-                if x > s.bound(s.k) {
+                // The activation test (a spike, material for the quantizer) or the harm
+                // test (the quantized weights hurt this row's output).
+                let above = x > s.bound(s.k);
+                let spike = above && self.activation_spikes;
+                let harm = obs.harm.get(i).map(|h| *h as f64).filter(|h| h.is_finite());
+                if let Some(h) = harm {
+                    s.window_harm += h;
+                }
+                let harmful = s.max_nsr > 0.0 && harm.is_some_and(|h| h > s.max_nsr);
+                if spike || harmful {
                     s.window_outliers += 1;
-                } else {
+                }
+                // The running statistics leave out rows above the bound either way.
+                if !above {
                     let d = x - s.mean;
                     s.mean += EMA_ALPHA * d;
                     s.var = (1.0 - EMA_ALPHA) * (s.var + EMA_ALPHA * d * d);
@@ -647,7 +705,11 @@ impl Monitor {
             );
             if decided {
                 s.last_rate = Some(rate);
+                if s.column_error.is_some() && s.window_tokens > 0 {
+                    s.last_nsr = Some(s.window_harm / s.window_tokens as f64);
+                }
             }
+            s.window_harm = 0.0;
             s.window_tokens = 0;
             s.window_outliers = 0;
             if s.ready {
@@ -841,6 +903,8 @@ impl Monitor {
                     trigger_rate: s.trigger,
                     min_excess: s.min_excess,
                     outlier_bound: s.ready.then(|| s.bound(s.k)),
+                    max_nsr: s.max_nsr,
+                    last_window_nsr: s.last_nsr,
                     last_window_rate: s.last_rate,
                     window_tokens: s.window_tokens,
                     window_outliers: s.window_outliers,
@@ -874,6 +938,7 @@ mod tests {
     use super::*;
     use crate::precision::GroupObs;
     use quantmesh_types::GroupKind;
+    use std::collections::BTreeSet;
 
     fn groups() -> Vec<(GroupId, Residency)> {
         (0..2)
@@ -906,6 +971,7 @@ mod tests {
                 stats: (0..n).map(|i| stat(g, i)).collect(),
                 token_float_rows: Vec::new(),
                 massive: vec![massive.to_vec(); n],
+                harm: Vec::new(),
             })
             .collect();
         StepOutput {
@@ -1013,6 +1079,64 @@ mod tests {
             groups,
             std::collections::BTreeSet::from(["layers.1.o".to_string()])
         );
+    }
+
+    /// The harm test: rows whose output noise-to-signal ratio on the quantized path exceeds
+    /// `max_nsr` count as outliers with no activation spike, so a group its quantized
+    /// weights hurt on a share of rows above the trigger enters fallback (`down` takes its
+    /// `gate_up` along); below the bound, or with the bound off, nothing happens. The
+    /// window's mean harm is reported.
+    #[test]
+    fn harmful_rows_count_as_outliers_without_a_spike() {
+        let down = GroupId::new(0, GroupKind::Down);
+        let run = |max_nsr: f64, every: usize| {
+            let mut m = Monitor::new(MonitorConfig { max_nsr, ..cfg() }, "t", &groups());
+            warm(&mut m);
+            let mut events = Vec::new();
+            for w in 0..3 {
+                // A steady activation statistic everywhere; the harm varies by group.
+                let mut st = step(200, None, 0, w);
+                for ob in &mut st.obs {
+                    ob.harm = (0..200)
+                        .map(|i| {
+                            if ob.group == down && i % every == 0 {
+                                0.05
+                            } else {
+                                0.001
+                            }
+                        })
+                        .collect();
+                }
+                m.observe(&st);
+                events.extend(m.end_window());
+            }
+            let groups: BTreeSet<String> = events
+                .iter()
+                .filter(|e| e.action == FallbackAction::Enter)
+                .filter_map(|e| e.group.clone())
+                .collect();
+            (groups, m.report())
+        };
+        let (entered, report) = run(0.01, 1);
+        assert_eq!(
+            entered,
+            BTreeSet::from(["layers.0.down".to_string(), "layers.0.gate_up".to_string()])
+        );
+        let nsr = |r: &MonitorReport, g: &str| {
+            r.groups
+                .iter()
+                .find(|x| x.group == g)
+                .and_then(|x| x.last_window_nsr)
+        };
+        assert!((nsr(&report, "layers.0.down").unwrap() - 0.05).abs() < 1e-6);
+        assert!((nsr(&report, "layers.0.o").unwrap() - 0.001).abs() < 1e-6);
+        // Harmful on every 10th row: 10 % is above the 1 % trigger with confidence.
+        assert!(run(0.01, 10).0.contains("layers.0.down"));
+        // Every 100th row: 1 %, not above the trigger with confidence.
+        assert!(run(0.01, 100).0.is_empty());
+        // The bound above the harm, or off.
+        assert!(run(0.1, 1).0.is_empty());
+        assert!(run(0.0, 1).0.is_empty());
     }
 
     /// Two equal massive channels reported in every warm-up row are both learned (in the

@@ -5,6 +5,7 @@
 //! per step, so a decision takes effect at the next step and a step never sees a
 //! half-applied mask.
 
+use crate::backend::ColumnError;
 use crate::kv::SeqId;
 use arc_swap::ArcSwap;
 use quantmesh_types::GroupId;
@@ -24,6 +25,10 @@ pub struct GroupDetector {
     /// A channel is massive in a row above this multiple of the row's median magnitude
     /// (`quantmesh_model::massive`).
     pub massive_ratio: f32,
+    /// What the group's quantized weights do to each input column: with it, each row's
+    /// output noise-to-signal ratio on the quantized path is measured too (the harm
+    /// statistic).
+    pub column_error: Option<Arc<ColumnError>>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq)]

@@ -1,6 +1,7 @@
 //! Activation probes: one pass over a group's input rows (no tensor ops) that yields the
 //! monitor's statistic per row, the rows above the per-token bound, each row's massive
-//! channels while they are being learned, and whether a NaN/Inf was seen.
+//! channels while they are being learned, each row's harm (the output noise-to-signal ratio
+//! of the group's quantized weights on it), and whether a NaN/Inf was seen.
 
 use crate::error::Result;
 use crate::kv::SeqId;
@@ -20,6 +21,10 @@ pub struct GroupObs {
     /// Per row: channels massive in that row (only while learning massive channels; empty
     /// for skipped positions).
     pub massive: Vec<Vec<u32>>,
+    /// Per row: the output noise-to-signal ratio the group's quantized weights give this
+    /// input ([`crate::backend::ColumnError::nsr`]); empty when the group has no quantized
+    /// form, NaN for skipped positions.
+    pub harm: Vec<f32>,
 }
 
 /// Measure one group's input rows: returns the observation and whether a non-finite value
@@ -66,6 +71,7 @@ pub fn observe_rows(
         stats: Vec::with_capacity(n),
         token_float_rows: Vec::new(),
         massive: Vec::new(),
+        harm: Vec::new(),
     };
     let mut scratch = Vec::new();
     let mut non_finite = false;
@@ -75,6 +81,9 @@ pub fn observe_rows(
             obs.stats.push(f32::NAN);
             if det.learn_channels {
                 obs.massive.push(Vec::new());
+            }
+            if det.column_error.is_some() {
+                obs.harm.push(f32::NAN);
             }
             continue;
         }
@@ -89,6 +98,9 @@ pub fn observe_rows(
             let mut found = Vec::new();
             massive_in_row(row, det.massive_ratio, &mut scratch, &mut found);
             obs.massive.push(found);
+        }
+        if let Some(ce) = &det.column_error {
+            obs.harm.push(ce.nsr(row));
         }
         if m > det.token_bound {
             obs.token_float_rows.push(r);

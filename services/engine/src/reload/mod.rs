@@ -20,7 +20,7 @@
 //! a half-written file that stays half-written fails validation and is rejected.
 
 use crate::backend::{
-    EmbeddingDtype, FloatDtype, GroupForm, GroupLoader, PreparedGroup, QuantFormat,
+    ColumnError, EmbeddingDtype, FloatDtype, GroupForm, GroupLoader, PreparedGroup, QuantFormat,
     SplitActivations, WeightBytes,
 };
 use crate::config::EngineConfig;
@@ -368,17 +368,19 @@ impl Reloader {
             .map(|g| (*g, new.form(*g, default)))
             .filter(|(g, f)| old.form(*g, default) != *f)
             .collect();
-        if !changed.is_empty() {
-            self.swap(changed.clone()).await?;
-        }
-        if let Err(e) = self.reconfigure(new).await {
+        let column_errors = if changed.is_empty() {
+            Vec::new()
+        } else {
+            self.swap(changed.clone()).await?
+        };
+        if let Err(e) = self.reconfigure(new, column_errors).await {
             if !changed.is_empty() {
                 let back: Vec<(GroupId, GroupForm)> = changed
                     .iter()
                     .map(|(g, _)| (*g, old.form(*g, default)))
                     .collect();
                 match self.swap(back).await {
-                    Ok(()) => {
+                    Ok(_) => {
                         tracing::warn!(error = %e, "reconfiguring the monitor failed: the previous weights are back")
                     }
                     Err(e2) => {
@@ -392,8 +394,11 @@ impl Reloader {
     }
 
     /// Build `groups` in their forms (blocking loader, off the actors' threads) and swap
-    /// them into the executor in one message.
-    async fn swap(&self, groups: Vec<(GroupId, GroupForm)>) -> Result<()> {
+    /// them into the executor in one message. Returns the new forms' column errors.
+    async fn swap(
+        &self,
+        groups: Vec<(GroupId, GroupForm)>,
+    ) -> Result<Vec<(GroupId, Option<Arc<ColumnError>>)>> {
         let dir = self.model_dir.clone();
         let mcfg = self.model_config.clone();
         let load = self.loader;
@@ -407,21 +412,30 @@ impl Reloader {
         })
         .await
         .map_err(|e| EngineError::Config(format!("group loading task failed: {e}")))??;
+        let column_errors = built
+            .iter()
+            .map(|p| (p.group, p.column_error.clone()))
+            .collect();
         self.executor
             .send(SwapGroups(built))
             .await
             .map_err(|_| EngineError::Stopped)??;
-        Ok(())
+        Ok(column_errors)
     }
 
     /// The monitor takes the new thresholds and residencies.
-    async fn reconfigure(&self, new: &LivePlan) -> Result<()> {
+    async fn reconfigure(
+        &self,
+        new: &LivePlan,
+        column_errors: Vec<(GroupId, Option<Arc<ColumnError>>)>,
+    ) -> Result<()> {
         crate::faults::before_reconfigure()?;
         if let Some(m) = &self.monitor {
             m.send(Reconfigure {
                 config: new.monitor.clone(),
                 residencies: new.residency.iter().map(|(g, r)| (*g, *r)).collect(),
                 md5: new.md5.clone(),
+                column_errors,
             })
             .await
             .map_err(|_| EngineError::Stopped)?;

@@ -14,7 +14,9 @@
 //! batch 8–32 on the CPU backend, measured by `quantmesh-engine-bench --float-dtypes`); the
 //! float path casts its input rows to that dtype, multiplies, and casts the output back.
 
-use crate::backend::{FloatDtype, GroupForm, GroupOutcome, QuantFormat, RowPath, SplitActivations};
+use crate::backend::{
+    ColumnError, FloatDtype, GroupForm, GroupOutcome, QuantFormat, RowPath, SplitActivations,
+};
 use crate::error::Result;
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
@@ -115,6 +117,19 @@ impl QuantKernel {
         &self.q
     }
 
+    /// What this quantization does to each input column of `weight` (the f32 `[out, in]` it
+    /// was made from).
+    pub fn column_error(&self, weight: &Tensor) -> Result<ColumnError> {
+        let in_dim = weight.dim(1)?;
+        let w = weight.flatten_all()?.to_vec1::<f32>()?;
+        let q = self
+            .q
+            .dequantize(&Device::Cpu)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        Ok(ColumnError::from_weights(&w, &q, in_dim))
+    }
+
     /// `x · deq(W)ᵀ` through the kernel (activations quantized to 8 bits on the fly).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(self.mm.forward(x)?)
@@ -158,6 +173,8 @@ impl QuantKernel {
 
 pub struct DualLinear {
     int8: Option<QuantKernel>,
+    /// What `int8`'s quantization does to each input column (with `int8`).
+    column_error: Option<Arc<ColumnError>>,
     /// How `int8` stores its weights.
     quant: QuantFormat,
     float: Option<Tensor>,
@@ -193,6 +210,10 @@ impl DualLinear {
         } else {
             None
         };
+        let column_error = int8
+            .as_ref()
+            .map(|k| k.column_error(&weight).map(Arc::new))
+            .transpose()?;
         let float = if residency.has_float() {
             Some(weight.to_dtype(float_dtype.dtype())?)
         } else {
@@ -200,6 +221,7 @@ impl DualLinear {
         };
         Ok(Self {
             int8,
+            column_error,
             quant: form.quant,
             float,
             bias,
@@ -218,6 +240,11 @@ impl DualLinear {
 
     pub fn quant_format(&self) -> QuantFormat {
         self.quant
+    }
+
+    /// What the quantized form does to each input column (`None` for a float-only group).
+    pub fn column_error(&self) -> Option<Arc<ColumnError>> {
+        self.column_error.clone()
     }
 
     pub fn out_dim(&self) -> usize {
@@ -593,6 +620,66 @@ mod tests {
                     "{fmt:?} {in_dim} rows {rows}: split {split} vs int8 {plain}"
                 );
             }
+        }
+    }
+
+    /// The column error's noise-to-signal ratio predicts the quantized product's real error
+    /// (split activations, so only the weights' error is left), and it follows the input:
+    /// rows whose loud channel sits on heavy-tailed weight columns are hurt more.
+    #[test]
+    fn column_error_predicts_the_output_error() {
+        let in_dim = 256;
+        // Columns 0..32 carry heavy-tailed weights (one large value per column): Q4_0's
+        // block scale grows there and every other weight of those blocks loses precision.
+        let mut w = rand(128, in_dim, 7).to_vec2::<f32>().unwrap();
+        for (i, row) in w.iter_mut().enumerate() {
+            row[i % 32] *= 12.0;
+        }
+        let w = Tensor::new(w, &Device::Cpu).unwrap();
+        for fmt in [QuantFormat::Q8_0, QuantFormat::Q4_0, QuantFormat::Q4K] {
+            let form = GroupForm {
+                residency: Residency::Dual,
+                quant: fmt,
+            };
+            let lin = DualLinear::with_form(w.clone(), None, form, FloatDtype::F32).unwrap();
+            let ce = lin.column_error().unwrap();
+            assert_eq!(ce.in_dim(), in_dim);
+            // Two kinds of rows: a loud channel in the heavy-tailed columns, or outside them.
+            for loud in [3usize, 100] {
+                let mut x = rand(64, in_dim, 8).to_vec2::<f32>().unwrap();
+                for row in x.iter_mut() {
+                    row[loud] *= 30.0;
+                }
+                let predicted: f32 = x.iter().map(|r| ce.nsr(r)).sum::<f32>() / x.len() as f32;
+                let x = Tensor::new(x, &Device::Cpu).unwrap();
+                let (yq, _) = lin
+                    .forward(&x, &RowPath::AllInt8, SplitActivations::All)
+                    .unwrap();
+                let (yf, _) = lin
+                    .forward(&x, &RowPath::AllFloat, SplitActivations::All)
+                    .unwrap();
+                let per_row =
+                    |t: &Tensor| t.sqr().unwrap().sum(1).unwrap().to_vec1::<f32>().unwrap();
+                let (e, s) = (per_row(&(&yq - &yf).unwrap()), per_row(&yf));
+                let measured: f32 =
+                    e.iter().zip(&s).map(|(e, s)| e / s).sum::<f32>() / e.len() as f32;
+                let ratio = predicted / measured;
+                assert!(
+                    (0.6..1.6).contains(&ratio),
+                    "{fmt:?}, loud channel {loud}: predicted NSR {predicted:.3e}, measured {measured:.3e}"
+                );
+            }
+            let rows = |loud: usize| {
+                let mut x = vec![0.1f32; in_dim];
+                x[loud] = 3.0;
+                ce.nsr(&x)
+            };
+            assert!(
+                rows(3) > 2.0 * rows(100),
+                "{fmt:?}: a loud heavy-tailed column {} vs an ordinary one {}",
+                rows(3),
+                rows(100)
+            );
         }
     }
 

@@ -58,10 +58,12 @@ fn prepare_group(
     form: GroupForm,
     float_dtype: FloatDtype,
 ) -> Result<PreparedGroup> {
+    let lin = load_group(ck, cfg, g, form, float_dtype)?;
     Ok(PreparedGroup {
         group: g,
         form,
-        inner: Box::new(load_group(ck, cfg, g, form, float_dtype)?),
+        column_error: lin.column_error(),
+        inner: Box::new(lin),
     })
 }
 
@@ -234,6 +236,10 @@ impl Backend for LlamaModel {
 
     fn quant_format(&self, g: GroupId) -> QuantFormat {
         self.layers[g.layer].groups[g.kind.index()].quant_format()
+    }
+
+    fn column_error(&self, g: GroupId) -> Option<Arc<crate::backend::ColumnError>> {
+        self.slot(g).ok().and_then(DualLinear::column_error)
     }
 
     fn linear_bytes(&self) -> usize {
