@@ -457,6 +457,8 @@ async fn monitor_finds_sensitive_group_through_http_and_streams_survive_switches
     st.engine.monitor.window_requests = 8;
     st.engine.monitor.warmup_tokens = 256;
     st.engine.monitor.min_window_tokens = 32;
+    // The planted harm is 8-bit activation harm: plain W8A8 rows, where spikes count.
+    st.engine.split_activations = quantmesh_engine::backend::SplitActivations::Off;
     let s = Server::start(st).await;
     // A long stream that lives through the fallback decisions below.
     let long = s.post("/v1/completions", json!({"prompt": "Keep talking", "max_tokens": 400, "stream": true, "ignore_eos": true, "stream_options": {"include_usage": true}})).await;

@@ -746,10 +746,10 @@ pub async fn real_model_report(dir: &Path, opts: &EvalOptions, oracle: bool) -> 
             fell_back.iter().cloned().collect::<Vec<_>>().join(", ")
         }
     );
-    s += "| group | mode | mean | σ | σ/mean | bound | last rate | learned massive channels |\n|---|---|---|---|---|---|---|---|\n";
+    s += "| group | mode | mean | σ | σ/mean | bound | last rate | last NSR | learned massive channels |\n|---|---|---|---|---|---|---|---|---|\n";
     for g in groups.iter().take(16) {
         s += &format!(
-            "| {} | {:?} | {:.3} | {:.4} | {:.3} | {} | {} | {:?} |\n",
+            "| {} | {:?} | {:.3} | {:.4} | {:.3} | {} | {} | {} | {:?} |\n",
             g.group,
             g.mode,
             g.mean,
@@ -757,7 +757,35 @@ pub async fn real_model_report(dir: &Path, opts: &EvalOptions, oracle: bool) -> 
             g.sigma / g.mean.max(1e-9),
             g.outlier_bound.map_or("—".into(), |b| format!("{b:.3}")),
             g.last_window_rate.map_or("—".into(), |r| format!("{r:.4}")),
+            g.last_window_nsr.map_or("—".into(), |r| format!("{r:.2e}")),
             g.excluded_channels
+        );
+    }
+    // The harm statistic by kind: where the quantized weights hurt the traffic.
+    let mut nsr_by_kind = std::collections::BTreeMap::<String, Vec<f64>>::new();
+    for g in &report.groups {
+        if let Some(n) = g.last_window_nsr {
+            let kind = g.group.rsplit('.').next().unwrap_or("").to_string();
+            nsr_by_kind.entry(kind).or_default().push(n);
+        }
+    }
+    if !nsr_by_kind.is_empty() {
+        s += &format!(
+            "\nHarm (mean output noise-to-signal ratio in the last window, bound {:.2e}) by kind, min / median / max: {}.\n",
+            opts.monitor.max_nsr,
+            nsr_by_kind
+                .iter_mut()
+                .map(|(k, v)| {
+                    v.sort_by(|a, b| a.total_cmp(b));
+                    format!(
+                        "{k} {:.1e} / {:.1e} / {:.1e}",
+                        v[0],
+                        v[v.len() / 2],
+                        v[v.len() - 1]
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join(", ")
         );
     }
     let cv: Vec<f64> = report

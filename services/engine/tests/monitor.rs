@@ -2,6 +2,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use quantmesh_engine::backend::SplitActivations;
 use quantmesh_engine::monitor::{GroupMode, MonitorConfig, MonitorReport, ShadowReference};
 use quantmesh_engine::{Engine, EngineConfig};
 use quantmesh_model::bundled::{init_model, InitOptions, Planted};
@@ -27,12 +28,22 @@ async fn run(cfg: MonitorConfig, rounds: usize, prefix_caching: bool) -> (Monito
         EngineConfig {
             monitor: cfg,
             prefix_caching,
+            // The planted truth is activation harm (spikes against INT8-hostile weights),
+            // which exists where activations are quantized to 8 bits; with split activations
+            // (the default) spikes do not count and the planted group is not harmed.
+            split_activations: SplitActivations::Off,
             ..Default::default()
         },
         "t",
     )
     .await
     .unwrap();
+    (drive(&e, 0, rounds).await, planted)
+}
+
+/// `rounds` rounds of the sample prompts (one monitor window each with `window_requests`
+/// 8), then wait until the monitor has seen every request (`seen` requests before).
+async fn drive(e: &Engine, seen: usize, rounds: usize) -> MonitorReport {
     for r in 0..rounds {
         let gens = quantmesh_model::bundled::SAMPLE_PROMPTS
             .iter()
@@ -53,12 +64,11 @@ async fn run(cfg: MonitorConfig, rounds: usize, prefix_caching: bool) -> (Monito
         futures::future::join_all(gens).await;
     }
     // the monitor handles observations asynchronously: wait until it saw every request
+    let want = seen + rounds * quantmesh_model::bundled::SAMPLE_PROMPTS.len();
     for _ in 0..100 {
         let rep = e.monitor_report().unwrap();
-        if rep.windows_completed as usize * 8 + rep.requests_in_window
-            >= rounds * quantmesh_model::bundled::SAMPLE_PROMPTS.len()
-        {
-            return (rep, planted);
+        if rep.windows_completed as usize * 8 + rep.requests_in_window >= want {
+            return rep;
         }
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
@@ -313,4 +323,84 @@ async fn every_closed_window_is_published_as_a_window_event() {
         assert!(w.shadow_kl.len() as u64 <= w.shadow_kl_seen);
     }
     assert!(got.iter().any(|w| w.shadow_kl_seen > 0));
+}
+
+/// The harm test through the engine: the bundled model with one group served in 4 bits
+/// (`w4a16`, dual) beside Q8_0 groups, with split activations (the default, where activation
+/// spikes do not count). The 4-bit group's rows carry far more output noise than any 8-bit
+/// group's, a bound between the two puts exactly that group in float, and a reload back to
+/// 8 bits hands the monitor the new form's column errors: its harm drops and it recovers.
+#[actix_rt::test]
+async fn the_harm_test_finds_a_four_bit_group_and_follows_a_reload() {
+    let dir = tempfile::tempdir().unwrap();
+    init_model(dir.path(), &InitOptions::default()).unwrap();
+    let plan = dir.path().join("plan.json");
+    let with_class = |class: &str| {
+        format!(
+            r#"{{"schema_version": 1, "groups": {{"layers.2.o": {{"class": "{class}", "residency": "dual"}}}}}}"#
+        )
+    };
+    std::fs::write(&plan, with_class("w4a16")).unwrap();
+    let e = Engine::start(
+        dir.path(),
+        EngineConfig {
+            monitor: MonitorConfig {
+                max_nsr: 1e-3,
+                ..monitor_cfg()
+            },
+            sensitive_layers: Some(plan.display().to_string()),
+            reload_interval: std::time::Duration::from_secs(3600),
+            ..Default::default()
+        },
+        "t",
+    )
+    .await
+    .unwrap();
+    let rep = drive(&e, 0, 4).await;
+    let nsr = |r: &MonitorReport, g: &str| {
+        r.groups
+            .iter()
+            .find(|x| x.group == g)
+            .unwrap()
+            .last_window_nsr
+            .unwrap()
+    };
+    let four_bit = nsr(&rep, "layers.2.o");
+    let eight_bit = rep
+        .groups
+        .iter()
+        .filter(|g| g.group != "layers.2.o")
+        .map(|g| g.last_window_nsr.unwrap())
+        .fold(0f64, f64::max);
+    eprintln!("harm: 4-bit layers.2.o {four_bit:.2e}, 8-bit groups at most {eight_bit:.2e}");
+    assert!(
+        four_bit > 1e-3 && eight_bit < 1e-4,
+        "4-bit {four_bit:.2e} vs 8-bit {eight_bit:.2e}"
+    );
+    let in_float: Vec<&str> = rep
+        .groups
+        .iter()
+        .filter(|g| g.mode != GroupMode::Int8)
+        .map(|g| g.group.as_str())
+        .collect();
+    assert_eq!(in_float, vec!["layers.2.o"]);
+    assert_eq!(
+        rep.groups
+            .iter()
+            .find(|g| g.group == "layers.2.o")
+            .unwrap()
+            .reason,
+        Some(FallbackReason::OutlierRate)
+    );
+
+    // Back to 8 bits by reload: the group is rebuilt, the monitor takes its new column
+    // errors, the harm falls under the bound, and after `recovery_windows` quiet windows the
+    // group returns to the quantized path.
+    std::fs::write(&plan, with_class("w8a8")).unwrap();
+    e.reload_config().await.unwrap();
+    let seen = 4 * quantmesh_model::bundled::SAMPLE_PROMPTS.len();
+    let rep = drive(&e, seen, 4).await;
+    let after = nsr(&rep, "layers.2.o");
+    assert!(after < 1e-4, "after the reload to 8 bits: {after:.2e}");
+    assert_eq!(mode(&rep, "layers.2.o"), GroupMode::Int8);
 }

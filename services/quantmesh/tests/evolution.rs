@@ -324,6 +324,8 @@ async fn the_loop_closes_from_served_traffic_to_a_merged_plan_the_server_reloads
             r#"[engine]
 sensitive_layers = "{store}/latest"
 reload_interval = "1s"
+# the planted harm is 8-bit activation harm: plain W8A8 rows, where spikes count
+split_activations = "off"
 
 [engine.monitor]
 window_requests = 8

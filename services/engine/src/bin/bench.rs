@@ -346,6 +346,14 @@ fn watch(
         .flat_map(|l| GroupKind::ALL.map(|k| (GroupId::new(l, k), Residency::Dual)))
         .collect();
     let mut monitor = quantmesh_engine::monitor::Monitor::new(mcfg, "bench", &residencies);
+    // The harm test's column errors, as the engine gives them (the model here runs plain
+    // W8A8 rows, so activation spikes count too: the monitor's default).
+    monitor.set_column_errors(residencies.iter().map(|(g, _)| {
+        (
+            *g,
+            quantmesh_engine::backend::Backend::column_error(model, *g),
+        )
+    }));
     let mut runner = StepRunner::default();
     let page = 16;
     for round in 0..rounds {
