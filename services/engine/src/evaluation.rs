@@ -545,19 +545,53 @@ impl Reference {
 }
 
 /// Summed next-token KL(P_float-only ‖ P_mask) for each mask over `texts` (token ids), and
-/// the number of positions summed: the texts run together, one token of each per step from
-/// an empty cache (a batch of sequences, as the engine serves them), once all-float (the
-/// reference) and once per mask.
+/// the number of positions summed (see [`teacher_forced_on`]).
 pub fn teacher_forced_kl_on(
     model: &dyn crate::backend::Backend,
     cfg: &ModelConfig,
     texts: &[Vec<u32>],
     masks: &[PathMask],
 ) -> Result<(Vec<f64>, usize)> {
+    let t = teacher_forced_on(model, cfg, texts, masks)?;
+    Ok((t.kl_sums, t.positions))
+}
+
+/// What [`teacher_forced_on`] measured.
+#[derive(Debug, Clone, Default)]
+pub struct TeacherForced {
+    /// Per mask: summed next-token KL(P_float-only ‖ P_mask).
+    pub kl_sums: Vec<f64>,
+    /// Positions summed (every text's positions after the first).
+    pub positions: usize,
+    /// Per mask, the float-only reference first: summed negative log-likelihood of the
+    /// text's actual next token, over `nll_positions` (positions that have one).
+    pub nll_sums: Vec<f64>,
+    pub nll_positions: usize,
+}
+
+impl TeacherForced {
+    /// Perplexity of the float-only reference (index 0) and of each mask (index `m + 1`).
+    pub fn perplexity(&self, i: usize) -> f64 {
+        (self.nll_sums[i] / self.nll_positions.max(1) as f64).exp()
+    }
+}
+
+/// The texts run together, one token of each per step from an empty cache (a batch of
+/// sequences, as the engine serves them), once all-float (the reference) and once per mask:
+/// each position's KL to the reference and each mask's likelihood of the actual next token.
+pub fn teacher_forced_on(
+    model: &dyn crate::backend::Backend,
+    cfg: &ModelConfig,
+    texts: &[Vec<u32>],
+    masks: &[PathMask],
+) -> Result<TeacherForced> {
     let all_float = PathMask::all_groups_float(cfg.num_hidden_layers);
     let mut runner = StepRunner::default();
-    let mut sums = vec![0f64; masks.len()];
-    let mut n = 0usize;
+    let mut out = TeacherForced {
+        kl_sums: vec![0f64; masks.len()],
+        nll_sums: vec![0f64; masks.len() + 1],
+        ..Default::default()
+    };
     let mut reference: Vec<Vec<Vec<f32>>> = Vec::new();
     for (m, mask) in std::iter::once(&all_float).chain(masks).enumerate() {
         let logits = teacher_forced_logits(cfg, texts, |step, kv| {
@@ -567,20 +601,40 @@ pub fn teacher_forced_kl_on(
         if masks.len() >= 16 && m % 10 == 0 {
             eprintln!("  teacher-forced KL: {m} of {} masks", masks.len());
         }
+        for (ids, got) in texts.iter().zip(&logits) {
+            for (pos, l) in got.iter().enumerate().skip(1) {
+                if let Some(&next) = ids.get(pos + 1) {
+                    out.nll_sums[m] += nll(l, next);
+                    if m == 0 {
+                        out.nll_positions += 1;
+                    }
+                }
+            }
+        }
         if m == 0 {
             reference = logits;
             continue;
         }
         for (want, got) in reference.iter().zip(&logits) {
             for (w, g) in want.iter().zip(got).skip(1) {
-                sums[m - 1] += quantmesh_model::ops::kl_logits(w, g);
+                out.kl_sums[m - 1] += quantmesh_model::ops::kl_logits(w, g);
                 if m == 1 {
-                    n += 1;
+                    out.positions += 1;
                 }
             }
         }
     }
-    Ok((sums, n))
+    Ok(out)
+}
+
+/// −log softmax(logits)[token].
+fn nll(logits: &[f32], token: u32) -> f64 {
+    let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let z: f64 = logits.iter().map(|x| (*x as f64 - max).exp()).sum();
+    let x = logits
+        .get(token as usize)
+        .map_or(f64::NEG_INFINITY, |x| *x as f64);
+    -(x - max - z.ln())
 }
 
 /// Every position's next-token logits of each text, teacher-forced: the texts run as one
@@ -868,13 +922,20 @@ pub fn oracle_at_same_bytes(r: &Reference, chosen: &BTreeSet<GroupId>) -> Result
     let oracle_order: Vec<GroupId> = gain.iter().map(|(g, _)| *g).collect();
     let budget: usize = chosen.iter().map(params).sum();
     let (oracle, _) = take(&oracle_order, budget);
-    let kl = r.mean_kl(
+    let final_sets = teacher_forced_on(
+        &r.model,
+        cfg,
         texts,
         &[
+            PathMask::default(),
             PathMask::with_float_groups(chosen.iter().copied()),
             PathMask::with_float_groups(oracle.iter().copied()),
         ],
     )?;
+    let kl: Vec<f64> = final_sets.kl_sums[1..]
+        .iter()
+        .map(|s| s / final_sets.positions.max(1) as f64)
+        .collect();
     let reach = |got: f64, best: f64| {
         if kl_quantized - best > 0.0 {
             (kl_quantized - got) / (kl_quantized - best)
@@ -898,6 +959,14 @@ pub fn oracle_at_same_bytes(r: &Reference, chosen: &BTreeSet<GroupId>) -> Result
         kl[1],
         100.0 * reach(kl[0], kl[1]),
         top.join(", ")
+    );
+    out += &format!(
+        "Perplexity of the actual next tokens ({} positions): float {:.3}, quantized only {:.3}, monitor's set {:.3}, oracle's set {:.3}.\n",
+        final_sets.nll_positions,
+        final_sets.perplexity(0),
+        final_sets.perplexity(1),
+        final_sets.perplexity(2),
+        final_sets.perplexity(3)
     );
     // Rankings by harm statistics against the oracle at fixed float shares.
     eprintln!("oracle: harm rankings at {HARM_SHARES:?} of the linear parameters");

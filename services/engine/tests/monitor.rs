@@ -373,8 +373,10 @@ async fn the_harm_test_finds_a_four_bit_group_and_follows_a_reload() {
         .map(|g| g.last_window_nsr.unwrap())
         .fold(0f64, f64::max);
     eprintln!("harm: 4-bit layers.2.o {four_bit:.2e}, 8-bit groups at most {eight_bit:.2e}");
+    // (the 8-bit maximum is the planted INT8-hostile `layers.1.down`: one 60σ weight per
+    // block of 32 coarsens its Q8_0 step, ≈ 1.6·10⁻⁴)
     assert!(
-        four_bit > 1e-3 && eight_bit < 1e-4,
+        four_bit > 1e-3 && eight_bit < 1e-3 && four_bit > 10.0 * eight_bit,
         "4-bit {four_bit:.2e} vs 8-bit {eight_bit:.2e}"
     );
     let in_float: Vec<&str> = rep
@@ -401,6 +403,9 @@ async fn the_harm_test_finds_a_four_bit_group_and_follows_a_reload() {
     let seen = 4 * quantmesh_model::bundled::SAMPLE_PROMPTS.len();
     let rep = drive(&e, seen, 4).await;
     let after = nsr(&rep, "layers.2.o");
-    assert!(after < 1e-4, "after the reload to 8 bits: {after:.2e}");
+    assert!(
+        after < four_bit / 10.0 && after < 1e-3,
+        "after the reload to 8 bits: {after:.2e} (4-bit: {four_bit:.2e})"
+    );
     assert_eq!(mode(&rep, "layers.2.o"), GroupMode::Int8);
 }

@@ -95,8 +95,10 @@ struct GroupState {
     max_nsr: f64,
     /// What the group's quantized weights do to each input column (the harm statistic).
     column_error: Option<Arc<ColumnError>>,
-    /// Harm summed over the window's counted rows (for the mean in reports).
+    /// Harm summed over the window's counted rows that carried one (for the mean in
+    /// reports).
     window_harm: f64,
+    window_harm_rows: u64,
     last_nsr: Option<f64>,
     massive: MassiveCounter,
     learn_rows: usize,
@@ -334,6 +336,7 @@ impl Monitor {
                         max_nsr: o.max_nsr.unwrap_or(cfg.max_nsr),
                         column_error: None,
                         window_harm: 0.0,
+                        window_harm_rows: 0,
                         last_nsr: None,
                         massive: MassiveCounter::default(),
                         learn_rows: 0,
@@ -585,6 +588,7 @@ impl Monitor {
                 let harm = obs.harm.get(i).map(|h| *h as f64).filter(|h| h.is_finite());
                 if let Some(h) = harm {
                     s.window_harm += h;
+                    s.window_harm_rows += 1;
                 }
                 let harmful = s.max_nsr > 0.0 && harm.is_some_and(|h| h > s.max_nsr);
                 if spike || harmful {
@@ -705,11 +709,12 @@ impl Monitor {
             );
             if decided {
                 s.last_rate = Some(rate);
-                if s.column_error.is_some() && s.window_tokens > 0 {
-                    s.last_nsr = Some(s.window_harm / s.window_tokens as f64);
+                if s.window_harm_rows > 0 {
+                    s.last_nsr = Some(s.window_harm / s.window_harm_rows as f64);
                 }
             }
             s.window_harm = 0.0;
+            s.window_harm_rows = 0;
             s.window_tokens = 0;
             s.window_outliers = 0;
             if s.ready {

@@ -669,6 +669,12 @@ mod tests {
                     "{fmt:?}, loud channel {loud}: predicted NSR {predicted:.3e}, measured {measured:.3e}"
                 );
             }
+            // One scale per block of 32 (Q8_0, Q4_0): the outlier weight inflates its block's
+            // step for every column of the block. (Q4_K's per-sub-block minimum and 6-bit
+            // scales absorb a single outlier: measured 1.2×, so it is not asserted.)
+            if fmt == QuantFormat::Q4K {
+                continue;
+            }
             let rows = |loud: usize| {
                 let mut x = vec![0.1f32; in_dim];
                 x[loud] = 3.0;
