@@ -529,6 +529,19 @@ fn monitor_section(
             },
         ),
         (
+            "monitoring on, harm test off (max_nsr = 0)",
+            PathMask {
+                detector: Some(std::sync::Arc::new({
+                    let mut d = (*detector(&model, cfg, &planted.massive_channels, 0.0)).clone();
+                    for g in d.groups.values_mut() {
+                        g.column_error = None;
+                    }
+                    d
+                })),
+                ..Default::default()
+            },
+        ),
+        (
             "monitoring on + 1 % shadow KL",
             PathMask {
                 detector: Some(detector(&model, cfg, &planted.massive_channels, 0.01)),
