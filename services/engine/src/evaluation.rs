@@ -604,7 +604,7 @@ pub fn teacher_forced_on(
         for (ids, got) in texts.iter().zip(&logits) {
             for (pos, l) in got.iter().enumerate().skip(1) {
                 if let Some(&next) = ids.get(pos + 1) {
-                    out.nll_sums[m] += nll(l, next);
+                    out.nll_sums[m] += quantmesh_model::ops::nll_logits(l, next);
                     if m == 0 {
                         out.nll_positions += 1;
                     }
@@ -625,16 +625,6 @@ pub fn teacher_forced_on(
         }
     }
     Ok(out)
-}
-
-/// −log softmax(logits)[token].
-fn nll(logits: &[f32], token: u32) -> f64 {
-    let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let z: f64 = logits.iter().map(|x| (*x as f64 - max).exp()).sum();
-    let x = logits
-        .get(token as usize)
-        .map_or(f64::NEG_INFINITY, |x| *x as f64);
-    -(x - max - z.ln())
 }
 
 /// Every position's next-token logits of each text, teacher-forced: the texts run as one

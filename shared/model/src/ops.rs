@@ -100,6 +100,16 @@ fn softmax64(l: &[f32]) -> Vec<f64> {
     e.into_iter().map(|x| x / z).collect()
 }
 
+/// −log softmax(logits)[token] in nats (+∞ for a token outside the logits).
+pub fn nll_logits(logits: &[f32], token: u32) -> f64 {
+    let m = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let z: f64 = logits.iter().map(|x| (*x as f64 - m).exp()).sum();
+    match logits.get(token as usize) {
+        Some(x) => -(*x as f64 - m - z.ln()),
+        None => f64::INFINITY,
+    }
+}
+
 /// KL(P ‖ Q) in nats between the softmax distributions of two logit vectors.
 pub fn kl_logits(p_logits: &[f32], q_logits: &[f32]) -> f64 {
     let (p, q) = (softmax64(p_logits), softmax64(q_logits));

@@ -448,9 +448,7 @@ fn perplexity_section(
                 let step = step_for(&mut bm, &[(id, vec![pair[0]])]);
                 let mut out = runner.run(&model, &step, mask, &mut kv, *kv_int8)?;
                 let logits = out.logits.remove(0).1;
-                let m = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
-                let z: f64 = logits.iter().map(|x| (*x as f64 - m).exp()).sum();
-                nll -= logits[pair[1] as usize] as f64 - m - z.ln();
+                nll += quantmesh_model::ops::nll_logits(&logits, pair[1]);
                 n += 1;
             }
         }
@@ -950,9 +948,7 @@ fn teacher_forced(
                 .logits
                 .remove(0)
                 .1;
-            let m = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
-            let z: f64 = logits.iter().map(|x| (*x as f64 - m).exp()).sum();
-            nll -= logits[pair[1] as usize] as f64 - m - z.ln();
+            nll += quantmesh_model::ops::nll_logits(&logits, pair[1]);
             kls.push(quantmesh_model::ops::kl_logits(&want, &logits));
         }
     }
