@@ -1,0 +1,88 @@
+//! Which instruction set the kernels use, decided once per process.
+
+use std::sync::OnceLock;
+
+/// An instruction set a kernel is written for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Isa {
+    /// Portable Rust: the reference every SIMD kernel must equal.
+    Scalar,
+    /// x86-64 AVX2 + FMA + F16C (every x86 server since 2013, AVX-512 machines included).
+    Avx2,
+}
+
+impl Isa {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+        }
+    }
+
+    /// Whether this CPU can run `self`.
+    pub fn available(self) -> bool {
+        match self {
+            Isa::Scalar => true,
+            Isa::Avx2 => avx2_available(),
+        }
+    }
+
+    /// Every instruction set this CPU can run, the best last.
+    pub fn all_available() -> Vec<Isa> {
+        [Isa::Scalar, Isa::Avx2]
+            .into_iter()
+            .filter(|i| i.available())
+            .collect()
+    }
+
+    /// The best this CPU runs, unless `QUANTMESH_KERNEL` names another (`scalar`, `avx2`;
+    /// `auto` or unset: detect). A name the CPU cannot run, or an unknown one, falls back
+    /// to detection with a message on stderr (once). Decided once per process.
+    pub fn detect() -> Isa {
+        static CHOSEN: OnceLock<Isa> = OnceLock::new();
+        *CHOSEN.get_or_init(|| {
+            let best = *Isa::all_available().last().unwrap_or(&Isa::Scalar);
+            match std::env::var("QUANTMESH_KERNEL").ok().as_deref() {
+                None | Some("") | Some("auto") => best,
+                Some(name) => match name.parse::<Isa>() {
+                    Ok(isa) if isa.available() => isa,
+                    Ok(isa) => {
+                        eprintln!(
+                            "QUANTMESH_KERNEL={name}: this CPU cannot run {}, using {}",
+                            isa.as_str(),
+                            best.as_str()
+                        );
+                        best
+                    }
+                    Err(e) => {
+                        eprintln!("QUANTMESH_KERNEL: {e}; using {}", best.as_str());
+                        best
+                    }
+                },
+            }
+        })
+    }
+}
+
+impl std::str::FromStr for Isa {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "scalar" => Ok(Isa::Scalar),
+            "avx2" => Ok(Isa::Avx2),
+            other => Err(format!("{other:?} is not scalar, avx2 or auto")),
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx2_available() -> bool {
+    is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn avx2_available() -> bool {
+    false
+}

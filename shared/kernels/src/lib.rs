@@ -1,0 +1,41 @@
+//! quantmesh's CPU kernels.
+//!
+//! One job: multiply activation rows by quantized weights as fast as this CPU allows,
+//! reading the weights once per call for all rows.
+//!
+//! - [`PackedQ8`]: Q8_0 weights (8-bit values, one scale per 32) repacked at load into row
+//!   tiles of [`TILE_ROWS`] output rows whose blocks are interleaved, the tile's scales
+//!   beside them, so one pass streams every weight once whatever the number of rows.
+//! - [`Activations`]: the rows quantized once per call, per block of 32, to 8 bits (W8A8,
+//!   llama.cpp's Q8_0 activations) or to 16 bits (W8A16: the weights' error alone). Both
+//!   are stored as `i16`, so one kernel serves both and 16-bit activations cost what 8-bit
+//!   ones do.
+//! - [`Isa`]: the instruction set the kernels run with, detected at run time
+//!   (`QUANTMESH_KERNEL=scalar|avx2` forces one; the scalar path is the reference every
+//!   SIMD kernel is tested against).
+//! - [`Pool`]: one persistent pool of workers for the forward pass, static contiguous work
+//!   ranges per thread.
+
+#![allow(unsafe_code)] // SIMD intrinsics and the pool's scoped jobs; each `unsafe` says why.
+
+mod isa;
+mod pool;
+mod q8;
+mod scalar;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+pub use isa::Isa;
+pub use pool::Pool;
+pub use q8::{ActBits, Activations, PackedQ8, BLOCK, TILE_ROWS};
+
+/// What a kernel call was given that it cannot work with.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum KernelError {
+    #[error("input width {0} is not a multiple of the block size {BLOCK}")]
+    Width(usize),
+    #[error("shape mismatch: {0}")]
+    Shape(String),
+}
+
+pub type Result<T> = std::result::Result<T, KernelError>;

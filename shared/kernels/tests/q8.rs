@@ -1,0 +1,209 @@
+//! Every SIMD kernel against the scalar reference, over shapes that are not multiples of
+//! the tile or the register tile, odd row counts, both activation widths, and one thread or
+//! several.
+#![allow(clippy::unwrap_used)]
+
+use proptest::prelude::*;
+use quantmesh_kernels::{ActBits, Activations, Isa, PackedQ8, Pool, BLOCK};
+use rand::{Rng, SeedableRng};
+
+fn rand_vec(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    (0..n)
+        .map(|i| {
+            let v: f32 = rng.gen_range(-1.0..1.0) * scale;
+            // a few loud channels, as real activations have
+            if i % 97 == 3 {
+                v * 20.0
+            } else {
+                v
+            }
+        })
+        .collect()
+}
+
+fn product(w: &PackedQ8, a: &Activations, isa: Isa, pool: &Pool) -> Vec<f32> {
+    let mut out = vec![f32::NAN; a.rows() * w.rows()];
+    w.matmul(a, &mut out, isa, pool).unwrap();
+    out
+}
+
+/// The f64 product of the dequantized operands: what every kernel approximates.
+fn exact(w: &PackedQ8, a: &Activations) -> Vec<f64> {
+    let (wd, ad) = (w.dequantize(), a.dequantize());
+    let k = w.cols();
+    let mut out = vec![0f64; a.rows() * w.rows()];
+    for m in 0..a.rows() {
+        for r in 0..w.rows() {
+            out[m * w.rows() + r] = (0..k)
+                .map(|i| ad[m * k + i] as f64 * wd[r * k + i] as f64)
+                .sum();
+        }
+    }
+    out
+}
+
+/// Sum of |terms| of each output: the scale the f32 rounding error is measured against.
+fn magnitude(w: &PackedQ8, a: &Activations) -> Vec<f64> {
+    let (wd, ad) = (w.dequantize(), a.dequantize());
+    let k = w.cols();
+    let mut out = vec![0f64; a.rows() * w.rows()];
+    for m in 0..a.rows() {
+        for r in 0..w.rows() {
+            out[m * w.rows() + r] = (0..k)
+                .map(|i| (ad[m * k + i] as f64 * wd[r * k + i] as f64).abs())
+                .sum();
+        }
+    }
+    out
+}
+
+fn check(rows: usize, cols: usize, m: usize, bits: ActBits, seed: u64, threads: usize) {
+    let w = PackedQ8::quantize(&rand_vec(rows * cols, seed, 0.1), rows, cols).unwrap();
+    let mut a = Activations::new();
+    a.quantize(&rand_vec(m * cols, seed + 1, 1.0), m, cols, bits)
+        .unwrap();
+    let pool = Pool::new(threads);
+    let want = exact(&w, &a);
+    let mag = magnitude(&w, &a);
+    for isa in Isa::all_available() {
+        let got = product(&w, &a, isa, &pool);
+        for (i, (&g, &e)) in got.iter().zip(&want).enumerate() {
+            // f32 accumulation over `cols` terms: a few ulps of the terms' magnitude.
+            let tol = 1e-6 * mag[i] + 1e-30;
+            assert!(
+                (g as f64 - e).abs() <= tol,
+                "{isa:?} [{rows}x{cols}] m={m} {bits:?} threads={threads} out {i}: {g} vs {e} (tol {tol})"
+            );
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+    #[test]
+    fn simd_equals_the_reference(
+        rows in 1usize..40,
+        blocks in 1usize..12,
+        m in 1usize..11,
+        sixteen in any::<bool>(),
+        seed in 0u64..1000,
+        threads in 1usize..4,
+    ) {
+        let bits = if sixteen { ActBits::Sixteen } else { ActBits::Eight };
+        check(rows, blocks * BLOCK, m, bits, seed, threads);
+    }
+}
+
+#[test]
+fn model_shapes_and_more_rows_than_a_row_block() {
+    for &(rows, cols, m) in &[(960, 576, 1), (576, 1536, 3), (3072, 576, 67), (130, 64, 129)] {
+        for bits in [ActBits::Eight, ActBits::Sixteen] {
+            check(rows, cols, m, bits, rows as u64, 2);
+        }
+    }
+}
+
+/// Integer-valued operands with unit scales make every partial sum exact in f32, so every
+/// kernel must give the reference's integers bit for bit.
+#[test]
+fn integer_parts_are_exact() {
+    let (rows, cols, m) = (13, 7 * BLOCK, 5);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let mut int_vec = |n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                if i % BLOCK == 0 {
+                    127.0 // every block's amax is 127: scale exactly 1
+                } else {
+                    rng.gen_range(-127i32..=127) as f32
+                }
+            })
+            .collect()
+    };
+    let w = PackedQ8::quantize(&int_vec(rows * cols), rows, cols).unwrap();
+    let mut a = Activations::new();
+    a.quantize(&int_vec(m * cols), m, cols, ActBits::Eight)
+        .unwrap();
+    let pool = Pool::new(2);
+    let reference = product(&w, &a, Isa::Scalar, &pool);
+    let want: Vec<f32> = exact(&w, &a).iter().map(|&v| v as f32).collect();
+    assert_eq!(reference, want);
+    for isa in Isa::all_available() {
+        assert_eq!(product(&w, &a, isa, &pool), want, "{isa:?}");
+    }
+}
+
+/// 16-bit activations leave the weights' error alone: against the product with the f32
+/// activations, W8A16 is ≥ 50× closer than W8A8.
+#[test]
+fn sixteen_bit_activations_remove_the_activation_error() {
+    let (rows, cols, m) = (64, 576, 4);
+    let x = rand_vec(m * cols, 3, 1.0);
+    let w = PackedQ8::quantize(&rand_vec(rows * cols, 4, 0.1), rows, cols).unwrap();
+    let wd = w.dequantize();
+    let pool = Pool::new(2);
+    let mut want = vec![0f64; m * rows];
+    for i in 0..m {
+        for r in 0..rows {
+            want[i * rows + r] = (0..cols)
+                .map(|k| x[i * cols + k] as f64 * wd[r * cols + k] as f64)
+                .sum();
+        }
+    }
+    let err = |bits| {
+        let mut a = Activations::new();
+        a.quantize(&x, m, cols, bits).unwrap();
+        let y = product(&w, &a, Isa::detect(), &pool);
+        let (mut e, mut s) = (0f64, 0f64);
+        for (y, w) in y.iter().zip(&want) {
+            e += (*y as f64 - w).powi(2);
+            s += w * w;
+        }
+        (e / s).sqrt()
+    };
+    let (e8, e16) = (err(ActBits::Eight), err(ActBits::Sixteen));
+    assert!(e8 > 1e-3, "W8A8 error {e8}");
+    assert!(e16 * 50.0 < e8, "W8A16 {e16} vs W8A8 {e8}");
+}
+
+/// GGUF's Q8_0 blocks load to the same values `quantize` makes, and a weight already on
+/// the Q8_0 grid quantizes to itself.
+#[test]
+fn q8_0_blocks_round_trip() {
+    let (rows, cols) = (6, 96);
+    let w = PackedQ8::quantize(&rand_vec(rows * cols, 9, 1.0), rows, cols).unwrap();
+    let deq = w.dequantize();
+    let again = PackedQ8::quantize(&deq, rows, cols).unwrap();
+    assert_eq!(again.dequantize(), deq);
+    let mut gguf = Vec::new();
+    for r in 0..rows {
+        for b in 0..cols / BLOCK {
+            let block = &deq[r * cols + b * BLOCK..][..BLOCK];
+            let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = half::f16::from_f32(amax / 127.0);
+            gguf.extend_from_slice(&d.to_le_bytes());
+            for v in block {
+                gguf.push(((v / d.to_f32()).round() as i8) as u8);
+            }
+        }
+    }
+    let loaded = PackedQ8::from_q8_0(&gguf, rows, cols).unwrap();
+    assert_eq!(loaded.dequantize(), deq);
+    assert_eq!(loaded.bytes(), 8 * cols / BLOCK * 34, "two padding rows in the last tile");
+    assert!(PackedQ8::from_q8_0(&gguf[1..], rows, cols).is_err());
+    assert!(PackedQ8::quantize(&[0.0; 40], 1, 40).is_err());
+}
+
+#[test]
+fn bad_shapes_are_errors() {
+    let w = PackedQ8::quantize(&[0.5; 64], 2, 32).unwrap();
+    let mut a = Activations::new();
+    a.quantize(&[1.0; 64], 1, 64, ActBits::Eight).unwrap();
+    let mut out = vec![0.0; 2];
+    assert!(w.matmul(&a, &mut out, Isa::Scalar, Pool::global()).is_err());
+    a.quantize(&[1.0; 32], 1, 32, ActBits::Eight).unwrap();
+    assert!(w.matmul(&a, &mut out[..1], Isa::Scalar, Pool::global()).is_err());
+    w.matmul(&a, &mut out, Isa::Scalar, Pool::global()).unwrap();
+    assert!((out[0] - 16.0).abs() < 0.1);
+}
