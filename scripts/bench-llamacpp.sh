@@ -1,49 +1,63 @@
 #!/usr/bin/env bash
-# quantmesh against llama.cpp (llama-cpp-python, same machine, same run, same GGUF files) on
-# SmolLM2-135M-Instruct: the original Q4_1 file and a Q8_0 requantization of it (made with
-# llama.cpp's llama_model_quantize, so both sides run 8-bit weights).
+# quantmesh against llama.cpp's own server (`llama-server`, which batches: what a user would
+# deploy instead) on SmolLM2-135M-Instruct: the same GGUF file, the same threads, the same
+# machine and run, both over HTTP, in interleaved rounds; the table shows medians.
 #
-#   ./scripts/bench-llamacpp.sh            # prints a markdown table (≈ 10 min on 2 cores)
+#   ./scripts/bench-llamacpp.sh            # ≈ 8 min the first time (builds llama-server), then ≈ 6 min
 #
-# Rows: prefill tok/s (128- and 512-token prompts) and decode tok/s at batch 1, in-process on
-# both sides (quantmesh-engine-bench / llama_ref.py bench); total output tok/s with 8 and 32
-# concurrent streaming requests over HTTP (quantmesh serve vs llama-cpp-python's server,
-# both driven by quantmesh-loadgen). Ratios are quantmesh ÷ llama.cpp.
-# Needs: llama-cpp-python (scripts/test.sh installs it); installs its [server] extra.
+# Files: the wheel's Q4_1 file requantized to Q8_0 with llama.cpp's own quantizer (8-bit weights
+# on both sides), and the Q4_1 file itself (quantmesh serves it as Q8_0 groups).
+# Rows: decode tok/s at batch 1 (one stream of 128 tokens); prefill tok/s of unique 128- and
+# 512-token prompts (`max_tokens` 1, prompt tokens ÷ request time); total output tok/s with 8
+# and 32 concurrent streams of 64 tokens. Ratio = quantmesh ÷ llama.cpp.
+#
+# llama-server is built once from the llama.cpp that the llama-cpp-python 0.3.36 source
+# package (PyPI) vendors, with scripts/llama-cpp-cmake-args.sh's flags, into $LLAMA_DIR.
+# Settings: BENCH_THREADS (default: all cores), BENCH_ROUNDS (3), QUANTMESH_BENCH_MODELS (models),
+# BENCH_FILES ("Q8_0 Q4_1"), BENCH_OUT (target/bench-llamacpp), LLAMA_DIR.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 log() { printf '\033[1m[bench]\033[0m %s\n' "$*" >&2; }
 
 MODELS="${QUANTMESH_BENCH_MODELS:-models}"
 THREADS="${BENCH_THREADS:-$(nproc)}"
-export LLAMA_THREADS="$THREADS"
-REQUESTS_PER_CLIENT="${BENCH_REQUESTS_PER_CLIENT:-2}"
-MAX_TOKENS="${BENCH_MAX_TOKENS:-64}"
+ROUNDS="${BENCH_ROUNDS:-3}"
+FILES="${BENCH_FILES:-Q8_0 Q4_1}"
+LLAMA_DIR="${LLAMA_DIR:-$HOME/.cache/quantmesh/llama.cpp-0.3.36}"
+OUT="${BENCH_OUT:-target/bench-llamacpp}"
 
 log "building release binaries"
-cargo build --release --quiet -p quantmesh -p quantmesh-engine -p quantmesh-gateway \
-  --bin quantmesh --bin quantmesh-engine-bench --bin quantmesh-loadgen
+cargo build --release --quiet -p quantmesh -p quantmesh-gateway --bin quantmesh --bin quantmesh-loadgen
 BIN=target/release
 
-if ! python3 -c 'import uvicorn, fastapi, sse_starlette, starlette_context, pydantic_settings' >/dev/null 2>&1; then
-  log "installing llama-cpp-python's server extra (fastapi, uvicorn, …)"
-  python3 -m pip install --quiet --user "llama-cpp-python[server]==0.3.36" 2>/dev/null \
-    || python3 -m pip install --quiet --user --break-system-packages "llama-cpp-python[server]==0.3.36"
+LLAMA_SERVER="$LLAMA_DIR/build/bin/llama-server"
+LLAMA_QUANTIZE="$LLAMA_DIR/build/bin/llama-quantize"
+if [ ! -x "$LLAMA_SERVER" ] || [ ! -x "$LLAMA_QUANTIZE" ]; then
+  log "building llama-server and llama-quantize from llama-cpp-python 0.3.36's vendored llama.cpp (once, ≈ 8 min)"
+  python3 -m pip install --quiet --user cmake ninja 2>/dev/null \
+    || python3 -m pip install --quiet --user --break-system-packages cmake ninja
+  export PATH="$HOME/.local/bin:$PATH"
+  src="$(mktemp -d)"
+  python3 -m pip download --quiet --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.36 -d "$src"
+  tar xzf "$src"/llama_cpp_python-0.3.36.tar.gz -C "$src"
+  mkdir -p "$(dirname "$LLAMA_DIR")"
+  rm -rf "$LLAMA_DIR"
+  mv "$src/llama_cpp_python-0.3.36/vendor/llama.cpp" "$LLAMA_DIR"
+  # shellcheck disable=SC2046
+  cmake -S "$LLAMA_DIR" -B "$LLAMA_DIR/build" -G Ninja $(scripts/llama-cpp-cmake-args.sh) -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DCMAKE_BUILD_TYPE=Release >/dev/null
+  cmake --build "$LLAMA_DIR/build" --target llama-server llama-quantize -j "$(nproc)" >/dev/null
 fi
 
 "$BIN/quantmesh" model fetch smollm2-135m-instruct --dir "$MODELS" --quiet >/dev/null
 DIR="$MODELS/smollm2-135m-instruct"
-Q41="$DIR/SmolLM2-135M-Instruct.Q4_1.gguf"
-Q80="$DIR/SmolLM2-135M-Instruct.Q8_0.gguf"
-if [ ! -f "$Q80" ]; then
-  log "requantizing to Q8_0 with llama.cpp (llama_model_quantize)"
-  printf '{"op":"quantize","model":"%s","out":"%s","type":"q8_0"}' "$Q41" "$Q80.partial" \
-    | python3 scripts/llama_ref.py >/dev/null
-  mv "$Q80.partial" "$Q80"
+declare -A FILE=([Q4_1]="$DIR/SmolLM2-135M-Instruct.Q4_1.gguf" [Q8_0]="$DIR/SmolLM2-135M-Instruct.Q8_0.gguf")
+if [ ! -f "${FILE[Q8_0]}" ]; then
+  log "requantizing to Q8_0 with llama-quantize"
+  "$LLAMA_QUANTIZE" --allow-requantize "${FILE[Q4_1]}" "${FILE[Q8_0]}.partial" Q8_0 "$THREADS" >/dev/null 2>&1
+  mv "${FILE[Q8_0]}.partial" "${FILE[Q8_0]}"
 fi
 
-# Raw outputs (engine bench tables, loadgen tables, server logs) stay here for inspection.
-OUT="${BENCH_OUT:-target/bench-llamacpp}"
 rm -rf "$OUT"; mkdir -p "$OUT"
 trap 'kill $(jobs -p) 2>/dev/null || true' EXIT
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
@@ -54,73 +68,79 @@ wait_ready() { # url, seconds
   done
   return 1
 }
-loadgen() { # base url, concurrency -> the loadgen table (its last row is the result)
-  "$BIN/quantmesh-loadgen" --url "$1" --concurrency "$2" --requests "$(( $2 * REQUESTS_PER_CLIENT ))" \
-    --max-tokens "$MAX_TOKENS" 2>&1
+# A prompt of about $1 tokens that no earlier request shared (a fresh number first, then
+# English text from the machine's license files).
+prompt() {
+  python3 - "$1" "$RANDOM$RANDOM" <<'PY'
+import sys, pathlib
+n, salt = int(sys.argv[1]), sys.argv[2]
+words = pathlib.Path("/usr/share/common-licenses/Apache-2.0").read_text().split()
+print(f"Request {salt}: " + " ".join(words[: int(n * 0.72)]))
+PY
+}
+# prefill tok/s of one unique prompt of about $2 tokens against server $1
+prefill() {
+  local body
+  body="$(python3 -c 'import json,sys; print(json.dumps({"prompt": sys.stdin.read(), "max_tokens": 1, "temperature": 0}))' <<<"$(prompt "$2")")"
+  curl -s -o "$OUT/prefill.json" -w '%{time_total}' -H 'content-type: application/json' -d "$body" "$1/v1/completions" \
+    | python3 -c 'import json,sys; t=float(sys.stdin.read()); u=json.load(open(sys.argv[1]))["usage"]; print(u["prompt_tokens"]/t)' "$OUT/prefill.json"
+}
+loadgen() { # url, concurrency, max tokens -> output tok/s (the table's last row)
+  "$BIN/quantmesh-loadgen" --url "$1" --concurrency "$2" --requests "$(( $2 * 2 ))" --max-tokens "$3" 2>&1 \
+    | tail -1 | awk -F'|' '{gsub(/ /,"",$7); print $7}'
+}
+measure() { # who, tag, url -> lines "who tag metric value"
+  local url="$3"
+  "$BIN/quantmesh-loadgen" --url "$url" --concurrency 1 --requests 1 --max-tokens 8 >/dev/null 2>&1 || true # warm-up
+  echo "$1 $2 decode_b1 $(loadgen "$url" 1 128)"
+  for n in 128 512; do echo "$1 $2 prefill_$n $(prefill "$url" "$n")"; done
+  for c in 8 32; do echo "$1 $2 streams_$c $(loadgen "$url" "$c" 64)"; done
 }
 
-for tag in Q4_1 Q8_0; do
-  file="$Q41"; [ "$tag" = Q8_0 ] && file="$Q80"
-  log "$tag: in-process prefill/decode (quantmesh)"
-  for plen in 128 512; do
-    "$BIN/quantmesh-engine-bench" --model "$file" --batches 1 --prompt-len "$plen" --decode-steps 64 \
-      --json "$OUT/ours-$tag-$plen.json" >"$OUT/ours-$tag-$plen.txt"
+for round in $(seq 1 "$ROUNDS"); do
+  for tag in $FILES; do
+    file="${FILE[$tag]}"
+    log "round $round/$ROUNDS, $tag: quantmesh serve"
+    port="$(free_port)"
+    QUANTMESH_THREADS="$THREADS" "$BIN/quantmesh" serve --model "$file" --port "$port" --log-format json \
+      >"$OUT/serve-$tag-$round.log" 2>&1 &
+    pid=$!
+    wait_ready "http://127.0.0.1:$port/ready" 180 || { tail -20 "$OUT/serve-$tag-$round.log"; exit 1; }
+    measure quantmesh "$tag" "http://127.0.0.1:$port" >>"$OUT/results.txt"
+    kill -TERM "$pid"; wait "$pid" || true
+    log "round $round/$ROUNDS, $tag: llama-server"
+    port="$(free_port)"
+    "$LLAMA_SERVER" -m "$file" -t "$THREADS" -tb "$THREADS" -np 32 -c 32768 --host 127.0.0.1 --port "$port" \
+      >"$OUT/llama-server-$tag-$round.log" 2>&1 &
+    pid=$!
+    wait_ready "http://127.0.0.1:$port/health" 180 || { tail -20 "$OUT/llama-server-$tag-$round.log"; exit 1; }
+    measure llama.cpp "$tag" "http://127.0.0.1:$port" >>"$OUT/results.txt"
+    kill -TERM "$pid"; wait "$pid" 2>/dev/null || true
   done
-  log "$tag: in-process prefill/decode (llama.cpp)"
-  python3 - "$file" "$OUT/llama-$tag.json" <<'EOF'
-import json, subprocess, sys
-req = {"op": "bench", "model": sys.argv[1], "prompt_lens": [128, 512], "decode": 64,
-       "ids": list(range(1000, 1600))}
-out = subprocess.run([sys.executable, "scripts/llama_ref.py"], input=json.dumps(req), text=True,
-                     capture_output=True, check=True).stdout
-open(sys.argv[2], "w").write(out)
-EOF
-  log "$tag: HTTP throughput (quantmesh serve)"
-  port="$(free_port)"
-  "$BIN/quantmesh" serve --model "$file" --port "$port" --log-format json >"$OUT/serve-$tag.log" 2>&1 &
-  pid=$!
-  wait_ready "http://127.0.0.1:$port/ready" 120 || { cat "$OUT/serve-$tag.log"; exit 1; }
-  for c in 8 32; do loadgen "http://127.0.0.1:$port" "$c" > "$OUT/ours-http-$tag-$c.txt"; done
-  kill -TERM "$pid"; wait "$pid" || true
-  log "$tag: HTTP throughput (llama.cpp server)"
-  port="$(free_port)"
-  # interrupt_requests off: by default a new request aborts the running one.
-  python3 -m llama_cpp.server --model "$file" --host 127.0.0.1 --port "$port" --n_threads "$THREADS" \
-    --n_ctx 4096 --interrupt_requests False >"$OUT/llama-server-$tag.log" 2>&1 &
-  pid=$!
-  wait_ready "http://127.0.0.1:$port/v1/models" 120 || { cat "$OUT/llama-server-$tag.log"; exit 1; }
-  for c in 8 32; do loadgen "http://127.0.0.1:$port" "$c" > "$OUT/llama-http-$tag-$c.txt"; done
-  kill -TERM "$pid"; wait "$pid" 2>/dev/null || true
 done
 
-python3 - "$OUT" "$THREADS" <<'EOF'
-import json, sys, pathlib
-out, threads = pathlib.Path(sys.argv[1]), sys.argv[2]
-def http(p):
-    """(output tok/s, ok, failed) from a loadgen table's last row."""
+python3 - "$OUT/results.txt" "$THREADS" "$ROUNDS" "$FILES" <<'EOF'
+import sys, statistics, collections, platform, subprocess
+path, threads, rounds, files = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split()
+v = collections.defaultdict(list)
+for line in open(path):
+    who, tag, metric, value = (line.split() + ["nan"])[:4]
     try:
-        row = [c.strip() for c in p.read_text().strip().splitlines()[-1].split("|")]
-        ok, failed = (int(x) for x in row[2].split("/"))
-        return float(row[6]), ok, failed
-    except Exception:
-        return float("nan"), 0, 0
-print(f"SmolLM2-135M-Instruct, {threads} threads each, same machine and run; ratio = quantmesh ÷ llama.cpp\n")
-print("| file | metric | quantmesh | llama.cpp | ratio |")
-print("|---|---|---|---|---|")
-for tag in ("Q4_1", "Q8_0"):
-    llama = json.loads((out / f"llama-{tag}.json").read_text())
-    rows = []
-    for plen in (128, 512):
-        ours = json.loads((out / f"ours-{tag}-{plen}.json").read_text())["dual"]["batch_1"]
-        rows.append((f"prefill {plen} tok/s", ours["prefill_tok_s"], llama["prefill"][str(plen)]))
-    ours = json.loads((out / f"ours-{tag}-128.json").read_text())["dual"]["batch_1"]
-    rows.append(("decode tok/s, batch 1", ours["decode_tok_s"], llama["decode_b1"]))
-    for c in (8, 32):
-        a, b = http(out / f"ours-http-{tag}-{c}.txt"), http(out / f"llama-http-{tag}-{c}.txt")
-        note = "" if a[2] == b[2] == 0 else f" (failed requests: quantmesh {a[2]}, llama.cpp {b[2]})"
-        rows.append((f"HTTP output tok/s, {c} concurrent streams{note}", a[0], b[0]))
-    for name, a, b in rows:
+        v[who, tag, metric].append(float(value))
+    except ValueError:
+        v[who, tag, metric].append(float("nan"))
+cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.processor())
+print(f"SmolLM2-135M-Instruct on {cpu}, {threads} threads each, median of {rounds} interleaved rounds; ratio = quantmesh ÷ llama-server\n")
+print("| file | metric | quantmesh | llama-server | ratio |\n|---|---|---|---|---|")
+names = {"decode_b1": "decode tok/s, batch 1 (128 tokens)", "prefill_128": "prefill tok/s, 128-token prompt",
+         "prefill_512": "prefill tok/s, 512-token prompt", "streams_8": "output tok/s, 8 concurrent streams",
+         "streams_32": "output tok/s, 32 concurrent streams"}
+for tag in files:
+    for m, name in names.items():
+        a = statistics.median(v["quantmesh", tag, m] or [float("nan")])
+        b = statistics.median(v["llama.cpp", tag, m] or [float("nan")])
         print(f"| {tag} | {name} | {a:.0f} | {b:.0f} | {a / b:.2f}× |")
-print(f"\nRaw outputs: {out}. quantmesh runs its default plan (every group INT8 + float copy, INT8 path; C8 KV);"
-      " the file's type is what the float copies are dequantized from.")
+b1 = statistics.median(v["quantmesh", files[0], "decode_b1"] or [float("nan")])
+s32 = statistics.median(v["quantmesh", files[0], "streams_32"] or [float("nan")])
+print(f"\nquantmesh: 32 streams ÷ its own batch-1 decode = {s32 / b1:.1f}× ({files[0]}). Raw lines: {path}")
 EOF

@@ -12,6 +12,9 @@ pub enum EngineError {
     Config(String),
     #[error("tensor op failed: {0}")]
     Tensor(#[from] candle_core::Error),
+    /// A kernel was handed a shape it cannot multiply (a bug or a malformed checkpoint).
+    #[error("kernel: {0}")]
+    Kernel(#[from] quantmesh_kernels::KernelError),
     /// The request cannot be served as given (the caller's mistake: HTTP 400).
     #[error("the request is invalid: {0}")]
     InvalidRequest(String),

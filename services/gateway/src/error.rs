@@ -118,6 +118,7 @@ impl From<EngineError> for ApiError {
             e @ (EngineError::Model(_)
             | EngineError::Config(_)
             | EngineError::Tensor(_)
+            | EngineError::Kernel(_)
             | EngineError::StepPanicked(_)) => ApiError::Internal(e.to_string()),
         }
     }

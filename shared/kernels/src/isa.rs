@@ -1,6 +1,11 @@
 //! Which instruction set the kernels use, decided once per process.
 
+use std::cell::Cell;
 use std::sync::OnceLock;
+
+thread_local! {
+    static OVERRIDE: Cell<Option<Isa>> = const { Cell::new(None) };
+}
 
 /// An instruction set a kernel is written for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -33,6 +38,28 @@ impl Isa {
             .into_iter()
             .filter(|i| i.available())
             .collect()
+    }
+
+    /// What a kernel call made on this thread uses: the [`Isa::scoped`] choice inside one,
+    /// else [`Isa::detect`]'s.
+    pub fn current() -> Isa {
+        OVERRIDE.with(Cell::get).unwrap_or_else(Isa::detect)
+    }
+
+    /// Run `f` with this thread's kernel calls on `self` (or the scalar reference when this
+    /// CPU cannot run `self`): how a test runs one model on every instruction set in one
+    /// process. The pool's workers follow the caller's choice.
+    pub fn scoped<T>(self, f: impl FnOnce() -> T) -> T {
+        let isa = if self.available() { self } else { Isa::Scalar };
+        let before = OVERRIDE.with(|o| o.replace(Some(isa)));
+        struct Restore(Option<Isa>);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                OVERRIDE.with(|o| o.set(self.0));
+            }
+        }
+        let _restore = Restore(before);
+        f()
     }
 
     /// The best this CPU runs, unless `QUANTMESH_KERNEL` names another (`scalar`, `avx2`;

@@ -10,6 +10,9 @@
 //!   llama.cpp's Q8_0 activations) or to 16 bits (W8A16: the weights' error alone). Both
 //!   are stored as `i16`, so one kernel serves both and 16-bit activations cost what 8-bit
 //!   ones do.
+//! - [`f16_matmul`]: the float path's product over f16 weights, widened in registers.
+//! - [`attention`]: causal attention of a chunk's query rows over a sequence's keys and
+//!   values, every (row, head) pair a work item on the pool.
 //! - [`Isa`]: the instruction set the kernels run with, detected at run time
 //!   (`QUANTMESH_KERNEL=scalar|avx2` forces one; the scalar path is the reference every
 //!   SIMD kernel is tested against).
@@ -18,6 +21,8 @@
 
 #![allow(unsafe_code)] // SIMD intrinsics and the pool's scoped jobs; each `unsafe` says why.
 
+mod attention;
+mod f16;
 mod isa;
 mod pool;
 mod q8;
@@ -25,6 +30,8 @@ mod scalar;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
+pub use attention::{attention, exp_nonpositive, AttentionShape};
+pub use f16::f16_matmul;
 pub use isa::Isa;
 pub use pool::Pool;
 pub use q8::{ActBits, Activations, PackedQ8, BLOCK, TILE_ROWS};

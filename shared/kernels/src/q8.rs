@@ -253,8 +253,21 @@ impl Activations {
     }
 
     /// Quantize `x` (`rows × cols`, row-major) to `bits`, per block of 32: scale
-    /// `amax / max` (`max` = 127 or 32767), values `round(x / scale)` (ties to even).
+    /// `amax / max` (`max` = 127 or 32767), values `round(x / scale)` (ties to even), with
+    /// this thread's kernel ([`Isa::current`]).
     pub fn quantize(&mut self, x: &[f32], rows: usize, cols: usize, bits: ActBits) -> Result<()> {
+        self.quantize_with(x, rows, cols, bits, Isa::current())
+    }
+
+    /// As [`Activations::quantize`], with `isa`'s kernel (every one gives the same values).
+    pub fn quantize_with(
+        &mut self,
+        x: &[f32],
+        rows: usize,
+        cols: usize,
+        bits: ActBits,
+        isa: Isa,
+    ) -> Result<()> {
         if cols % BLOCK != 0 || cols == 0 {
             return Err(KernelError::Width(cols));
         }
@@ -270,12 +283,23 @@ impl Activations {
         self.q.resize(rows * cols, 0);
         self.d.resize(rows * self.blocks, 0.0);
         let max = bits.max();
-        for ((x, q), d) in x
+        let blocks = x
             .chunks_exact(BLOCK)
             .zip(self.q.chunks_exact_mut(BLOCK))
-            .zip(self.d.iter_mut())
-        {
-            *d = quantize_act_block(x, q, max);
+            .zip(self.d.iter_mut());
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 if isa.available() => {
+                for ((x, q), d) in blocks {
+                    // SAFETY: AVX2, FMA and F16C are available; blocks are 32 long.
+                    *d = unsafe { crate::x86::quantize_act_block(x, q, max) };
+                }
+            }
+            _ => {
+                for ((x, q), d) in blocks {
+                    *d = quantize_act_block(x, q, max);
+                }
+            }
         }
         Ok(())
     }

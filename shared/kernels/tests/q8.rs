@@ -97,7 +97,12 @@ proptest! {
 
 #[test]
 fn model_shapes_and_more_rows_than_a_row_block() {
-    for &(rows, cols, m) in &[(960, 576, 1), (576, 1536, 3), (3072, 576, 67), (130, 64, 129)] {
+    for &(rows, cols, m) in &[
+        (960, 576, 1),
+        (576, 1536, 3),
+        (3072, 576, 67),
+        (130, 64, 129),
+    ] {
         for bits in [ActBits::Eight, ActBits::Sixteen] {
             check(rows, cols, m, bits, rows as u64, 2);
         }
@@ -190,9 +195,33 @@ fn q8_0_blocks_round_trip() {
     }
     let loaded = PackedQ8::from_q8_0(&gguf, rows, cols).unwrap();
     assert_eq!(loaded.dequantize(), deq);
-    assert_eq!(loaded.bytes(), 8 * cols / BLOCK * 34, "two padding rows in the last tile");
+    assert_eq!(
+        loaded.bytes(),
+        8 * cols / BLOCK * 34,
+        "two padding rows in the last tile"
+    );
     assert!(PackedQ8::from_q8_0(&gguf[1..], rows, cols).is_err());
     assert!(PackedQ8::quantize(&[0.0; 40], 1, 40).is_err());
+}
+
+/// Every instruction set quantizes activations to the same values (rounding ties to even),
+/// at both widths.
+#[test]
+fn activation_quantization_is_the_same_everywhere() {
+    let mut x = rand_vec(5 * 96, 11, 3.0);
+    x[7] = 0.0; // a tie: 2.5 steps of a block whose amax is 127 steps
+    x[0..32].fill(0.0); // an all-zero block
+    x[40] = 127.0;
+    x[41] = 2.5;
+    for bits in [ActBits::Eight, ActBits::Sixteen] {
+        let mut want = Activations::new();
+        want.quantize_with(&x, 5, 96, bits, Isa::Scalar).unwrap();
+        for isa in Isa::all_available() {
+            let mut got = Activations::new();
+            got.quantize_with(&x, 5, 96, bits, isa).unwrap();
+            assert_eq!(got.dequantize(), want.dequantize(), "{isa:?} {bits:?}");
+        }
+    }
 }
 
 #[test]
@@ -203,7 +232,9 @@ fn bad_shapes_are_errors() {
     let mut out = vec![0.0; 2];
     assert!(w.matmul(&a, &mut out, Isa::Scalar, Pool::global()).is_err());
     a.quantize(&[1.0; 32], 1, 32, ActBits::Eight).unwrap();
-    assert!(w.matmul(&a, &mut out[..1], Isa::Scalar, Pool::global()).is_err());
+    assert!(w
+        .matmul(&a, &mut out[..1], Isa::Scalar, Pool::global())
+        .is_err());
     w.matmul(&a, &mut out, Isa::Scalar, Pool::global()).unwrap();
     assert!((out[0] - 16.0).abs() < 0.1);
 }

@@ -167,22 +167,22 @@ impl ColumnError {
     }
 }
 
-/// Which rows on the quantized path carry their activations in two 8-bit parts — the
-/// kernel's own quantization of the row and what that quantization left out, run as one
-/// matmul of twice the rows and summed: activations to ≈ 16 bits (W8A16-like), the weights'
-/// quantization error stays, no extra memory (`engine.split_activations`).
+/// Which rows on the quantized path carry their activations to ≈ 16 bits (W8A16): the
+/// weights' quantization error stays, the activations' goes, no extra memory
+/// (`engine.split_activations`). On Q8_0 weights the kernel quantizes such rows to 16 bits
+/// in the same single pass as 8-bit ones; on candle's 4-bit kernels a row is split into two
+/// 8-bit parts (the kernel's own quantization and its remainder) run as twice the rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum SplitActivations {
-    /// None: the plain W8A8 kernel everywhere (the fastest: ≈ 1.4× `all`'s decode and 2×
-    /// its prefill); rows that want float in a group without a float copy are only counted
-    /// as "wanted fallback, unavailable".
+    /// None: the plain W8A8 kernel everywhere (on Q8_0 as fast as `all`; on 4-bit groups
+    /// about twice as fast); rows that want float in a group without a float copy are only
+    /// counted as "wanted fallback, unavailable".
     Off,
     /// Rows that want float in a group without a float copy (INT8-only, e.g. over the float
     /// budget): a fallback that costs no memory.
     Copyless,
-    /// Every row on the quantized path (twice the rows through the kernel), the Q8_0
-    /// `lm_head` included. The default: with it the first-load plan (0.56× all-f16's bytes)
+    /// Every row on the quantized path, the Q8_0 `lm_head` included. The default: with it the first-load plan (0.56× all-f16's bytes)
     /// is closer to the float model than every group dual in f32 (2.4×), on SmolLM2 and on
     /// the bundled model (ARCHITECTURE.md, "Split activations").
     #[default]
@@ -281,9 +281,9 @@ impl FloatDtype {
 }
 
 /// How a linear group's quantized form stores its weights — the form the plan and the
-/// monitor call "INT8" (the path a group leaves when it falls back to float). candle's CPU
-/// kernels quantize the activations to 8-bit blocks on the fly for all of them, so `Q8_0`
-/// computes W8A8 and the 4-bit forms W4A8.
+/// monitor call "INT8" (the path a group leaves when it falls back to float). The kernels
+/// quantize the activations to 8-bit blocks on the fly (16-bit under split activations), so
+/// `Q8_0` computes W8A8 and the 4-bit forms W4A8.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 pub enum QuantFormat {
     /// 8-bit weights, an f16 scale per 32 (34 bytes per 32 weights): `w8a8`,

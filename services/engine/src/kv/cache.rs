@@ -98,25 +98,6 @@ pub fn quantize_c8(x: &[f32], out: &mut [i8]) -> f32 {
     scale
 }
 
-/// Dot product with 8 independent accumulators, so the compiler can vectorize it.
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut lanes = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ca.zip(cb) {
-        for k in 0..8 {
-            lanes[k] += x[k] * y[k];
-        }
-    }
-    lanes.iter().sum::<f32>() + tail
-}
-
 /// Channels of a token's K (or V) vector that share one C8 scale (`engine.kv_scale`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -326,10 +307,11 @@ impl KvCache {
     /// `[m, num_heads, head_dim]`; the result goes to `out` in the same layout. Query head
     /// `h` reads KV head `h / (num_heads / num_kv_heads)` (grouped-query attention, HF's
     /// `repeat_kv` order). Each query attends to positions `0..=its own`. Per KV head, the
-    /// sequence's K/V rows are dequantized once into a contiguous scratch buffer; then one
-    /// pass with an online softmax per query head. Every query row is computed the same way
-    /// whatever the chunking, so a token's result does not depend on how its sequence was
-    /// split into steps.
+    /// sequence's K/V rows are dequantized once into a contiguous scratch buffer; then
+    /// `quantmesh_kernels::attention` computes every (query row, head) pair on the kernel
+    /// pool (two-pass softmax). Every query row is computed the same way whatever the
+    /// chunking, so a token's result does not depend on how its sequence was split into
+    /// steps. An error means the shapes disagree with the cache's layout.
     #[allow(clippy::too_many_arguments)]
     pub fn attend(
         &self,
@@ -341,48 +323,36 @@ impl KvCache {
         num_heads: usize,
         head_dim: usize,
         out: &mut [f32],
-    ) {
+    ) -> Result<(), quantmesh_kernels::KernelError> {
         let hd = head_dim;
         let nkv = self.kv_dim / hd;
-        let rep = num_heads / nkv;
         let total = start + m;
-        let scale = 1.0 / (hd as f32).sqrt();
-        let mut kb = vec![0f32; total * hd];
-        let mut vb = vec![0f32; total * hd];
-        let mut acc = vec![0f32; hd];
+        // The sequence's keys and values, dequantized once per kv head ([kv head][pos][hd]).
+        let mut kb = vec![0f32; nkv * total * hd];
+        let mut vb = vec![0f32; nkv * total * hd];
         for g in 0..nkv {
             for j in 0..total {
-                let (k, v) = (&mut kb[j * hd..(j + 1) * hd], &mut vb[j * hd..(j + 1) * hd]);
+                let at = (g * total + j) * hd;
+                let (k, v) = (&mut kb[at..at + hd], &mut vb[at..at + hd]);
                 self.read_head(layer, table, j, g, k, v);
             }
-            for i in 0..m {
-                let ctx = start + i + 1;
-                for r in 0..rep {
-                    let h = g * rep + r;
-                    let qh = &q[(i * num_heads + h) * hd..(i * num_heads + h + 1) * hd];
-                    let mut mx = f32::NEG_INFINITY;
-                    let mut l = 0f32;
-                    acc.fill(0.0);
-                    for j in 0..ctx {
-                        let s = dot(qh, &kb[j * hd..(j + 1) * hd]) * scale;
-                        if s > mx {
-                            let corr = (mx - s).exp();
-                            l *= corr;
-                            acc.iter_mut().for_each(|x| *x *= corr);
-                            mx = s;
-                        }
-                        let p = (s - mx).exp();
-                        l += p;
-                        acc.iter_mut()
-                            .zip(&vb[j * hd..(j + 1) * hd])
-                            .for_each(|(x, v)| *x += p * v);
-                    }
-                    let inv = if l > 0.0 { 1.0 / l } else { 0.0 };
-                    let o = &mut out[(i * num_heads + h) * hd..(i * num_heads + h + 1) * hd];
-                    o.iter_mut().zip(&acc).for_each(|(o, a)| *o = a * inv);
-                }
-            }
         }
+        let shape = quantmesh_kernels::AttentionShape {
+            rows: m,
+            start,
+            heads: num_heads,
+            kv_heads: nkv,
+            head_dim: hd,
+        };
+        quantmesh_kernels::attention(
+            q,
+            &kb,
+            &vb,
+            shape,
+            out,
+            quantmesh_kernels::Isa::current(),
+            quantmesh_kernels::Pool::global(),
+        )
     }
 
     /// Precision tags of the first `len` tokens (`Some(true)` = INT8), for tests and metrics.
@@ -486,7 +456,8 @@ mod tests {
         let m = n - start;
         let q: Vec<f32> = (0..m * nh * hd).map(|i| (i as f32 * 0.21).cos()).collect();
         let mut out = vec![0f32; m * nh * hd];
-        kv.attend(0, &table, start, &q, m, nh, hd, &mut out);
+        kv.attend(0, &table, start, &q, m, nh, hd, &mut out)
+            .unwrap();
         for i in 0..m {
             for h in 0..nh {
                 let g = h / (nh / nkv);

@@ -1,18 +1,17 @@
 //! Dual-precision linear groups: an INT8 form and an exact float form, either or both
 //! resident, chosen per step and per row.
 //!
-//! Quantized ("INT8") form: candle's Q8_0 quantized matmul (blocks of 32 weights sharing one
-//! scale; the activations are quantized to Q8_0 blocks on the fly, so this is W8A8 with
-//! per-block scales, finer than per-channel), or for `w4a16` groups 4-bit weights (Q4_K, or
-//! Q4_0 where 256 does not divide the input width; candle still quantizes activations to 8
-//! bits, so it computes W4A8). Chosen over a hand-written per-channel W8A8 kernel
-//! because it is measured at 0.08–0.28× the time of the f32 matmul on this CPU
-//! (AVX-512 VNNI) and is maintained upstream; see ARCHITECTURE.md.
+//! Quantized ("INT8") form: Q8_0 weights (blocks of 32 sharing one scale) on quantmesh's own
+//! kernels (`quantmesh-kernels`: repacked row tiles read once per step for all rows; the
+//! activations quantized once per call to 8 bits — W8A8 with per-block scales, finer than
+//! per-channel — or to 16 bits under split activations, at the same cost), or for `w4a16`
+//! groups 4-bit weights (Q4_K, or Q4_0 where 256 does not divide the input width) on
+//! candle's kernels, which quantize activations to 8 bits (W4A8). See ARCHITECTURE.md, "CPU
+//! kernels and the thread runtime".
 //!
 //! Float form: the checkpoint's values (never dequantized INT8), stored in the engine's
-//! `float_dtype` (f16 by default: half the bytes of f32; as fast at batch 1, 2–4× slower at
-//! batch 8–32 on the CPU backend, measured by `quantmesh-engine-bench --float-dtypes`); the
-//! float path casts its input rows to that dtype, multiplies, and casts the output back.
+//! `float_dtype` (f16 by default: half the bytes of f32); f16 copies run on the kernels'
+//! f16 product (widened in registers), f32 and bf16 on candle's matmul.
 
 use crate::backend::{
     ColumnError, FloatDtype, GroupForm, GroupOutcome, QuantFormat, RowPath, SplitActivations,
@@ -20,11 +19,16 @@ use crate::backend::{
 use crate::error::Result;
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
+use quantmesh_kernels::{ActBits, Activations, Isa, PackedQ8, Pool};
 use quantmesh_types::Residency;
 use std::sync::{Arc, OnceLock};
 
-/// `x · wᵀ` in `w`'s dtype, f32 in and out.
+/// `x · wᵀ` in `w`'s dtype, f32 in and out. f16 weights run on quantmesh's own kernel
+/// (widened in registers, read once for all rows); f32 and bf16 on candle's.
 pub(crate) fn float_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    if w.dtype() == DType::F16 && w.is_contiguous() {
+        return f16_product(x, w);
+    }
     Ok(if w.dtype() == DType::F32 {
         x.matmul(&w.t()?)?
     } else {
@@ -32,6 +36,34 @@ pub(crate) fn float_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
             .matmul(&w.t()?)?
             .to_dtype(DType::F32)?
     })
+}
+
+/// `x · wᵀ` for a contiguous f16 `w` `[out, in]` on [`quantmesh_kernels::f16_matmul`].
+fn f16_product(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let (rows, cols) = w.dims2()?;
+    let m = x.dim(0)?;
+    let mut out = vec![0f32; m * rows];
+    let (storage, layout) = w.storage_and_layout();
+    let candle_core::Storage::Cpu(cpu) = &*storage else {
+        return Err(
+            candle_core::Error::Msg("the CPU backend was given a device tensor".into()).into(),
+        );
+    };
+    let start = layout.start_offset();
+    let weights = &cpu.as_slice::<half::f16>()?[start..start + rows * cols];
+    with_f32_rows(x, |x| {
+        quantmesh_kernels::f16_matmul(
+            weights,
+            rows,
+            cols,
+            x,
+            &mut out,
+            Isa::current(),
+            Pool::global(),
+        )?;
+        Ok(())
+    })?;
+    Ok(Tensor::from_vec(out, (m, rows), &Device::Cpu)?)
 }
 
 /// Which grid candle's kernel quantizes the activations of `q` (`[out, in]`, quantized as
@@ -91,30 +123,105 @@ fn activation_grid(
     Ok(best.map(|(g, _)| g))
 }
 
-/// A quantized weight and candle's kernel for it, with the split-activation product beside
-/// the plain one. Shared by the linear groups and the Q8_0 vocabulary table (`lm_head`).
-pub struct QuantKernel {
-    mm: QMatMul,
-    q: Arc<QTensor>,
-    /// The grid the kernel quantizes activations to, found by [`activation_grid`] on the
-    /// first split call (`None`: not reproducible, so splitting would gain nothing and the
-    /// rows take the plain product).
-    split_grid: OnceLock<Option<GgmlDType>>,
+/// The f32 values of `x` (any dtype, any layout) as one row-major slice, handed to `f`
+/// without a copy when `x` is already contiguous f32.
+fn with_f32_rows<T>(x: &Tensor, f: impl FnOnce(&[f32]) -> Result<T>) -> Result<T> {
+    let x = x.to_dtype(DType::F32)?.contiguous()?;
+    let (storage, layout) = x.storage_and_layout();
+    let candle_core::Storage::Cpu(cpu) = &*storage else {
+        return Err(
+            candle_core::Error::Msg("the CPU backend was given a device tensor".into()).into(),
+        );
+    };
+    let all = cpu.as_slice::<f32>()?;
+    let start = layout.start_offset();
+    f(&all[start..start + x.elem_count()])
+}
+
+thread_local! {
+    /// The activations of the current product, quantized once per call into a buffer that
+    /// is reused (it grows to the step's largest input and stays).
+    static ACTIVATIONS: std::cell::RefCell<Activations> = std::cell::RefCell::new(Activations::new());
+}
+
+/// A quantized weight and the kernel that multiplies by it. Shared by the linear groups
+/// and the Q8_0 vocabulary table (`lm_head`).
+///
+/// Q8_0 weights run on quantmesh's own kernels (`quantmesh-kernels`: row tiles streamed
+/// once per call for all rows, the activations quantized once to 8 or 16 bits, AVX2 or the
+/// scalar reference picked at run time, one persistent thread pool). The 4-bit forms
+/// (Q4_0, Q4_K) still run on candle's kernels.
+pub enum QuantKernel {
+    Q8(PackedQ8),
+    Candle {
+        mm: QMatMul,
+        q: Arc<QTensor>,
+        /// The grid the kernel quantizes activations to, found by [`activation_grid`] on
+        /// the first split call (`None`: not reproducible, so splitting would gain nothing
+        /// and the rows take the plain product).
+        split_grid: OnceLock<Option<GgmlDType>>,
+    },
 }
 
 impl QuantKernel {
     /// Quantize the f32 weight `[out, in]` to `dtype`.
     pub fn quantize(weight: &Tensor, dtype: GgmlDType) -> Result<Self> {
+        let (rows, cols) = weight.dims2()?;
+        if dtype == GgmlDType::Q8_0 {
+            return with_f32_rows(weight, |w| {
+                Ok(QuantKernel::Q8(PackedQ8::quantize(w, rows, cols)?))
+            });
+        }
         let q = Arc::new(QTensor::quantize(weight, dtype)?);
-        Ok(Self {
+        Ok(QuantKernel::Candle {
             mm: QMatMul::from_arc(q.clone())?,
             q,
             split_grid: OnceLock::new(),
         })
     }
 
-    pub fn qtensor(&self) -> &QTensor {
-        &self.q
+    /// `(out, in)`.
+    pub fn dims(&self) -> (usize, usize) {
+        match self {
+            QuantKernel::Q8(p) => (p.rows(), p.cols()),
+            QuantKernel::Candle { q, .. } => {
+                let d = q.shape().dims();
+                (d[0], d[1])
+            }
+        }
+    }
+
+    /// Resident bytes of the quantized weights.
+    pub fn bytes(&self) -> usize {
+        match self {
+            QuantKernel::Q8(p) => p.bytes(),
+            QuantKernel::Candle { q, .. } => q.storage_size_in_bytes(),
+        }
+    }
+
+    /// The weights as the kernel multiplies them, f32 `[out, in]`.
+    pub fn dequantize(&self) -> Result<Tensor> {
+        Ok(match self {
+            QuantKernel::Q8(p) => {
+                Tensor::from_vec(p.dequantize(), (p.rows(), p.cols()), &Device::Cpu)?
+            }
+            QuantKernel::Candle { q, .. } => q.dequantize(&Device::Cpu)?,
+        })
+    }
+
+    /// Row `r` of the weights as the kernel multiplies them, appended to `out`.
+    pub fn dequantize_row(&self, r: usize, out: &mut Vec<f32>) -> Result<()> {
+        let (_, cols) = self.dims();
+        let start = out.len();
+        out.resize(start + cols, 0.0);
+        match self {
+            QuantKernel::Q8(p) => p.dequantize_row(r, &mut out[start..]),
+            QuantKernel::Candle { .. } => {
+                let row = self.dequantize()?.get(r)?.to_vec1::<f32>()?;
+                out[start..].copy_from_slice(&row);
+            }
+        }
+        Ok(())
     }
 
     /// What this quantization does to each input column of `weight` (the f32 `[out, in]` it
@@ -122,41 +229,51 @@ impl QuantKernel {
     pub fn column_error(&self, weight: &Tensor) -> Result<ColumnError> {
         let in_dim = weight.dim(1)?;
         let w = weight.flatten_all()?.to_vec1::<f32>()?;
-        let q = self
-            .q
-            .dequantize(&Device::Cpu)?
-            .flatten_all()?
-            .to_vec1::<f32>()?;
+        let q = match self {
+            QuantKernel::Q8(p) => p.dequantize(),
+            QuantKernel::Candle { q, .. } => q
+                .dequantize(&Device::Cpu)?
+                .flatten_all()?
+                .to_vec1::<f32>()?,
+        };
         Ok(ColumnError::from_weights(&w, &q, in_dim))
     }
 
-    /// `x · deq(W)ᵀ` through the kernel (activations quantized to 8 bits on the fly).
+    /// `x · deq(W)ᵀ` through the kernel, activations quantized to 8 bits on the fly (W8A8).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(self.mm.forward(x)?)
+        match self {
+            QuantKernel::Q8(p) => q8_product(p, x, ActBits::Eight),
+            QuantKernel::Candle { mm, .. } => Ok(mm.forward(x)?),
+        }
     }
 
-    /// The same product with split activations: `x` is cut into the kernel's own
-    /// quantization of it, `x̂ = deq(q(x))`, and the remainder `x − x̂`; both go through the
-    /// kernel as one matmul of twice the rows and the halves are summed. `x̂` lies on the
-    /// kernel's grid, so the kernel reproduces it exactly; only the remainder (≈ 1/254 of a
-    /// block's step) is quantized again, so the activations carry ≈ 16 bits while the
-    /// weights keep their quantization error. Where the kernel's grid cannot be reproduced
-    /// this is the plain product.
+    /// The same product with the activations carried to ≈ 16 bits, so only the weights'
+    /// quantization error is left (`engine.split_activations`). On Q8_0 weights this is one
+    /// pass with 16-bit activations, at the cost of the 8-bit one. On candle's 4-bit kernels
+    /// `x` is cut into the kernel's own quantization of it, `x̂ = deq(q(x))`, and the
+    /// remainder `x − x̂`; both go through the kernel as one matmul of twice the rows and
+    /// the halves are summed (`x̂` lies on the kernel's grid, so the kernel reproduces it
+    /// exactly; only the remainder, ≈ 1/254 of a block's step, is quantized again). Where
+    /// that grid cannot be reproduced this is the plain product.
     pub fn split_forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (out_dim, in_dim) = self.q.shape().dims2()?;
-        let grid = match self.split_grid.get() {
+        let (mm, q, split_grid) = match self {
+            QuantKernel::Q8(p) => return q8_product(p, x, ActBits::Sixteen),
+            QuantKernel::Candle { mm, q, split_grid } => (mm, q, split_grid),
+        };
+        let (out_dim, in_dim) = q.shape().dims2()?;
+        let grid = match split_grid.get() {
             Some(g) => *g,
             None => {
-                let g = activation_grid(&self.mm, &self.q, out_dim, in_dim)?;
+                let g = activation_grid(mm, q, out_dim, in_dim)?;
                 if g.is_none() {
                     tracing::warn!(
                         out = out_dim,
                         input = in_dim,
-                        format = ?self.q.dtype(),
+                        format = ?q.dtype(),
                         "the kernel's activation grid is neither Q8_0 nor Q8_K here: split activations fall back to the plain quantized product"
                     );
                 }
-                *self.split_grid.get_or_init(|| g)
+                *split_grid.get_or_init(|| g)
             }
         };
         let Some(grid) = grid else {
@@ -166,9 +283,23 @@ impl QuantKernel {
         let x = x.contiguous()?;
         let on_grid = QTensor::quantize(&x, grid)?.dequantize(x.device())?;
         let rest = (&x - &on_grid)?;
-        let y = self.mm.forward(&Tensor::cat(&[&on_grid, &rest], 0)?)?;
+        let y = mm.forward(&Tensor::cat(&[&on_grid, &rest], 0)?)?;
         Ok((y.narrow(0, 0, rows)? + y.narrow(0, rows, rows)?)?)
     }
+}
+
+/// `x · deq(p)ᵀ` on quantmesh's kernels, `x` `[rows, in]`, activations quantized to `bits`.
+fn q8_product(p: &PackedQ8, x: &Tensor, bits: ActBits) -> Result<Tensor> {
+    let (rows, cols) = x.dims2()?;
+    let mut out = vec![0f32; rows * p.rows()];
+    with_f32_rows(x, |x| {
+        ACTIVATIONS.with_borrow_mut(|a| -> Result<()> {
+            a.quantize(x, rows, cols, bits)?;
+            p.matmul(a, &mut out, Isa::current(), Pool::global())?;
+            Ok(())
+        })
+    })?;
+    Ok(Tensor::from_vec(out, (rows, p.rows()), &Device::Cpu)?)
 }
 
 pub struct DualLinear {
@@ -597,9 +728,9 @@ mod tests {
                 quant: fmt,
             };
             let lin = DualLinear::with_form(w.clone(), None, form, FloatDtype::F32).unwrap();
-            let deq = QTensor::quantize(&w, fmt.ggml())
+            let deq = QuantKernel::quantize(&w, fmt.ggml())
                 .unwrap()
-                .dequantize(&Device::Cpu)
+                .dequantize()
                 .unwrap();
             for rows in [1, 5] {
                 let x = rand(rows, in_dim, 2);

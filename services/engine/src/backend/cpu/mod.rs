@@ -392,7 +392,7 @@ impl Backend for LlamaModel {
                     nh,
                     hd,
                     &mut attn[span],
-                );
+                )?;
                 row += m;
             }
             let attn = Tensor::from_vec(attn, (n, nh * hd), &dev)?;

@@ -10,10 +10,6 @@ use crate::backend::EmbeddingDtype;
 use crate::error::{EngineError, Result};
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
-use half::f16;
-
-/// Q8_0: 2 bytes of f16 scale + 32 signed bytes per block.
-const Q8_BLOCK: usize = 34;
 
 pub enum Table {
     Float(Tensor),
@@ -43,14 +39,17 @@ impl Table {
     pub fn bytes(&self) -> usize {
         match self {
             Table::Float(t) => t.elem_count() * t.dtype().size_in_bytes(),
-            Table::Q8 { kernel, .. } => kernel.qtensor().storage_size_in_bytes(),
+            Table::Q8 { kernel, .. } => kernel.bytes(),
         }
     }
 
     pub fn elem_count(&self) -> usize {
         match self {
             Table::Float(t) => t.elem_count(),
-            Table::Q8 { kernel, .. } => kernel.qtensor().shape().elem_count(),
+            Table::Q8 { kernel, .. } => {
+                let (rows, cols) = kernel.dims();
+                rows * cols
+            }
         }
     }
 
@@ -61,22 +60,15 @@ impl Table {
                 .index_select(&Tensor::new(ids, &Device::Cpu)?, 0)?
                 .to_dtype(DType::F32)?),
             Table::Q8 { kernel, cols } => {
-                let q = kernel.qtensor();
-                let data = q.data()?;
-                let per_row = cols / 32 * Q8_BLOCK;
-                let rows = q.shape().dims()[0];
+                let (rows, _) = kernel.dims();
                 let mut out = Vec::with_capacity(ids.len() * cols);
                 for &id in ids {
-                    let id = id as usize;
-                    if id >= rows {
+                    if id as usize >= rows {
                         return Err(EngineError::InvalidRequest(format!(
                             "token id {id} is outside the vocabulary (size {rows})"
                         )));
                     }
-                    for block in data[id * per_row..(id + 1) * per_row].chunks_exact(Q8_BLOCK) {
-                        let d = f16::from_le_bytes([block[0], block[1]]).to_f32();
-                        out.extend(block[2..].iter().map(|&b| d * (b as i8) as f32));
-                    }
+                    kernel.dequantize_row(id as usize, &mut out)?;
                 }
                 Ok(Tensor::from_vec(out, (ids.len(), *cols), &Device::Cpu)?)
             }
@@ -107,7 +99,7 @@ mod tests {
         let Table::Q8 { kernel, .. } = &t else {
             panic!("64 columns fit Q8_0")
         };
-        let deq = kernel.qtensor().dequantize(&Device::Cpu).unwrap();
+        let deq = kernel.dequantize().unwrap();
         let want = deq
             .index_select(&Tensor::new(&[3u32, 7, 3], &Device::Cpu).unwrap(), 0)
             .unwrap();
@@ -138,7 +130,7 @@ mod tests {
         let Table::Q8 { kernel, .. } = &t else {
             panic!("576 columns fit Q8_0")
         };
-        let deq = kernel.qtensor().dequantize(&Device::Cpu).unwrap();
+        let deq = kernel.dequantize().unwrap();
         let x = Tensor::randn(0f32, 1.0, (3, 576), &Device::Cpu).unwrap();
         let want = x.matmul(&deq.t().unwrap()).unwrap();
         let err = |y: Tensor| {

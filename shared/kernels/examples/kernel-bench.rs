@@ -1,0 +1,119 @@
+//! Times the kernels alone on a model's shapes and prints GB/s (weights read) and
+//! GMAC/s per instruction set and row count, with a STREAM-like read of the same bytes
+//! as the bandwidth bound.
+//!
+//! ```text
+//! cargo run --release -p quantmesh-kernels --example kernel-bench -- [--shape 576x576,...] [--rows 1,8,32,128]
+//! ```
+
+use quantmesh_kernels::{f16_matmul, ActBits, Activations, Isa, PackedQ8, Pool};
+use std::time::Instant;
+
+fn main() {
+    let mut shapes = vec![
+        (960, 576),
+        (576, 576),
+        (3072, 576),
+        (576, 1536),
+        (49152, 576),
+    ];
+    let mut rows_list = vec![1usize, 8, 32, 128];
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let v = args.next().unwrap_or_default();
+        match a.as_str() {
+            "--shape" => {
+                shapes = v
+                    .split(',')
+                    .filter_map(|s| {
+                        let (o, i) = s.split_once('x')?;
+                        Some((o.parse().ok()?, i.parse().ok()?))
+                    })
+                    .collect()
+            }
+            "--rows" => rows_list = v.split(',').filter_map(|s| s.parse().ok()).collect(),
+            _ => {
+                eprintln!("kernel-bench [--shape OUTxIN,...] [--rows 1,8,32]");
+                std::process::exit(2);
+            }
+        }
+    }
+    let pool = Pool::global();
+    println!(
+        "threads {}, best ISA {}",
+        pool.threads(),
+        Isa::detect().as_str()
+    );
+    // bandwidth: sum a 256 MiB buffer on the pool's threads
+    let big = vec![1u8; 256 << 20];
+    let t = Instant::now();
+    let reps = 4;
+    for _ in 0..reps {
+        let parts: Vec<std::sync::atomic::AtomicU64> =
+            (0..pool.threads()).map(|_| 0.into()).collect();
+        pool.run(&|i, n| {
+            let chunk = big.len() / n;
+            let s: u64 = big[i * chunk..(i + 1) * chunk]
+                .chunks_exact(8)
+                .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+                .fold(0u64, |a, b| a.wrapping_add(b));
+            parts[i].store(s, std::sync::atomic::Ordering::Relaxed);
+        });
+    }
+    let bw = (big.len() * reps) as f64 / t.elapsed().as_secs_f64() / 1e9;
+    println!("read bandwidth {bw:.1} GB/s\n");
+    println!("| kernel | shape | rows | µs | GB/s | GMAC/s |\n|---|---|---|---|---|---|");
+    for &(o, i) in &shapes {
+        let w: Vec<f32> = (0..o * i)
+            .map(|k| ((k * 7919) % 1000) as f32 / 1000.0 - 0.5)
+            .collect();
+        let p = PackedQ8::quantize(&w, o, i).unwrap_or_else(|e| panic!("{e}"));
+        let wh: Vec<half::f16> = w.iter().map(|&v| half::f16::from_f32(v)).collect();
+        for &m in &rows_list {
+            let x: Vec<f32> = (0..m * i)
+                .map(|k| ((k * 31) % 97) as f32 / 97.0 - 0.5)
+                .collect();
+            let mut out = vec![0f32; m * o];
+            for isa in Isa::all_available() {
+                for bits in [ActBits::Eight, ActBits::Sixteen] {
+                    let mut a = Activations::new();
+                    let mut run = || {
+                        a.quantize_with(&x, m, i, bits, isa)
+                            .unwrap_or_else(|e| panic!("{e}"));
+                        p.matmul(&a, &mut out, isa, pool)
+                            .unwrap_or_else(|e| panic!("{e}"));
+                    };
+                    run();
+                    let iters = (2e8 / (o * i * m) as f64).clamp(3.0, 2000.0) as usize;
+                    let t = Instant::now();
+                    for _ in 0..iters {
+                        run();
+                    }
+                    let s = t.elapsed().as_secs_f64() / iters as f64;
+                    println!(
+                        "| q8 {} {:?} | {o}x{i} | {m} | {:.1} | {:.1} | {:.1} |",
+                        isa.as_str(),
+                        bits,
+                        s * 1e6,
+                        p.bytes() as f64 / s / 1e9,
+                        (o * i * m) as f64 / s / 1e9
+                    );
+                }
+                let iters = (2e8 / (o * i * m) as f64).clamp(3.0, 2000.0) as usize;
+                let t = Instant::now();
+                for _ in 0..iters {
+                    f16_matmul(&wh, o, i, &x, &mut out, isa, pool)
+                        .unwrap_or_else(|e| panic!("{e}"));
+                }
+                let s = t.elapsed().as_secs_f64() / iters as f64;
+                println!(
+                    "| f16 {} | {o}x{i} | {m} | {:.1} | {:.1} | {:.1} |",
+                    isa.as_str(),
+                    s * 1e6,
+                    (2 * o * i) as f64 / s / 1e9,
+                    (o * i * m) as f64 / s / 1e9
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,230 @@
+//! Causal attention over one sequence's cached keys and values, all heads, on the pool.
+//!
+//! Each (query row, head) pair is one work item: its scores against every visible key,
+//! one max, one pass of exponentials, one weighted sum of the values (two-pass softmax:
+//! no rescaling of the output per key). Items are dealt to the threads round-robin, so the
+//! longer rows at the end of a prefill chunk are shared evenly. The loops are written with
+//! 8 explicit lanes, so the scalar build and the AVX2 build (the same code compiled with
+//! AVX2 enabled) add in the same order and give the same bits.
+
+use crate::pool::Pool;
+use crate::q8::Out;
+use crate::{Isa, KernelError, Result};
+use std::cell::RefCell;
+
+/// The shapes of one call.
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionShape {
+    /// Query rows (the chunk's new tokens).
+    pub rows: usize,
+    /// Position of the first query row: row `i` sees keys `0 ..= start + i`.
+    pub start: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// `out[i][h] = softmax(q[i][h] · K_gᵀ / √d) · V_g` over the keys row `i` may see, where
+/// `g = h / (heads / kv_heads)` (grouped-query heads share a key/value head).
+///
+/// `q` and `out` are `[rows][heads][head_dim]`; `k` and `v` are `[kv_heads][keys][head_dim]`
+/// with `keys ≥ start + rows`.
+pub fn attention(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    shape: AttentionShape,
+    out: &mut [f32],
+    isa: Isa,
+    pool: &Pool,
+) -> Result<()> {
+    let AttentionShape {
+        rows,
+        start,
+        heads,
+        kv_heads,
+        head_dim: hd,
+    } = shape;
+    if kv_heads == 0 || heads % kv_heads != 0 || hd == 0 {
+        return Err(KernelError::Shape(format!(
+            "{heads} heads over {kv_heads} key/value heads of width {hd}"
+        )));
+    }
+    let keys = k.len() / (kv_heads * hd);
+    if q.len() != rows * heads * hd
+        || out.len() != q.len()
+        || k.len() != keys * kv_heads * hd
+        || v.len() != k.len()
+        || keys < start + rows
+    {
+        return Err(KernelError::Shape(format!(
+            "attention: q {} / out {} for {rows} rows of {heads}x{hd}, k {} v {} for {start}+{rows} positions",
+            q.len(),
+            out.len(),
+            k.len(),
+            v.len()
+        )));
+    }
+    let items = rows * heads;
+    if items == 0 {
+        return Ok(());
+    }
+    let isa = if isa.available() { isa } else { Isa::Scalar };
+    let dst = Out(out.as_mut_ptr());
+    let call = Call {
+        q,
+        k,
+        v,
+        shape,
+        keys,
+    };
+    let work = |t: usize, n: usize| {
+        let dst = &dst;
+        SCORES.with_borrow_mut(|scores| {
+            scores.resize(keys.max(scores.len()), 0.0);
+            let mut item = t;
+            while item < items {
+                match isa {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: `isa.available()` checked AVX2 and FMA.
+                    Isa::Avx2 => unsafe { item_avx2(&call, item, scores, dst.0) },
+                    _ => call.item(item, scores, dst.0),
+                }
+                item += n;
+            }
+        });
+    };
+    // Below this much work one thread is faster than waking another.
+    if items * (start + rows) * hd < 16 * 1024 {
+        work(0, 1);
+    } else {
+        pool.run(&work);
+    }
+    Ok(())
+}
+
+thread_local! {
+    static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+struct Call<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    shape: AttentionShape,
+    keys: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn item_avx2(call: &Call<'_>, item: usize, scores: &mut [f32], out: *mut f32) {
+    call.item(item, scores, out)
+}
+
+impl Call<'_> {
+    #[inline(always)]
+    fn item(&self, item: usize, scores: &mut [f32], out: *mut f32) {
+        let s = &self.shape;
+        let hd = s.head_dim;
+        let (i, h) = (item / s.heads, item % s.heads);
+        let g = h / (s.heads / s.kv_heads);
+        let ctx = s.start + i + 1;
+        let qh = &self.q[(i * s.heads + h) * hd..][..hd];
+        let kg = &self.k[g * self.keys * hd..][..ctx * hd];
+        let vg = &self.v[g * self.keys * hd..][..ctx * hd];
+        let scale = 1.0 / (hd as f32).sqrt();
+        let scores = &mut scores[..ctx];
+        let mut mx = f32::NEG_INFINITY;
+        for (sc, kj) in scores.iter_mut().zip(kg.chunks_exact(hd)) {
+            *sc = dot(qh, kj) * scale;
+            mx = mx.max(*sc);
+        }
+        let sum = exp_shifted(scores, mx);
+        let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
+        // SAFETY: item `(i, h)` owns this span of the output, checked in `attention`.
+        let o = unsafe { std::slice::from_raw_parts_mut(out.add((i * s.heads + h) * hd), hd) };
+        weighted_sum(scores, vg, inv, o);
+    }
+}
+
+/// Σ a·b in 8 lanes, then the lanes in a fixed order.
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ar, br) = (ac.remainder(), bc.remainder());
+    for (x, y) in ac.zip(bc) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (x, y) in ar.iter().zip(br) {
+        s += x * y;
+    }
+    s
+}
+
+/// `s ← exp(s − max)` in place; returns Σ s.
+#[inline(always)]
+fn exp_shifted(s: &mut [f32], max: f32) -> f32 {
+    let mut acc = [0f32; 8];
+    let mut chunks = s.chunks_exact_mut(8);
+    for c in &mut chunks {
+        for l in 0..8 {
+            c[l] = exp_nonpositive(c[l] - max);
+            acc[l] += c[l];
+        }
+    }
+    let mut sum = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for x in chunks.into_remainder() {
+        *x = exp_nonpositive(*x - max);
+        sum += *x;
+    }
+    sum
+}
+
+/// `o = inv · Σ_j p_j v_j`.
+#[inline(always)]
+fn weighted_sum(p: &[f32], v: &[f32], inv: f32, o: &mut [f32]) {
+    let hd = o.len();
+    o.fill(0.0);
+    for (&pj, vj) in p.iter().zip(v.chunks_exact(hd)) {
+        for (o, &x) in o.iter_mut().zip(vj) {
+            *o += pj * x;
+        }
+    }
+    for o in o.iter_mut() {
+        *o *= inv;
+    }
+}
+
+/// `eˣ` for `x ≤ 0` (softmax's shifted scores), to about 2 ulp: `x = n·ln2 + r`, a
+/// degree-6 polynomial for `eʳ` (|r| ≤ ln2/2; Cephes' `expf` coefficients), `2ⁿ` from the
+/// exponent bits. Branch-free, so it vectorizes. Below −87 (where `eˣ` < 1.7e-38) and for
+/// `-inf` or NaN it returns 0.
+#[inline(always)]
+pub fn exp_nonpositive(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const ROUND: f32 = 12_582_912.0; // 1.5 · 2²³: adding it rounds to an integer
+    let finite = x >= -87.0; // false for NaN and below
+    let xc = if finite { x.min(0.0) } else { -87.0 };
+    let n = (xc * LOG2E + ROUND) - ROUND;
+    let r = (xc - n * LN2_HI) - n * LN2_LO;
+    let p = ((((((1.987_569_1e-4 * r + 1.398_2e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
+        + 1.666_666_5e-1)
+        * r
+        + 5.000_000_1e-1)
+        * r
+        * r)
+        + r
+        + 1.0;
+    let two_n = f32::from_bits((((n as i32) + 127) << 23) as u32);
+    if finite {
+        p * two_n
+    } else {
+        0.0
+    }
+}
