@@ -7,6 +7,8 @@
 //! 8 explicit lanes, so the scalar build and the AVX2 build (the same code compiled with
 //! AVX2 enabled) add in the same order and give the same bits.
 
+#![allow(clippy::needless_range_loop)] // lane-indexed loops: the order of the additions is the contract
+
 use crate::pool::Pool;
 use crate::q8::Out;
 use crate::{Isa, KernelError, Result};
@@ -45,7 +47,7 @@ pub fn attention(
         kv_heads,
         head_dim: hd,
     } = shape;
-    if kv_heads == 0 || heads % kv_heads != 0 || hd == 0 {
+    if kv_heads == 0 || !heads.is_multiple_of(kv_heads) || hd == 0 {
         return Err(KernelError::Shape(format!(
             "{heads} heads over {kv_heads} key/value heads of width {hd}"
         )));
@@ -216,7 +218,7 @@ pub fn exp_nonpositive(x: f32) -> f32 {
     let p = ((((((1.987_569_1e-4 * r + 1.398_2e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
         + 1.666_666_5e-1)
         * r
-        + 5.000_000_1e-1)
+        + 0.5)
         * r
         * r)
         + r

@@ -19,7 +19,7 @@ pub fn f16_matmul(
     isa: Isa,
     pool: &Pool,
 ) -> Result<()> {
-    if w.len() != rows * cols || cols == 0 || x.len() % cols != 0 {
+    if w.len() != rows * cols || cols == 0 || !x.len().is_multiple_of(cols) {
         return Err(KernelError::Shape(format!(
             "{} f16 weights for [{rows}, {cols}] and {} inputs",
             w.len(),

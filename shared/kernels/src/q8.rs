@@ -53,7 +53,7 @@ fn quantize_block(x: &[f32], q: &mut [i8]) -> f16 {
 
 impl PackedQ8 {
     fn empty(rows: usize, cols: usize) -> Result<Self> {
-        if cols % BLOCK != 0 || cols == 0 {
+        if !cols.is_multiple_of(BLOCK) || cols == 0 {
             return Err(KernelError::Width(cols));
         }
         let blocks = cols / BLOCK;
@@ -268,7 +268,7 @@ impl Activations {
         bits: ActBits,
         isa: Isa,
     ) -> Result<()> {
-        if cols % BLOCK != 0 || cols == 0 {
+        if !cols.is_multiple_of(BLOCK) || cols == 0 {
             return Err(KernelError::Width(cols));
         }
         if x.len() != rows * cols {

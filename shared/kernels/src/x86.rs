@@ -8,6 +8,8 @@
 //! register tile is 4 weight rows × 2 activation rows: 8 accumulators, 4 activation
 //! vectors, 2 weight vectors.
 
+#![allow(clippy::needless_range_loop)] // lane- and row-indexed loops mirror the register tiles
+
 use crate::q8::{Activations, PackedQ8, BLOCK, ROW_BLOCK, TILE_ROWS};
 use std::arch::x86_64::*;
 use std::ops::Range;
