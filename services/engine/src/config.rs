@@ -35,10 +35,11 @@ pub struct EngineConfig {
     /// bytes beyond Q8_0 fit in `float_budget`, which serves them first; else `q8_0`),
     /// `q8_0`, `f16` or `f32`. 16-bit tables are charged to the float budget either way.
     pub embeddings: EmbeddingDtype,
-    /// Which rows on the quantized path carry ≈ 16-bit activations (two 8-bit parts; no
-    /// extra memory, twice the rows through the kernel): `all` (default; the Q8_0
-    /// `lm_head` too), `copyless` (rows that want float in a group without a float copy,
-    /// e.g. over the float budget) or `off` (the plain W8A8 kernel: fastest).
+    /// Which rows on the quantized path carry ≈ 16-bit activations (no extra memory; on
+    /// Q8_0 weights one pass at the cost of 8-bit ones, on 4-bit weights two 8-bit parts,
+    /// twice the rows): `all` (default; the Q8_0 `lm_head` too), `copyless` (rows that want
+    /// float in a group without a float copy, e.g. over the float budget) or `off` (the
+    /// plain W8A8 product).
     pub split_activations: SplitActivations,
     /// KV cache precision at start for every layer: `true` = INT8 (C8).
     pub kv_int8: bool,

@@ -654,11 +654,11 @@ pub struct ServeFlags {
     /// (`10%`) or bytes (`64MiB`) [default: 10% with the first-load plan, else unlimited].
     #[arg(long, env = "QUANTMESH_FLOAT_BUDGET")]
     pub float_budget: Option<quantmesh_engine::api::FloatBudget>,
-    /// Quantized-path rows whose activations go in two 8-bit parts (≈ 16 bits, no extra
-    /// memory, twice the rows through the kernel): `all` [default] (INT8 weights and the
-    /// Q8_0 lm_head served W8A16-like: on SmolLM2 the first-load plan's median KL to float
-    /// falls to 0.4x, at 0.7x the decode and 0.5x the prefill speed of `off`), `copyless`
-    /// (rows that want float in a group without a float copy) or `off` (fastest).
+    /// Quantized-path rows whose activations carry ≈ 16 bits (no extra memory; on Q8_0
+    /// weights at the speed of 8-bit ones, on 4-bit weights as two 8-bit parts, twice the
+    /// rows): `all` [default] (INT8 weights and the Q8_0 lm_head served W8A16: on SmolLM2 the
+    /// first-load plan's median KL to float falls to 0.4x of `off`'s), `copyless` (rows that
+    /// want float in a group without a float copy) or `off` (plain W8A8).
     #[arg(long, env = "QUANTMESH_SPLIT_ACTIVATIONS")]
     pub split_activations: Option<quantmesh_engine::api::SplitActivations>,
     /// How the token embedding and lm_head are stored: `auto` [default] (f16 when their

@@ -54,12 +54,10 @@ pub fn f16_matmul(
             m,
         };
         match isa {
-            Isa::Scalar => p.scalar(rows_range, dst.0),
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `isa.available()` checked AVX2, FMA and F16C.
             Isa::Avx2 => unsafe { crate::x86::f16_rows(&p, rows_range, dst.0) },
-            #[cfg(not(target_arch = "x86_64"))]
-            Isa::Avx2 => p.scalar(rows_range, dst.0),
+            _ => p.scalar(rows_range, dst.0),
         }
     };
     if rows * cols * m < 64 * 1024 {

@@ -315,8 +315,19 @@ mod tests {
             });
         });
         assert_eq!(hits.load(Ordering::SeqCst), 4);
-        // and after sleeping (past the spin phase) a new job still wakes the workers
-        std::thread::sleep(Duration::from_millis(120));
+        // and once the worker has gone to sleep (past its spin and yield phases), a new job
+        // still wakes it
+        for _ in 0..10_000 {
+            if pool.shared.sleepers.load(Ordering::SeqCst) == 1 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(
+            pool.shared.sleepers.load(Ordering::SeqCst),
+            1,
+            "the worker went to sleep"
+        );
         let hits = AtomicUsize::new(0);
         pool.run(&|_, _| {
             hits.fetch_add(1, Ordering::SeqCst);

@@ -182,12 +182,10 @@ impl PackedQ8 {
             // SAFETY: every thread writes only the output columns of its own tiles.
             let dst = &dst;
             match isa {
-                Isa::Scalar => scalar::q8_tiles(self, a, tiles, dst.0),
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `isa.available()` checked AVX2, FMA and F16C.
                 Isa::Avx2 => unsafe { crate::x86::q8_tiles(self, a, tiles, dst.0) },
-                #[cfg(not(target_arch = "x86_64"))]
-                Isa::Avx2 => scalar::q8_tiles(self, a, tiles, dst.0),
+                _ => scalar::q8_tiles(self, a, tiles, dst.0),
             }
         };
         // Small products are not worth waking a second thread for.

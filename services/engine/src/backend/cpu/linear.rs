@@ -43,25 +43,19 @@ fn f16_product(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let (rows, cols) = w.dims2()?;
     let m = x.dim(0)?;
     let mut out = vec![0f32; m * rows];
-    let (storage, layout) = w.storage_and_layout();
-    let candle_core::Storage::Cpu(cpu) = &*storage else {
-        return Err(
-            candle_core::Error::Msg("the CPU backend was given a device tensor".into()).into(),
-        );
-    };
-    let start = layout.start_offset();
-    let weights = &cpu.as_slice::<half::f16>()?[start..start + rows * cols];
-    with_f32_rows(x, |x| {
-        quantmesh_kernels::f16_matmul(
-            weights,
-            rows,
-            cols,
-            x,
-            &mut out,
-            Isa::current(),
-            Pool::global(),
-        )?;
-        Ok(())
+    with_cpu_slice::<half::f16, _>(w, |weights| {
+        with_f32_rows(x, |x| {
+            quantmesh_kernels::f16_matmul(
+                weights,
+                rows,
+                cols,
+                x,
+                &mut out,
+                Isa::current(),
+                Pool::global(),
+            )?;
+            Ok(())
+        })
     })?;
     Ok(Tensor::from_vec(out, (m, rows), &Device::Cpu)?)
 }
@@ -123,19 +117,29 @@ fn activation_grid(
     Ok(best.map(|(g, _)| g))
 }
 
-/// The f32 values of `x` (any dtype, any layout) as one row-major slice, handed to `f`
-/// without a copy when `x` is already contiguous f32.
-fn with_f32_rows<T>(x: &Tensor, f: impl FnOnce(&[f32]) -> Result<T>) -> Result<T> {
-    let x = x.to_dtype(DType::F32)?.contiguous()?;
-    let (storage, layout) = x.storage_and_layout();
+/// The values of the contiguous CPU tensor `t` (of dtype `D`) as one row-major slice,
+/// handed to `f` without a copy.
+fn with_cpu_slice<D: candle_core::WithDType, T>(
+    t: &Tensor,
+    f: impl FnOnce(&[D]) -> Result<T>,
+) -> Result<T> {
+    if !t.is_contiguous() {
+        return Err(candle_core::Error::Msg("a kernel was given a strided tensor".into()).into());
+    }
+    let (storage, layout) = t.storage_and_layout();
     let candle_core::Storage::Cpu(cpu) = &*storage else {
         return Err(
             candle_core::Error::Msg("the CPU backend was given a device tensor".into()).into(),
         );
     };
-    let all = cpu.as_slice::<f32>()?;
     let start = layout.start_offset();
-    f(&all[start..start + x.elem_count()])
+    f(&cpu.as_slice::<D>()?[start..start + t.elem_count()])
+}
+
+/// The f32 values of `x` (any dtype, any layout) as one row-major slice, handed to `f`
+/// without a copy when `x` is already contiguous f32.
+pub(crate) fn with_f32_rows<T>(x: &Tensor, f: impl FnOnce(&[f32]) -> Result<T>) -> Result<T> {
+    with_cpu_slice(&x.to_dtype(DType::F32)?.contiguous()?, f)
 }
 
 thread_local! {
@@ -144,8 +148,7 @@ thread_local! {
     static ACTIVATIONS: std::cell::RefCell<Activations> = std::cell::RefCell::new(Activations::new());
 }
 
-/// A quantized weight and the kernel that multiplies by it. Shared by the linear groups
-/// and the Q8_0 vocabulary table (`lm_head`).
+/// A linear group's quantized weight and the kernel that multiplies by it.
 ///
 /// Q8_0 weights run on quantmesh's own kernels (`quantmesh-kernels`: row tiles streamed
 /// once per call for all rows, the activations quantized once to 8 or 16 bits, AVX2 or the
@@ -180,25 +183,6 @@ impl QuantKernel {
         })
     }
 
-    /// `(out, in)`.
-    pub fn dims(&self) -> (usize, usize) {
-        match self {
-            QuantKernel::Q8(p) => (p.rows(), p.cols()),
-            QuantKernel::Candle { q, .. } => {
-                let d = q.shape().dims();
-                (d[0], d[1])
-            }
-        }
-    }
-
-    /// Resident bytes of the quantized weights.
-    pub fn bytes(&self) -> usize {
-        match self {
-            QuantKernel::Q8(p) => p.bytes(),
-            QuantKernel::Candle { q, .. } => q.storage_size_in_bytes(),
-        }
-    }
-
     /// The weights as the kernel multiplies them, f32 `[out, in]`.
     pub fn dequantize(&self) -> Result<Tensor> {
         Ok(match self {
@@ -207,21 +191,6 @@ impl QuantKernel {
             }
             QuantKernel::Candle { q, .. } => q.dequantize(&Device::Cpu)?,
         })
-    }
-
-    /// Row `r` of the weights as the kernel multiplies them, appended to `out`.
-    pub fn dequantize_row(&self, r: usize, out: &mut Vec<f32>) -> Result<()> {
-        let (_, cols) = self.dims();
-        let start = out.len();
-        out.resize(start + cols, 0.0);
-        match self {
-            QuantKernel::Q8(p) => p.dequantize_row(r, &mut out[start..]),
-            QuantKernel::Candle { .. } => {
-                let row = self.dequantize()?.get(r)?.to_vec1::<f32>()?;
-                out[start..].copy_from_slice(&row);
-            }
-        }
-        Ok(())
     }
 
     /// What this quantization does to each input column of `weight` (the f32 `[out, in]` it
@@ -289,7 +258,7 @@ impl QuantKernel {
 }
 
 /// `x · deq(p)ᵀ` on quantmesh's kernels, `x` `[rows, in]`, activations quantized to `bits`.
-fn q8_product(p: &PackedQ8, x: &Tensor, bits: ActBits) -> Result<Tensor> {
+pub(crate) fn q8_product(p: &PackedQ8, x: &Tensor, bits: ActBits) -> Result<Tensor> {
     let (rows, cols) = x.dims2()?;
     let mut out = vec![0f32; rows * p.rows()];
     with_f32_rows(x, |x| {

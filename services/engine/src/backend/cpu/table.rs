@@ -5,27 +5,27 @@
 //! projection can split its activations like a linear group (`engine.split_activations =
 //! all`), so the logits carry only the table's weight error.
 
-use crate::backend::cpu::linear::{float_matmul, QuantKernel};
+use crate::backend::cpu::linear::{float_matmul, q8_product, with_f32_rows};
 use crate::backend::EmbeddingDtype;
 use crate::error::{EngineError, Result};
-use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
+use quantmesh_kernels::{ActBits, PackedQ8};
 
 pub enum Table {
     Float(Tensor),
-    Q8 { kernel: QuantKernel, cols: usize },
+    /// On the linear groups' Q8_0 kernel; lookups dequantize rows from the same tiles.
+    Q8(PackedQ8),
 }
 
 impl Table {
     /// `w` is the f32 table `[rows, cols]`. Q8_0 needs `cols` to be a multiple of 32; other
     /// widths keep f16.
     pub fn new(w: &Tensor, dtype: EmbeddingDtype) -> Result<Self> {
-        let (_, cols) = w.dims2()?;
+        let (rows, cols) = w.dims2()?;
         Ok(match dtype {
-            EmbeddingDtype::Q8_0 if cols % 32 == 0 => Table::Q8 {
-                kernel: QuantKernel::quantize(w, GgmlDType::Q8_0)?,
-                cols,
-            },
+            EmbeddingDtype::Q8_0 if cols % 32 == 0 => {
+                with_f32_rows(w, |w| Ok(Table::Q8(PackedQ8::quantize(w, rows, cols)?)))?
+            }
             EmbeddingDtype::Q8_0 | EmbeddingDtype::F16 => Table::Float(w.to_dtype(DType::F16)?),
             EmbeddingDtype::F32 => Table::Float(w.clone()),
             EmbeddingDtype::Auto => {
@@ -39,17 +39,14 @@ impl Table {
     pub fn bytes(&self) -> usize {
         match self {
             Table::Float(t) => t.elem_count() * t.dtype().size_in_bytes(),
-            Table::Q8 { kernel, .. } => kernel.bytes(),
+            Table::Q8(p) => p.bytes(),
         }
     }
 
     pub fn elem_count(&self) -> usize {
         match self {
             Table::Float(t) => t.elem_count(),
-            Table::Q8 { kernel, .. } => {
-                let (rows, cols) = kernel.dims();
-                rows * cols
-            }
+            Table::Q8(p) => p.rows() * p.cols(),
         }
     }
 
@@ -59,29 +56,29 @@ impl Table {
             Table::Float(t) => Ok(t
                 .index_select(&Tensor::new(ids, &Device::Cpu)?, 0)?
                 .to_dtype(DType::F32)?),
-            Table::Q8 { kernel, cols } => {
-                let (rows, _) = kernel.dims();
-                let mut out = Vec::with_capacity(ids.len() * cols);
-                for &id in ids {
+            Table::Q8(p) => {
+                let (rows, cols) = (p.rows(), p.cols());
+                let mut out = vec![0f32; ids.len() * cols];
+                for (&id, row) in ids.iter().zip(out.chunks_exact_mut(cols)) {
                     if id as usize >= rows {
                         return Err(EngineError::InvalidRequest(format!(
                             "token id {id} is outside the vocabulary (size {rows})"
                         )));
                     }
-                    kernel.dequantize_row(id as usize, &mut out)?;
+                    p.dequantize_row(id as usize, row);
                 }
-                Ok(Tensor::from_vec(out, (ids.len(), *cols), &Device::Cpu)?)
+                Ok(Tensor::from_vec(out, (ids.len(), cols), &Device::Cpu)?)
             }
         }
     }
 
     /// `x · tableᵀ`: `x` is `[n, cols]` f32, the result `[n, rows]` f32. `split`: a Q8_0
-    /// table carries the activations in two 8-bit parts (see [`QuantKernel::split_forward`]).
+    /// table quantizes the activations to 16 bits instead of 8 (as split groups do).
     pub fn project(&self, x: &Tensor, split: bool) -> Result<Tensor> {
         match self {
             Table::Float(t) => float_matmul(x, t),
-            Table::Q8 { kernel, .. } if split => kernel.split_forward(x),
-            Table::Q8 { kernel, .. } => kernel.forward(x),
+            Table::Q8(p) if split => q8_product(p, x, ActBits::Sixteen),
+            Table::Q8(p) => q8_product(p, x, ActBits::Eight),
         }
     }
 }
@@ -96,10 +93,10 @@ mod tests {
     fn q8_rows_match_the_dequantized_table() {
         let w = Tensor::randn(0f32, 1.0, (10, 64), &Device::Cpu).unwrap();
         let t = Table::new(&w, EmbeddingDtype::Q8_0).unwrap();
-        let Table::Q8 { kernel, .. } = &t else {
+        let Table::Q8(p) = &t else {
             panic!("64 columns fit Q8_0")
         };
-        let deq = kernel.dequantize().unwrap();
+        let deq = Tensor::from_vec(p.dequantize(), (p.rows(), p.cols()), &Device::Cpu).unwrap();
         let want = deq
             .index_select(&Tensor::new(&[3u32, 7, 3], &Device::Cpu).unwrap(), 0)
             .unwrap();
@@ -127,10 +124,10 @@ mod tests {
     fn q8_projection_splits_its_activations() {
         let w = Tensor::randn(0f32, 1.0, (300, 576), &Device::Cpu).unwrap();
         let t = Table::new(&w, EmbeddingDtype::Q8_0).unwrap();
-        let Table::Q8 { kernel, .. } = &t else {
+        let Table::Q8(p) = &t else {
             panic!("576 columns fit Q8_0")
         };
-        let deq = kernel.dequantize().unwrap();
+        let deq = Tensor::from_vec(p.dequantize(), (p.rows(), p.cols()), &Device::Cpu).unwrap();
         let x = Tensor::randn(0f32, 1.0, (3, 576), &Device::Cpu).unwrap();
         let want = x.matmul(&deq.t().unwrap()).unwrap();
         let err = |y: Tensor| {
