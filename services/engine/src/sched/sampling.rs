@@ -88,6 +88,13 @@ pub fn logprobs(logits: &[f32], token: u32, top: usize) -> TokenLogprobs {
     }
 }
 
+/// Draw a token from `softmax(logits / temperature)` restricted to the `top_k` largest
+/// logits and then to the smallest most-likely set whose probability reaches `top_p`.
+///
+/// No full-vocabulary sort: `top_k` is a selection (linear time), and the nucleus is sorted
+/// only as far as it reaches (chunks of 64, 256, … taken by selection from what is left), so
+/// the cost per token is a few passes over the vocabulary, whatever the batch. Ties between
+/// equal logits go to the lower index, as in [`argmax`].
 pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> u32 {
     if p.temperature <= 0.0 || p.top_k == 1 {
         return argmax(logits);
@@ -98,39 +105,53 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> u32 {
     if idx.is_empty() {
         return argmax(logits);
     }
-    idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-    if p.top_k > 0 {
+    // Descending logit, then ascending index: a total order on the candidates.
+    let order = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
+    if p.top_k > 0 && p.top_k < idx.len() {
+        idx.select_nth_unstable_by(p.top_k - 1, order);
         idx.truncate(p.top_k);
     }
-    let max = logits[idx[0]];
-    let mut probs: Vec<f32> = idx
+    let max = idx
         .iter()
-        .map(|&i| ((logits[i] - max) / p.temperature).exp())
+        .map(|&i| logits[i])
+        .fold(f32::NEG_INFINITY, f32::max);
+    // (token, unnormalized probability), each exponential computed once.
+    let mut cand: Vec<(usize, f32)> = idx
+        .into_iter()
+        .map(|i| (i, ((logits[i] - max) / p.temperature).exp()))
         .collect();
-    let sum: f32 = probs.iter().sum();
-    probs.iter_mut().for_each(|x| *x /= sum);
     if p.top_p < 1.0 {
-        let mut acc = 0.0;
-        let mut keep = probs.len();
-        for (n, q) in probs.iter().enumerate() {
-            acc += q;
-            if acc >= p.top_p {
-                keep = n + 1;
-                break;
+        let order = |a: &(usize, f32), b: &(usize, f32)| order(&a.0, &b.0);
+        let total: f32 = cand.iter().map(|c| c.1).sum();
+        let (mut acc, mut sorted, mut chunk) = (0f32, 0usize, 64usize);
+        let mut keep = cand.len();
+        'nucleus: while sorted < cand.len() {
+            let end = (sorted + chunk).min(cand.len());
+            if end < cand.len() {
+                cand[sorted..].select_nth_unstable_by(end - sorted - 1, order);
             }
+            cand[sorted..end].sort_unstable_by(order);
+            for (n, c) in cand[sorted..end].iter().enumerate() {
+                acc += c.1 / total;
+                if acc >= p.top_p {
+                    keep = sorted + n + 1;
+                    break 'nucleus;
+                }
+            }
+            sorted = end;
+            chunk *= 4;
         }
-        probs.truncate(keep);
-        idx.truncate(keep);
+        cand.truncate(keep);
     }
-    let total: f32 = probs.iter().sum();
+    let total: f32 = cand.iter().map(|c| c.1).sum();
     let mut r = rng.gen::<f32>() * total;
-    for (q, &i) in probs.iter().zip(&idx) {
-        if r < *q {
+    for &(i, q) in &cand {
+        if r < q {
             return i as u32;
         }
         r -= q;
     }
-    idx[idx.len() - 1] as u32
+    cand[cand.len() - 1].0 as u32
 }
 
 #[cfg(test)]
@@ -167,6 +188,98 @@ mod tests {
         };
         let mut r = StdRng::seed_from_u64(1);
         assert!((0..50).all(|_| sample(&logits, &top1, &mut r) == 1));
+    }
+
+    /// Over a 49 152-token vocabulary (the nucleus runs past the first sorted chunks): the
+    /// draws follow the softmax, top-k keeps exactly the k largest, and top-p keeps exactly
+    /// the smallest most-likely set reaching p (compared with a full sort).
+    #[test]
+    fn sampling_follows_the_softmax_and_its_truncations_on_a_large_vocabulary() {
+        let n = 49_152;
+        let logits: Vec<f32> = (0..n)
+            .map(|i| ((i as u64 * 2_654_435_761) % 1000) as f32 / 120.0)
+            .collect();
+        let temp = 0.8;
+        let mut sorted: Vec<usize> = (0..n).collect();
+        sorted.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+        let w: Vec<f64> = (0..n)
+            .map(|i| ((logits[i] - logits[sorted[0]]) as f64 / temp as f64).exp())
+            .collect();
+        let z: f64 = w.iter().sum();
+        // top_p: the reference nucleus from the full sort
+        let top_p = 0.5;
+        let mut acc = 0.0;
+        let nucleus = sorted
+            .iter()
+            .position(|&i| {
+                acc += w[i] / z;
+                acc >= top_p as f64
+            })
+            .map_or(n, |k| k + 1);
+        assert!(
+            nucleus > 64 * 5,
+            "the nucleus spans several chunks ({nucleus})"
+        );
+        let allowed: std::collections::HashSet<usize> = sorted[..nucleus].iter().copied().collect();
+        let boundary = logits[sorted[nucleus - 1]];
+        let params = |top_k, top_p| SamplingParams {
+            temperature: temp,
+            top_k,
+            top_p,
+            ..Default::default()
+        };
+        let mut rng = StdRng::seed_from_u64(3);
+        let mut counts = vec![0u32; n];
+        for _ in 0..1000 {
+            let t = sample(&logits, &params(0, top_p), &mut rng) as usize;
+            // the same logit as a kept token at the boundary is the only ambiguity
+            assert!(
+                allowed.contains(&t) || logits[t] == boundary,
+                "token {t} outside the nucleus"
+            );
+            counts[t] += 1;
+        }
+        // and it is not cut short: its last quarter is drawn too
+        let tail: u32 = sorted[nucleus * 3 / 4..nucleus]
+            .iter()
+            .map(|&i| counts[i])
+            .sum();
+        assert!(tail > 0, "no draw in the nucleus's last quarter");
+        // top_k: only the k largest
+        let top_k = 100;
+        let k_set: std::collections::HashSet<usize> = sorted[..top_k].iter().copied().collect();
+        for _ in 0..200 {
+            let t = sample(&logits, &params(top_k, 1.0), &mut rng) as usize;
+            assert!(k_set.contains(&t), "token {t} outside the top {top_k}");
+        }
+        // no truncation: the frequency of each logit level follows the softmax (on the
+        // first 2048 tokens, enough draws to count)
+        let (n, draws) = (2048, 20_000);
+        let logits = &logits[..n];
+        let mx = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        let w: Vec<f64> = logits
+            .iter()
+            .map(|&l| ((l - mx) as f64 / temp as f64).exp())
+            .collect();
+        let z: f64 = w.iter().sum();
+        let mut level = std::collections::BTreeMap::<u32, (f64, u32)>::new();
+        let mut full = vec![0u32; n];
+        for _ in 0..draws {
+            full[sample(logits, &params(0, 1.0), &mut rng) as usize] += 1;
+        }
+        for i in 0..n {
+            let e = level.entry((logits[i] * 120.0).round() as u32).or_default();
+            e.0 += w[i] / z;
+            e.1 += full[i];
+        }
+        for (&l, &(prob, seen)) in level.iter().rev().take(20) {
+            let expected = prob * draws as f64;
+            let sd = (expected * (1.0 - prob)).sqrt();
+            assert!(
+                (seen as f64 - expected).abs() < 5.0 * sd + 1.0,
+                "logit level {l}: {seen} draws, expected {expected:.1}"
+            );
+        }
     }
 
     #[test]
