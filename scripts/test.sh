@@ -6,7 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-log() { printf '\033[1m[test.sh]\033[0m %s\n' "$*" >&2; }
+# Each step's line says how long the script has run, so a slow CI run shows where it went.
+log() { printf '[test.sh +%dm%02ds] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*" >&2; }
 
 if ! cargo nextest --version >/dev/null 2>&1; then
   log "cargo-nextest not found: installing it (one-off, a few minutes)"
@@ -54,7 +55,8 @@ LLAMA_CPP="llama-cpp-python==0.3.36"
 OPENAI="openai==3.54.0"
 if [ "$(python3 -c 'import importlib.metadata as m; print(m.version("llama-cpp-python"))' 2>/dev/null)" != "0.3.36" ]; then
   log "installing $LLAMA_CPP (builds llama.cpp from source the first time)"
-  CMAKE_ARGS="$(./scripts/llama-cpp-cmake-args.sh)" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+  # LLAVA_BUILD=OFF: the multimodal library (only imported for image chat) is not built.
+  CMAKE_ARGS="$(./scripts/llama-cpp-cmake-args.sh) -DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
     pip_install --no-cache-dir "$LLAMA_CPP"
 fi
 if ! python3 -c 'import openai' >/dev/null 2>&1; then
@@ -100,4 +102,7 @@ log "fetching the real model into $QUANTMESH_TEST_MODELS (idempotent)"
 "$TARGET_DIR/debug/quantmesh" model fetch smollm2-135m-instruct --dir "$QUANTMESH_TEST_MODELS" --quiet
 
 log "running the test suite"
-exec cargo nextest run --workspace --features "$FEATURES" --no-fail-fast "$@"
+status=0
+cargo nextest run --workspace --features "$FEATURES" --no-fail-fast "$@" || status=$?
+log "test suite finished (exit $status; per-test times in target/nextest/default/junit.xml)"
+exit "$status"

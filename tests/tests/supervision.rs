@@ -13,6 +13,10 @@ use serde_json::{json, Value};
 
 async fn metric(s: &Server, name: &str, label: Option<(&str, &str)>) -> f64 {
     let scrape = s.metrics().await;
+    assert!(
+        scrape.docs.contains_key(name) || scrape.samples.iter().any(|x| x.metric == name),
+        "the scrape has no metric named {name} (renamed, or never registered?)"
+    );
     scrape
         .samples
         .iter()

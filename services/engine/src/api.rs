@@ -906,10 +906,21 @@ impl Engine {
 
     /// Pin a group to float or INT8, or hand it back to the monitor.
     pub async fn force_group(&self, group: GroupId, mode: ForceMode) -> Result<()> {
+        self.force_group_traced(group, mode, None).await
+    }
+
+    /// [`Engine::force_group`] as part of the trace of `span` (an admin request's): the
+    /// decision is noted in it and its events carry its `traceparent`.
+    pub async fn force_group_traced(
+        &self,
+        group: GroupId,
+        mode: ForceMode,
+        span: Option<tracing::Span>,
+    ) -> Result<()> {
         let m = self.inner.monitor.as_ref().ok_or_else(|| {
             EngineError::InvalidRequest("the activation monitor is disabled".into())
         })?;
-        m.send(ForceGroup { group, mode })
+        m.send(ForceGroup { group, mode, span })
             .await
             .map_err(|_| EngineError::Stopped)?
             .map_err(EngineError::InvalidRequest)

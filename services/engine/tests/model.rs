@@ -93,7 +93,12 @@ fn int8_path_is_close_to_float_path() {
 
 /// The whole model on every instruction set this CPU runs (the scalar reference included):
 /// the same logits up to f32 summation order, on the INT8 path (8- and 16-bit activations)
-/// and the float path, prefill and decode.
+/// and the float path, prefill and decode. With 8-bit activations a last-bit difference
+/// upstream can move an activation across a rounding boundary (a step of 1/127 of its
+/// block's largest value) and the next layers carry it: measured over model seeds, AVX2
+/// and AVX-512 alike land anywhere from 10⁻⁶ to 0.4× of what 8-bit activations themselves
+/// cost (the 8- vs 16-bit difference on the reference). There the bound is that cost; a
+/// wrong kernel misses it by orders of magnitude.
 #[test]
 fn every_instruction_set_gives_the_same_logits() {
     use quantmesh_engine::backend::{FloatDtype, Forms, SplitActivations};
@@ -103,43 +108,49 @@ fn every_instruction_set_gives_the_same_logits() {
     let ck = quantmesh_model::Checkpoint::open(dir.path()).unwrap();
     let layers = cfg.num_hidden_layers;
     let p = prompt();
+    let run = |isa: Isa, split: SplitActivations, float: bool| {
+        let mask = if float {
+            all_float(layers)
+        } else {
+            PathMask::default()
+        };
+        // f16 float copies: the float path runs on the kernels' f16 product.
+        let forms = Forms {
+            split,
+            float: FloatDtype::F16,
+            ..Forms::EXACT
+        };
+        let model = LlamaModel::load_from(&ck, &cfg, &|_| Residency::Dual, forms).unwrap();
+        let mut rig = Rig::with_model(model, &cfg, KvFloatDtype::F32);
+        isa.scoped(|| {
+            let mut out = rig.feed(1, &p[..p.len() - 2], &mask, true);
+            for t in &p[p.len() - 2..] {
+                out.extend(rig.feed(1, &[*t], &mask, true));
+            }
+            out
+        })
+    };
+    // What 8-bit activations cost on the reference: the scale of a rounding flip's effect.
+    let eight_bit_noise = max_abs_diff(
+        &run(Isa::Scalar, SplitActivations::Off, false),
+        &run(Isa::Scalar, SplitActivations::All, false),
+    );
     for split in [SplitActivations::Off, SplitActivations::All] {
         for float in [false, true] {
-            let mask = if float {
-                all_float(layers)
-            } else {
-                PathMask::default()
-            };
-            let run = |isa: Isa| {
-                // f16 float copies: the float path runs on the kernels' f16 product.
-                let forms = Forms {
-                    split,
-                    float: FloatDtype::F16,
-                    ..Forms::EXACT
-                };
-                let model = LlamaModel::load_from(&ck, &cfg, &|_| Residency::Dual, forms).unwrap();
-                let mut rig = Rig::with_model(model, &cfg, KvFloatDtype::F32);
-                isa.scoped(|| {
-                    let mut out = rig.feed(1, &p[..p.len() - 2], &mask, true);
-                    for t in &p[p.len() - 2..] {
-                        out.extend(rig.feed(1, &[*t], &mask, true));
-                    }
-                    out
-                })
-            };
-            let want = run(Isa::Scalar);
+            let want = run(Isa::Scalar, split, float);
             let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let tol = match (split, float) {
+                (SplitActivations::Off, false) => (1e-4 * scale).max(eight_bit_noise),
+                _ => 1e-4 * scale,
+            };
             for isa in Isa::all_available() {
-                let got = run(isa);
+                let got = run(isa, split, float);
                 assert_eq!(got.len(), want.len());
                 let d = max_abs_diff(&got, &want);
                 eprintln!(
-                    "{isa:?} split={split:?} float={float}: max |Δlogit| {d} (scale {scale})"
+                    "{isa:?} split={split:?} float={float}: max |Δlogit| {d} (scale {scale}, 8-bit noise {eight_bit_noise}, tolerance {tol})"
                 );
-                assert!(
-                    d <= 1e-4 * scale,
-                    "{isa:?} split={split:?} float={float}: {d}"
-                );
+                assert!(d <= tol, "{isa:?} split={split:?} float={float}: {d}");
             }
         }
     }

@@ -184,14 +184,23 @@ async fn shadow_run(
         };
         e.generate(ids, params).await.unwrap().collect().await;
     }
-    // wait until the monitor has seen every request
-    for _ in 0..200 {
+    // wait until the monitor has seen every request (and fail if it never does: the
+    // histogram below would be checked against a partial window)
+    let mut seen_all = false;
+    for _ in 0..500 {
         let rep = e.monitor_report().unwrap();
         if rep.windows_completed as usize * 8 + rep.requests_in_window >= 8 {
+            seen_all = true;
             break;
         }
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
+    assert!(
+        seen_all,
+        "the monitor did not see all 8 requests: {:?}",
+        e.monitor_report()
+            .map(|r| (r.windows_completed, r.requests_in_window))
+    );
     let mut events = Vec::new();
     while let Ok(ev) = rx.try_recv() {
         events.push(ev);

@@ -13,9 +13,11 @@ pub mod request_trace;
 pub mod routes;
 pub mod server;
 pub mod settings;
+pub mod signals;
 pub mod state;
 pub mod telemetry;
 
 pub use mesh::http::run_gateway;
-pub use server::{gateway_main, run_embedded, serve_main, shutdown_signal};
+pub use server::{gateway_main, run_embedded, serve_main};
 pub use settings::{GatewayFlags, LogFormat, ServeFlags, Settings};
+pub use signals::shutdown_signal;

@@ -11,11 +11,90 @@
 //!    └─ quantmesh.respond          detokenize and send (streamed or whole)
 //! ```
 
+use crate::state::AppState;
+use actix_web::body::MessageBody;
+use actix_web::dev::{ServiceRequest, ServiceResponse};
+use actix_web::http::header::{HeaderName, HeaderValue};
+use actix_web::middleware::Next;
+use actix_web::{web, HttpMessage};
 use opentelemetry::{Array, StringValue, Value};
 use quantmesh_engine::api::{PathMask, TRACE_TARGET};
 use quantmesh_types::{FinishReason, SamplingParams, Usage};
+use tracing::Instrument;
 use tracing::Span;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
+
+/// The request id of the current request (from `X-Request-Id`, else a new UUID).
+#[derive(Clone, Debug)]
+pub struct RequestId(pub String);
+
+pub(crate) async fn request_context(
+    req: ServiceRequest,
+    next: Next<impl MessageBody>,
+) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
+    let id = req
+        .headers()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 128)
+        .map(String::from)
+        .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+    req.extensions_mut().insert(RequestId(id.clone()));
+    let method = req.method().to_string();
+    let span =
+        tracing::info_span!("request", request_id = %id, method = %method, path = %req.path());
+    // The trace's server span, only when traces are exported.
+    let server =
+        crate::telemetry::enabled().then(|| server_span(&method, req.path(), &id, req.headers()));
+    if let Some(s) = &server {
+        req.extensions_mut().insert(ServerSpan(s.clone()));
+    }
+    let state = req.app_data::<web::Data<AppState>>().cloned();
+    let started = std::time::Instant::now();
+    let call = next.call(req).instrument(span.clone());
+    let mut res = match &server {
+        Some(s) => call.instrument(s.clone()).await?,
+        None => call.await?,
+    };
+    let status = res.status();
+    let pattern = res
+        .request()
+        .match_pattern()
+        .unwrap_or_else(|| "unmatched".into());
+    if let Some(s) = &server {
+        server_done(s, &method, &pattern, status.as_u16());
+        // The response names its trace (W3C Trace Context).
+        if let Some(v) =
+            crate::telemetry::traceparent(s).and_then(|tp| HeaderValue::from_str(&tp).ok())
+        {
+            res.headers_mut()
+                .insert(HeaderName::from_static("traceparent"), v);
+        }
+    }
+    if let Some(state) = state {
+        state
+            .metrics
+            .requests
+            .with_label_values(&[pattern.as_str(), status.as_str()])
+            .inc();
+    }
+    let ms = started.elapsed().as_millis() as u64;
+    span.in_scope(|| match is_probe(&pattern) {
+        // Orchestrators poll these every few seconds: at INFO they would bury the log.
+        true => tracing::debug!(status = status.as_u16(), ms, "response"),
+        false => tracing::info!(status = status.as_u16(), ms, "response"),
+    });
+    if let Ok(v) = HeaderValue::from_str(&id) {
+        res.headers_mut()
+            .insert(HeaderName::from_static("x-request-id"), v);
+    }
+    Ok(res)
+}
+
+/// Health, readiness and scrape routes: polled by machines, logged at DEBUG.
+pub(crate) fn is_probe(pattern: &str) -> bool {
+    matches!(pattern, "/health" | "/ready" | "/metrics")
+}
 
 /// The server span of a request, kept in the request's extensions by the middleware.
 #[derive(Clone, Debug)]

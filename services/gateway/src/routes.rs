@@ -124,7 +124,7 @@ fn server_span(req: &HttpRequest) -> Option<ServerSpan> {
 }
 
 /// Read the body with the configured limit (413 beyond it).
-pub(crate) async fn read_body(mut payload: web::Payload, limit: usize) -> Result<Bytes, ApiError> {
+async fn read_body(mut payload: web::Payload, limit: usize) -> Result<Bytes, ApiError> {
     let mut buf = bytes::BytesMut::new();
     while let Some(chunk) = payload.next().await {
         let chunk =
@@ -137,14 +137,13 @@ pub(crate) async fn read_body(mut payload: web::Payload, limit: usize) -> Result
     Ok(buf.freeze())
 }
 
-/// Read (within the body limit) and parse a JSON request body. A `Content-Length` over the
-/// limit is refused before a byte is read.
-async fn json_body<T: serde::de::DeserializeOwned>(
+/// Read a request's body within `limit`: a `Content-Length` over it is refused (413) before
+/// a byte is read, and a body that grows past it while read is refused too.
+pub(crate) async fn read_request_body(
     req: &HttpRequest,
     payload: web::Payload,
-    state: &AppState,
-) -> Result<T, ApiError> {
-    let limit = state.server.max_body_bytes;
+    limit: usize,
+) -> Result<Bytes, ApiError> {
     let declared = req
         .headers()
         .get(actix_web::http::header::CONTENT_LENGTH)
@@ -153,7 +152,16 @@ async fn json_body<T: serde::de::DeserializeOwned>(
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(ApiError::PayloadTooLarge { limit });
     }
-    let body = read_body(payload, limit).await?;
+    read_body(payload, limit).await
+}
+
+/// Read (within the body limit) and parse a JSON request body.
+async fn json_body<T: serde::de::DeserializeOwned>(
+    req: &HttpRequest,
+    payload: web::Payload,
+    state: &AppState,
+) -> Result<T, ApiError> {
+    let body = read_request_body(req, payload, state.server.max_body_bytes).await?;
     parse_json(&body)
 }
 
@@ -819,7 +827,8 @@ async fn set_fallback(
             "{group}: the model has {layers} layers"
         )));
     }
-    engine.force_group(group, b.mode).await?;
+    let span = server_span(&req).map(|s| s.0);
+    engine.force_group_traced(group, b.mode, span).await?;
     Ok(HttpResponse::Ok().json(json!({"group": group.to_string(), "mode": b.mode})))
 }
 

@@ -3,16 +3,14 @@
 
 use crate::first_plan;
 use crate::model_source::ModelSource;
-use crate::request_trace::{self, ServerSpan};
+use crate::request_trace;
 use crate::routes;
 use crate::settings::PlanMode;
 use crate::settings::Settings;
+use crate::signals::shutdown_signal;
 use crate::state::AppState;
-use actix_web::body::MessageBody;
-use actix_web::dev::{ServerHandle, ServiceRequest, ServiceResponse};
-use actix_web::http::header::{HeaderName, HeaderValue};
-use actix_web::middleware::Next;
-use actix_web::{web, App, HttpMessage, HttpServer};
+use actix_web::dev::ServerHandle;
+use actix_web::{web, App, HttpServer};
 use anyhow::Context;
 use quantmesh_engine::api::{Engine, EngineStart, EventSink, FloatBudget};
 use quantmesh_kafka::{EventPipeline, KafkaMetrics};
@@ -20,75 +18,6 @@ use std::future::Future;
 use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::Duration;
-use tracing::Instrument;
-
-/// The request id of the current request (from `X-Request-Id`, else a new UUID).
-#[derive(Clone, Debug)]
-pub struct RequestId(pub String);
-
-async fn request_context(
-    req: ServiceRequest,
-    next: Next<impl MessageBody>,
-) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
-    let id = req
-        .headers()
-        .get("x-request-id")
-        .and_then(|v| v.to_str().ok())
-        .filter(|v| !v.is_empty() && v.len() <= 128)
-        .map(String::from)
-        .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
-    req.extensions_mut().insert(RequestId(id.clone()));
-    let method = req.method().to_string();
-    let span =
-        tracing::info_span!("request", request_id = %id, method = %method, path = %req.path());
-    // The trace's server span, only when traces are exported.
-    let server = crate::telemetry::enabled()
-        .then(|| request_trace::server_span(&method, req.path(), &id, req.headers()));
-    if let Some(s) = &server {
-        req.extensions_mut().insert(ServerSpan(s.clone()));
-    }
-    let state = req.app_data::<web::Data<AppState>>().cloned();
-    let started = std::time::Instant::now();
-    let call = next.call(req).instrument(span.clone());
-    let mut res = match &server {
-        Some(s) => call.instrument(s.clone()).await?,
-        None => call.await?,
-    };
-    let status = res.status();
-    let pattern = res
-        .request()
-        .match_pattern()
-        .unwrap_or_else(|| "unmatched".into());
-    if let Some(s) = &server {
-        request_trace::server_done(s, &method, &pattern, status.as_u16());
-        // The response names its trace (W3C Trace Context).
-        if let Some(v) =
-            crate::telemetry::traceparent(s).and_then(|tp| HeaderValue::from_str(&tp).ok())
-        {
-            res.headers_mut()
-                .insert(HeaderName::from_static("traceparent"), v);
-        }
-    }
-    if let Some(state) = state {
-        state
-            .metrics
-            .requests
-            .with_label_values(&[pattern.as_str(), status.as_str()])
-            .inc();
-    }
-    span.in_scope(|| {
-        tracing::info!(
-            status = status.as_u16(),
-            ms = started.elapsed().as_millis() as u64,
-            "response"
-        )
-    });
-    if let Ok(v) = HeaderValue::from_str(&id) {
-        res.headers_mut()
-            .insert(HeaderName::from_static("x-request-id"), v);
-    }
-    Ok(res)
-}
 
 /// Build and start the HTTP server on `listener`. Signals are left to the caller.
 pub fn start_http(
@@ -105,7 +34,9 @@ pub fn start_http(
     Ok(HttpServer::new(move || {
         App::new()
             .app_data(state.clone())
-            .wrap(actix_web::middleware::from_fn(request_context))
+            .wrap(actix_web::middleware::from_fn(
+                request_trace::request_context,
+            ))
             .configure(routes::configure)
     })
     // Streaming responses are many small writes: without TCP_NODELAY, Nagle's algorithm and
@@ -199,6 +130,8 @@ pub async fn run_embedded(
     settings.validate()?;
     let source = ModelSource::from_settings(&settings.model)?;
     let model_name = served_name(&settings, &source);
+    #[cfg(unix)]
+    let sighup = crate::signals::listen_for_sighup();
     let admin = settings.server.admin_token.clone();
     if admin.is_none() {
         tracing::info!("QUANTMESH_ADMIN_TOKEN is unset: admin routes are disabled");
@@ -253,9 +186,11 @@ pub async fn run_embedded(
         }
     };
     state.set_engine(engine.clone());
+    // Always: the first-load plan (a cached file the operator may edit) reloads like any
+    // plan, and a plan-less server must not die on a reload signal either.
     #[cfg(unix)]
-    if settings.engine.sensitive_layers.is_some() {
-        actix_rt::spawn(reload_on_sighup(engine.clone()));
+    if let Some(hup) = sighup {
+        actix_rt::spawn(crate::signals::reload_on_sighup(hup, engine.clone()));
     }
     tracing::info!(model = %model_name, "ready: POST http://{addr}/v1/completions");
 
@@ -276,51 +211,6 @@ pub async fn run_embedded(
     let _ = server_task.await;
     tracing::info!("stopped");
     Ok(())
-}
-
-/// SIGHUP reloads sensitive_layers.json at once (like nginx or Prometheus).
-#[cfg(unix)]
-async fn reload_on_sighup(engine: Engine) {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut hup = match signal(SignalKind::hangup()) {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot listen for SIGHUP");
-            return;
-        }
-    };
-    while hup.recv().await.is_some() {
-        tracing::info!("SIGHUP received: reloading sensitive_layers.json");
-        match engine.reload_config().await {
-            Ok(outcome) => tracing::info!(?outcome, "reload finished"),
-            Err(e) => tracing::error!(error = %e, "reload failed"),
-        }
-    }
-}
-
-/// Resolves on SIGINT or SIGTERM.
-pub async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot listen for SIGTERM");
-                std::future::pending::<()>().await
-            }
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => tracing::info!("SIGINT received"),
-        _ = term => tracing::info!("SIGTERM received"),
-    }
 }
 
 /// `quantmesh gateway`: settings from flags, telemetry, bind, route to the engines until

@@ -99,7 +99,11 @@ pub fn init_with(format: LogFormat, level: &str, otel: &TelemetrySettings) -> Te
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(level));
     // Trace spans are for the exporter; the log leaves them out.
     let not_trace = filter_fn(|m| m.target() != TRACE_TARGET);
-    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    // Colour only for a person at a terminal: no escape codes in files, pipes or a
+    // container's log driver.
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     let fmt = match format {
         LogFormat::Json => fmt
             .json()

@@ -180,6 +180,10 @@ pub fn run(args: EvolveArgs) -> anyhow::Result<()> {
             let _ = registry.unregister(Box::new(metrics.ingest_up.clone()));
             None
         };
+        // One listener for the whole life of the service: a SIGTERM that arrives during a
+        // run is kept (the run finishes, then the service stops), not lost between waits.
+        let shutdown = shutdown_signal();
+        tokio::pin!(shutdown);
         loop {
             let now = chrono::Utc::now();
             let next = next_run(&s.schedule, now).map_err(anyhow::Error::msg)?;
@@ -187,12 +191,24 @@ pub fn run(args: EvolveArgs) -> anyhow::Result<()> {
             let wait = (next - now).to_std().unwrap_or_default();
             tokio::select! {
                 _ = tokio::time::sleep(wait) => {}
-                _ = shutdown_signal() => break,
+                _ = &mut shutdown => break,
             }
             let span = span_for(quantmesh_types::now_ms() as i64);
-            match run_once(&s, &lake, span, args.dry_run, Some(&metrics)).await {
+            let run = run_once(&s, &lake, span, args.dry_run, Some(&metrics));
+            tokio::pin!(run);
+            let (done, stopping) = tokio::select! {
+                done = &mut run => (done, false),
+                _ = &mut shutdown => {
+                    tracing::info!("stop requested during a run: finishing it first");
+                    (run.await, true)
+                }
+            };
+            match done {
                 Ok((report, _)) => tracing::info!(changes = report.proposal.changes.len(), outcome = ?report.outcome, "evolution run done"),
                 Err(e) => tracing::error!(error = %e, "evolution run failed"),
+            }
+            if stopping {
+                break;
             }
         }
         tracing::info!("shutting down: finishing the batch in hand");

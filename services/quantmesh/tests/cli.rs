@@ -163,3 +163,82 @@ fn prescreen_writes_uploads_and_refuses_an_unwritable_target_up_front() {
     assert!(!r.status.success());
     assert!(String::from_utf8_lossy(&r.stderr).contains("RFC 3339"));
 }
+
+/// A server whose log goes to a pipe (a file, a container's log driver) writes plain text:
+/// no colour escape codes, and the probes that orchestrators poll every few seconds stay
+/// out of the INFO log while real requests are in it.
+#[test]
+fn text_log_in_a_pipe_has_no_colour_codes_and_no_probe_lines() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_quantmesh"))
+        .args(["serve", "--port", "0", "--log-format", "text"])
+        .args(["--model", "bundled:tiny", "--models-dir"])
+        .arg(dir.path())
+        .env("RUST_LOG", "info")
+        .env_remove("NO_COLOR")
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut log = Vec::new();
+    let mut addr = None;
+    while !log.iter().any(|l: &String| l.contains("ready: POST")) {
+        let line = rx
+            .recv_timeout(Duration::from_secs(60))
+            .unwrap_or_else(|e| panic!("no ready line ({e}): {log:?}"));
+        if let Some(a) = line.split("addr=").nth(1) {
+            addr = a.split_whitespace().next().map(String::from);
+        }
+        log.push(line);
+    }
+    let addr = addr.expect("the listening line names the address");
+    for path in ["/ready", "/health", "/metrics", "/ready"] {
+        let resp = http(
+            &addr,
+            &format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"),
+        );
+        assert!(resp.starts_with("HTTP/1.1 200"), "{path}: {resp}");
+    }
+    let body = r#"{"prompt": "Hello", "max_tokens": 2, "seed": 1}"#;
+    let resp = http(&addr, &format!("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()));
+    assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+    assert!(Command::new("sh")
+        .args(["-c", &format!("kill -TERM {}", child.id())])
+        .status()
+        .unwrap()
+        .success());
+    assert!(child.wait().unwrap().success());
+    // The process has exited: the reader forwards the rest of the log, then closes.
+    while let Ok(line) = rx.recv_timeout(Duration::from_secs(10)) {
+        log.push(line);
+    }
+    let text = log.join("\n");
+    assert!(
+        !text.contains('\u{1b}'),
+        "colour codes in a piped log:\n{text}"
+    );
+    let responses: Vec<&String> = log.iter().filter(|l| l.contains("response")).collect();
+    assert!(
+        responses.iter().any(|l| l.contains("/v1/completions")),
+        "the completion's response line is logged:\n{text}"
+    );
+    assert!(
+        !responses.iter().any(|l| ["/ready", "/health", "/metrics"]
+            .iter()
+            .any(|p| l.contains(p))),
+        "probe responses at INFO:\n{text}"
+    );
+}

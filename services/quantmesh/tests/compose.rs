@@ -568,7 +568,6 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
                 .await
         }
     });
-    tokio::time::sleep(Duration::from_millis(500)).await;
     // The gateway found the engines by DNS (`dns+http://engine:8080`, the alias both
     // engines carry): engine-1 is the engine named by its container's address.
     let gateway_metric = |m: String, ip: &str| {
@@ -591,6 +590,24 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
         2.0,
         "{discovered}"
     );
+    // Stop it while it holds requests (the gateway counts them outstanding).
+    let t1 = Instant::now();
+    loop {
+        let m = metrics_text(&client, &stack).await;
+        let held = support::sum_metric(
+            &m,
+            "quantmesh_gateway_engine_outstanding",
+            &[&format!("engine=\"engine@{ip}:8080\"")],
+        );
+        if held >= 1.0 {
+            break;
+        }
+        assert!(
+            t1.elapsed() < Duration::from_secs(60),
+            "engine-1 never held a request:\n{m}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     run(&mut stack.cmd(&["stop", "engine-1"]));
     let statuses = load.await.unwrap();
     assert!(

@@ -24,9 +24,14 @@ struct Proc {
 
 impl Proc {
     fn spawn(args: &[&str], port: u16, log: PathBuf) -> Proc {
+        Proc::spawn_with(args, port, log, &[])
+    }
+
+    fn spawn_with(args: &[&str], port: u16, log: PathBuf, env: &[(&str, &str)]) -> Proc {
         let f = std::fs::File::create(&log).unwrap();
         let child = Command::new(env!("CARGO_BIN_EXE_quantmesh"))
             .args(args)
+            .envs(env.iter().copied())
             .args(["--port", &port.to_string()])
             .env("QUANTMESH_ADMIN_TOKEN", ADMIN_TOKEN)
             .env("QUANTMESH_KV_PAGES", "256")
@@ -196,7 +201,7 @@ async fn load_spreads_and_a_killed_engine_costs_no_unstarted_request() {
                         .post(format!("{url}/v1/completions"))
                         .json(
                             &serde_json::json!({"prompt": format!("during the outage {i}"),
-                                                  "max_tokens": 16}),
+                                                  "max_tokens": 48, "ignore_eos": true}),
                         )
                         .send()
                         .await
@@ -210,7 +215,25 @@ async fn load_spreads_and_a_killed_engine_costs_no_unstarted_request() {
                 .await
         }
     });
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    // Kill engine-1 while it holds requests that have not answered yet: more outstanding
+    // there than the two started streams.
+    let t0 = Instant::now();
+    loop {
+        let m = gw.metrics(&client).await;
+        if sum_metric(
+            &m,
+            "quantmesh_gateway_engine_outstanding",
+            &["\"engine-1\""],
+        ) >= 3.0
+        {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "engine-1 never held an unanswered request: {m}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     e1.kill();
     let statuses = tokio::time::timeout(Duration::from_secs(120), load)
         .await
@@ -252,6 +275,11 @@ async fn load_spreads_and_a_killed_engine_costs_no_unstarted_request() {
     );
     let m = gw.metrics(&client).await;
     assert!(sum_metric(&m, "quantmesh_gateway_stream_failures_total", &["engine-1"]) >= 2.0);
+    // The requests it held unanswered were retried on engine-2 (counted against engine-1).
+    assert!(
+        sum_metric(&m, "quantmesh_gateway_retries_total", &["\"engine-1\""]) >= 1.0,
+        "no request was retried after the kill:\n{m}"
+    );
 
     // engine-1 comes back on its port: marked up, and it takes requests again.
     let e1 = Proc::engine(root.path(), &model, e1.port);
@@ -436,4 +464,146 @@ async fn engines_are_found_by_dns_and_a_name_that_does_not_resolve_is_counted() 
     let engines = admin["engines"].as_array().unwrap();
     assert_eq!(engines.len(), 1, "{admin}");
     assert_eq!(engines[0]["engine"], name.as_str());
+}
+
+/// Mesh mode keeps the embedded server's promises at its front door: the caller's API key
+/// reaches the engine (whose keys and per-key cache partitions then work behind the
+/// gateway), an oversized `Content-Length` is refused before the body is read, the
+/// concurrency limit is taken before the read, and the answer names its request id and
+/// trace like an engine's does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_forwards_keys_and_limits_before_reading_the_body() {
+    use std::io::{Read, Write};
+    let root = tempfile::tempdir().unwrap();
+    let model = model_dir(root.path());
+    let client = reqwest::Client::new();
+    let key = "sk-engine-only-key";
+    let engine = Proc::spawn_with(
+        &["engine", "--model", model.to_str().unwrap()],
+        free_port(),
+        root.path().join("engine.log"),
+        &[("QUANTMESH_API_KEYS", key)],
+    );
+    let config = root.path().join("gateway.toml");
+    std::fs::write(
+        &config,
+        "[server]\nmax_body_bytes = 4096\nmax_concurrent_requests = 1\n",
+    )
+    .unwrap();
+    let gw_port = free_port();
+    let gw = Proc::spawn_with(
+        &[
+            "gateway",
+            "--engine",
+            &format!("http://127.0.0.1:{}", engine.port),
+        ],
+        gw_port,
+        root.path().join("gateway.log"),
+        &[("QUANTMESH_CONFIG", config.to_str().unwrap())],
+    );
+    for p in [&engine, &gw] {
+        p.ready(&client).await;
+    }
+    let body = serde_json::json!({"prompt": "Hello", "max_tokens": 2});
+
+    // The key goes through: the engine accepts it, and refuses a call without one.
+    let r = client
+        .post(gw.url("/v1/completions"))
+        .bearer_auth(key)
+        .header("x-request-id", "req-through-the-gateway")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+    assert_eq!(r.headers()["x-request-id"], "req-through-the-gateway");
+    let engine_log = std::fs::read_to_string(&engine.log).unwrap();
+    assert!(
+        engine_log.contains("req-through-the-gateway"),
+        "the engine logs the caller's request id:\n{engine_log}"
+    );
+    let r = client
+        .post(gw.url("/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401, "the engine's keys hold behind the gateway");
+    let generated = r.headers().get("x-request-id").cloned();
+    assert!(generated.is_some(), "a request id on every answer");
+
+    // An oversized Content-Length: 413 at once, though the body never comes.
+    let raw = |head: &str| {
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", gw_port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        s.write_all(head.as_bytes()).unwrap();
+        s
+    };
+    let mut big = raw(&format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nContent-Type: application/json\r\nContent-Length: 1000000000\r\n\r\n{{"
+    ));
+    let mut answer = [0u8; 64];
+    let n = big
+        .read(&mut answer)
+        .expect("an answer before the body is sent");
+    let answer = String::from_utf8_lossy(&answer[..n]);
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    drop(big);
+    // Its permit is back once a request gets through again.
+    let t0 = Instant::now();
+    loop {
+        let r = client
+            .post(gw.url("/v1/completions"))
+            .bearer_auth(key)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        if r.status() == 200 {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "{}", r.status());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // A request whose body is still arriving holds the only permit: the next one is 429.
+    let mut slow = raw(&format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nContent-Type: application/json\r\nContent-Length: 200\r\n\r\n{{"
+    ));
+    let t0 = Instant::now();
+    let status = loop {
+        let r = client
+            .post(gw.url("/v1/completions"))
+            .bearer_auth(key)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        // The slow request reaches the gateway's handler a moment after its headers.
+        if r.status() == 429 || t0.elapsed() > Duration::from_secs(30) {
+            break r.status();
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(
+        status,
+        429,
+        "max_concurrent_requests counts a request being read; gateway log:\n{}",
+        std::fs::read_to_string(&gw.log).unwrap_or_default()
+    );
+    // The rest of its body (not JSON): a 400, and its permit goes back.
+    slow.write_all(&[b' '; 199]).unwrap();
+    let mut answer = [0u8; 64];
+    let n = slow.read(&mut answer).unwrap();
+    let answer = String::from_utf8_lossy(&answer[..n]);
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    drop(slow);
+    let r = client
+        .post(gw.url("/v1/completions"))
+        .bearer_auth(key)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "the permit came back");
 }

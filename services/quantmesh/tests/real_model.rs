@@ -86,7 +86,7 @@ fn serve_with_no_arguments_fetches_the_real_model_and_answers_paris() {
         .stdout(Stdio::null())
         .spawn()
         .unwrap();
-    let (addr, log, _rx) = support::wait_ready_in_log(&mut child, Duration::from_secs(240));
+    let (addr, log, rx) = support::wait_ready_in_log(&mut child, Duration::from_secs(240));
     let gguf = dir
         .path()
         .join("models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf");
@@ -107,6 +107,35 @@ fn serve_with_no_arguments_fetches_the_real_model_and_answers_paris() {
     assert!(
         log.iter().any(|l| l.contains("first-load plan computed")),
         "{log:?}"
+    );
+
+    // `kill -HUP` on the default server reloads its plan (the cached first-load plan:
+    // unchanged) and the server keeps serving: the client below runs after it.
+    assert!(Command::new("kill")
+        .args(["-HUP", &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let mut after = Vec::new();
+    let reloaded = loop {
+        let line = match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(l) => l,
+            Err(e) => panic!(
+                "no reload after SIGHUP ({e}); log since:\n{}",
+                after.join("\n")
+            ),
+        };
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
+        after.push(line);
+        if v["fields"]["message"] == "reload finished" {
+            break v;
+        }
+    };
+    assert!(
+        reloaded["fields"]["outcome"]
+            .as_str()
+            .is_some_and(|o| o.starts_with("Unchanged")),
+        "{reloaded}"
     );
 
     let out = Command::new(python())

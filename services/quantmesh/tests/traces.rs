@@ -249,6 +249,34 @@ async fn a_traced_request_yields_its_span_tree_and_its_fallback_event_carries_th
     let admin = one(&reload_spans, "POST /admin/config/reload");
     assert_eq!(change.parent_span_id, admin.span_id);
 
+    // A fallback forced by an admin call under a trace: its event joins that trace.
+    let force_trace = "5bd66ef5095369c7b0d1f8f4bd33716a";
+    let r = client
+        .post(serve.url("/admin/fallback"))
+        .bearer_auth(ADMIN_TOKEN)
+        .header(
+            "traceparent",
+            format!("00-{force_trace}-c7ad6b7169203331-01"),
+        )
+        .json(&serde_json::json!({"group": "layers.1.o", "mode": "float"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+    let seen = collect(&consumer, Duration::from_secs(60), |s| {
+        s.values().any(|m| m.payload["reason"] == "admin")
+    })
+    .await;
+    let forced = seen
+        .values()
+        .find(|m| m.payload["reason"] == "admin")
+        .unwrap_or_else(|| panic!("no admin fallback event consumed: {seen:?}"));
+    assert!(
+        forced.headers["traceparent"].starts_with(&format!("00-{force_trace}-")),
+        "the forced fallback's event starts its own trace: {:?}",
+        forced.headers
+    );
+
     // Export is counted.
     let m = reqwest::get(serve.url("/metrics"))
         .await

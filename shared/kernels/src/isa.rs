@@ -14,6 +14,10 @@ pub enum Isa {
     Scalar,
     /// x86-64 AVX2 + FMA + F16C (every x86 server since 2013, AVX-512 machines included).
     Avx2,
+    /// x86-64 AVX-512 F/BW with VNNI (`vpdpbusd`), on top of [`Isa::Avx2`]: Intel since
+    /// Cascade Lake, AMD since Zen 4. The Q8_0 product uses it; the other kernels run their
+    /// AVX2 form.
+    Avx512,
 }
 
 impl Isa {
@@ -21,6 +25,7 @@ impl Isa {
         match self {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
         }
     }
 
@@ -29,12 +34,13 @@ impl Isa {
         match self {
             Isa::Scalar => true,
             Isa::Avx2 => avx2_available(),
+            Isa::Avx512 => avx2_available() && avx512_vnni_available(),
         }
     }
 
     /// Every instruction set this CPU can run, the best last.
     pub fn all_available() -> Vec<Isa> {
-        [Isa::Scalar, Isa::Avx2]
+        [Isa::Scalar, Isa::Avx2, Isa::Avx512]
             .into_iter()
             .filter(|i| i.available())
             .collect()
@@ -62,7 +68,8 @@ impl Isa {
         f()
     }
 
-    /// The best this CPU runs, unless `QUANTMESH_KERNEL` names another (`scalar`, `avx2`;
+    /// The best this CPU runs, unless `QUANTMESH_KERNEL` names another (`scalar`, `avx2`,
+    /// `avx512`;
     /// `auto` or unset: detect). A name the CPU cannot run, or an unknown one, falls back
     /// to detection with a message on stderr (once). Decided once per process.
     pub fn detect() -> Isa {
@@ -97,7 +104,8 @@ impl std::str::FromStr for Isa {
         match s {
             "scalar" => Ok(Isa::Scalar),
             "avx2" => Ok(Isa::Avx2),
-            other => Err(format!("{other:?} is not scalar, avx2 or auto")),
+            "avx512" => Ok(Isa::Avx512),
+            other => Err(format!("{other:?} is not scalar, avx2, avx512 or auto")),
         }
     }
 }
@@ -111,5 +119,17 @@ fn avx2_available() -> bool {
 
 #[cfg(not(target_arch = "x86_64"))]
 fn avx2_available() -> bool {
+    false
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx512_vnni_available() -> bool {
+    is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vnni")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn avx512_vnni_available() -> bool {
     false
 }

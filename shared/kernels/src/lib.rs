@@ -8,13 +8,13 @@
 //!   beside them, so one pass streams every weight once whatever the number of rows.
 //! - [`Activations`]: the rows quantized once per call, per block of 32, to 8 bits (W8A8,
 //!   llama.cpp's Q8_0 activations) or to 16 bits (W8A16: the weights' error alone). Both
-//!   are stored as `i16`, so one kernel serves both and 16-bit activations cost what 8-bit
-//!   ones do.
+//!   are stored as `i16`, so one AVX2 kernel serves both at one cost; with AVX-512 VNNI
+//!   they are also split into bytes for `vpdpbusd` (one pass for 8 bits, two for 16).
 //! - [`f16_matmul`]: the float path's product over f16 weights, widened in registers.
 //! - [`attention`]: causal attention of a chunk's query rows over a sequence's keys and
 //!   values, every (row, head) pair a work item on the pool.
 //! - [`Isa`]: the instruction set the kernels run with, detected at run time
-//!   (`QUANTMESH_KERNEL=scalar|avx2` forces one; the scalar path is the reference every
+//!   (`QUANTMESH_KERNEL=scalar|avx2|avx512` forces one; the scalar path is the reference every
 //!   SIMD kernel is tested against).
 //! - [`Pool`]: one persistent pool of workers for the forward pass, static contiguous work
 //!   ranges per thread.
@@ -22,6 +22,8 @@
 #![allow(unsafe_code)] // SIMD intrinsics and the pool's scoped jobs; each `unsafe` says why.
 
 mod attention;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 mod f16;
 mod isa;
 mod pool;

@@ -183,8 +183,14 @@ impl PackedQ8 {
             let dst = &dst;
             match isa {
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: `isa.available()` checked AVX2, FMA and F16C.
-                Isa::Avx2 => unsafe { crate::x86::q8_tiles(self, a, tiles, dst.0) },
+                // SAFETY: `isa.available()` checked AVX-512 F/BW/VNNI and AVX2, FMA, F16C;
+                // the activations hold their byte form.
+                Isa::Avx512 if a.bytes.is_some() => unsafe {
+                    crate::avx512::q8_tiles(self, a, tiles, dst.0)
+                },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `isa.available()` checked AVX2, FMA and F16C (AVX-512 implies them).
+                Isa::Avx2 | Isa::Avx512 => unsafe { crate::x86::q8_tiles(self, a, tiles, dst.0) },
                 _ => scalar::q8_tiles(self, a, tiles, dst.0),
             }
         };
@@ -224,8 +230,10 @@ impl ActBits {
 }
 
 /// Activation rows quantized per block of 32, values stored as `i16` whatever the bits (the
-/// kernels widen the weights to 16 bits and multiply pairs), one f32 scale per block.
-/// Reused across calls: quantizing into it allocates only when it grows.
+/// AVX2 and scalar kernels widen the weights to 16 bits and multiply pairs), one f32 scale
+/// per block. Quantized for [`Isa::Avx512`], they also hold the values as bytes for
+/// `vpdpbusd` (see [`ActBits`]' byte form). Reused across calls: quantizing into it
+/// allocates only when it grows.
 #[derive(Debug, Clone, Default)]
 pub struct Activations {
     pub(crate) rows: usize,
@@ -235,6 +243,14 @@ pub struct Activations {
     pub(crate) q: Vec<i16>,
     /// `[row][block]`.
     pub(crate) d: Vec<f32>,
+    /// The byte form, when quantized for [`Isa::Avx512`]: `Some(bits)`.
+    pub(crate) bytes: Option<ActBits>,
+    /// `[row][cols]`: `h + 128` as an unsigned byte, `h` the value (8-bit) or its high
+    /// byte `v >> 8` (16-bit). `vpdpbusd` multiplies unsigned by signed bytes; the kernel
+    /// takes the bias back off with the weights' own sums.
+    pub(crate) hi: Vec<u8>,
+    /// `[row][cols]`: the low byte `v & 0xff` (16-bit only), unsigned.
+    pub(crate) lo: Vec<u8>,
 }
 
 impl Activations {
@@ -287,7 +303,7 @@ impl Activations {
             .zip(self.d.iter_mut());
         match isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 if isa.available() => {
+            Isa::Avx2 | Isa::Avx512 if isa.available() => {
                 for ((x, q), d) in blocks {
                     // SAFETY: AVX2, FMA and F16C are available; blocks are 32 long.
                     *d = unsafe { crate::x86::quantize_act_block(x, q, max) };
@@ -299,7 +315,28 @@ impl Activations {
                 }
             }
         }
+        self.bytes = None;
+        if isa == Isa::Avx512 && isa.available() {
+            self.fill_bytes(bits);
+        }
         Ok(())
+    }
+
+    /// The byte form of the quantized values (see the fields): a 16-bit value `v` is
+    /// `256 · (v >> 8) + (v & 0xff)` exactly.
+    fn fill_bytes(&mut self, bits: ActBits) {
+        let n = self.q.len();
+        let sixteen = bits == ActBits::Sixteen;
+        self.hi.resize(n, 0);
+        self.lo.resize(if sixteen { n } else { 0 }, 0);
+        for (h, &v) in self.hi.iter_mut().zip(&self.q) {
+            let high = if sixteen { v >> 8 } else { v };
+            *h = (high + 128) as u8;
+        }
+        for (l, &v) in self.lo.iter_mut().zip(&self.q) {
+            *l = v as u8;
+        }
+        self.bytes = Some(bits);
     }
 
     /// The quantized rows as f32 (`rows × cols`).

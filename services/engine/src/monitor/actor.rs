@@ -40,12 +40,15 @@ pub struct RequestsTraced {
     pub span: tracing::Span,
 }
 
-/// Admin → monitor: pin a group to float or INT8, or hand it back to the detector.
+/// Admin → monitor: pin a group to float or INT8, or hand it back to the detector. With
+/// `span` (the admin call's, when traced) the decision is noted in it and its events carry
+/// its `traceparent`.
 #[derive(Message)]
 #[rtype(result = "Result<(), String>")]
 pub struct ForceGroup {
     pub group: GroupId,
     pub mode: ForceMode,
+    pub span: Option<tracing::Span>,
 }
 
 /// Config actor → monitor: new thresholds and residencies (hot reload).
@@ -73,12 +76,13 @@ pub struct MonitorActor {
 }
 
 impl MonitorActor {
-    /// Stamp each event with the `traceparent` of the request it is about (noting the
-    /// decision in the request's span) or of its own decision span.
-    fn stamp(&self, events: &mut [FallbackEvent]) {
+    /// Stamp each event with the `traceparent` of the call that asked for it (`asker`), else
+    /// of the request it is about (noting the decision in that span), else of its own
+    /// decision span.
+    fn stamp(&self, events: &mut [FallbackEvent], asker: Option<&tracing::Span>) {
         let Some(hook) = &self.trace_hook else { return };
         for ev in events {
-            let request = ev.request_id.and_then(|id| self.traced.get(&id));
+            let request = asker.or_else(|| ev.request_id.and_then(|id| self.traced.get(&id)));
             ev.traceparent = match request {
                 Some(span) => {
                     trace::note_decision(span, ev);
@@ -89,8 +93,13 @@ impl MonitorActor {
         }
     }
 
-    fn publish(&mut self, mut events: Vec<FallbackEvent>) {
-        self.stamp(&mut events);
+    fn publish(&mut self, events: Vec<FallbackEvent>) {
+        self.publish_under(events, None);
+    }
+
+    /// [`MonitorActor::publish`], the events stamped with `asker`'s trace when given.
+    fn publish_under(&mut self, mut events: Vec<FallbackEvent>, asker: Option<&tracing::Span>) {
+        self.stamp(&mut events, asker);
         let current = self.mask.load();
         let mut next = PathMask::clone(&current);
         self.core.apply_to(&mut next);
@@ -189,7 +198,7 @@ impl Handler<ForceGroup> for MonitorActor {
     fn handle(&mut self, msg: ForceGroup, _: &mut Self::Context) -> Self::Result {
         let events = self.core.force(msg.group, msg.mode)?;
         tracing::info!(group = %msg.group, mode = ?msg.mode, "group precision forced by admin");
-        self.publish(events);
+        self.publish_under(events, msg.span.as_ref());
         Ok(())
     }
 }

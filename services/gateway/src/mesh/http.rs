@@ -5,11 +5,12 @@ use crate::error::{parse_json, ApiError};
 use crate::mesh::client::{EngineView, Forward, InFlight};
 use crate::mesh::discovery::{system_resolver, Discovery, EngineEntry};
 use crate::mesh::route::{affinity_key, ClientTemplate, Mesh, MeshMetrics, NoEngine};
-use crate::routes::read_body;
+use crate::request_trace::{RequestId, ServerSpan};
+use crate::routes::read_request_body;
 use crate::settings::Settings;
 use actix::Actor;
 use actix_web::http::StatusCode;
-use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer};
+use actix_web::{web, App, HttpMessage, HttpRequest, HttpResponse, HttpServer};
 use bytes::Bytes;
 use futures::StreamExt;
 use prometheus::{Encoder, Registry, TextEncoder};
@@ -18,30 +19,60 @@ use std::future::Future;
 use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 pub struct MeshState {
     pub settings: Settings,
     pub mesh: Arc<Mesh>,
     pub registry: Registry,
+    /// One permit per generation in flight through the gateway (`max_concurrent_requests`),
+    /// taken before its body is read: 429 when none is left, as on an engine.
+    pub admission: Arc<Semaphore>,
 }
 
-/// Headers passed on to engines.
-const FORWARDED: [&str; 4] = ["content-type", "traceparent", "tracestate", "x-request-id"];
+/// Request headers passed on to engines as they came. `Authorization` goes through so an
+/// engine's own API keys and its per-key prefix-cache partitions work behind the gateway.
+const FORWARDED: [&str; 3] = ["content-type", "tracestate", "authorization"];
 
-fn forwarded(req: &HttpRequest, admin: bool) -> Vec<(String, String)> {
+/// The headers an engine call carries: [`FORWARDED`], the request id the gateway logs under
+/// (the caller's or a new one), and the trace context: the gateway's own span when traces
+/// are exported (the engine's spans become its children), else the caller's.
+fn forwarded(req: &HttpRequest) -> Vec<(String, String)> {
+    let header = |k: &str| {
+        req.headers()
+            .get(k)
+            .and_then(|v| v.to_str().ok())
+            .map(String::from)
+    };
     let mut h: Vec<(String, String)> = FORWARDED
         .iter()
-        .filter_map(|k| {
-            let v = req.headers().get(*k)?.to_str().ok()?;
-            Some((k.to_string(), v.to_string()))
-        })
+        .filter_map(|k| Some((k.to_string(), header(k)?)))
         .collect();
-    if admin {
-        if let Some(t) = auth::bearer(req) {
-            h.push(("authorization".into(), format!("Bearer {t}")));
-        }
+    let ext = req.extensions();
+    if let Some(id) = ext
+        .get::<RequestId>()
+        .map(|r| r.0.clone())
+        .or_else(|| header("x-request-id"))
+    {
+        h.push(("x-request-id".into(), id));
+    }
+    let own = ext
+        .get::<ServerSpan>()
+        .and_then(|s| crate::telemetry::traceparent(&s.0));
+    if let Some(tp) = own.or_else(|| header("traceparent")) {
+        h.push(("traceparent".into(), tp));
     }
     h
+}
+
+/// The engine's answer headers a client also gets from the gateway: its trace (replaced by
+/// the gateway's own span when the gateway exports traces) and request id.
+fn copy_trace_headers(from: &reqwest::header::HeaderMap, to: &mut actix_web::HttpResponseBuilder) {
+    for k in ["traceparent", "x-request-id"] {
+        if let Some(v) = from.get(k).and_then(|v| v.to_str().ok()) {
+            to.insert_header((k, v.to_string()));
+        }
+    }
 }
 
 fn reject(state: &MeshState, why: NoEngine) -> ApiError {
@@ -70,6 +101,16 @@ fn reject(state: &MeshState, why: NoEngine) -> ApiError {
     }
 }
 
+/// Take a generation's admission permit before its body is read (429 when none is left).
+fn admit(state: &MeshState) -> Result<OwnedSemaphorePermit, ApiError> {
+    state.admission.clone().try_acquire_owned().map_err(|_| {
+        ApiError::Overloaded(format!(
+            "{} requests in flight through the gateway (max_concurrent_requests)",
+            state.settings.server.max_concurrent_requests
+        ))
+    })
+}
+
 /// The SSE event that ends a stream whose engine failed after it had started.
 fn stream_error(engine: &str, e: &dyn std::fmt::Display) -> Bytes {
     let body = json!({"error": {
@@ -87,11 +128,12 @@ async fn generate(
     state: web::Data<MeshState>,
 ) -> Result<HttpResponse, ApiError> {
     auth::api_key(&req, &state.settings.server.api_keys)?;
-    let body = read_body(payload, state.settings.server.max_body_bytes).await?;
+    let permit = admit(&state)?;
+    let body = read_request_body(&req, payload, state.settings.server.max_body_bytes).await?;
     let v: serde_json::Value = parse_json(&body)?;
     let stream = v.get("stream").and_then(|s| s.as_bool()).unwrap_or(false);
     let key = affinity_key(&v, state.mesh.settings.affinity_chars);
-    let headers = forwarded(&req, false);
+    let headers = forwarded(&req);
     let mut tried = Vec::new();
     loop {
         let (i, choice) =
@@ -160,12 +202,15 @@ async fn generate(
             .and_then(|v| v.to_str().ok())
             .unwrap_or("application/json")
             .to_string();
+        let headers_back = resp.headers().clone();
         if !stream || !status.is_success() {
             // Nothing has reached the client yet: a body that breaks off is retried.
             match resp.bytes().await {
                 Ok(b) => {
                     routed();
-                    return Ok(HttpResponse::build(status)
+                    let mut answer = HttpResponse::build(status);
+                    copy_trace_headers(&headers_back, &mut answer);
+                    return Ok(answer
                         .content_type(content_type)
                         .insert_header(("x-quantmesh-engine", view.name.clone()))
                         .body(b));
@@ -179,8 +224,11 @@ async fn generate(
         routed();
         let name = view.name.clone();
         let failures = state.mesh.metrics.stream_failures.clone();
+        // The stream holds the engine's in-flight slot and the gateway's admission permit
+        // until it ends.
+        let held = Some((in_flight, permit));
         let body = futures::stream::unfold(
-            (resp.bytes_stream().boxed(), Some(in_flight), false),
+            (resp.bytes_stream().boxed(), held, false),
             move |(mut s, guard, done)| {
                 let (name, failures) = (name.clone(), failures.clone());
                 async move {
@@ -199,7 +247,9 @@ async fn generate(
                 }
             },
         );
-        return Ok(HttpResponse::Ok()
+        let mut answer = HttpResponse::Ok();
+        copy_trace_headers(&headers_back, &mut answer);
+        return Ok(answer
             .content_type("text/event-stream")
             .insert_header(("Cache-Control", "no-cache"))
             .insert_header(("x-quantmesh-engine", view.name.clone()))
@@ -222,7 +272,7 @@ async fn from_any_engine(
                 method: reqwest::Method::GET,
                 path: req.path().to_string(),
                 body: Bytes::new(),
-                headers: forwarded(&req, false),
+                headers: forwarded(&req),
             })
             .await;
         if let Ok(Ok(r)) = sent {
@@ -245,7 +295,7 @@ async fn admin(
     state: web::Data<MeshState>,
 ) -> Result<HttpResponse, ApiError> {
     auth::admin(&req, state.settings.server.admin_token.as_deref())?;
-    let body = read_body(payload, state.settings.server.max_body_bytes).await?;
+    let body = read_request_body(&req, payload, state.settings.server.max_body_bytes).await?;
     let method = reqwest::Method::from_bytes(req.method().as_str().as_bytes())
         .map_err(|e| ApiError::BadRequest(e.to_string()))?;
     let path = req
@@ -261,7 +311,7 @@ async fn admin(
                 method: method.clone(),
                 path: path.clone(),
                 body: body.clone(),
-                headers: forwarded(&req, true),
+                headers: forwarded(&req),
             };
             async move {
                 let answer = match addr.send(f).await {
@@ -361,6 +411,8 @@ pub async fn run_gateway(
         queue: settings.mesh.max_outstanding,
     };
     let mesh = Arc::new(Mesh::new(settings.mesh.clone(), metrics, template));
+    #[cfg(unix)]
+    actix_rt::spawn(crate::signals::log_sighup_without_reload());
     // Static engines are named by their place in the list (engine-1, engine-2, …); each DNS
     // service gets a discovery actor that adds its engines as they resolve.
     for (i, entry) in settings.mesh.engines.iter().enumerate() {
@@ -381,21 +433,31 @@ pub async fn run_gateway(
     }
     let timeout = settings.server.shutdown_timeout_secs;
     let state = web::Data::new(MeshState {
+        admission: Arc::new(Semaphore::new(settings.server.max_concurrent_requests)),
         settings,
         mesh,
         registry,
     });
     let addr = listener.local_addr()?;
-    let server = HttpServer::new(move || App::new().app_data(state.clone()).configure(configure))
-        .on_connect(|conn, _| {
-            if let Some(tcp) = conn.downcast_ref::<actix_web::rt::net::TcpStream>() {
-                let _ = tcp.set_nodelay(true);
-            }
-        })
-        .listen(listener)?
-        .shutdown_timeout(timeout)
-        .disable_signals()
-        .run();
+    // The embedded server's request middleware: request id, the request's log line and
+    // span (the gateway hop in the trace), its traceparent and x-request-id on the answer.
+    let server = HttpServer::new(move || {
+        App::new()
+            .app_data(state.clone())
+            .wrap(actix_web::middleware::from_fn(
+                crate::request_trace::request_context,
+            ))
+            .configure(configure)
+    })
+    .on_connect(|conn, _| {
+        if let Some(tcp) = conn.downcast_ref::<actix_web::rt::net::TcpStream>() {
+            let _ = tcp.set_nodelay(true);
+        }
+    })
+    .listen(listener)?
+    .shutdown_timeout(timeout)
+    .disable_signals()
+    .run();
     let handle = server.handle();
     let task = actix_rt::spawn(server);
     tracing::info!(%addr, "gateway listening");

@@ -286,7 +286,19 @@ impl Drop for Serve {
     }
 }
 
+/// The sum of `name`'s samples whose line contains every one of `labels`. Panics when the
+/// scrape does not declare `name` at all (`# TYPE name …`), so a renamed or unregistered
+/// metric fails the test instead of reading as 0.
 pub fn sum_metric(text: &str, name: &str, labels: &[&str]) -> f64 {
+    let declared = text.lines().any(|l| {
+        l.strip_prefix("# TYPE ")
+            .and_then(|r| r.split_whitespace().next())
+            .is_some_and(|n| n == name || n.strip_suffix("_total") == Some(name))
+    });
+    assert!(
+        declared,
+        "the scrape has no metric named {name} (renamed, or never registered?)"
+    );
     text.lines()
         .filter(|l| !l.starts_with('#'))
         .filter(|l| {

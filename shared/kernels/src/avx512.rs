@@ -1,0 +1,188 @@
+//! The Q8_0 product with AVX-512 VNNI (x86-64). Each function is `#[target_feature]` and
+//! `unsafe`: the caller checks [`crate::Isa::Avx512`] is available and that the
+//! activations hold their byte form.
+//!
+//! `vpdpbusd` multiplies 64 unsigned bytes by 64 signed bytes and adds each group of four
+//! products into a 32-bit lane. One 512-bit register holds one block of two weight rows
+//! (the packed tile keeps a block's rows adjacent), and an activation block (32 bytes) is
+//! broadcast to both halves, so one instruction makes 64 products: lanes 0–7 are the first
+//! row's partial sums, lanes 8–15 the second's.
+//!
+//! The activations go in as the unsigned operand, biased by 128; the bias comes back off
+//! lane by lane, because each block's accumulators start at `-128 · Σ w` over the lane's
+//! four weights (one more `vpdpbusd` per weight block, shared by all activation rows). So
+//! every lane holds exactly its four products:
+//!
+//! - 8-bit activations (W8A8): one instruction per 64 products.
+//! - 16-bit activations (W8A16): `a = 256 · hi + lo`, `hi` the signed high byte and `lo`
+//!   the unsigned low one: `Σ w · hi`, shifted left by 8, is the start of `Σ lo · w`. Two
+//!   instructions per 64 products; each lane's `Σ w · a` stays below 2²⁴ in magnitude.
+//!
+//! Each block's integer lanes become f32 once (exact: every lane is below 2²⁴) and are
+//! added with the two scales' product (`vfmadd`); the lanes of a row are summed once per
+//! tile, at the end. A register tile is one weight tile (4 rows: two registers) × `J`
+//! activation rows.
+
+use crate::q8::{Activations, PackedQ8, BLOCK, ROW_BLOCK, TILE_ROWS};
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+/// As [`crate::scalar::q8_tiles`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn q8_tiles(w: &PackedQ8, a: &Activations, tiles: Range<usize>, out: *mut f32) {
+    let sixteen = !a.lo.is_empty();
+    let mut m0 = 0;
+    while m0 < a.rows {
+        let m1 = (m0 + ROW_BLOCK).min(a.rows);
+        for t in tiles.clone() {
+            let mut m = m0;
+            if sixteen {
+                while m + 4 <= m1 {
+                    tile16::<4>(w, a, t, m, out);
+                    m += 4;
+                }
+                match m1 - m {
+                    3 => tile16::<3>(w, a, t, m, out),
+                    2 => tile16::<2>(w, a, t, m, out),
+                    1 => tile16::<1>(w, a, t, m, out),
+                    _ => {}
+                }
+            } else {
+                while m + 4 <= m1 {
+                    tile8::<4>(w, a, t, m, out);
+                    m += 4;
+                }
+                match m1 - m {
+                    3 => tile8::<3>(w, a, t, m, out),
+                    2 => tile8::<2>(w, a, t, m, out),
+                    1 => tile8::<1>(w, a, t, m, out),
+                    _ => {}
+                }
+            }
+        }
+        m0 = m1;
+    }
+}
+
+/// The sum of a 256-bit half's 8 lanes.
+#[target_feature(enable = "avx512f,avx2,fma")]
+#[inline]
+unsafe fn hsum256(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    _mm_cvtss_f32(s)
+}
+
+/// A row pair's accumulator (`[row0 lanes | row1 lanes]`) as the two rows' sums.
+#[target_feature(enable = "avx512f,avx2,fma")]
+#[inline]
+unsafe fn pair_sums(v: __m512) -> (f32, f32) {
+    let lo = _mm512_castps512_ps256(v);
+    let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    (hsum256(lo), hsum256(hi))
+}
+
+/// Tile `t`'s block `b`: the weight scales spread over the row pairs' lanes
+/// (`[d0 ×8 | d1 ×8]`, `[d2 ×8 | d3 ×8]`).
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[inline]
+unsafe fn weight_scales(wd: *const u8, b: usize) -> (__m512, __m512) {
+    let d = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64(
+        wd.add(b * TILE_ROWS * 2) as *const __m128i
+    )));
+    let i01 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    let i23 = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    (_mm512_permutexvar_ps(i01, d), _mm512_permutexvar_ps(i23, d))
+}
+
+/// 32 bytes at `p`, in both halves of a register.
+#[target_feature(enable = "avx512f,avx2")]
+#[inline]
+unsafe fn broadcast_block(p: *const u8) -> __m512i {
+    _mm512_broadcast_i64x4(_mm256_loadu_si256(p as *const __m256i))
+}
+
+/// Write the 4 outputs of tile `t` for activation row `m` (padding rows are dropped).
+#[inline]
+unsafe fn store(w: &PackedQ8, t: usize, m: usize, v: [f32; 4], out: *mut f32) {
+    let n = w.rows;
+    for (r, &v) in v.iter().enumerate() {
+        let col = t * TILE_ROWS + r;
+        if col < n {
+            *out.add(m * n + col) = v;
+        }
+    }
+}
+
+/// `-128 · Σ w` over each lane's four weights of a row pair's block: where the
+/// accumulators start, so the activations' bias of 128 cancels lane by lane.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn unbias(w: __m512i) -> __m512i {
+    let zero = _mm512_setzero_si512();
+    _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, _mm512_set1_epi8(-128), w))
+}
+
+/// Tile `t` for activation rows `m .. m + J`, 8-bit activations.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn tile8<const J: usize>(w: &PackedQ8, a: &Activations, t: usize, m: usize, out: *mut f32) {
+    let wq = w.qs.as_ptr().add(t * w.blocks * TILE_ROWS * BLOCK);
+    let wd = w.d.as_ptr().add(t * w.blocks * TILE_ROWS) as *const u8;
+    let mut acc = [[_mm512_setzero_ps(); 2]; J];
+    for b in 0..w.blocks {
+        let (s01, s23) = weight_scales(wd, b);
+        let wb = wq.add(b * TILE_ROWS * BLOCK);
+        let w01 = _mm512_loadu_si512(wb as *const _);
+        let w23 = _mm512_loadu_si512(wb.add(64) as *const _);
+        let (z01, z23) = (unbias(w01), unbias(w23));
+        for (j, acc) in acc.iter_mut().enumerate() {
+            let (row, blk) = ((m + j) * a.cols + b * BLOCK, (m + j) * a.blocks + b);
+            let av = broadcast_block(a.hi.as_ptr().add(row));
+            let da = _mm512_set1_ps(*a.d.get_unchecked(blk));
+            let d01 = _mm512_dpbusd_epi32(z01, av, w01);
+            let d23 = _mm512_dpbusd_epi32(z23, av, w23);
+            acc[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d01), _mm512_mul_ps(s01, da), acc[0]);
+            acc[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d23), _mm512_mul_ps(s23, da), acc[1]);
+        }
+    }
+    for (j, acc) in acc.iter().enumerate() {
+        let (r0, r1) = pair_sums(acc[0]);
+        let (r2, r3) = pair_sums(acc[1]);
+        store(w, t, m + j, [r0, r1, r2, r3], out);
+    }
+}
+
+/// Tile `t` for activation rows `m .. m + J`, 16-bit activations.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn tile16<const J: usize>(w: &PackedQ8, a: &Activations, t: usize, m: usize, out: *mut f32) {
+    let wq = w.qs.as_ptr().add(t * w.blocks * TILE_ROWS * BLOCK);
+    let wd = w.d.as_ptr().add(t * w.blocks * TILE_ROWS) as *const u8;
+    let mut acc = [[_mm512_setzero_ps(); 2]; J];
+    for b in 0..w.blocks {
+        let (s01, s23) = weight_scales(wd, b);
+        let wb = wq.add(b * TILE_ROWS * BLOCK);
+        let w01 = _mm512_loadu_si512(wb as *const _);
+        let w23 = _mm512_loadu_si512(wb.add(64) as *const _);
+        let (z01, z23) = (unbias(w01), unbias(w23));
+        for (j, acc) in acc.iter_mut().enumerate() {
+            let (row, blk) = ((m + j) * a.cols + b * BLOCK, (m + j) * a.blocks + b);
+            let ah = broadcast_block(a.hi.as_ptr().add(row));
+            let al = broadcast_block(a.lo.as_ptr().add(row));
+            let da = _mm512_set1_ps(*a.d.get_unchecked(blk));
+            let h01 = _mm512_slli_epi32::<8>(_mm512_dpbusd_epi32(z01, ah, w01));
+            let h23 = _mm512_slli_epi32::<8>(_mm512_dpbusd_epi32(z23, ah, w23));
+            let d01 = _mm512_dpbusd_epi32(h01, al, w01);
+            let d23 = _mm512_dpbusd_epi32(h23, al, w23);
+            acc[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d01), _mm512_mul_ps(s01, da), acc[0]);
+            acc[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d23), _mm512_mul_ps(s23, da), acc[1]);
+        }
+    }
+    for (j, acc) in acc.iter().enumerate() {
+        let (r0, r1) = pair_sums(acc[0]);
+        let (r2, r3) = pair_sums(acc[1]);
+        store(w, t, m + j, [r0, r1, r2, r3], out);
+    }
+}
