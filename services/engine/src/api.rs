@@ -36,6 +36,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use tokio::sync::mpsc;
 
+pub use crate::backend::cpu::leave_the_cores_to_the_kernel_pool;
 pub use crate::backend::{EmbeddingDtype, FloatDtype, Forms, SplitActivations, WeightBytes};
 pub use crate::budget::FloatBudget;
 pub use crate::config::EngineConfig;

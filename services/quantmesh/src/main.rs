@@ -70,6 +70,7 @@ enum Command {
 }
 
 fn main() -> anyhow::Result<()> {
+    quantmesh_engine::api::leave_the_cores_to_the_kernel_pool();
     match Cli::parse().command {
         Command::Serve(flags) | Command::Engine(flags) => quantmesh_gateway::serve_main(&flags),
         Command::Gateway(flags) => quantmesh_gateway::gateway_main(&flags),

@@ -199,6 +199,7 @@ fn step_for(bm: &mut BlockManager, seqs: &[(u64, Vec<u32>)]) -> StepInput {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    quantmesh_engine::api::leave_the_cores_to_the_kernel_pool();
     let args = parse()?;
     let bundled = args.model.is_none();
     let dir = args.model.clone().unwrap_or_else(|| {
