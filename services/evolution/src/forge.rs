@@ -125,12 +125,20 @@ pub enum PrOutcome {
         number: u64,
         url: String,
     },
+    /// The branch already held these bytes and its last pull request was closed without
+    /// merging: the same proposal is not opened again (a changed one is).
+    Declined {
+        branch: String,
+        number: u64,
+        url: String,
+    },
 }
 
 impl PrOutcome {
     pub fn label(&self) -> &'static str {
         match self {
             PrOutcome::NothingToPropose | PrOutcome::Unchanged { .. } => "unchanged",
+            PrOutcome::Declined { .. } => "declined",
             PrOutcome::Pushed { .. } | PrOutcome::Updated { .. } => "updated",
             PrOutcome::Opened { .. } => "opened",
         }
@@ -279,7 +287,31 @@ struct Pull {
     number: u64,
     html_url: Option<String>,
     head: PullHead,
+    /// `open` or `closed` (both forges).
+    #[serde(default)]
+    state: Option<String>,
+    /// GitHub and Gitea: when it was merged.
+    #[serde(default)]
+    merged_at: Option<String>,
+    /// Gitea: whether it was merged.
+    #[serde(default)]
+    merged: Option<bool>,
 }
+
+/// A pull request from `branch` as the forge lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PullInfo {
+    pub number: u64,
+    pub url: String,
+    pub open: bool,
+    pub merged: bool,
+}
+
+/// Pull requests per listed page (GitHub's `per_page` allows 100, Gitea's `limit` 50; each
+/// ignores the other's parameter).
+const PAGE: usize = 50;
+/// Pages read at most per lookup: the newest `PAGE · MAX_PAGES` pull requests.
+const MAX_PAGES: usize = 40;
 
 /// The forge's REST API.
 pub struct Forge {
@@ -364,28 +396,57 @@ impl Forge {
             .map_err(|e| ForgeError::Api(what.into(), format!("unexpected answer ({e}): {body}")))
     }
 
+    /// The pull requests from `branch` in `state` (`open`, `all`), newest first. The list
+    /// is read page by page (Gitea has no `head` filter and pages by `limit`; GitHub
+    /// filters by `head` and pages by `per_page`), and filtered here by head branch.
+    async fn pulls_from(&self, branch: &str, state: &str) -> Result<Vec<PullInfo>, ForgeError> {
+        let owner = self.s.repository.split('/').next().unwrap_or_default();
+        let head: String =
+            url::form_urlencoded::byte_serialize(format!("{owner}:{branch}").as_bytes()).collect();
+        let mut found = Vec::new();
+        for page in 1..=MAX_PAGES {
+            let list: Vec<Pull> = self
+                .send(
+                    "list pull requests",
+                    self.request(
+                        reqwest::Method::GET,
+                        &format!(
+                            "/pulls?state={state}&head={head}&sort=created&direction=desc&per_page={PAGE}&limit={PAGE}&page={page}"
+                        ),
+                    ),
+                )
+                .await?;
+            let n = list.len();
+            found.extend(list.into_iter().filter(|p| p.head.r#ref == branch).map(|p| PullInfo {
+                number: p.number,
+                url: p.html_url.unwrap_or_default(),
+                open: p.state.as_deref().is_none_or(|s| s == "open"),
+                merged: p.merged.unwrap_or(false) || p.merged_at.is_some(),
+            }));
+            if n < PAGE {
+                break;
+            }
+            if page == MAX_PAGES {
+                tracing::warn!(target: "quantmesh::evolution", pages = MAX_PAGES, "pull request list cut short: only the newest pages were read");
+            }
+        }
+        found.sort_by(|a, b| b.number.cmp(&a.number));
+        Ok(found)
+    }
+
     /// The open pull request whose head is `branch`: (number, url).
     pub async fn find_open(&self, branch: &str) -> Result<Option<(u64, String)>, ForgeError> {
-        let owner = self.s.repository.split('/').next().unwrap_or_default();
-        let open: Vec<Pull> = self
-            .send(
-                "list pull requests",
-                self.request(
-                    reqwest::Method::GET,
-                    &format!(
-                        "/pulls?state=open&head={}",
-                        url::form_urlencoded::byte_serialize(
-                            format!("{owner}:{branch}").as_bytes()
-                        )
-                        .collect::<String>()
-                    ),
-                ),
-            )
-            .await?;
-        Ok(open
+        Ok(self
+            .pulls_from(branch, "open")
+            .await?
             .into_iter()
-            .find(|p| p.head.r#ref == branch)
-            .map(|p| (p.number, p.html_url.unwrap_or_default())))
+            .find(|p| p.open)
+            .map(|p| (p.number, p.url)))
+    }
+
+    /// The newest pull request from `branch`, open or closed.
+    pub async fn latest(&self, branch: &str) -> Result<Option<PullInfo>, ForgeError> {
+        Ok(self.pulls_from(branch, "all").await?.into_iter().next())
     }
 
     /// Open a pull request from `branch` into `base`, or update the open one's title and

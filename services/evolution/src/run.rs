@@ -227,9 +227,17 @@ async fn run_inner(
         (None, _) => PrOutcome::NothingToPropose,
         (Some(false), None) => PrOutcome::Unchanged { branch },
         (Some(true), None) => PrOutcome::Pushed { branch },
-        (Some(false), Some(f)) => match f.find_open(&branch).await? {
-            Some(_) => PrOutcome::Unchanged { branch },
-            None => {
+        // The branch already holds this proposal: leave an open PR alone, and do not reopen
+        // one a reviewer closed without merging (a changed proposal moves the branch and
+        // opens a new one).
+        (Some(false), Some(f)) => match f.latest(&branch).await? {
+            Some(p) if p.open => PrOutcome::Unchanged { branch },
+            Some(p) if !p.merged => PrOutcome::Declined {
+                branch,
+                number: p.number,
+                url: p.url,
+            },
+            _ => {
                 f.open_or_update(&branch, &s.git.base, &title, &body)
                     .await?
             }

@@ -249,13 +249,53 @@ async fn evidence_becomes_one_pull_request_and_newer_evidence_updates_it() {
         git(Path::new(&remote), &["rev-parse", "quantmesh/evolve/tiny"]),
         head
     );
-    let st = stub.lock().unwrap();
-    let last = st.requests.last().unwrap();
-    assert_eq!(
-        (last.method.as_str(), last.path.as_str()),
-        ("PATCH", "/repos/acme/plans/pulls/1")
+    {
+        let st = stub.lock().unwrap();
+        let last = st.requests.last().unwrap();
+        assert_eq!(
+            (last.method.as_str(), last.path.as_str()),
+            ("PATCH", "/repos/acme/plans/pulls/1")
+        );
+        assert_eq!(st.open().len(), 1);
+    }
+
+    // A reviewer closes it without merging, and other branches' pull requests pile up past
+    // a page: the same evidence again is not proposed again…
+    {
+        let mut st = stub.lock().unwrap();
+        st.close(1, false);
+        for i in 0..130 {
+            let n = st.add(&format!("someone/else-{i}"));
+            if i % 2 == 0 {
+                st.close(n, true);
+            }
+        }
+    }
+    let posts = |stub: &std::sync::Arc<std::sync::Mutex<forge_stub::Stub>>| {
+        stub.lock()
+            .unwrap()
+            .requests
+            .iter()
+            .filter(|r| r.method == "POST" && r.path.ends_with("/pulls"))
+            .count()
+    };
+    let before = posts(&stub);
+    let (report, _) = run_once(&s, &lake, span, false, None).await.unwrap();
+    assert!(
+        matches!(report.outcome, Some(PrOutcome::Declined { number: 1, .. })),
+        "{:?}",
+        report.outcome
     );
-    assert_eq!(st.open.len(), 1);
+    assert_eq!(posts(&stub), before, "a declined proposal was reopened");
+    // …while changed evidence is: a new pull request.
+    fill_lake(&lake, 80, 0.02).await;
+    let (report, _) = run_once(&s, &lake, span, false, None).await.unwrap();
+    assert!(
+        matches!(report.outcome, Some(PrOutcome::Opened { number: 132, .. })),
+        "{:?}",
+        report.outcome
+    );
+    assert_eq!(posts(&stub), before + 1);
     // The token never reached the log or the repository.
     assert!(!git(Path::new(&remote), &["log", "-p", "--all"]).contains("s3cret"));
 }

@@ -95,6 +95,15 @@ fn model_shapes() {
         head_dim: 64,
     };
     check(s, 7, 2, 2);
+    // Width 128 (Llama-style heads; its own SIMD form), grouped 4 to 1.
+    let s = AttentionShape {
+        rows: 9,
+        start: 20,
+        heads: 8,
+        kv_heads: 2,
+        head_dim: 128,
+    };
+    check(s, 3, 3, 2);
 }
 
 #[test]

@@ -1,8 +1,9 @@
 //! A local stand-in for a git forge's REST API (GitHub's pulls and labels endpoints, for
 //! repository `acme/plans`) — **test code only**: no git forge server is installable from
 //! our registries. It records every request (method, path, auth header, JSON body) for the
-//! tests to check, and keeps the open pull requests so that "find the open PR for this
-//! branch" works. Shared by `services/evolution/tests/forge.rs` and the end-to-end loop in
+//! tests to check, and keeps the pull requests (open, closed, merged) so that looking up a
+//! branch's pull requests works. Lists are paged like Gitea's (`limit`, `page`, no `head`
+//! filter): a client that reads one page misses older ones. Shared by `services/evolution/tests/forge.rs` and the end-to-end loop in
 //! `services/quantmesh/tests/evolution.rs` (included there by path).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, dead_code)]
@@ -18,11 +19,64 @@ pub struct Req {
     pub body: serde_json::Value,
 }
 
+#[derive(Debug, Clone)]
+pub struct Pr {
+    pub number: u64,
+    pub head: String,
+    pub open: bool,
+    pub merged: bool,
+}
+
 #[derive(Default)]
 pub struct Stub {
     pub requests: Vec<Req>,
-    /// Open pull requests: (number, head branch).
-    pub open: Vec<(u64, String)>,
+    pub pulls: Vec<Pr>,
+}
+
+impl Stub {
+    /// A new pull request from `head` (what `POST /pulls` does).
+    pub fn add(&mut self, head: &str) -> u64 {
+        let number = self.pulls.len() as u64 + 1;
+        self.pulls.push(Pr {
+            number,
+            head: head.into(),
+            open: true,
+            merged: false,
+        });
+        number
+    }
+
+    /// Close pull request `number`, merged or not (what a reviewer does).
+    pub fn close(&mut self, number: u64, merged: bool) {
+        let p = self.pulls.iter_mut().find(|p| p.number == number).unwrap();
+        p.open = false;
+        p.merged = merged;
+    }
+
+    pub fn open(&self) -> Vec<&Pr> {
+        self.pulls.iter().filter(|p| p.open).collect()
+    }
+}
+
+fn pr_json(p: &Pr) -> serde_json::Value {
+    let n = p.number;
+    serde_json::json!({
+        "number": n,
+        "html_url": format!("https://forge/acme/plans/pull/{n}"),
+        "head": {"ref": p.head},
+        "state": if p.open { "open" } else { "closed" },
+        "merged_at": if p.merged { serde_json::json!("2026-01-01T00:00:00Z") } else { serde_json::Value::Null },
+    })
+}
+
+/// A query parameter of `path`.
+fn param<'a>(path: &'a str, key: &str) -> Option<&'a str> {
+    path.split_once('?')?
+        .1
+        .split('&')
+        .filter_map(|kv| kv.split_once('='))
+        .find(|(k, _)| *k == key)
+        .map(|(_, v)| v)
 }
 
 /// A local stand-in for `api.github.com` (owner `acme`, repo `plans`).
@@ -83,34 +137,35 @@ pub async fn start_stub() -> (String, Arc<Mutex<Stub>>) {
                     let route = path.split('?').next().unwrap().to_string();
                     match (method.as_str(), route.as_str()) {
                         ("GET", "/repos/acme/plans/pulls") => {
+                            let state = param(&path, "state").unwrap_or("open");
+                            let limit: usize =
+                                param(&path, "limit").and_then(|v| v.parse().ok()).unwrap_or(30);
+                            let page: usize =
+                                param(&path, "page").and_then(|v| v.parse().ok()).unwrap_or(1);
+                            // Newest first, like both forges' default order.
                             let list: Vec<_> = s
-                                .open
+                                .pulls
                                 .iter()
-                                .map(|(n, h)| serde_json::json!({"number": n, "html_url": format!("https://forge/acme/plans/pull/{n}"), "head": {"ref": h}}))
+                                .rev()
+                                .filter(|p| state == "all" || (state == "open") == p.open)
+                                .skip((page - 1) * limit)
+                                .take(limit)
+                                .map(pr_json)
                                 .collect();
                             ("200 OK", serde_json::Value::Array(list))
                         }
                         ("POST", "/repos/acme/plans/pulls") => {
-                            let n = s.open.len() as u64 + 1;
                             let head = body["head"].as_str().unwrap_or_default().to_string();
-                            s.open.push((n, head.clone()));
-                            (
-                                "201 Created",
-                                serde_json::json!({"number": n, "html_url": format!("https://forge/acme/plans/pull/{n}"), "head": {"ref": head}}),
-                            )
+                            let n = s.add(&head);
+                            let p = s.pulls[n as usize - 1].clone();
+                            ("201 Created", pr_json(&p))
                         }
                         ("PATCH", r) if r.starts_with("/repos/acme/plans/pulls/") => {
                             let n: u64 = r.rsplit('/').next().unwrap().parse().unwrap();
-                            let head = s
-                                .open
-                                .iter()
-                                .find(|(m, _)| *m == n)
-                                .map(|(_, h)| h.clone())
-                                .unwrap_or_default();
-                            (
-                                "200 OK",
-                                serde_json::json!({"number": n, "html_url": format!("https://forge/acme/plans/pull/{n}"), "head": {"ref": head}}),
-                            )
+                            match s.pulls.iter().find(|p| p.number == n) {
+                                Some(p) => ("200 OK", pr_json(p)),
+                                None => ("404 Not Found", serde_json::json!({"message": "Not Found"})),
+                            }
                         }
                         ("POST", r)
                             if r.starts_with("/repos/acme/plans/issues/")
