@@ -417,12 +417,16 @@ impl Forge {
                 )
                 .await?;
             let n = list.len();
-            found.extend(list.into_iter().filter(|p| p.head.r#ref == branch).map(|p| PullInfo {
-                number: p.number,
-                url: p.html_url.unwrap_or_default(),
-                open: p.state.as_deref().is_none_or(|s| s == "open"),
-                merged: p.merged.unwrap_or(false) || p.merged_at.is_some(),
-            }));
+            found.extend(
+                list.into_iter()
+                    .filter(|p| p.head.r#ref == branch)
+                    .map(|p| PullInfo {
+                        number: p.number,
+                        url: p.html_url.unwrap_or_default(),
+                        open: p.state.as_deref().is_none_or(|s| s == "open"),
+                        merged: p.merged.unwrap_or(false) || p.merged_at.is_some(),
+                    }),
+            );
             if n < PAGE {
                 break;
             }

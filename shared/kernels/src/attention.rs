@@ -171,7 +171,12 @@ mod x86 {
     /// available.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    pub(super) unsafe fn weighted_sum<const C: usize>(p: &[f32], v: &[f32], inv: f32, o: &mut [f32]) {
+    pub(super) unsafe fn weighted_sum<const C: usize>(
+        p: &[f32],
+        v: &[f32],
+        inv: f32,
+        o: &mut [f32],
+    ) {
         let hd = 8 * C;
         assert!(o.len() == hd && v.len() >= p.len() * hd);
         // SAFETY: `v` holds a row of `hd` values per weight and `o` holds `hd` (checked).

@@ -11,6 +11,7 @@
 //!   are stored as `i16`, so one AVX2 kernel serves both at one cost; with AVX-512 VNNI
 //!   they are also split into bytes for `vpdpbusd` (one pass for 8 bits, two for 16).
 //! - [`f16_matmul`]: the float path's product over f16 weights, widened in registers.
+//! - [`swiglu`]: `silu(gate) · up` over the rows of a fused gate/up product.
 //! - [`attention`]: causal attention of a chunk's query rows over a sequence's keys and
 //!   values, every (row, head) pair a work item on the pool.
 //! - [`Isa`]: the instruction set the kernels run with, detected at run time
@@ -29,6 +30,7 @@ mod isa;
 mod pool;
 mod q8;
 mod scalar;
+mod swiglu;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
@@ -37,6 +39,7 @@ pub use f16::f16_matmul;
 pub use isa::Isa;
 pub use pool::Pool;
 pub use q8::{ActBits, Activations, PackedQ8, BLOCK, TILE_ROWS};
+pub use swiglu::swiglu;
 
 /// What a kernel call was given that it cannot work with.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

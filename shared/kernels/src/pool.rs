@@ -135,6 +135,23 @@ impl Pool {
             panic!("a kernel worker panicked");
         }
     }
+
+    /// `f` on every item of `items`, each thread taking a contiguous share (see
+    /// [`Pool::run`]: a concurrent or nested call runs on the calling thread alone).
+    pub fn for_each_mut<T: Send>(&self, items: &mut [T], f: impl Fn(&mut T) + Sync) {
+        struct Items<T>(*mut T);
+        // SAFETY: each thread touches only the items of its own share (disjoint ranges),
+        // and `run` returns after every share is done, while `items` is still borrowed.
+        unsafe impl<T: Send> Sync for Items<T> {}
+        let (base, n) = (Items(items.as_mut_ptr()), items.len());
+        let base = &base;
+        self.run(&|i, t| {
+            for k in share(n, i, t) {
+                // SAFETY: `k < n`, and no other thread's share contains `k`.
+                f(unsafe { &mut *base.0.add(k) })
+            }
+        });
+    }
 }
 
 /// Waits for the workers' shares, then withdraws the job.

@@ -17,7 +17,7 @@ use crate::trace::SeqTrace;
 use quantmesh_types::{FinishReason, SamplingParams, TokenLogprobs};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SchedulerLimits {
@@ -421,10 +421,33 @@ impl Scheduler {
                 }
                 self.running.push(f);
             }
-            let (ev, reason) = self.running[i].sample_next(logits);
-            events.extend(ev);
-            if let Some(r) = reason {
-                ended.push((*id, r));
+        }
+        // Every sequence that got logits samples its next token; they are independent (own
+        // parameters, own generator), so a batch samples on the kernels' pool.
+        let logits: HashMap<SeqId, &[f32]> = out
+            .logits
+            .iter()
+            .map(|(id, l)| (*id, l.as_slice()))
+            .collect();
+        type Sampled = (Option<SeqEvent>, Option<FinishReason>);
+        let mut jobs: Vec<(&mut Sequence, &[f32], Option<Sampled>)> = self
+            .running
+            .iter_mut()
+            .filter_map(|s| logits.get(&s.id).map(|&l| (s, l, None)))
+            .collect();
+        let sample = |(seq, logits, done): &mut (&mut Sequence, &[f32], Option<Sampled>)| {
+            *done = Some(seq.sample_next(logits));
+        };
+        match jobs.len() {
+            0..=3 => jobs.iter_mut().for_each(sample),
+            _ => quantmesh_kernels::Pool::global().for_each_mut(&mut jobs, sample),
+        }
+        for (seq, _, done) in jobs {
+            if let Some((ev, reason)) = done {
+                events.extend(ev);
+                if let Some(r) = reason {
+                    ended.push((seq.id, r));
+                }
             }
         }
         for (id, r) in ended {

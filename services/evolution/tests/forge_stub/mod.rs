@@ -138,10 +138,12 @@ pub async fn start_stub() -> (String, Arc<Mutex<Stub>>) {
                     match (method.as_str(), route.as_str()) {
                         ("GET", "/repos/acme/plans/pulls") => {
                             let state = param(&path, "state").unwrap_or("open");
-                            let limit: usize =
-                                param(&path, "limit").and_then(|v| v.parse().ok()).unwrap_or(30);
-                            let page: usize =
-                                param(&path, "page").and_then(|v| v.parse().ok()).unwrap_or(1);
+                            let limit: usize = param(&path, "limit")
+                                .and_then(|v| v.parse().ok())
+                                .unwrap_or(30);
+                            let page: usize = param(&path, "page")
+                                .and_then(|v| v.parse().ok())
+                                .unwrap_or(1);
                             // Newest first, like both forges' default order.
                             let list: Vec<_> = s
                                 .pulls
@@ -164,7 +166,9 @@ pub async fn start_stub() -> (String, Arc<Mutex<Stub>>) {
                             let n: u64 = r.rsplit('/').next().unwrap().parse().unwrap();
                             match s.pulls.iter().find(|p| p.number == n) {
                                 Some(p) => ("200 OK", pr_json(p)),
-                                None => ("404 Not Found", serde_json::json!({"message": "Not Found"})),
+                                None => {
+                                    ("404 Not Found", serde_json::json!({"message": "Not Found"}))
+                                }
                             }
                         }
                         ("POST", r)

@@ -19,7 +19,7 @@ use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
 use candle_core::{DType, Device, Tensor};
 use linear::DualLinear;
-use quantmesh_model::ops::{rms_norm, rope, rope_tables, swiglu_fused, GroupWeights};
+use quantmesh_model::ops::{rms_norm, rope, rope_tables, GroupWeights};
 use quantmesh_model::{names, Checkpoint, ModelConfig};
 use quantmesh_types::{GroupId, GroupKind, Residency};
 use reference::ReferenceWeights;
@@ -37,6 +37,25 @@ pub fn leave_the_cores_to_the_kernel_pool() {
     if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
         std::env::set_var("CANDLE_NUM_THREADS", "1");
     }
+}
+
+/// `silu(gate) · up` over the fused `gate_up` output `[rows, 2·inter]` (gate first), on the
+/// kernels' pool (the same function as `quantmesh_model::ops::swiglu_fused`, to an ulp).
+fn swiglu_rows(gu: &Tensor, inter: usize) -> Result<Tensor> {
+    let (rows, _) = gu.dims2()?;
+    let mut out = vec![0f32; rows * inter];
+    linear::with_f32_rows(gu, |x| {
+        quantmesh_kernels::swiglu(
+            x,
+            rows,
+            inter,
+            &mut out,
+            quantmesh_kernels::Isa::current(),
+            quantmesh_kernels::Pool::global(),
+        )?;
+        Ok(())
+    })?;
+    Ok(Tensor::from_vec(out, (rows, inter), &Device::Cpu)?)
 }
 
 /// `base` with the rows listed in `rows` replaced by the rows of `with` (same order).
@@ -413,7 +432,7 @@ impl Backend for LlamaModel {
             let h = rms_norm(&x, &layer.post_norm, cfg.rms_norm_eps)?;
             let gu = self.run_group(layer, g(GroupKind::GateUp), &h, router)?;
             let inter = cfg.intermediate_size;
-            let mut act = swiglu_fused(&gu, inter)?;
+            let mut act = swiglu_rows(&gu, inter)?;
             let down = g(GroupKind::Down);
             let down_path = router.route(down, &act)?;
             let coupled = router.coupled_gate_up_rows(l);
@@ -427,7 +446,7 @@ impl Backend for LlamaModel {
                     self.forms.split,
                 )?;
                 router.record(g(GroupKind::GateUp), o);
-                act = replace_rows(&act, &coupled, &swiglu_fused(&gu_f, inter)?)?;
+                act = replace_rows(&act, &coupled, &swiglu_rows(&gu_f, inter)?)?;
             }
             let (y, o) = self.forward_group(layer, down, &act, &down_path)?;
             router.record(down, o);
