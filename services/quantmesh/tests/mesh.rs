@@ -505,6 +505,16 @@ async fn the_gateway_forwards_keys_and_limits_before_reading_the_body() {
         p.ready(&client).await;
     }
     let body = serde_json::json!({"prompt": "Hello", "max_tokens": 2});
+    // A completion through the gateway with the engine's key.
+    let keyed = || async {
+        client
+            .post(gw.url("/v1/completions"))
+            .bearer_auth(key)
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+    };
 
     // The key goes through: the engine accepts it, and refuses a call without one.
     let r = client
@@ -552,13 +562,7 @@ async fn the_gateway_forwards_keys_and_limits_before_reading_the_body() {
     // Its permit is back once a request gets through again.
     let t0 = Instant::now();
     loop {
-        let r = client
-            .post(gw.url("/v1/completions"))
-            .bearer_auth(key)
-            .json(&body)
-            .send()
-            .await
-            .unwrap();
+        let r = keyed().await;
         if r.status() == 200 {
             break;
         }
@@ -572,13 +576,7 @@ async fn the_gateway_forwards_keys_and_limits_before_reading_the_body() {
     ));
     let t0 = Instant::now();
     let status = loop {
-        let r = client
-            .post(gw.url("/v1/completions"))
-            .bearer_auth(key)
-            .json(&body)
-            .send()
-            .await
-            .unwrap();
+        let r = keyed().await;
         // The slow request reaches the gateway's handler a moment after its headers.
         if r.status() == 429 || t0.elapsed() > Duration::from_secs(30) {
             break r.status();
@@ -598,12 +596,5 @@ async fn the_gateway_forwards_keys_and_limits_before_reading_the_body() {
     let answer = String::from_utf8_lossy(&answer[..n]);
     assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
     drop(slow);
-    let r = client
-        .post(gw.url("/v1/completions"))
-        .bearer_auth(key)
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200, "the permit came back");
+    assert_eq!(keyed().await.status(), 200, "the permit came back");
 }

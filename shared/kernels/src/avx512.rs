@@ -35,43 +35,36 @@ pub(crate) unsafe fn q8_tiles(w: &PackedQ8, a: &Activations, tiles: Range<usize>
     while m0 < a.rows {
         let m1 = (m0 + ROW_BLOCK).min(a.rows);
         for t in tiles.clone() {
-            let mut m = m0;
-            if sixteen {
-                while m + 4 <= m1 {
-                    tile16::<4>(w, a, t, m, out);
-                    m += 4;
-                }
-                match m1 - m {
-                    3 => tile16::<3>(w, a, t, m, out),
-                    2 => tile16::<2>(w, a, t, m, out),
-                    1 => tile16::<1>(w, a, t, m, out),
-                    _ => {}
-                }
-            } else {
-                while m + 4 <= m1 {
-                    tile8::<4>(w, a, t, m, out);
-                    m += 4;
-                }
-                match m1 - m {
-                    3 => tile8::<3>(w, a, t, m, out),
-                    2 => tile8::<2>(w, a, t, m, out),
-                    1 => tile8::<1>(w, a, t, m, out),
-                    _ => {}
-                }
+            match sixteen {
+                true => rows::<true>(w, a, t, m0..m1, out),
+                false => rows::<false>(w, a, t, m0..m1, out),
             }
         }
         m0 = m1;
     }
 }
 
-/// The sum of a 256-bit half's 8 lanes.
-#[target_feature(enable = "avx512f,avx2,fma")]
+/// Tile `t` for activation rows `rows`, in register tiles of 4 rows and one of the rest.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 #[inline]
-unsafe fn hsum256(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    _mm_cvtss_f32(s)
+unsafe fn rows<const SIXTEEN: bool>(
+    w: &PackedQ8,
+    a: &Activations,
+    t: usize,
+    rows: Range<usize>,
+    out: *mut f32,
+) {
+    let mut m = rows.start;
+    while m + 4 <= rows.end {
+        tile::<4, SIXTEEN>(w, a, t, m, out);
+        m += 4;
+    }
+    match rows.end - m {
+        3 => tile::<3, SIXTEEN>(w, a, t, m, out),
+        2 => tile::<2, SIXTEEN>(w, a, t, m, out),
+        1 => tile::<1, SIXTEEN>(w, a, t, m, out),
+        _ => {}
+    }
 }
 
 /// A row pair's accumulator (`[row0 lanes | row1 lanes]`) as the two rows' sums.
@@ -80,7 +73,7 @@ unsafe fn hsum256(v: __m256) -> f32 {
 unsafe fn pair_sums(v: __m512) -> (f32, f32) {
     let lo = _mm512_castps512_ps256(v);
     let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-    (hsum256(lo), hsum256(hi))
+    (crate::x86::hsum(lo), crate::x86::hsum(hi))
 }
 
 /// Tile `t`'s block `b`: the weight scales spread over the row pairs' lanes
@@ -124,40 +117,17 @@ unsafe fn unbias(w: __m512i) -> __m512i {
     _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, _mm512_set1_epi8(-128), w))
 }
 
-/// Tile `t` for activation rows `m .. m + J`, 8-bit activations.
+/// Tile `t` for activation rows `m .. m + J`: 8-bit activations, or 16-bit ones
+/// (`SIXTEEN`: the high bytes' sums shifted left by 8 start the low bytes').
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 #[inline]
-unsafe fn tile8<const J: usize>(w: &PackedQ8, a: &Activations, t: usize, m: usize, out: *mut f32) {
-    let wq = w.qs.as_ptr().add(t * w.blocks * TILE_ROWS * BLOCK);
-    let wd = w.d.as_ptr().add(t * w.blocks * TILE_ROWS) as *const u8;
-    let mut acc = [[_mm512_setzero_ps(); 2]; J];
-    for b in 0..w.blocks {
-        let (s01, s23) = weight_scales(wd, b);
-        let wb = wq.add(b * TILE_ROWS * BLOCK);
-        let w01 = _mm512_loadu_si512(wb as *const _);
-        let w23 = _mm512_loadu_si512(wb.add(64) as *const _);
-        let (z01, z23) = (unbias(w01), unbias(w23));
-        for (j, acc) in acc.iter_mut().enumerate() {
-            let (row, blk) = ((m + j) * a.cols + b * BLOCK, (m + j) * a.blocks + b);
-            let av = broadcast_block(a.hi.as_ptr().add(row));
-            let da = _mm512_set1_ps(*a.d.get_unchecked(blk));
-            let d01 = _mm512_dpbusd_epi32(z01, av, w01);
-            let d23 = _mm512_dpbusd_epi32(z23, av, w23);
-            acc[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d01), _mm512_mul_ps(s01, da), acc[0]);
-            acc[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d23), _mm512_mul_ps(s23, da), acc[1]);
-        }
-    }
-    for (j, acc) in acc.iter().enumerate() {
-        let (r0, r1) = pair_sums(acc[0]);
-        let (r2, r3) = pair_sums(acc[1]);
-        store(w, t, m + j, [r0, r1, r2, r3], out);
-    }
-}
-
-/// Tile `t` for activation rows `m .. m + J`, 16-bit activations.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-#[inline]
-unsafe fn tile16<const J: usize>(w: &PackedQ8, a: &Activations, t: usize, m: usize, out: *mut f32) {
+unsafe fn tile<const J: usize, const SIXTEEN: bool>(
+    w: &PackedQ8,
+    a: &Activations,
+    t: usize,
+    m: usize,
+    out: *mut f32,
+) {
     let wq = w.qs.as_ptr().add(t * w.blocks * TILE_ROWS * BLOCK);
     let wd = w.d.as_ptr().add(t * w.blocks * TILE_ROWS) as *const u8;
     let mut acc = [[_mm512_setzero_ps(); 2]; J];
@@ -170,12 +140,14 @@ unsafe fn tile16<const J: usize>(w: &PackedQ8, a: &Activations, t: usize, m: usi
         for (j, acc) in acc.iter_mut().enumerate() {
             let (row, blk) = ((m + j) * a.cols + b * BLOCK, (m + j) * a.blocks + b);
             let ah = broadcast_block(a.hi.as_ptr().add(row));
-            let al = broadcast_block(a.lo.as_ptr().add(row));
             let da = _mm512_set1_ps(*a.d.get_unchecked(blk));
-            let h01 = _mm512_slli_epi32::<8>(_mm512_dpbusd_epi32(z01, ah, w01));
-            let h23 = _mm512_slli_epi32::<8>(_mm512_dpbusd_epi32(z23, ah, w23));
-            let d01 = _mm512_dpbusd_epi32(h01, al, w01);
-            let d23 = _mm512_dpbusd_epi32(h23, al, w23);
+            let mut d01 = _mm512_dpbusd_epi32(z01, ah, w01);
+            let mut d23 = _mm512_dpbusd_epi32(z23, ah, w23);
+            if SIXTEEN {
+                let al = broadcast_block(a.lo.as_ptr().add(row));
+                d01 = _mm512_dpbusd_epi32(_mm512_slli_epi32::<8>(d01), al, w01);
+                d23 = _mm512_dpbusd_epi32(_mm512_slli_epi32::<8>(d23), al, w23);
+            }
             acc[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d01), _mm512_mul_ps(s01, da), acc[0]);
             acc[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d23), _mm512_mul_ps(s23, da), acc[1]);
         }
