@@ -434,7 +434,7 @@ impl Forge {
                 tracing::warn!(target: "quantmesh::evolution", pages = MAX_PAGES, "pull request list cut short: only the newest pages were read");
             }
         }
-        found.sort_by(|a, b| b.number.cmp(&a.number));
+        found.sort_by_key(|p| std::cmp::Reverse(p.number));
         Ok(found)
     }
 
