@@ -571,9 +571,31 @@ async fn the_gateway_forwards_keys_and_limits_before_reading_the_body() {
     }
 
     // A request whose body is still arriving holds the only permit: the next one is 429.
-    let mut slow = raw(&format!(
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nContent-Type: application/json\r\nContent-Length: 200\r\n\r\n{{"
-    ));
+    // (The permit of the request before may outlive its answer by a moment: a slow request
+    // refused for it is sent again.)
+    let t0 = Instant::now();
+    let mut slow = loop {
+        let mut slow = raw(&format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nContent-Type: application/json\r\nContent-Length: 200\r\n\r\n{{"
+        ));
+        slow.set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        let mut answer = [0u8; 64];
+        match slow.read(&mut answer) {
+            Ok(n) => {
+                let answer = String::from_utf8_lossy(&answer[..n]).to_string();
+                assert!(answer.starts_with("HTTP/1.1 429"), "{answer}");
+                assert!(t0.elapsed() < Duration::from_secs(30), "never admitted");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            // Waiting for the rest of its body: it holds the permit.
+            Err(_) => {
+                slow.set_read_timeout(Some(Duration::from_secs(20)))
+                    .unwrap();
+                break slow;
+            }
+        }
+    };
     let t0 = Instant::now();
     let status = loop {
         let r = keyed().await;

@@ -227,7 +227,24 @@ async fn every_dashboard_and_alert_query_runs_on_a_real_prometheus() {
         assert!(Instant::now() < deadline, "Prometheus did not scrape: {v}");
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Rates need samples after the load: wait for three scrapes of it.
+    loop {
+        let v = prom
+            .query_any(&http, "max(count_over_time(quantmesh_requests_total[1m]))")
+            .await;
+        let scrapes = v["data"]["result"][0]["value"][1]
+            .as_str()
+            .and_then(|s| s.parse::<f64>().ok())
+            .unwrap_or(0.0);
+        if scrapes >= 3.0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "Prometheus stopped scraping: {v}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 
     let mut failures = Vec::new();
     let exported: HashSet<String> = {
