@@ -121,31 +121,157 @@ struct Call<'a> {
 #[target_feature(enable = "avx2,fma")]
 unsafe fn item_avx2(call: &Call<'_>, item: usize, scores: &mut [f32], out: *mut f32) {
     match call.shape.head_dim {
-        // SAFETY (both arms): AVX2 and FMA are available, as for this function.
-        64 => call.item_with(
-            item,
-            scores,
-            out,
-            |a, b| unsafe { x86::dot::<8>(a, b) },
-            |p, v, inv, o| unsafe { x86::weighted_sum::<8>(p, v, inv, o) },
-        ),
-        128 => call.item_with(
-            item,
-            scores,
-            out,
-            |a, b| unsafe { x86::dot::<16>(a, b) },
-            |p, v, inv, o| unsafe { x86::weighted_sum::<16>(p, v, inv, o) },
-        ),
-        _ => call.item(item, scores, out),
+        64 => call.item_with::<x86::Avx2<8>>(item, scores, out),
+        128 => call.item_with::<x86::Avx2<16>>(item, scores, out),
+        _ => call.item_with::<Portable>(item, scores, out),
     }
 }
 
-/// The common head widths (64, 128) with their products in AVX2 registers: the same
-/// operations in the same order as [`dot`] and [`weighted_sum`], so the same bits, with
-/// the output kept in registers across the keys instead of read and written per key.
+/// The four loops of an item. [`Portable`] is the reference; a SIMD form must do the same
+/// operations in the same order (the tests compare bits).
+trait Loops {
+    /// Σ a·b in 8 lanes, then the lanes in a fixed order.
+    fn dot(a: &[f32], b: &[f32]) -> f32;
+    /// The largest of `s`, NaN ignored.
+    fn max(s: &[f32]) -> f32;
+    /// `s ← exp(s − max)` in place; returns Σ s (8 lanes, then the lanes in a fixed order).
+    fn exp_shifted(s: &mut [f32], max: f32) -> f32;
+    /// `o = inv · Σ_j p_j v_j`.
+    fn weighted_sum(p: &[f32], v: &[f32], inv: f32, o: &mut [f32]);
+}
+
+/// The portable loops (8 explicit lanes), compiled for whatever the build targets.
+struct Portable;
+
+impl Loops for Portable {
+    #[inline(always)]
+    fn dot(a: &[f32], b: &[f32]) -> f32 {
+        dot(a, b)
+    }
+    #[inline(always)]
+    fn max(s: &[f32]) -> f32 {
+        s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x))
+    }
+    #[inline(always)]
+    fn exp_shifted(s: &mut [f32], max: f32) -> f32 {
+        exp_shifted(s, max)
+    }
+    #[inline(always)]
+    fn weighted_sum(p: &[f32], v: &[f32], inv: f32, o: &mut [f32]) {
+        weighted_sum(p, v, inv, o)
+    }
+}
+
+/// The common head widths (64, 128) with their loops in AVX2 registers: the same
+/// operations in the same order as the portable loops, so the same bits, with the output
+/// kept in registers across the keys and the exponentials 8 at a time.
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
+
+    /// The loops for head width `8 · C`. Only [`super::item_avx2`] uses it, after the
+    /// caller checked AVX2 and FMA are available.
+    pub(super) struct Avx2<const C: usize>;
+
+    impl<const C: usize> super::Loops for Avx2<C> {
+        #[inline(always)]
+        fn dot(a: &[f32], b: &[f32]) -> f32 {
+            // SAFETY: built only behind the AVX2 check (see the type).
+            unsafe { dot::<C>(a, b) }
+        }
+        #[inline(always)]
+        fn max(s: &[f32]) -> f32 {
+            // SAFETY: as above.
+            unsafe { max(s) }
+        }
+        #[inline(always)]
+        fn exp_shifted(s: &mut [f32], max: f32) -> f32 {
+            // SAFETY: as above.
+            unsafe { exp_shifted(s, max) }
+        }
+        #[inline(always)]
+        fn weighted_sum(p: &[f32], v: &[f32], inv: f32, o: &mut [f32]) {
+            // SAFETY: as above.
+            unsafe { weighted_sum::<C>(p, v, inv, o) }
+        }
+    }
+
+    /// As the portable max: `vmaxps(x, m)` returns `m` when `x` is NaN, so NaN is ignored
+    /// as `f32::max` ignores it; the order of exact maxima does not matter.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn max(s: &[f32]) -> f32 {
+        let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
+        let chunks = s.chunks_exact(8);
+        let rest = chunks.remainder();
+        for c in chunks {
+            m = _mm256_max_ps(_mm256_loadu_ps(c.as_ptr()), m);
+        }
+        let h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        let h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        let h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        rest.iter().fold(_mm_cvtss_f32(h), |m, &x| m.max(x))
+    }
+
+    /// [`super::exp_nonpositive`] on 8 lanes: the same operations in the same order.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn exp8(x: __m256) -> __m256 {
+        let ps = _mm256_set1_ps;
+        let finite = _mm256_cmp_ps(x, ps(-87.0), _CMP_GE_OQ);
+        let xc = _mm256_blendv_ps(ps(-87.0), _mm256_min_ps(x, ps(0.0)), finite);
+        let round = ps(12_582_912.0);
+        let n = _mm256_sub_ps(
+            _mm256_add_ps(_mm256_mul_ps(xc, ps(std::f32::consts::LOG2_E)), round),
+            round,
+        );
+        let r = _mm256_sub_ps(
+            _mm256_sub_ps(xc, _mm256_mul_ps(n, ps(0.693_359_4))),
+            _mm256_mul_ps(n, ps(-2.121_944_4e-4)),
+        );
+        let mut p = ps(1.987_569_1e-4);
+        for c in [
+            1.398_2e-3,
+            8.333_452e-3,
+            4.166_579_6e-2,
+            1.666_666_5e-1,
+            0.5,
+        ] {
+            p = _mm256_add_ps(_mm256_mul_ps(p, r), ps(c));
+        }
+        let p = _mm256_add_ps(
+            _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r),
+            ps(1.0),
+        );
+        let two_n = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
+            _mm256_cvttps_epi32(n),
+            _mm256_set1_epi32(127),
+        )));
+        _mm256_and_ps(_mm256_mul_ps(p, two_n), finite)
+    }
+
+    /// As the portable `exp_shifted`: lane `l` sums the chunks' lane `l`, then the lanes
+    /// in the same fixed order, then the rest in order.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn exp_shifted(s: &mut [f32], max: f32) -> f32 {
+        let m = _mm256_set1_ps(max);
+        let mut acc = _mm256_setzero_ps();
+        let mut chunks = s.chunks_exact_mut(8);
+        for c in &mut chunks {
+            let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), m));
+            _mm256_storeu_ps(c.as_mut_ptr(), e);
+            acc = _mm256_add_ps(acc, e);
+        }
+        let h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+        let h = _mm_hadd_ps(h, h);
+        let mut sum = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+        for x in chunks.into_remainder() {
+            *x = super::exp_nonpositive(*x - max);
+            sum += *x;
+        }
+        sum
+    }
 
     /// As [`super::dot`] for `8 · C` values. The caller checks AVX2 is available.
     #[target_feature(enable = "avx2,fma")]
@@ -200,20 +326,13 @@ mod x86 {
 impl Call<'_> {
     #[inline(always)]
     fn item(&self, item: usize, scores: &mut [f32], out: *mut f32) {
-        self.item_with(item, scores, out, dot, weighted_sum)
+        self.item_with::<Portable>(item, scores, out)
     }
 
-    /// One (row, head) item with these two products (the portable ones, or a SIMD form
-    /// that adds in the same order).
+    /// One (row, head) item with loops `L` (the portable ones, or a SIMD form that does
+    /// the same operations in the same order).
     #[inline(always)]
-    fn item_with(
-        &self,
-        item: usize,
-        scores: &mut [f32],
-        out: *mut f32,
-        dot: impl Fn(&[f32], &[f32]) -> f32,
-        weighted_sum: impl Fn(&[f32], &[f32], f32, &mut [f32]),
-    ) {
+    fn item_with<L: Loops>(&self, item: usize, scores: &mut [f32], out: *mut f32) {
         let s = &self.shape;
         let hd = s.head_dim;
         let (i, h) = (item / s.heads, item % s.heads);
@@ -224,16 +343,14 @@ impl Call<'_> {
         let vg = &self.v[g * self.keys * hd..][..ctx * hd];
         let scale = 1.0 / (hd as f32).sqrt();
         let scores = &mut scores[..ctx];
-        let mut mx = f32::NEG_INFINITY;
         for (sc, kj) in scores.iter_mut().zip(kg.chunks_exact(hd)) {
-            *sc = dot(qh, kj) * scale;
-            mx = mx.max(*sc);
+            *sc = L::dot(qh, kj) * scale;
         }
-        let sum = exp_shifted(scores, mx);
+        let sum = L::exp_shifted(scores, L::max(scores));
         let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
         // SAFETY: item `(i, h)` owns this span of the output, checked in `attention`.
         let o = unsafe { std::slice::from_raw_parts_mut(out.add((i * s.heads + h) * hd), hd) };
-        weighted_sum(scores, vg, inv, o);
+        L::weighted_sum(scores, vg, inv, o);
     }
 }
 
