@@ -400,6 +400,8 @@ impl Backend for LlamaModel {
             let layer_int8 = router.kv_int8(l);
             let q_rows = q.flatten_all()?.to_vec1::<f32>()?;
             let mut attn = vec![0f32; n * nh * hd];
+            // Every chunk's new keys and values first (each writes only its own new slots,
+            // never a page another chunk reads: shared pages are copied before a write).
             let mut row = 0;
             for c in &step.chunks {
                 for (i, slot) in c.slots.iter().enumerate() {
@@ -412,19 +414,43 @@ impl Backend for LlamaModel {
                         layer_int8,
                     );
                 }
-                let m = c.tokens.len();
-                let span = row * nh * hd..(row + m) * nh * hd;
-                kv.attend(
-                    l,
-                    &c.block_table,
-                    c.start_pos,
-                    &q_rows[span.clone()],
-                    m,
-                    nh,
-                    hd,
-                    &mut attn[span],
-                )?;
-                row += m;
+                row += c.tokens.len();
+            }
+            let width = nh * hd;
+            if step.chunks.len() >= 2 && step.chunks.iter().all(|c| c.tokens.len() == 1) {
+                // A decode step: one row per sequence, each sequence's gather and attention
+                // a job of its own on the pool (one row's attention is too small to split).
+                let kv = &*kv;
+                let mut jobs: Vec<_> = step
+                    .chunks
+                    .iter()
+                    .zip(q_rows.chunks_exact(width))
+                    .zip(attn.chunks_exact_mut(width))
+                    .map(|((c, q), out)| (c, q, out, Ok(())))
+                    .collect();
+                quantmesh_kernels::Pool::global().for_each_mut(&mut jobs, |(c, q, out, done)| {
+                    *done = kv.attend(l, &c.block_table, c.start_pos, q, 1, nh, hd, out);
+                });
+                for (_, _, _, done) in jobs {
+                    done?;
+                }
+            } else {
+                let mut row = 0;
+                for c in &step.chunks {
+                    let m = c.tokens.len();
+                    let span = row * width..(row + m) * width;
+                    kv.attend(
+                        l,
+                        &c.block_table,
+                        c.start_pos,
+                        &q_rows[span.clone()],
+                        m,
+                        nh,
+                        hd,
+                        &mut attn[span],
+                    )?;
+                    row += m;
+                }
             }
             let attn = Tensor::from_vec(attn, (n, nh * hd), &dev)?;
             x = (x + self.run_group(layer, g(GroupKind::O), &attn, router)?)?;
