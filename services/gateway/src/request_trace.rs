@@ -92,7 +92,7 @@ pub(crate) async fn request_context(
 }
 
 /// Health, readiness and scrape routes: polled by machines, logged at DEBUG.
-pub(crate) fn is_probe(pattern: &str) -> bool {
+fn is_probe(pattern: &str) -> bool {
     matches!(pattern, "/health" | "/ready" | "/metrics")
 }
 

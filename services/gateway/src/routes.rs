@@ -20,8 +20,9 @@ use quantmesh_engine::api::{
 };
 use quantmesh_types::{FinishReason, GroupId, SamplingParams};
 use serde_json::json;
+use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
-use tokio::sync::OwnedSemaphorePermit;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
     cfg.route("/health", web::get().to(health))
@@ -165,16 +166,24 @@ async fn json_body<T: serde::de::DeserializeOwned>(
     parse_json(&body)
 }
 
-/// Take a generation's admission permit — before its body is read or its template
-/// rendered, so `max_concurrent_requests` bounds that work too (429 when none is left).
-fn admit(state: &AppState) -> Result<OwnedSemaphorePermit, ApiError> {
-    state.engine()?;
-    state.admission.clone().try_acquire_owned().map_err(|_| {
+/// One of `limit` admission permits from `admission` (429 when none is left): taken before
+/// a generation's body is read or its template rendered, so `max_concurrent_requests`
+/// bounds that work too. The embedded server's and the mesh gateway's front door alike.
+pub(crate) fn take_permit(
+    admission: &Arc<Semaphore>,
+    limit: usize,
+) -> Result<OwnedSemaphorePermit, ApiError> {
+    admission.clone().try_acquire_owned().map_err(|_| {
         ApiError::Overloaded(format!(
-            "{} requests in flight (max_concurrent_requests)",
-            state.server.max_concurrent_requests
+            "{limit} requests in flight (max_concurrent_requests)"
         ))
     })
+}
+
+/// A generation's admission permit on the embedded server (once the engine is loaded).
+fn admit(state: &AppState) -> Result<OwnedSemaphorePermit, ApiError> {
+    state.engine()?;
+    take_permit(&state.admission, state.server.max_concurrent_requests)
 }
 
 /// Refuse what the request asks for and the server would not do; note the end user as a

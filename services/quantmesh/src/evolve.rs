@@ -182,7 +182,7 @@ pub fn run(args: EvolveArgs) -> anyhow::Result<()> {
         };
         // One listener for the whole life of the service: a SIGTERM that arrives during a
         // run is kept (the run finishes, then the service stops), not lost between waits.
-        let shutdown = shutdown_signal();
+        let shutdown = quantmesh_gateway::shutdown_signal();
         tokio::pin!(shutdown);
         loop {
             let now = chrono::Utc::now();
@@ -220,19 +220,4 @@ pub fn run(args: EvolveArgs) -> anyhow::Result<()> {
         let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
         anyhow::Ok(())
     })
-}
-
-async fn shutdown_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        if let Ok(mut term) = signal(SignalKind::terminate()) {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = tokio::signal::ctrl_c() => {}
-            }
-            return;
-        }
-    }
-    let _ = tokio::signal::ctrl_c().await;
 }

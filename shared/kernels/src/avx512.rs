@@ -23,14 +23,14 @@
 //! tile, at the end. A register tile is one weight tile (4 rows: two registers) × `J`
 //! activation rows.
 
-use crate::q8::{Activations, PackedQ8, BLOCK, ROW_BLOCK, TILE_ROWS};
+use crate::q8::{ActBits, Activations, PackedQ8, BLOCK, ROW_BLOCK, TILE_ROWS};
 use std::arch::x86_64::*;
 use std::ops::Range;
 
 /// As [`crate::scalar::q8_tiles`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 pub(crate) unsafe fn q8_tiles(w: &PackedQ8, a: &Activations, tiles: Range<usize>, out: *mut f32) {
-    let sixteen = !a.lo.is_empty();
+    let sixteen = a.bytes == Some(ActBits::Sixteen);
     let mut m0 = 0;
     while m0 < a.rows {
         let m1 = (m0 + ROW_BLOCK).min(a.rows);

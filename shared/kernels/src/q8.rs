@@ -232,7 +232,7 @@ impl ActBits {
 /// Activation rows quantized per block of 32, values stored as `i16` whatever the bits (the
 /// AVX2 and scalar kernels widen the weights to 16 bits and multiply pairs), one f32 scale
 /// per block. Quantized for [`Isa::Avx512`], they also hold the values as bytes for
-/// `vpdpbusd` (see [`ActBits`]' byte form). Reused across calls: quantizing into it
+/// `vpdpbusd` (the `bytes`, `hi` and `lo` fields). Reused across calls: quantizing into it
 /// allocates only when it grows.
 #[derive(Debug, Clone, Default)]
 pub struct Activations {

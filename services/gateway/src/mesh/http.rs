@@ -6,7 +6,7 @@ use crate::mesh::client::{EngineView, Forward, InFlight};
 use crate::mesh::discovery::{system_resolver, Discovery, EngineEntry};
 use crate::mesh::route::{affinity_key, ClientTemplate, Mesh, MeshMetrics, NoEngine};
 use crate::request_trace::{RequestId, ServerSpan};
-use crate::routes::read_request_body;
+use crate::routes::{read_request_body, take_permit};
 use crate::settings::Settings;
 use actix::Actor;
 use actix_web::http::StatusCode;
@@ -19,7 +19,7 @@ use std::future::Future;
 use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::Semaphore;
 
 pub struct MeshState {
     pub settings: Settings,
@@ -35,8 +35,9 @@ pub struct MeshState {
 const FORWARDED: [&str; 3] = ["content-type", "tracestate", "authorization"];
 
 /// The headers an engine call carries: [`FORWARDED`], the request id the gateway logs under
-/// (the caller's or a new one), and the trace context: the gateway's own span when traces
-/// are exported (the engine's spans become its children), else the caller's.
+/// (the caller's or a new one, set by the request middleware), and the trace context: the
+/// gateway's own span when traces are exported (the engine's spans become its children),
+/// else the caller's.
 fn forwarded(req: &HttpRequest) -> Vec<(String, String)> {
     let header = |k: &str| {
         req.headers()
@@ -49,12 +50,8 @@ fn forwarded(req: &HttpRequest) -> Vec<(String, String)> {
         .filter_map(|k| Some((k.to_string(), header(k)?)))
         .collect();
     let ext = req.extensions();
-    if let Some(id) = ext
-        .get::<RequestId>()
-        .map(|r| r.0.clone())
-        .or_else(|| header("x-request-id"))
-    {
-        h.push(("x-request-id".into(), id));
+    if let Some(id) = ext.get::<RequestId>() {
+        h.push(("x-request-id".into(), id.0.clone()));
     }
     let own = ext
         .get::<ServerSpan>()
@@ -101,16 +98,6 @@ fn reject(state: &MeshState, why: NoEngine) -> ApiError {
     }
 }
 
-/// Take a generation's admission permit before its body is read (429 when none is left).
-fn admit(state: &MeshState) -> Result<OwnedSemaphorePermit, ApiError> {
-    state.admission.clone().try_acquire_owned().map_err(|_| {
-        ApiError::Overloaded(format!(
-            "{} requests in flight through the gateway (max_concurrent_requests)",
-            state.settings.server.max_concurrent_requests
-        ))
-    })
-}
-
 /// The SSE event that ends a stream whose engine failed after it had started.
 fn stream_error(engine: &str, e: &dyn std::fmt::Display) -> Bytes {
     let body = json!({"error": {
@@ -128,7 +115,10 @@ async fn generate(
     state: web::Data<MeshState>,
 ) -> Result<HttpResponse, ApiError> {
     auth::api_key(&req, &state.settings.server.api_keys)?;
-    let permit = admit(&state)?;
+    let permit = take_permit(
+        &state.admission,
+        state.settings.server.max_concurrent_requests,
+    )?;
     let body = read_request_body(&req, payload, state.settings.server.max_body_bytes).await?;
     let v: serde_json::Value = parse_json(&body)?;
     let stream = v.get("stream").and_then(|s| s.as_bool()).unwrap_or(false);
