@@ -23,7 +23,18 @@ MODELS="${QUANTMESH_BENCH_MODELS:-models}"
 THREADS="${BENCH_THREADS:-$(nproc)}"
 ROUNDS="${BENCH_ROUNDS:-3}"
 FILES="${BENCH_FILES:-Q8_0 Q4_1}"
-LLAMA_DIR="${LLAMA_DIR:-$HOME/.cache/quantmesh/llama.cpp-0.3.36}"
+# llama.cpp's AMX kernels where this CPU has AMX-INT8 and the kernel grants this process the
+# tile state (what a native build of llama.cpp uses on such a host; quantmesh uses AMX there
+# too). scripts/llama-cpp-cmake-args.sh leaves AMX off for the test suite's llama-cpp-python
+# build, whose VMs may list AMX and refuse it.
+LLAMA_FLAGS="$(scripts/llama-cpp-cmake-args.sh)"
+AMX=""
+if grep -qw amx_int8 /proc/cpuinfo \
+  && python3 -c 'import ctypes,sys; sys.exit(ctypes.CDLL(None).syscall(158, 0x1023, 18) != 0)' 2>/dev/null; then
+  AMX="-amx"
+  LLAMA_FLAGS="${LLAMA_FLAGS//-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF/-DGGML_AMX_TILE=ON -DGGML_AMX_INT8=ON}"
+fi
+LLAMA_DIR="${LLAMA_DIR:-$HOME/.cache/quantmesh/llama.cpp-0.3.36$AMX}"
 OUT="${BENCH_OUT:-target/bench-llamacpp}"
 
 log "building release binaries"
@@ -33,7 +44,7 @@ BIN=target/release
 LLAMA_SERVER="$LLAMA_DIR/build/bin/llama-server"
 LLAMA_QUANTIZE="$LLAMA_DIR/build/bin/llama-quantize"
 if [ ! -x "$LLAMA_SERVER" ] || [ ! -x "$LLAMA_QUANTIZE" ]; then
-  log "building llama-server and llama-quantize from llama-cpp-python 0.3.36's vendored llama.cpp (once, ≈ 8 min)"
+  log "building llama-server and llama-quantize from llama-cpp-python 0.3.36's vendored llama.cpp (once, ≈ 8 min; flags: $LLAMA_FLAGS)"
   python3 -m pip install --quiet --user cmake ninja 2>/dev/null \
     || python3 -m pip install --quiet --user --break-system-packages cmake ninja
   export PATH="$HOME/.local/bin:$PATH"
@@ -44,7 +55,7 @@ if [ ! -x "$LLAMA_SERVER" ] || [ ! -x "$LLAMA_QUANTIZE" ]; then
   rm -rf "$LLAMA_DIR"
   mv "$src/llama_cpp_python-0.3.36/vendor/llama.cpp" "$LLAMA_DIR"
   # shellcheck disable=SC2046
-  cmake -S "$LLAMA_DIR" -B "$LLAMA_DIR/build" -G Ninja $(scripts/llama-cpp-cmake-args.sh) -DLLAMA_CURL=OFF \
+  cmake -S "$LLAMA_DIR" -B "$LLAMA_DIR/build" -G Ninja $LLAMA_FLAGS -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DCMAKE_BUILD_TYPE=Release >/dev/null
   cmake --build "$LLAMA_DIR/build" --target llama-server llama-quantize -j "$(nproc)" >/dev/null
 fi

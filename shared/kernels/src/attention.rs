@@ -89,7 +89,7 @@ pub fn attention(
                 match isa {
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: `isa.available()` checked AVX2 and FMA.
-                    Isa::Avx2 | Isa::Avx512 => unsafe { item_avx2(&call, item, scores, dst.0) },
+                    isa if isa.x86_simd() => unsafe { item_avx2(&call, item, scores, dst.0) },
                     _ => call.item(item, scores, dst.0),
                 }
                 item += n;

@@ -27,13 +27,19 @@ use crate::q8::{ActBits, Activations, PackedQ8, BLOCK, ROW_BLOCK, TILE_ROWS};
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-/// As [`crate::scalar::q8_tiles`].
+/// As [`crate::scalar::q8_tiles`]. Only the activation rows `act_rows` are computed.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-pub(crate) unsafe fn q8_tiles(w: &PackedQ8, a: &Activations, tiles: Range<usize>, out: *mut f32) {
+pub(crate) unsafe fn q8_tiles(
+    w: &PackedQ8,
+    a: &Activations,
+    tiles: Range<usize>,
+    act_rows: Range<usize>,
+    out: *mut f32,
+) {
     let sixteen = a.bytes == Some(ActBits::Sixteen);
-    let mut m0 = 0;
-    while m0 < a.rows {
-        let m1 = (m0 + ROW_BLOCK).min(a.rows);
+    let mut m0 = act_rows.start;
+    while m0 < act_rows.end {
+        let m1 = (m0 + ROW_BLOCK).min(act_rows.end);
         for t in tiles.clone() {
             match sixteen {
                 true => rows::<true>(w, a, t, m0..m1, out),

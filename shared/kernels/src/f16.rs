@@ -56,7 +56,7 @@ pub fn f16_matmul(
         match isa {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `isa.available()` checked AVX2, FMA and F16C.
-            Isa::Avx2 | Isa::Avx512 => unsafe { crate::x86::f16_rows(&p, rows_range, dst.0) },
+            isa if isa.x86_simd() => unsafe { crate::x86::f16_rows(&p, rows_range, dst.0) },
             _ => p.scalar(rows_range, dst.0),
         }
     };

@@ -18,6 +18,11 @@ pub enum Isa {
     /// Cascade Lake, AMD since Zen 4. The Q8_0 product uses it; the other kernels run their
     /// AVX2 form.
     Avx512,
+    /// Intel AMX-INT8 tiles on top of [`Isa::Avx512`] (Sapphire Rapids and later, where the
+    /// operating system grants the tile state): the Q8_0 product of every whole 16 × 16 tile
+    /// of (activation rows × output rows) — prefill chunks and batched decode steps; the
+    /// rows left over, and every other kernel, run as under [`Isa::Avx512`].
+    Amx,
 }
 
 impl Isa {
@@ -26,6 +31,7 @@ impl Isa {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2",
             Isa::Avx512 => "avx512",
+            Isa::Amx => "amx",
         }
     }
 
@@ -35,12 +41,13 @@ impl Isa {
             Isa::Scalar => true,
             Isa::Avx2 => avx2_available(),
             Isa::Avx512 => avx2_available() && avx512_vnni_available(),
+            Isa::Amx => Isa::Avx512.available() && amx_granted(),
         }
     }
 
     /// Every instruction set this CPU can run, the best last.
     pub fn all_available() -> Vec<Isa> {
-        [Isa::Scalar, Isa::Avx2, Isa::Avx512]
+        [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Amx]
             .into_iter()
             .filter(|i| i.available())
             .collect()
@@ -68,8 +75,18 @@ impl Isa {
         f()
     }
 
+    /// Whether the x86 SIMD kernels (AVX2 and up) run under `self`.
+    pub(crate) fn x86_simd(self) -> bool {
+        matches!(self, Isa::Avx2 | Isa::Avx512 | Isa::Amx)
+    }
+
+    /// Whether the Q8_0 product takes its activations as bytes (`vpdpbusd`, AMX tiles).
+    pub(crate) fn byte_activations(self) -> bool {
+        matches!(self, Isa::Avx512 | Isa::Amx)
+    }
+
     /// The best this CPU runs, unless `QUANTMESH_KERNEL` names another (`scalar`, `avx2`,
-    /// `avx512`;
+    /// `avx512`, `amx`;
     /// `auto` or unset: detect). A name the CPU cannot run, or an unknown one, falls back
     /// to detection with a message on stderr (once). Decided once per process.
     pub fn detect() -> Isa {
@@ -105,7 +122,10 @@ impl std::str::FromStr for Isa {
             "scalar" => Ok(Isa::Scalar),
             "avx2" => Ok(Isa::Avx2),
             "avx512" => Ok(Isa::Avx512),
-            other => Err(format!("{other:?} is not scalar, avx2, avx512 or auto")),
+            "amx" => Ok(Isa::Amx),
+            other => Err(format!(
+                "{other:?} is not scalar, avx2, avx512, amx or auto"
+            )),
         }
     }
 }
@@ -131,5 +151,15 @@ fn avx512_vnni_available() -> bool {
 
 #[cfg(not(target_arch = "x86_64"))]
 fn avx512_vnni_available() -> bool {
+    false
+}
+
+#[cfg(target_arch = "x86_64")]
+fn amx_granted() -> bool {
+    crate::amx::granted()
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn amx_granted() -> bool {
     false
 }

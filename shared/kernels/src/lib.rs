@@ -9,19 +9,22 @@
 //! - [`Activations`]: the rows quantized once per call, per block of 32, to 8 bits (W8A8,
 //!   llama.cpp's Q8_0 activations) or to 16 bits (W8A16: the weights' error alone). Both
 //!   are stored as `i16`, so one AVX2 kernel serves both at one cost; with AVX-512 VNNI
-//!   they are also split into bytes for `vpdpbusd` (one pass for 8 bits, two for 16).
+//!   they are also split into bytes for `vpdpbusd` (one pass for 8 bits, two for 16), and
+//!   with AMX into the signed bytes of its tiles.
 //! - [`f16_matmul`]: the float path's product over f16 weights, widened in registers.
 //! - [`swiglu`]: `silu(gate) · up` over the rows of a fused gate/up product.
 //! - [`attention`]: causal attention of a chunk's query rows over a sequence's keys and
 //!   values, every (row, head) pair a work item on the pool.
 //! - [`Isa`]: the instruction set the kernels run with, detected at run time
-//!   (`QUANTMESH_KERNEL=scalar|avx2|avx512` forces one; the scalar path is the reference every
+//!   (`QUANTMESH_KERNEL=scalar|avx2|avx512|amx` forces one; the scalar path is the reference every
 //!   SIMD kernel is tested against).
 //! - [`Pool`]: one persistent pool of workers for the forward pass, static contiguous work
 //!   ranges per thread.
 
 #![allow(unsafe_code)] // SIMD intrinsics and the pool's scoped jobs; each `unsafe` says why.
 
+#[cfg(target_arch = "x86_64")]
+mod amx;
 mod attention;
 #[cfg(target_arch = "x86_64")]
 mod avx512;

@@ -155,12 +155,7 @@ impl PackedQ8 {
     /// `out = a · deq(self)ᵀ` (`a.rows() × self.rows()`, row-major), on `pool`'s threads,
     /// each taking a contiguous range of tiles.
     pub fn matmul(&self, a: &Activations, out: &mut [f32], isa: Isa, pool: &Pool) -> Result<()> {
-        if a.cols != self.cols {
-            return Err(KernelError::Shape(format!(
-                "activations of width {} for weights [{}, {}]",
-                a.cols, self.rows, self.cols
-            )));
-        }
+        self.check_width(a)?;
         if out.len() != a.rows * self.rows {
             return Err(KernelError::Shape(format!(
                 "output of {} values for [{}, {}]",
@@ -169,13 +164,58 @@ impl PackedQ8 {
                 self.rows
             )));
         }
-        if a.rows == 0 || self.rows == 0 {
-            return Ok(());
+        // SAFETY: `out` holds exactly `a.rows × self.rows` values.
+        unsafe { self.matmul_to(a, out.as_mut_ptr(), isa, pool) };
+        Ok(())
+    }
+
+    /// As [`PackedQ8::matmul`], into a new vector (never zeroed first: the kernels write
+    /// every output).
+    pub fn matmul_vec(&self, a: &Activations, isa: Isa, pool: &Pool) -> Result<Vec<f32>> {
+        self.check_width(a)?;
+        let len = a.rows * self.rows;
+        let mut out = Vec::with_capacity(len);
+        // SAFETY: the capacity holds `len` values; every kernel writes each output (row `m`
+        // < `a.rows`, column < `self.rows`) exactly once before `matmul_to` returns, and a
+        // panic in a kernel unwinds before the length is set.
+        unsafe {
+            self.matmul_to(a, out.as_mut_ptr(), isa, pool);
+            out.set_len(len);
         }
-        let dst = Out(out.as_mut_ptr());
+        Ok(out)
+    }
+
+    fn check_width(&self, a: &Activations) -> Result<()> {
+        if a.cols != self.cols {
+            return Err(KernelError::Shape(format!(
+                "activations of width {} for weights [{}, {}]",
+                a.cols, self.rows, self.cols
+            )));
+        }
+        Ok(())
+    }
+
+    /// The product into `out`, which has room for `a.rows × self.rows` values.
+    unsafe fn matmul_to(&self, a: &Activations, out: *mut f32, isa: Isa, pool: &Pool) {
+        if a.rows == 0 || self.rows == 0 {
+            return;
+        }
+        let dst = Out(out);
         let isa = if isa.available() { isa } else { Isa::Scalar };
+        // AMX threads take whole groups of row tiles (16 output rows).
+        #[cfg(target_arch = "x86_64")]
+        let (units, unit) = match isa {
+            Isa::Amx => (
+                self.tiles.div_ceil(crate::amx::GROUP_TILES),
+                crate::amx::GROUP_TILES,
+            ),
+            _ => (self.tiles, 1),
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let (units, unit) = (self.tiles, 1);
         let work = |i: usize, n: usize| {
-            let tiles = share(self.tiles, i, n);
+            let shared = share(units, i, n);
+            let tiles = shared.start * unit..(shared.end * unit).min(self.tiles);
             if tiles.is_empty() {
                 return;
             }
@@ -183,14 +223,20 @@ impl PackedQ8 {
             let dst = &dst;
             match isa {
                 #[cfg(target_arch = "x86_64")]
+                // SAFETY: `isa.available()` checked AMX (granted), AVX-512 F/BW/VNNI and
+                // AVX2, FMA, F16C; the activations hold their AMX byte form.
+                Isa::Amx if a.s8.len() == a.q.len() && a.bytes.is_some() => unsafe {
+                    crate::amx::q8_tiles(self, a, tiles, dst.0)
+                },
+                #[cfg(target_arch = "x86_64")]
                 // SAFETY: `isa.available()` checked AVX-512 F/BW/VNNI and AVX2, FMA, F16C;
                 // the activations hold their byte form.
-                Isa::Avx512 if a.bytes.is_some() => unsafe {
-                    crate::avx512::q8_tiles(self, a, tiles, dst.0)
+                Isa::Avx512 | Isa::Amx if a.bytes.is_some() => unsafe {
+                    crate::avx512::q8_tiles(self, a, tiles, 0..a.rows, dst.0)
                 },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `isa.available()` checked AVX2, FMA and F16C (AVX-512 implies them).
-                Isa::Avx2 | Isa::Avx512 => unsafe { crate::x86::q8_tiles(self, a, tiles, dst.0) },
+                isa if isa.x86_simd() => unsafe { crate::x86::q8_tiles(self, a, tiles, dst.0) },
                 _ => scalar::q8_tiles(self, a, tiles, dst.0),
             }
         };
@@ -200,7 +246,6 @@ impl PackedQ8 {
         } else {
             pool.run(&work);
         }
-        Ok(())
     }
 }
 
@@ -231,8 +276,9 @@ impl ActBits {
 
 /// Activation rows quantized per block of 32, values stored as `i16` whatever the bits (the
 /// AVX2 and scalar kernels widen the weights to 16 bits and multiply pairs), one f32 scale
-/// per block. Quantized for [`Isa::Avx512`], they also hold the values as bytes for
-/// `vpdpbusd` (the `bytes`, `hi` and `lo` fields). Reused across calls: quantizing into it
+/// per block. Quantized for [`Isa::Avx512`] or [`Isa::Amx`], they also hold the values as
+/// bytes for `vpdpbusd` (the `bytes`, `hi` and `lo` fields), and for AMX as signed bytes
+/// (`s8`). Reused across calls: quantizing into it
 /// allocates only when it grows.
 #[derive(Debug, Clone, Default)]
 pub struct Activations {
@@ -243,7 +289,7 @@ pub struct Activations {
     pub(crate) q: Vec<i16>,
     /// `[row][block]`.
     pub(crate) d: Vec<f32>,
-    /// The byte form, when quantized for [`Isa::Avx512`]: `Some(bits)`.
+    /// The byte form, when quantized for [`Isa::Avx512`] or [`Isa::Amx`]: `Some(bits)`.
     pub(crate) bytes: Option<ActBits>,
     /// `[row][cols]`: `h + 128` as an unsigned byte, `h` the value (8-bit) or its high
     /// byte `v >> 8` (16-bit). `vpdpbusd` multiplies unsigned by signed bytes; the kernel
@@ -251,6 +297,9 @@ pub struct Activations {
     pub(crate) hi: Vec<u8>,
     /// `[row][cols]`: the low byte `v & 0xff` (16-bit only), unsigned.
     pub(crate) lo: Vec<u8>,
+    /// `[row][cols]`, for [`Isa::Amx`] only (else empty): `h` itself, signed (`hi` without
+    /// its bias).
+    pub(crate) s8: Vec<i8>,
 }
 
 impl Activations {
@@ -303,7 +352,7 @@ impl Activations {
             .zip(self.d.iter_mut());
         match isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 | Isa::Avx512 if isa.available() => {
+            isa if isa.x86_simd() && isa.available() => {
                 for ((x, q), d) in blocks {
                     // SAFETY: AVX2, FMA and F16C are available; blocks are 32 long.
                     *d = unsafe { crate::x86::quantize_act_block(x, q, max) };
@@ -316,8 +365,12 @@ impl Activations {
             }
         }
         self.bytes = None;
-        if isa == Isa::Avx512 && isa.available() {
+        self.s8.clear();
+        if isa.byte_activations() && isa.available() {
             self.fill_bytes(bits);
+            if isa == Isa::Amx {
+                self.s8.extend(self.hi.iter().map(|&h| (h ^ 0x80) as i8));
+            }
         }
         Ok(())
     }

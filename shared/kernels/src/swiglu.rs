@@ -38,7 +38,7 @@ pub fn swiglu(
             match isa {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `isa.available()` checked AVX2 and FMA.
-                Isa::Avx2 | Isa::Avx512 => unsafe { row_avx2(g, u, o) },
+                isa if isa.x86_simd() => unsafe { row_avx2(g, u, o) },
                 _ => row(g, u, o),
             }
         }

@@ -260,12 +260,10 @@ impl QuantKernel {
 /// `x · deq(p)ᵀ` on quantmesh's kernels, `x` `[rows, in]`, activations quantized to `bits`.
 pub(crate) fn q8_product(p: &PackedQ8, x: &Tensor, bits: ActBits) -> Result<Tensor> {
     let (rows, cols) = x.dims2()?;
-    let mut out = vec![0f32; rows * p.rows()];
-    with_f32_rows(x, |x| {
-        ACTIVATIONS.with_borrow_mut(|a| -> Result<()> {
+    let out = with_f32_rows(x, |x| {
+        ACTIVATIONS.with_borrow_mut(|a| -> Result<Vec<f32>> {
             a.quantize(x, rows, cols, bits)?;
-            p.matmul(a, &mut out, Isa::current(), Pool::global())?;
-            Ok(())
+            Ok(p.matmul_vec(a, Isa::current(), Pool::global())?)
         })
     })?;
     Ok(Tensor::from_vec(out, (rows, p.rows()), &Device::Cpu)?)

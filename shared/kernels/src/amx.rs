@@ -1,0 +1,286 @@
+//! The Q8_0 product on Intel AMX tiles (x86-64, Sapphire Rapids and later), for the
+//! activation rows that fill whole 16-row tiles; the rest of a call (a last partial tile of
+//! rows, output rows past the last whole group of 16) runs the AVX-512 kernel.
+//!
+//! `tdpbssd` multiplies a 16 × 32-byte tile of signed activation bytes by a tile holding
+//! one 32-value block of 16 weight rows in the "VNNI" order (`[k / 4][row][k % 4]`: a
+//! row of the tile is four consecutive values of each of the 16 weight rows), and adds the
+//! 16 × 16 integer products: 8 192 multiply-adds in one instruction. Q8_0 has a scale per
+//! block on both sides, so each block's integer tile is stored (1 KiB, L1) and added in f32
+//! with the two scales' product by AVX-512 (`vcvtdq2ps`, `vfmadd`): sixteen output rows
+//! per vector instead of one or two.
+//!
+//! - 8-bit activations: the signed bytes ([`crate::q8::Activations`]' `s8`), `tdpbssd`.
+//! - 16-bit activations: `a = 256 · hi + lo`, `hi` signed (`tdpbssd`), `lo` unsigned
+//!   (`tdpbusd`): the two integer tiles are combined as `(Σ hi·w) << 8 + Σ lo·w`, exact
+//!   (each below 2³¹ in magnitude), then converted as the scalar reference converts.
+//!
+//! The weights keep the layout every kernel reads ([`crate::PackedQ8`]); a group of 16
+//! rows (four row tiles) is put into the tile order once per call and group, into a
+//! per-thread buffer that stays in L1/L2 while every activation tile goes by.
+//!
+//! The tile instructions are written with `asm!` (Rust's AMX intrinsics are not stable);
+//! the tile registers are this module's alone: each call configures them (`ldtilecfg`)
+//! and releases them (`tilerelease`) before it returns, and nothing else in the process
+//! uses them. Linux hands a thread AMX state only after the process asks for it
+//! (`arch_prctl(ARCH_REQ_XCOMP_PERM)`); [`granted`] asks once, and a refusal (a virtual
+//! machine whose kernel does not pass AMX through) leaves [`crate::Isa::Amx`] unavailable.
+
+use crate::q8::{ActBits, Activations, PackedQ8, BLOCK, TILE_ROWS};
+use std::arch::asm;
+use std::arch::x86_64::*;
+use std::ops::Range;
+use std::sync::OnceLock;
+
+/// Output rows in one AMX group: four of [`PackedQ8`]'s row tiles.
+pub(crate) const GROUP_ROWS: usize = 16;
+/// Row tiles per group.
+pub(crate) const GROUP_TILES: usize = GROUP_ROWS / TILE_ROWS;
+/// Activation rows in one AMX tile.
+const M_TILE: usize = 16;
+/// Bytes of one weight block of a group in tile order.
+const GROUP_BLOCK_BYTES: usize = GROUP_ROWS * BLOCK;
+
+/// Whether this CPU has AMX-INT8 tiles and the kernel lets this process use them (asked
+/// once per process).
+pub(crate) fn granted() -> bool {
+    static GRANTED: OnceLock<bool> = OnceLock::new();
+    *GRANTED.get_or_init(|| cpu_has_amx_int8() && request_tile_data())
+}
+
+fn cpu_has_amx_int8() -> bool {
+    // CPUID leaf 7, sub-leaf 0: EDX bit 24 AMX-TILE, bit 25 AMX-INT8.
+    let leaf7 = __cpuid_count(7, 0);
+    let tile = leaf7.edx & (1 << 24) != 0;
+    let int8 = leaf7.edx & (1 << 25) != 0;
+    // XCR0 bits 17 (XTILECFG) and 18 (XTILEDATA): the OS manages the tile state.
+    // SAFETY: `xgetbv` is available where the OS enabled XSAVE (OSXSAVE, CPUID 1 ECX bit 27).
+    let osxsave = __cpuid(1).ecx & (1 << 27) != 0;
+    let xcr0 = if osxsave { unsafe { xgetbv0() } } else { 0 };
+    tile && int8 && xcr0 & (0b11 << 17) == 0b11 << 17
+}
+
+#[target_feature(enable = "xsave")]
+unsafe fn xgetbv0() -> u64 {
+    _xgetbv(0)
+}
+
+#[cfg(target_os = "linux")]
+fn request_tile_data() -> bool {
+    const SYS_ARCH_PRCTL: i64 = 158;
+    const ARCH_REQ_XCOMP_PERM: i64 = 0x1023;
+    const XFEATURE_XTILEDATA: i64 = 18;
+    unsafe extern "C" {
+        fn syscall(number: i64, ...) -> i64;
+    }
+    // SAFETY: arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA) only changes which state the
+    // kernel lets this process's threads use; it reads and writes no memory of ours.
+    unsafe { syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn request_tile_data() -> bool {
+    false
+}
+
+/// The tile configuration (`ldtilecfg`'s 64 bytes): palette 1; tiles 0–1 the integer
+/// results (16 × 16 i32), 2–3 the activations (16 × 32 bytes), 4–5 the weights
+/// (8 × 64 bytes). Two of each, so that two products are in flight: 8-bit activations
+/// take two blocks at a time, 16-bit ones a block's high and low bytes.
+#[repr(C, align(64))]
+struct TileConfig([u8; 64]);
+
+impl TileConfig {
+    fn new() -> Self {
+        let mut c = TileConfig([0; 64]);
+        c.0[0] = 1;
+        for (t, rows, colsb) in [
+            (0, 16, 64u16),
+            (1, 16, 64),
+            (2, 16, 32),
+            (3, 16, 32),
+            (4, 8, 64),
+            (5, 8, 64),
+        ] {
+            c.0[16 + 2 * t..18 + 2 * t].copy_from_slice(&colsb.to_le_bytes());
+            c.0[48 + t] = rows;
+        }
+        c
+    }
+}
+
+/// As [`crate::scalar::q8_tiles`], for the row tiles `tiles` (the caller hands out whole
+/// groups of [`GROUP_TILES`]; a range whose end is not a group boundary ends in a partial
+/// group that the AVX-512 kernel takes). The activations hold their AMX byte form.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn q8_tiles(w: &PackedQ8, a: &Activations, tiles: Range<usize>, out: *mut f32) {
+    let sixteen = a.bytes == Some(ActBits::Sixteen);
+    let m16 = a.rows / M_TILE * M_TILE;
+    // Whole groups only, of real rows (a last partial row tile is padded).
+    let g0 = tiles.start.div_ceil(GROUP_TILES);
+    let g1 = (tiles.end / GROUP_TILES).min(w.rows / GROUP_ROWS).max(g0);
+    if m16 == 0 || g0 >= g1 {
+        crate::avx512::q8_tiles(w, a, tiles, 0..a.rows, out);
+        return;
+    }
+    // Tiles before the first whole group and after the last one, and the rows past the
+    // last whole tile of rows: the AVX-512 kernel.
+    crate::avx512::q8_tiles(w, a, tiles.start..g0 * GROUP_TILES, 0..a.rows, out);
+    crate::avx512::q8_tiles(w, a, g1 * GROUP_TILES..tiles.end, 0..a.rows, out);
+    crate::avx512::q8_tiles(w, a, g0 * GROUP_TILES..g1 * GROUP_TILES, m16..a.rows, out);
+
+    let cfg = TileConfig::new();
+    asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
+    let mut packed = vec![0i8; w.blocks * GROUP_BLOCK_BYTES];
+    let mut scales = vec![0f32; w.blocks * GROUP_ROWS];
+    for g in g0..g1 {
+        pack_group(w, g, &mut packed, &mut scales);
+        let mut m = 0;
+        while m < m16 {
+            match sixteen {
+                true => tile_rows::<true>(w, a, g, m, &packed, &scales, out),
+                false => tile_rows::<false>(w, a, g, m, &packed, &scales, out),
+            }
+            m += M_TILE;
+        }
+    }
+    asm!("tilerelease", options(nostack, nomem));
+}
+
+/// Group `g`'s weights in tile order (`[block][k / 4][row][k % 4]`) and its scales as f32
+/// (`[block][row]`).
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+unsafe fn pack_group(w: &PackedQ8, g: usize, packed: &mut [i8], scales: &mut [f32]) {
+    // Source: tile t's block b is 4 rows × 32 bytes, contiguous; as u32 words, row r's
+    // word j (values 4j .. 4j + 4) is at 8r + j. Destination word (j, row) at 16j + row.
+    let src = w.qs.as_ptr() as *const u32;
+    let dst = packed.as_mut_ptr() as *mut u32;
+    for b in 0..w.blocks {
+        for i in 0..GROUP_TILES {
+            let t = g * GROUP_TILES + i;
+            let s = src.add((t * w.blocks + b) * TILE_ROWS * BLOCK / 4);
+            let d = dst.add(b * GROUP_BLOCK_BYTES / 4);
+            for r in 0..TILE_ROWS {
+                for j in 0..BLOCK / 4 {
+                    *d.add(16 * j + i * TILE_ROWS + r) = *s.add(8 * r + j);
+                }
+            }
+            let ds = w.d.as_ptr().add((t * w.blocks + b) * TILE_ROWS);
+            for r in 0..TILE_ROWS {
+                *scales.get_unchecked_mut(b * GROUP_ROWS + i * TILE_ROWS + r) =
+                    (*ds.add(r)).to_f32();
+            }
+        }
+    }
+}
+
+/// Activation rows `m .. m + 16` by group `g`: 16 × 16 outputs.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn tile_rows<const SIXTEEN: bool>(
+    w: &PackedQ8,
+    a: &Activations,
+    g: usize,
+    m: usize,
+    packed: &[i8],
+    scales: &[f32],
+    out: *mut f32,
+) {
+    #[repr(C, align(64))]
+    struct Ints([[i32; 16]; 16]);
+    let (mut hi, mut lo) = (Ints([[0; 16]; 16]), Ints([[0; 16]; 16]));
+    let mut acc = [_mm512_setzero_ps(); M_TILE];
+    let stride = a.cols;
+    let act = |bytes: *const u8, b: usize| bytes.add(m * a.cols + b * BLOCK);
+    let wts = |b: usize| packed.as_ptr().add(b * GROUP_BLOCK_BYTES);
+    // Block `b`'s integer tile `c` (rows `m ..`, columns the group's 16 rows) in f32.
+    let mut add = |c: &Ints, l: Option<&Ints>, b: usize| {
+        let dw = _mm512_loadu_ps(scales.as_ptr().add(b * GROUP_ROWS));
+        for (i, acc) in acc.iter_mut().enumerate() {
+            let mut v = _mm512_load_si512(c.0[i].as_ptr() as *const _);
+            if let Some(l) = l {
+                let l = _mm512_load_si512(l.0[i].as_ptr() as *const _);
+                v = _mm512_add_epi32(_mm512_slli_epi32::<8>(v), l);
+            }
+            let da = _mm512_set1_ps(*a.d.get_unchecked((m + i) * a.blocks + b));
+            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(dw, da), *acc);
+        }
+    };
+    let s8 = a.s8.as_ptr() as *const u8;
+    let mut b = 0;
+    while b < w.blocks {
+        if SIXTEEN {
+            // High bytes (signed) and low bytes (unsigned) of block b, side by side.
+            asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tileloadd tmm4, [{w} + {ws} * 1]",
+                "tileloadd tmm2, [{h} + {s} * 1]",
+                "tileloadd tmm3, [{l} + {s} * 1]",
+                "tdpbssd tmm0, tmm2, tmm4",
+                "tdpbusd tmm1, tmm3, tmm4",
+                "tilestored [{c0} + {cs} * 1], tmm0",
+                "tilestored [{c1} + {cs} * 1], tmm1",
+                h = in(reg) act(s8, b),
+                l = in(reg) act(a.lo.as_ptr(), b),
+                s = in(reg) stride,
+                w = in(reg) wts(b),
+                ws = in(reg) 64usize,
+                c0 = in(reg) hi.0.as_mut_ptr(),
+                c1 = in(reg) lo.0.as_mut_ptr(),
+                cs = in(reg) 64usize,
+                options(nostack),
+            );
+            add(&hi, Some(&lo), b);
+            b += 1;
+        } else if b + 1 < w.blocks {
+            // Blocks b and b + 1.
+            asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tileloadd tmm4, [{w0} + {ws} * 1]",
+                "tileloadd tmm2, [{a0} + {s} * 1]",
+                "tileloadd tmm5, [{w1} + {ws} * 1]",
+                "tileloadd tmm3, [{a1} + {s} * 1]",
+                "tdpbssd tmm0, tmm2, tmm4",
+                "tdpbssd tmm1, tmm3, tmm5",
+                "tilestored [{c0} + {cs} * 1], tmm0",
+                "tilestored [{c1} + {cs} * 1], tmm1",
+                a0 = in(reg) act(s8, b),
+                a1 = in(reg) act(s8, b + 1),
+                s = in(reg) stride,
+                w0 = in(reg) wts(b),
+                w1 = in(reg) wts(b + 1),
+                ws = in(reg) 64usize,
+                c0 = in(reg) hi.0.as_mut_ptr(),
+                c1 = in(reg) lo.0.as_mut_ptr(),
+                cs = in(reg) 64usize,
+                options(nostack),
+            );
+            add(&hi, None, b);
+            add(&lo, None, b + 1);
+            b += 2;
+        } else {
+            asm!(
+                "tilezero tmm0",
+                "tileloadd tmm4, [{w} + {ws} * 1]",
+                "tileloadd tmm2, [{a} + {s} * 1]",
+                "tdpbssd tmm0, tmm2, tmm4",
+                "tilestored [{c} + {cs} * 1], tmm0",
+                a = in(reg) act(s8, b),
+                s = in(reg) stride,
+                w = in(reg) wts(b),
+                ws = in(reg) 64usize,
+                c = in(reg) hi.0.as_mut_ptr(),
+                cs = in(reg) 64usize,
+                options(nostack),
+            );
+            add(&hi, None, b);
+            b += 1;
+        }
+    }
+    let n = w.rows;
+    for (i, acc) in acc.iter().enumerate() {
+        _mm512_storeu_ps(out.add((m + i) * n + g * GROUP_ROWS), *acc);
+    }
+}
