@@ -23,18 +23,13 @@ MODELS="${QUANTMESH_BENCH_MODELS:-models}"
 THREADS="${BENCH_THREADS:-$(nproc)}"
 ROUNDS="${BENCH_ROUNDS:-3}"
 FILES="${BENCH_FILES:-Q8_0 Q4_1}"
-# llama.cpp's AMX kernels where this CPU has AMX-INT8 and the kernel grants this process the
-# tile state (what a native build of llama.cpp uses on such a host; quantmesh uses AMX there
-# too). scripts/llama-cpp-cmake-args.sh leaves AMX off for the test suite's llama-cpp-python
-# build, whose VMs may list AMX and refuse it.
+# llama-server runs its AVX-512/VNNI kernels, never its AMX ones (scripts/llama-cpp-cmake-args.sh):
+# built with GGML_AMX_INT8 on an AMX host that grants the tile state (2026-11-26, Intel Xeon,
+# llama.cpp as vendored by llama-cpp-python 0.3.36), its first Q8_0 matmul dies with SIGILL on
+# `tilezero` in tinygemm_kernel_amx, with or without the permission requested beforehand, so a
+# user there runs the build without AMX.
 LLAMA_FLAGS="$(scripts/llama-cpp-cmake-args.sh)"
-AMX=""
-if grep -qw amx_int8 /proc/cpuinfo \
-  && python3 -c 'import ctypes,sys; sys.exit(ctypes.CDLL(None).syscall(158, 0x1023, 18) != 0)' 2>/dev/null; then
-  AMX="-amx"
-  LLAMA_FLAGS="${LLAMA_FLAGS//-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF/-DGGML_AMX_TILE=ON -DGGML_AMX_INT8=ON}"
-fi
-LLAMA_DIR="${LLAMA_DIR:-$HOME/.cache/quantmesh/llama.cpp-0.3.36$AMX}"
+LLAMA_DIR="${LLAMA_DIR:-$HOME/.cache/quantmesh/llama.cpp-0.3.36}"
 OUT="${BENCH_OUT:-target/bench-llamacpp}"
 
 log "building release binaries"

@@ -2,7 +2,8 @@
 # CMake flags for building llama.cpp (llama-cpp-python) on this machine: the SIMD features
 # the CPU reports, but never AMX. With GGML_NATIVE (the default) a CPU that lists amx_int8
 # gets AMX kernels, and on VMs whose kernel does not grant AMX tile state the first matmul
-# segfaults (seen on this project's machines).
+# segfaults (seen on this project's machines); where the tile state is granted, the AMX Q8_0
+# kernel of the llama.cpp that llama-cpp-python 0.3.36 vendors dies with SIGILL on `tilezero`.
 set -euo pipefail
 flags=" $(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cut -d: -f2) "
 has() { [[ "$flags" == *" $1 "* ]]; }
