@@ -9,9 +9,11 @@
 //! activation rows). The bytes are Q8_0's own (34 per 32 weights); a row count that
 //! [`TILE_ROWS`] does not divide is padded with zero rows that are never written out.
 
-use crate::pool::{share, Pool};
+use crate::pool::Pool;
 use crate::{scalar, Isa, KernelError, Result};
 use half::f16;
+use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Values per quantization block (Q8_0's).
 pub const BLOCK: usize = 32;
@@ -213,13 +215,13 @@ impl PackedQ8 {
         };
         #[cfg(not(target_arch = "x86_64"))]
         let (units, unit) = (self.tiles, 1);
-        let work = |i: usize, n: usize| {
-            let shared = share(units, i, n);
-            let tiles = shared.start * unit..(shared.end * unit).min(self.tiles);
-            if tiles.is_empty() {
-                return;
-            }
-            // SAFETY: every thread writes only the output columns of its own tiles.
+        // The threads take contiguous chunks of tiles (a quarter of an even share each) from
+        // one counter, in order: a thread that starts late or runs slower (a busy core, a
+        // cold cache) no longer holds the others at the barrier.
+        let next = AtomicUsize::new(0);
+        let one = |tiles: Range<usize>| {
+            // SAFETY: every unit of tiles is claimed by exactly one thread, which writes
+            // only the output columns of those tiles.
             let dst = &dst;
             match isa {
                 #[cfg(target_arch = "x86_64")]
@@ -238,6 +240,18 @@ impl PackedQ8 {
                 // SAFETY: `isa.available()` checked AVX2, FMA and F16C (AVX-512 implies them).
                 isa if isa.x86_simd() => unsafe { crate::x86::q8_tiles(self, a, tiles, dst.0) },
                 _ => scalar::q8_tiles(self, a, tiles, dst.0),
+            }
+        };
+        let work = |_: usize, n: usize| {
+            let chunk = units.div_ceil(4 * n).max(1);
+            loop {
+                let c = next.fetch_add(1, Ordering::Relaxed);
+                let start = c * chunk;
+                if start >= units {
+                    return;
+                }
+                let end = (start + chunk).min(units);
+                one(start * unit..(end * unit).min(self.tiles));
             }
         };
         // Small products are not worth waking a second thread for.
