@@ -1,4 +1,4 @@
-//! Offline weight pre-screen (SPEC §1): score every linear group of a checkpoint — weight
+//! Offline weight pre-screen: score every linear group of a checkpoint — weight
 //! dispersion R, output KL of pseudo-quantized weights on a calibration set, energy ratio,
 //! input activation statistics — classify it by configurable rules, and write
 //! `sensitive_layers.json` (schema v1, `quantmesh_types::sensitive`).

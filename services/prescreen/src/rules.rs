@@ -1,4 +1,4 @@
-//! Classification rules (SPEC §1c), configurable by a TOML file.
+//! Classification rules, configurable by a TOML file.
 //!
 //! Each metric votes and the most conservative class wins:
 //! 1. `energy > energy_fp16` → `fp16`.

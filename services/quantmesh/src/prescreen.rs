@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-pub const PRESCREEN_HELP: &str = r#"Offline pre-screen (SPEC §1).
+pub const PRESCREEN_HELP: &str = r#"Offline pre-screen.
 
 For every linear group (q/k/v and gate/up scored together, as engines fuse them) it computes
   R       = (max - min) / (Q3 - Q1) of the weights (exact quartiles),

@@ -498,3 +498,109 @@ repository = "acme/plans"
         load.ok
     );
 }
+
+/// A SIGTERM that arrives while a scheduled run is in progress is kept: the run finishes,
+/// then the service stops (before, the signal was lost between waits and the service went
+/// on to its next run). The run is held in its first step, cloning the plan repository from
+/// a "git server" that accepts the connection and answers only when the test lets it go.
+#[test]
+fn a_sigterm_during_a_scheduled_run_stops_the_service_once_the_run_ends() {
+    let root = tempfile::tempdir().unwrap();
+    let r = root.path();
+    let git_server = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let remote = format!("http://{}/plans.git", git_server.local_addr().unwrap());
+    let cfg = r.join("quantmesh.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            r#"[evolution]
+model = "synthetic"
+lake = "{lake}"
+listen = "127.0.0.1:0"
+# every second: the first run starts at once
+schedule = "* * * * * *"
+
+[evolution.git]
+remote = "{remote}"
+"#,
+            lake = r.join("lake").display()
+        ),
+    )
+    .unwrap();
+    let log = r.join("evolve.log");
+    let f = std::fs::File::create(&log).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_quantmesh"))
+        .args(["evolve", "--config", cfg.to_str().unwrap()])
+        .env("QUANTMESH_KAFKA_BROKERS", "")
+        .stdout(f.try_clone().unwrap())
+        .stderr(f)
+        .stdin(Stdio::null())
+        .spawn()
+        .unwrap();
+    let read_log = || std::fs::read_to_string(&log).unwrap_or_default();
+
+    // The run has started once git is connected to the held server.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let conn = git_server.accept().map(|(c, _)| c);
+        let _ = tx.send(conn);
+    });
+    let conn = match rx.recv_timeout(Duration::from_secs(60)) {
+        Ok(c) => c.unwrap(),
+        Err(_) => {
+            let _ = child.kill();
+            panic!(
+                "no scheduled run reached the git server; log:\n{}",
+                read_log()
+            );
+        }
+    };
+    assert!(Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success());
+    // The service says it will finish the run first, and is still running while git waits.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !read_log().contains("stop requested during a run") {
+        assert!(
+            Instant::now() < deadline,
+            "the SIGTERM during the run was not seen; log:\n{}",
+            read_log()
+        );
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "exited mid-run:\n{}",
+            read_log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "exited mid-run:\n{}",
+        read_log()
+    );
+
+    // Let the run end (the clone fails): the service stops by itself, cleanly.
+    drop(conn);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!(
+                "the service did not stop after its run; log:\n{}",
+                read_log()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let text = read_log();
+    assert!(status.success(), "exit {status}; log:\n{text}");
+    assert!(text.contains("evolution run failed"), "{text}");
+    assert!(text.contains("shutting down"), "{text}");
+    // One run only: the service did not go on to wait for the next second's.
+    assert_eq!(text.matches("next evolution run").count(), 1, "{text}");
+}

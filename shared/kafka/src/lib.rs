@@ -1,4 +1,4 @@
-//! quantmesh's Kafka event path (issue 7).
+//! quantmesh's Kafka event path.
 //!
 //! ```text
 //!  engine (monitor / config actors)

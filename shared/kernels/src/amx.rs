@@ -20,9 +20,9 @@
 //! per-thread buffer that stays in L1/L2 while every activation tile goes by.
 //!
 //! The tile instructions are written with `asm!` (Rust's AMX intrinsics are not stable);
-//! the tile registers are this module's alone: each call configures them (`ldtilecfg`)
-//! and releases them (`tilerelease`) before it returns, and nothing else in the process
-//! uses them. Linux hands a thread AMX state only after the process asks for it
+//! each call saves the thread's tile configuration (`sttilecfg`), loads its own and puts the
+//! saved one back before it returns, so another user of the tiles on the same thread
+//! (candle's 4-bit AMX kernel, which configures a thread once and keeps it) is unaffected. Linux hands a thread AMX state only after the process asks for it
 //! (`arch_prctl(ARCH_REQ_XCOMP_PERM)`); [`granted`] asks once, and a refusal (a virtual
 //! machine whose kernel does not pass AMX through) leaves [`crate::Isa::Amx`] unavailable.
 
@@ -129,6 +129,10 @@ pub(crate) unsafe fn q8_tiles(w: &PackedQ8, a: &Activations, tiles: Range<usize>
     crate::avx512::q8_tiles(w, a, g1 * GROUP_TILES..tiles.end, 0..a.rows, out);
     crate::avx512::q8_tiles(w, a, g0 * GROUP_TILES..g1 * GROUP_TILES, m16..a.rows, out);
 
+    // Another AMX user on this thread (candle's 4-bit kernel configures a thread's tiles once
+    // and keeps them) gets its configuration back when this call ends.
+    let mut saved = TileConfig([0; 64]);
+    asm!("sttilecfg [{}]", in(reg) saved.0.as_mut_ptr(), options(nostack));
     let cfg = TileConfig::new();
     asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
     let mut packed = vec![0i8; w.blocks * GROUP_BLOCK_BYTES];
@@ -144,7 +148,8 @@ pub(crate) unsafe fn q8_tiles(w: &PackedQ8, a: &Activations, tiles: Range<usize>
             m += M_TILE;
         }
     }
-    asm!("tilerelease", options(nostack, nomem));
+    // The saved configuration (palette 0 when there was none: the tiles' initial state).
+    asm!("ldtilecfg [{}]", in(reg) saved.0.as_ptr(), options(nostack, readonly));
 }
 
 /// Group `g`'s weights in tile order (`[block][k / 4][row][k % 4]`) and its scales as f32
@@ -282,5 +287,56 @@ unsafe fn tile_rows<const SIXTEEN: bool>(
     let n = w.rows;
     for (i, acc) in acc.iter().enumerate() {
         _mm512_storeu_ps(out.add((m + i) * n + g * GROUP_ROWS), *acc);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::{Activations, Isa, Pool};
+
+    fn stored() -> [u8; 64] {
+        let mut c = TileConfig([0; 64]);
+        // SAFETY: stores the 64-byte tile configuration into `c`; AMX is available.
+        unsafe { asm!("sttilecfg [{}]", in(reg) c.0.as_mut_ptr(), options(nostack)) };
+        c.0
+    }
+
+    fn load(c: &TileConfig) {
+        // SAFETY: a valid palette-1 configuration (or palette 0: the initial state).
+        unsafe { asm!("ldtilecfg [{}]", in(reg) c.0.as_ptr(), options(nostack, readonly)) };
+    }
+
+    /// A product on a thread whose tiles another kernel configured leaves that
+    /// configuration as it found it, and a thread with none configured still has none.
+    #[test]
+    fn a_threads_tile_configuration_is_put_back() {
+        if !Isa::Amx.available() {
+            eprintln!("skipped: this CPU (or its operating system) offers no AMX");
+            return;
+        }
+        let (rows, cols, m) = (32, 64, 16);
+        let w = PackedQ8::quantize(&vec![0.25; rows * cols], rows, cols).unwrap();
+        let mut a = Activations::new();
+        a.quantize_with(&vec![0.5; m * cols], m, cols, ActBits::Eight, Isa::Amx)
+            .unwrap();
+        let one = Pool::new(1); // the caller's thread runs the product
+        let mut out = vec![0f32; m * rows];
+
+        let mut other = TileConfig([0; 64]);
+        other.0[0] = 1;
+        other.0[16..18].copy_from_slice(&64u16.to_le_bytes());
+        other.0[48] = 16;
+        load(&other);
+        w.matmul(&a, &mut out, Isa::Amx, &one).unwrap();
+        assert_eq!(stored(), other.0);
+        assert!(out
+            .iter()
+            .all(|&v| (v - 0.25 * 0.5 * cols as f32).abs() < 1e-3));
+
+        load(&TileConfig([0; 64]));
+        w.matmul(&a, &mut out, Isa::Amx, &one).unwrap();
+        assert_eq!(stored(), [0u8; 64]);
     }
 }

@@ -13,6 +13,7 @@
 //!   with AMX into the signed bytes of its tiles.
 //! - [`f16_matmul`]: the float path's product over f16 weights, widened in registers.
 //! - [`swiglu`]: `silu(gate) · up` over the rows of a fused gate/up product.
+//! - [`rms_norm`], [`rope`]: the step's per-row operations, one pass each on plain slices.
 //! - [`attention`]: causal attention of a chunk's query rows over a sequence's keys and
 //!   values, every (row, head) pair a work item on the pool.
 //! - [`Isa`]: the instruction set the kernels run with, detected at run time
@@ -32,6 +33,7 @@ mod f16;
 mod isa;
 mod pool;
 mod q8;
+mod rows;
 mod scalar;
 mod swiglu;
 #[cfg(target_arch = "x86_64")]
@@ -42,6 +44,7 @@ pub use f16::f16_matmul;
 pub use isa::Isa;
 pub use pool::Pool;
 pub use q8::{ActBits, Activations, PackedQ8, BLOCK, TILE_ROWS};
+pub use rows::{rms_norm, rope};
 pub use swiglu::swiglu;
 
 /// What a kernel call was given that it cannot work with.

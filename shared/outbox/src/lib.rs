@@ -1,4 +1,4 @@
-//! A bounded, durable outbox on `sled`: the first half of the Kafka event path (issue 7).
+//! A bounded, durable outbox on `sled`: the first half of the Kafka event path.
 //!
 //! Producers [`Outbox::append`] records (a routing key, a payload, headers); a relay reads the
 //! oldest ones with [`Outbox::peek`], hands them to the broker, and [`Outbox::ack`]s each one

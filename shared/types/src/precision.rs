@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
 
-/// The class a weight group receives from the offline pre-screen (SPEC §1c).
+/// The class a weight group receives from the offline pre-screen (see `quantmesh prescreen --help`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum PrecisionClass {
@@ -20,8 +20,7 @@ pub enum PrecisionClass {
 }
 
 impl PrecisionClass {
-    /// The suggested default mapping from class to residency (SPEC §3, "Suggested default
-    /// mapping"): `fp16` → float only; `w8a8_per_channel` → dual; `w8a8`/`w4a16` → INT8 only.
+    /// The default mapping from class to residency: `fp16` → float only; `w8a8_per_channel` → dual; `w8a8`/`w4a16` → INT8 only.
     pub fn default_residency(self) -> Residency {
         match self {
             PrecisionClass::Fp16 => Residency::Float,

@@ -18,8 +18,8 @@ use crate::backend::{
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
 use candle_core::{DType, Device, Tensor};
-use linear::DualLinear;
-use quantmesh_model::ops::{rms_norm, rope, rope_tables, GroupWeights};
+use linear::{with_f32_rows, DualLinear};
+use quantmesh_model::ops::{rope_tables, GroupWeights};
 use quantmesh_model::{names, Checkpoint, ModelConfig};
 use quantmesh_types::{GroupId, GroupKind, Residency};
 use reference::ReferenceWeights;
@@ -59,6 +59,54 @@ fn swiglu_rows(gu: &Tensor, inter: usize) -> Result<Tensor> {
 }
 
 /// `base` with the rows listed in `rows` replaced by the rows of `with` (same order).
+/// RMSNorm of the rows of `x` (`[rows, cols]`) by the kernels' one-pass loop.
+fn norm_rows(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let (rows, cols) = x.dims2()?;
+    let y = with_f32_rows(x, |xs| {
+        with_f32_rows(w, |ws| Ok(quantmesh_kernels::rms_norm(xs, ws, eps as f32)?))
+    })?;
+    Ok(Tensor::from_vec(y, (rows, cols), &Device::Cpu)?)
+}
+
+/// A fused q/k/v product's rows (`[rows, (heads + 2·kv_heads)·head_dim]`) split into q, k
+/// and v rows (`[rows][heads·head_dim]`, `[rows][kv_heads·head_dim]` twice), RoPE applied to
+/// q and k with each row's tables (`cos`/`sin`: `[rows][head_dim / 2]`).
+fn split_qkv_with_rope(
+    qkv: &Tensor,
+    (nh, nkv, hd): (usize, usize, usize),
+    cos: &[f32],
+    sin: &[f32],
+) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+    let (n, width) = qkv.dims2()?;
+    let (qw, kw) = (nh * hd, nkv * hd);
+    let half = hd / 2;
+    if width != qw + 2 * kw || cos.len() != n * half || sin.len() != n * half {
+        return Err(quantmesh_kernels::KernelError::Shape(format!(
+            "q/k/v rows of {width} for {nh}+2x{nkv} heads of {hd}"
+        ))
+        .into());
+    }
+    with_f32_rows(qkv, |all| {
+        let (mut q, mut k, mut v) = (
+            Vec::with_capacity(n * qw),
+            Vec::with_capacity(n * kw),
+            Vec::with_capacity(n * kw),
+        );
+        for (r, row) in all.chunks_exact(width).enumerate() {
+            let (c, s) = (
+                &cos[r * half..(r + 1) * half],
+                &sin[r * half..(r + 1) * half],
+            );
+            q.extend_from_slice(&row[..qw]);
+            quantmesh_kernels::rope(&mut q[r * qw..], c, s)?;
+            k.extend_from_slice(&row[qw..qw + kw]);
+            quantmesh_kernels::rope(&mut k[r * kw..], c, s)?;
+            v.extend_from_slice(&row[qw + kw..]);
+        }
+        Ok((q, k, v))
+    })
+}
+
 fn replace_rows(base: &Tensor, rows: &[usize], with: &Tensor) -> Result<Tensor> {
     let n = base.dim(0)?;
     let mut map: Vec<u32> = (0..n as u32).collect();
@@ -381,24 +429,26 @@ impl Backend for LlamaModel {
         }
         let pos: Vec<u32> = rows.iter().map(|(_, p)| *p as u32).collect();
         let pos = Tensor::new(pos.as_slice(), &dev)?;
-        let cos = self.cos.index_select(&pos, 0)?;
-        let sin = self.sin.index_select(&pos, 0)?;
+        // The rows' RoPE tables, `[row][head_dim / 2]`.
+        let cos = self
+            .cos
+            .index_select(&pos, 0)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let sin = self
+            .sin
+            .index_select(&pos, 0)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
         let mut x = self.embed.rows(&ids)?;
 
         for (l, layer) in self.layers.iter().enumerate() {
             let g = |kind| GroupId::new(l, kind);
             // --- attention ---
-            let h = rms_norm(&x, &layer.input_norm, cfg.rms_norm_eps)?;
+            let h = norm_rows(&x, &layer.input_norm, cfg.rms_norm_eps)?;
             let qkv = self.run_group(layer, g(GroupKind::Qkv), &h, router)?;
-            let q = qkv.narrow(1, 0, nh * hd)?.reshape((n, nh, hd))?;
-            let k = qkv.narrow(1, nh * hd, kv_dim)?.reshape((n, nkv, hd))?;
-            let v = qkv.narrow(1, nh * hd + kv_dim, kv_dim)?;
-            let q = rope(&q, &cos, &sin)?;
-            let k = rope(&k, &cos, &sin)?.reshape((n, kv_dim))?;
-            let k_rows = k.flatten_all()?.to_vec1::<f32>()?;
-            let v_rows = v.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+            let (q_rows, k_rows, v_rows) = split_qkv_with_rope(&qkv, (nh, nkv, hd), &cos, &sin)?;
             let layer_int8 = router.kv_int8(l);
-            let q_rows = q.flatten_all()?.to_vec1::<f32>()?;
             let mut attn = vec![0f32; n * nh * hd];
             // Every chunk's new keys and values first (each writes only its own new slots,
             // never a page another chunk reads: shared pages are copied before a write).
@@ -455,7 +505,7 @@ impl Backend for LlamaModel {
             let attn = Tensor::from_vec(attn, (n, nh * hd), &dev)?;
             x = (x + self.run_group(layer, g(GroupKind::O), &attn, router)?)?;
             // --- MLP ---
-            let h = rms_norm(&x, &layer.post_norm, cfg.rms_norm_eps)?;
+            let h = norm_rows(&x, &layer.post_norm, cfg.rms_norm_eps)?;
             let gu = self.run_group(layer, g(GroupKind::GateUp), &h, router)?;
             let inter = cfg.intermediate_size;
             let mut act = swiglu_rows(&gu, inter)?;
@@ -490,7 +540,7 @@ impl Backend for LlamaModel {
         if !want.is_empty() {
             let idx: Vec<u32> = want.iter().map(|(_, r)| *r).collect();
             let last = x.index_select(&Tensor::new(idx.as_slice(), &dev)?, 0)?;
-            let last = rms_norm(&last, &self.norm, cfg.rms_norm_eps)?;
+            let last = norm_rows(&last, &self.norm, cfg.rms_norm_eps)?;
             // The Q8_0 output table is a quantized product whose rows never ask for float:
             // split only under `all`.
             let logits = self
