@@ -464,8 +464,12 @@ repository = "acme/plans"
     let new_md5 = format!("{:x}", md5::compute(std::fs::read(&merged).unwrap()));
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let served = serve.metric(&client, "quantmesh_requests_total", &[]).await;
     let load = tokio::spawn(traffic(serve.base.clone(), stop_rx));
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Requests are flowing before the new plan is published...
+    serve
+        .wait_requests(&client, served + 2.0, Duration::from_secs(60))
+        .await;
     let polls_before = serve
         .metric(&client, "quantmesh_config_polls_total", &[])
         .await;
@@ -483,7 +487,11 @@ repository = "acme/plans"
         .metric(&client, "quantmesh_config_polls_total", &[])
         .await
         - polls_before;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // ...and go on after it is applied.
+    let served = serve.metric(&client, "quantmesh_requests_total", &[]).await;
+    serve
+        .wait_requests(&client, served + 2.0, Duration::from_secs(60))
+        .await;
     stop_tx.send(true).unwrap();
     let load = load.await.unwrap();
     assert_eq!(applied["residency"]["layers.1.down"], "dual", "{applied}");

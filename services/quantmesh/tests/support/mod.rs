@@ -255,6 +255,23 @@ impl Serve {
         sum_metric(&text, name, labels)
     }
 
+    /// Wait until the server has counted at least `at_least` requests
+    /// (`quantmesh_requests_total`): traffic is flowing.
+    pub async fn wait_requests(&self, client: &reqwest::Client, at_least: f64, within: Duration) {
+        let t0 = Instant::now();
+        loop {
+            let n = self.metric(client, "quantmesh_requests_total", &[]).await;
+            if n >= at_least {
+                return;
+            }
+            assert!(
+                t0.elapsed() < within,
+                "only {n} requests counted, waiting for {at_least}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// Wait until the relay has emptied the outbox (`quantmesh_events_outbox_depth` 0).
     pub async fn wait_outbox_drained(&self, client: &reqwest::Client, within: Duration) {
         let t0 = Instant::now();
