@@ -695,6 +695,13 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
         "--no-ingest",
     ]));
     let report = String::from_utf8_lossy(&analysis.stdout);
+    // The proposal was validated against the served model's checkpoint (mounted from the
+    // engines' model volume), not only against the schema.
+    let log = String::from_utf8_lossy(&analysis.stderr);
+    assert!(
+        !log.contains("evolution.checkpoint is not set"),
+        "the evolution service has no checkpoint to validate against:\n{log}"
+    );
     // The counts come from the Parquet it read: the forced fallbacks' events and both
     // engines' applications of the published plan.
     let count_before = |what: &str| -> u64 {
