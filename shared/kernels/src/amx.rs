@@ -17,12 +17,14 @@
 //!
 //! The weights keep the layout every kernel reads ([`crate::PackedQ8`]); a group of 16
 //! rows (four row tiles) is put into the tile order once per call and group, into a
-//! per-thread buffer that stays in L1/L2 while every activation tile goes by.
+//! per-thread buffer (kept across calls) that stays in L1/L2 while every activation tile
+//! goes by.
 //!
 //! The tile instructions are written with `asm!` (Rust's AMX intrinsics are not stable);
 //! each call saves the thread's tile configuration (`sttilecfg`), loads its own and puts the
 //! saved one back before it returns, so another user of the tiles on the same thread
-//! (candle's 4-bit AMX kernel, which configures a thread once and keeps it) is unaffected. Linux hands a thread AMX state only after the process asks for it
+//! (candle's 4-bit AMX kernel, which configures a thread once and keeps it) is unaffected.
+//! Linux hands a thread AMX state only after the process asks for it
 //! (`arch_prctl(ARCH_REQ_XCOMP_PERM)`); [`granted`] asks once, and a refusal (a virtual
 //! machine whose kernel does not pass AMX through) leaves [`crate::Isa::Amx`] unavailable.
 
@@ -135,21 +137,30 @@ pub(crate) unsafe fn q8_tiles(w: &PackedQ8, a: &Activations, tiles: Range<usize>
     asm!("sttilecfg [{}]", in(reg) saved.0.as_mut_ptr(), options(nostack));
     let cfg = TileConfig::new();
     asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
-    let mut packed = vec![0i8; w.blocks * GROUP_BLOCK_BYTES];
-    let mut scales = vec![0f32; w.blocks * GROUP_ROWS];
-    for g in g0..g1 {
-        pack_group(w, g, &mut packed, &mut scales);
-        let mut m = 0;
-        while m < m16 {
-            match sixteen {
-                true => tile_rows::<true>(w, a, g, m, &packed, &scales, out),
-                false => tile_rows::<false>(w, a, g, m, &packed, &scales, out),
+    GROUP_BUFFERS.with_borrow_mut(|(packed, scales)| {
+        packed.resize(w.blocks * GROUP_BLOCK_BYTES, 0);
+        scales.resize(w.blocks * GROUP_ROWS, 0.0);
+        for g in g0..g1 {
+            pack_group(w, g, packed, scales);
+            let mut m = 0;
+            while m < m16 {
+                match sixteen {
+                    true => tile_rows::<true>(w, a, g, m, packed, scales, out),
+                    false => tile_rows::<false>(w, a, g, m, packed, scales, out),
+                }
+                m += M_TILE;
             }
-            m += M_TILE;
         }
-    }
+    });
     // The saved configuration (palette 0 when there was none: the tiles' initial state).
     asm!("ldtilecfg [{}]", in(reg) saved.0.as_ptr(), options(nostack, readonly));
+}
+
+thread_local! {
+    /// A group's weights in tile order and its scales as f32 (see [`pack_group`]): grown to
+    /// the widest product a thread has run, then reused.
+    static GROUP_BUFFERS: std::cell::RefCell<(Vec<i8>, Vec<f32>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
 
 /// Group `g`'s weights in tile order (`[block][k / 4][row][k % 4]`) and its scales as f32

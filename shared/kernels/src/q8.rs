@@ -155,7 +155,7 @@ impl PackedQ8 {
     }
 
     /// `out = a · deq(self)ᵀ` (`a.rows() × self.rows()`, row-major), on `pool`'s threads,
-    /// each taking a contiguous range of tiles.
+    /// each taking contiguous chunks of tiles from one counter.
     pub fn matmul(&self, a: &Activations, out: &mut [f32], isa: Isa, pool: &Pool) -> Result<()> {
         self.check_width(a)?;
         if out.len() != a.rows * self.rows {
@@ -292,8 +292,7 @@ impl ActBits {
 /// AVX2 and scalar kernels widen the weights to 16 bits and multiply pairs), one f32 scale
 /// per block. Quantized for [`Isa::Avx512`] or [`Isa::Amx`], they also hold the values as
 /// bytes for `vpdpbusd` (the `bytes`, `hi` and `lo` fields), and for AMX as signed bytes
-/// (`s8`). Reused across calls: quantizing into it
-/// allocates only when it grows.
+/// (`s8`). Reused across calls: quantizing into it allocates only when it grows.
 #[derive(Debug, Clone, Default)]
 pub struct Activations {
     pub(crate) rows: usize,

@@ -58,7 +58,6 @@ fn swiglu_rows(gu: &Tensor, inter: usize) -> Result<Tensor> {
     Ok(Tensor::from_vec(out, (rows, inter), &Device::Cpu)?)
 }
 
-/// `base` with the rows listed in `rows` replaced by the rows of `with` (same order).
 /// RMSNorm of the rows of `x` (`[rows, cols]`) by the kernels' one-pass loop.
 fn norm_rows(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let (rows, cols) = x.dims2()?;
@@ -107,6 +106,7 @@ fn split_qkv_with_rope(
     })
 }
 
+/// `base` with the rows listed in `rows` replaced by the rows of `with` (same order).
 fn replace_rows(base: &Tensor, rows: &[usize], with: &Tensor) -> Result<Tensor> {
     let n = base.dim(0)?;
     let mut map: Vec<u32> = (0..n as u32).collect();
