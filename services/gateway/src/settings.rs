@@ -59,7 +59,8 @@ impl std::str::FromStr for OtlpProtocol {
 
 /// `[telemetry]`: where traces go. The standard OpenTelemetry variables win over the file:
 /// `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` / `OTEL_EXPORTER_OTLP_ENDPOINT`,
-/// `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` / `OTEL_EXPORTER_OTLP_PROTOCOL`, `OTEL_SERVICE_NAME`.
+/// `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` / `OTEL_EXPORTER_OTLP_PROTOCOL`,
+/// `OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE` / `OTEL_EXPORTER_OTLP_CERTIFICATE`, `OTEL_SERVICE_NAME`.
 /// Sampling (`OTEL_TRACES_SAMPLER[_ARG]`, default parent-based always-on), resource
 /// attributes (`OTEL_RESOURCE_ATTRIBUTES`) and batching (`OTEL_BSP_*`) are read by the
 /// OpenTelemetry SDK itself.
@@ -70,6 +71,10 @@ pub struct TelemetrySettings {
     /// (HTTP; `/v1/traces` is appended). Unset: no traces, no spans made.
     pub otlp_endpoint: Option<String>,
     pub otlp_protocol: OtlpProtocol,
+    /// PEM file of the certificate authority that signed an `https://` collector's
+    /// certificate, trusted besides the system's roots (a private CA). Needs the `otlp-tls`
+    /// build feature, as any `https://` endpoint does.
+    pub otlp_certificate: Option<std::path::PathBuf>,
     /// `service.name` of the exported spans.
     pub service_name: String,
 }
@@ -79,6 +84,7 @@ impl Default for TelemetrySettings {
         Self {
             otlp_endpoint: None,
             otlp_protocol: OtlpProtocol::default(),
+            otlp_certificate: None,
             service_name: "quantmesh".into(),
         }
     }
@@ -397,6 +403,12 @@ impl Settings {
         ]) {
             self.telemetry.otlp_protocol = parse(var, v)?;
         }
+        if let Some((_, v)) = first([
+            "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE",
+            "OTEL_EXPORTER_OTLP_CERTIFICATE",
+        ]) {
+            self.telemetry.otlp_certificate = Some(v.into());
+        }
         if let Some(v) = get("OTEL_SERVICE_NAME").filter(|v| !v.is_empty()) {
             self.telemetry.service_name = v;
         }
@@ -426,6 +438,9 @@ impl Settings {
         }
         if let Some(v) = get("QUANTMESH_OUTBOX_MAX_BYTES") {
             self.kafka.outbox_max_bytes = parse("QUANTMESH_OUTBOX_MAX_BYTES", v)?;
+        }
+        if let Some(v) = get("QUANTMESH_OUTBOX_MIN_FREE_BYTES") {
+            self.kafka.outbox_min_free_bytes = parse("QUANTMESH_OUTBOX_MIN_FREE_BYTES", v)?;
         }
         Ok(())
     }

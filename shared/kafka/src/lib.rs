@@ -71,11 +71,14 @@ impl EventPipeline {
                 settings.outbox_dir.display()
             ))
         })?;
-        let outbox = Arc::new(Outbox::open(
-            &settings.outbox_dir,
-            settings.outbox_max_bytes,
-            settings.full_policy,
-        )?);
+        let outbox = Arc::new(
+            Outbox::open(
+                &settings.outbox_dir,
+                settings.outbox_max_bytes,
+                settings.full_policy,
+            )?
+            .with_min_free_bytes(settings.outbox_min_free_bytes),
+        );
         metrics
             .outbox_max_bytes
             .set(settings.outbox_max_bytes as i64);

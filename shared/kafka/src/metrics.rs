@@ -17,6 +17,8 @@ pub enum DropReason {
     OutboxFull,
     /// The queue between the engine and the outbox writer was full.
     QueueFull,
+    /// The outbox's filesystem had less than `kafka.outbox_min_free_bytes` left.
+    DiskFull,
     /// The outbox could not store the record (disk error); logged.
     StorageError,
     /// A stored record could not be read back; removed and logged.
@@ -31,6 +33,7 @@ impl DropReason {
         match self {
             DropReason::OutboxFull => "outbox_full",
             DropReason::QueueFull => "queue_full",
+            DropReason::DiskFull => "disk_full",
             DropReason::StorageError => "storage_error",
             DropReason::Unreadable => "unreadable",
             DropReason::WriterFailed => "writer_failed",
@@ -70,7 +73,7 @@ impl KafkaMetrics {
         let dropped = must(IntCounterVec::new(
             Opts::new(
                 "quantmesh_events_dropped_total",
-                "Events not kept, by reason (outbox_full, queue_full, storage_error, unreadable, writer_failed)",
+                "Events not kept, by reason (outbox_full, queue_full, disk_full, storage_error, unreadable, writer_failed)",
             ),
             &["reason"],
         ));
@@ -78,6 +81,7 @@ impl KafkaMetrics {
         for r in [
             DropReason::OutboxFull,
             DropReason::QueueFull,
+            DropReason::DiskFull,
             DropReason::StorageError,
             DropReason::Unreadable,
             DropReason::WriterFailed,

@@ -43,6 +43,10 @@ pub struct KafkaSettings {
     pub outbox_max_bytes: u64,
     /// `drop_newest` (default: keep the onset of an incident) or `drop_oldest`.
     pub full_policy: FullPolicy,
+    /// Space left free on the outbox's filesystem: below it new events are refused and
+    /// counted (`reason="disk_full"`) instead of filling the disk (the store would not
+    /// reopen from a full one).
+    pub outbox_min_free_bytes: u64,
     /// Events waiting between the engine and the outbox writer (memory); beyond, events are
     /// dropped and counted (`reason="queue_full"`) rather than blocking the engine.
     pub queue_capacity: usize,
@@ -108,6 +112,7 @@ impl std::fmt::Debug for KafkaSettings {
             .field("outbox_dir", &self.outbox_dir)
             .field("outbox_max_bytes", &self.outbox_max_bytes)
             .field("full_policy", &self.full_policy)
+            .field("outbox_min_free_bytes", &self.outbox_min_free_bytes)
             .field("queue_capacity", &self.queue_capacity)
             .field("batch_size", &self.batch_size)
             .field("delivery_timeout", &self.delivery_timeout)
@@ -134,6 +139,7 @@ impl Default for KafkaSettings {
             outbox_dir: PathBuf::from("data/outbox"),
             outbox_max_bytes: 256 << 20,
             full_policy: FullPolicy::DropNewest,
+            outbox_min_free_bytes: quantmesh_outbox::DEFAULT_MIN_FREE_BYTES,
             queue_capacity: 65_536,
             batch_size: 10_000,
             delivery_timeout: Duration::from_secs(30),

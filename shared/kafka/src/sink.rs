@@ -190,7 +190,9 @@ pub(crate) fn run_writer(
     relay: Arc<Notify>,
 ) {
     let mut seen_dropped = outbox.stats.dropped.load(Ordering::Relaxed);
+    let mut seen_no_space = outbox.stats.disk_full.load(Ordering::Relaxed);
     let mut full = false;
+    let mut disk_full = false;
     while let Ok(first) = rx.recv() {
         let mut batch = vec![first];
         while batch.len() < WRITER_BATCH {
@@ -223,6 +225,21 @@ pub(crate) fn run_writer(
             seen_dropped = dropped;
         } else if stored.iter().sum::<u64>() > 0 {
             full = false;
+        }
+        // Refused for want of disk space (the filesystem below kafka.outbox_min_free_bytes).
+        let no_space = outbox.stats.disk_full.load(Ordering::Relaxed);
+        if no_space > seen_no_space {
+            metrics.drop_event(DropReason::DiskFull, no_space - seen_no_space);
+            if !disk_full {
+                tracing::error!(target: "quantmesh::kafka", "the outbox's filesystem is below kafka.outbox_min_free_bytes: dropping new events until it has room (counted in quantmesh_events_dropped_total{{reason=\"disk_full\"}})");
+            }
+            disk_full = true;
+            seen_no_space = no_space;
+        } else if stored.iter().sum::<u64>() > 0 {
+            if disk_full {
+                tracing::info!(target: "quantmesh::kafka", "the outbox's filesystem has room again: events are stored");
+            }
+            disk_full = false;
         }
         metrics.outbox_depth.set(outbox.depth() as i64);
         metrics.outbox_bytes.set(outbox.bytes() as i64);

@@ -14,6 +14,14 @@
 //! [`FullPolicy::DropNewest`] (the default: keep the onset of an incident, refuse the newest)
 //! or [`FullPolicy::DropOldest`] (evict from the head). Either way the drop is counted
 //! ([`OutboxStats::dropped`]) so a metric and an alert can fire; appending never blocks.
+//!
+//! Disk space: sled does not survive a full filesystem (on `ENOSPC` its flusher spins and
+//! the store does not reopen), so the outbox never lets it get there. Before each append it
+//! asks the filesystem for the space left; below [`Outbox::with_min_free_bytes`] (the
+//! reserve, [`DEFAULT_MIN_FREE_BYTES`]) the newest records are refused whatever the policy —
+//! evicting old records does not give sled space back at once — and counted apart
+//! ([`OutboxStats::disk_full`]). What is stored stays readable, acks keep working in the
+//! reserve, and appends resume once the filesystem has room again.
 
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -60,8 +68,15 @@ pub struct Record {
 pub struct OutboxStats {
     pub appended: AtomicU64,
     pub acked: AtomicU64,
+    /// Refused or evicted because `max_bytes` was reached.
     pub dropped: AtomicU64,
+    /// Refused because the filesystem had less than the reserve left.
+    pub disk_full: AtomicU64,
 }
+
+/// Space the outbox leaves free on its filesystem by default (64 MiB): room for sled's
+/// segments, a batch in flight, acks and a reopen.
+pub const DEFAULT_MIN_FREE_BYTES: u64 = 64 << 20;
 
 /// What `append` did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,10 +86,14 @@ pub enum Appended {
     },
     /// The outbox was full and the policy refused this record.
     Dropped,
+    /// The filesystem had less than the reserve left: refused.
+    NoSpace,
 }
 
 pub struct Outbox {
     db: sled::Db,
+    dir: std::path::PathBuf,
+    min_free: u64,
     tree: sled::Tree,
     max_bytes: u64,
     policy: FullPolicy,
@@ -125,6 +144,8 @@ impl Outbox {
         }
         Ok(Self {
             db,
+            dir: dir.to_path_buf(),
+            min_free: DEFAULT_MIN_FREE_BYTES,
             tree,
             max_bytes,
             policy,
@@ -134,8 +155,29 @@ impl Outbox {
         })
     }
 
+    /// Leave at least `bytes` free on the outbox's filesystem (see the module's doc).
+    pub fn with_min_free_bytes(mut self, bytes: u64) -> Self {
+        self.min_free = bytes;
+        self
+    }
+
+    /// Whether the filesystem has less than the reserve left. A filesystem that cannot say
+    /// is taken to have room (sled's own errors still reach the caller).
+    fn disk_low(&self) -> bool {
+        fs2::available_space(&self.dir).is_ok_and(|free| free < self.min_free)
+    }
+
+    /// Count `n` records refused for want of disk space.
+    fn refuse_no_space(&self, n: usize) {
+        self.stats.disk_full.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
     /// Store a record (never blocks on the broker). Not yet fsynced: see [`Outbox::flush`].
     pub fn append(&self, record: &Record) -> Result<Appended, OutboxError> {
+        if self.disk_low() {
+            self.refuse_no_space(1);
+            return Ok(Appended::NoSpace);
+        }
         let value = serde_json::to_vec(record).map_err(|e| OutboxError::Corrupt {
             seq: self.next.load(Ordering::Relaxed),
             reason: e.to_string(),
@@ -171,6 +213,10 @@ impl Outbox {
     /// Same policy as [`Outbox::append`], record by record, in order. Under
     /// [`FullPolicy::DropOldest`] it appends one by one (eviction reads the tree).
     pub fn append_batch(&self, records: &[Record]) -> Result<Vec<Appended>, OutboxError> {
+        if self.disk_low() {
+            self.refuse_no_space(records.len());
+            return Ok(vec![Appended::NoSpace; records.len()]);
+        }
         if self.policy == FullPolicy::DropOldest {
             return records.iter().map(|r| self.append(r)).collect();
         }
@@ -321,7 +367,7 @@ mod tests {
             .iter()
             .filter_map(|a| match a {
                 Appended::Stored { seq } => Some(*seq),
-                Appended::Dropped => None,
+                Appended::Dropped | Appended::NoSpace => None,
             })
             .collect();
         assert_eq!(stored, vec![0, 1, 2, 3, 4], "the oldest kept, in order");
@@ -364,6 +410,39 @@ mod tests {
         match Outbox::open(Path::new(&dir), 1 << 20, FullPolicy::DropNewest) {
             Ok(_) => println!("OPENED"),
             Err(e) => println!("ERROR {e}"),
+        }
+    }
+
+    #[test]
+    fn a_filesystem_below_the_reserve_refuses_the_newest_under_either_policy() {
+        for policy in [FullPolicy::DropNewest, FullPolicy::DropOldest] {
+            let dir = tempfile::tempdir().unwrap();
+            let ob = Outbox::open(dir.path(), 1 << 20, policy).unwrap();
+            for i in 0..3 {
+                ob.append(&rec(i)).unwrap();
+            }
+            // No filesystem has u64::MAX bytes free: every append is below the reserve.
+            let ob = ob.with_min_free_bytes(u64::MAX);
+            assert_eq!(ob.append(&rec(3)).unwrap(), Appended::NoSpace);
+            assert_eq!(
+                ob.append_batch(&[rec(4), rec(5)]).unwrap(),
+                [Appended::NoSpace, Appended::NoSpace]
+            );
+            assert_eq!(ob.stats.disk_full.load(Ordering::Relaxed), 3);
+            assert_eq!(ob.stats.dropped.load(Ordering::Relaxed), 0, "{policy:?}");
+            // What was stored stays, readable, and can be acked in the reserve.
+            assert_eq!(ob.depth(), 3, "{policy:?}");
+            let (seq, first) = ob.peek(1).pop().unwrap().unwrap();
+            assert_eq!(first, rec(0));
+            ob.ack(seq).unwrap();
+            // Room again: appends resume.
+            let ob = ob.with_min_free_bytes(0);
+            assert!(matches!(
+                ob.append(&rec(6)).unwrap(),
+                Appended::Stored { .. }
+            ));
+            let kept: Vec<Record> = ob.peek(10).into_iter().map(|r| r.unwrap().1).collect();
+            assert_eq!(kept, [rec(1), rec(2), rec(6)], "{policy:?}");
         }
     }
 

@@ -683,3 +683,4 @@ pub fn wait_ready_in_log(
     }
     (addr.expect("listening line with addr"), log, rx)
 }
+pub mod stack;

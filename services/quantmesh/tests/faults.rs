@@ -1,0 +1,861 @@
+//! The fault suite: the compose test stack in real containers (gateway, two engines serving
+//! the real model, tansu for Kafka, Prometheus, the S3 server), with one fault at a time
+//! under load, each with its stated expectation and a counted result:
+//!
+//! - **engine SIGKILL** with requests in flight: requests that had received no byte are
+//!   retried on the other engine (the gateway's retry counter moves), streams already
+//!   started end with the documented `engine_failed` error event, nothing hangs, and the
+//!   events the killed engine had recorded are relayed after its restart;
+//! - **broker outage** of a minute under load: serving goes on, and every event created
+//!   during the outage reaches the topic after the broker is back (once each after
+//!   deduplication on `event_id`);
+//! - **outbox filesystem full** (engine-2's outbox on a 64 MiB tmpfs, filled by another
+//!   file): serving goes on, the events it cannot keep are counted (`disk_full`) and alerted
+//!   by Prometheus, the engine restarts on the full filesystem with its stored events intact,
+//!   and once there is room every event it kept is delivered;
+//! - **gateway restart** under load: the engines are not restarted, and clients see
+//!   connection errors only while the gateway is down (no HTTP error status).
+//!
+//! Events are the admin-forced fallbacks (one per engine per call, each engine's
+//! `quantmesh_fallback_decisions_total{reason="admin"}` counts them when they are created);
+//! a fault's events are the admin events on the topic timestamped within its window. Waits
+//! are on conditions (health, metrics, the topic), never fixed sleeps; the broker outage
+//! lasts a minute because a minute is the fault. The table printed at the end is the one in
+//! the README's operations section.
+//!
+//! Needs a Docker engine and root (to mount the small filesystem); `QUANTMESH_SKIP_DOCKER=1`
+//! skips it with a message, like the other container tests.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use futures::StreamExt;
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use support::stack::{build_images, container_ip, docker_available, model_copy, run, Stack, TOKEN};
+use support::sum_metric;
+
+/// engine-2's outbox filesystem, and the space its outbox keeps free there.
+const OUTBOX_FS_BYTES: u64 = 64 << 20;
+const OUTBOX_RESERVE_BYTES: u64 = 16 << 20;
+/// How long the broker stays down.
+const OUTAGE: Duration = Duration::from_secs(60);
+
+fn now_ms() -> u64 {
+    quantmesh_types::now_ms()
+}
+
+/// A tmpfs of `bytes` mounted on a new directory (this host's, so it outlives the engine's
+/// container across a restart); unmounted when dropped.
+struct SmallFs {
+    dir: PathBuf,
+}
+
+impl SmallFs {
+    fn mount(parent: &Path, bytes: u64) -> SmallFs {
+        let dir = parent.join("outbox-fs");
+        std::fs::create_dir_all(&dir).unwrap();
+        let out = Command::new("mount")
+            .args(["-t", "tmpfs", "-o"])
+            .arg(format!("size={bytes},mode=1777"))
+            .arg("tmpfs")
+            .arg(&dir)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "the disk-full fault mounts a {} MiB tmpfs for engine-2's outbox and needs root for it: {}",
+            bytes >> 20,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        SmallFs { dir }
+    }
+
+    fn free(&self) -> u64 {
+        fs2::available_space(&self.dir).unwrap()
+    }
+
+    /// Fill the filesystem with another file until `leave` bytes are free.
+    fn fill_leaving(&self, leave: u64) {
+        use std::io::Write;
+        let mut f = std::fs::File::create(self.dir.join("filler")).unwrap();
+        let chunk = vec![0u8; 1 << 20];
+        while self.free() > leave {
+            let n = (self.free() - leave).min(chunk.len() as u64) as usize;
+            f.write_all(&chunk[..n]).unwrap();
+            f.flush().unwrap();
+        }
+        f.sync_all().unwrap();
+    }
+
+    fn unfill(&self) {
+        std::fs::remove_file(self.dir.join("filler")).unwrap();
+    }
+}
+
+impl Drop for SmallFs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.dir).output();
+    }
+}
+
+/// One engine container as the test sees it: its service name and address.
+struct Engine {
+    service: &'static str,
+    ip: String,
+}
+
+impl Engine {
+    fn of(stack: &Stack, service: &'static str) -> Engine {
+        Engine {
+            service,
+            ip: container_ip(&stack.container(service)),
+        }
+    }
+
+    /// The name the gateway gives it (found by DNS).
+    fn name(&self) -> String {
+        format!("engine@{}:8080", self.ip)
+    }
+
+    async fn metrics(&self, client: &reqwest::Client) -> String {
+        client
+            .get(format!("http://{}:8080/metrics", self.ip))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+
+    async fn metric(&self, client: &reqwest::Client, name: &str, labels: &[&str]) -> f64 {
+        sum_metric(&self.metrics(client).await, name, labels)
+    }
+
+    /// Admin fallback decisions created since this engine process started. The counter's
+    /// series appear with the first decision: until then the family is absent from the
+    /// scrape (checked to be an engine's, which declares its outbox gauges from the start).
+    async fn admin_events(&self, client: &reqwest::Client) -> u64 {
+        let m = self.metrics(client).await;
+        let name = "quantmesh_fallback_decisions_total";
+        if !m.contains(&format!("# TYPE {name} ")) {
+            assert!(
+                m.contains("# TYPE quantmesh_events_outbox_depth "),
+                "{} answered a scrape that is not an engine's:\n{m}",
+                self.service
+            );
+            return 0;
+        }
+        sum_metric(&m, name, &["reason=\"admin\""]) as u64
+    }
+
+    async fn dropped(&self, client: &reqwest::Client, reason: &str) -> u64 {
+        self.metric(
+            client,
+            "quantmesh_events_dropped_total",
+            &[&format!("reason=\"{reason}\"")],
+        )
+        .await as u64
+    }
+
+    /// Until every fallback decision made so far is recorded in the outbox or counted as
+    /// dropped (the writer has seen them all).
+    async fn wait_written(&self, client: &reqwest::Client) {
+        let t0 = Instant::now();
+        loop {
+            let m = self.metrics(client).await;
+            let made = match m.contains("# TYPE quantmesh_fallback_decisions_total ") {
+                true => sum_metric(&m, "quantmesh_fallback_decisions_total", &[]),
+                false => 0.0, // no decision yet (see `admin_events`)
+            };
+            let recorded = sum_metric(
+                &m,
+                "quantmesh_events_recorded_total",
+                &["event_type=\"fallback\""],
+            );
+            let dropped = sum_metric(&m, "quantmesh_events_dropped_total", &[]);
+            if recorded + dropped >= made {
+                return;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "{}: {made} decisions, {recorded} recorded, {dropped} dropped",
+                self.service
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    async fn wait_drained(&self, client: &reqwest::Client) {
+        let t0 = Instant::now();
+        loop {
+            let depth = self
+                .metric(client, "quantmesh_events_outbox_depth", &[])
+                .await;
+            if depth == 0.0 {
+                return;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(120),
+                "{}: the outbox still holds {depth} events",
+                self.service
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+}
+
+/// Admin forced fallbacks through the gateway (fanned out to every engine), alternating
+/// float / auto per group so that each call changes every engine's state: one event each.
+struct Toggler {
+    groups: Vec<String>,
+    calls: usize,
+}
+
+impl Toggler {
+    /// `rounds` calls per group; each must reach every engine.
+    async fn fire(&mut self, client: &reqwest::Client, stack: &Stack, rounds: usize) {
+        for _ in 0..rounds {
+            let mode = if self.calls.is_multiple_of(2) {
+                "float"
+            } else {
+                "auto"
+            };
+            for g in &self.groups {
+                let r = client
+                    .post(stack.url("/admin/fallback"))
+                    .bearer_auth(TOKEN)
+                    .json(&serde_json::json!({"group": g, "mode": mode}))
+                    .send()
+                    .await
+                    .unwrap();
+                let status = r.status();
+                let body: serde_json::Value = r.json().await.unwrap();
+                assert_eq!(status, 200, "{body}");
+                let engines = body["engines"].as_array().unwrap();
+                assert!(
+                    engines.len() == 2 && engines.iter().all(|e| e["status"] == 200),
+                    "{body}"
+                );
+            }
+            self.calls += 1;
+        }
+    }
+}
+
+/// Every admin fallback event on the topic timestamped in `[from, to]` ms: (distinct event
+/// ids, messages read).
+fn topic_events(stack: &Stack, from: u64, to: u64) -> (HashSet<String>, usize) {
+    let out = run(&mut stack.cmd(&[
+        "exec",
+        "-T",
+        "engine-1",
+        "quantmesh",
+        "events",
+        "tail",
+        "--brokers",
+        "kafka:9092",
+        "--from-beginning",
+        "--idle-timeout",
+        "10s",
+    ]));
+    let mut ids = HashSet::new();
+    let mut read = 0;
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let ev: serde_json::Value = serde_json::from_str(line)
+            .unwrap_or_else(|e| panic!("events tail printed {line:?}: {e}"));
+        let t = ev["timestamp_ms"].as_u64().unwrap();
+        if ev["reason"] == "admin" && (from..=to).contains(&t) {
+            ids.insert(ev["event_id"].as_str().unwrap().to_string());
+            read += 1;
+        }
+    }
+    (ids, read)
+}
+
+/// Outcomes of requests sent during a fault.
+#[derive(Default, Debug, Clone, Copy)]
+struct Outcomes {
+    sent: usize,
+    ok: usize,
+    /// Answered with an HTTP error status.
+    http_errors: usize,
+    /// No answer: refused, reset, closed.
+    connection_errors: usize,
+}
+
+/// Completions through the gateway from `workers` loops until `stop`; each a short
+/// non-streaming completion, read to the end.
+fn load(stack: &Stack, workers: usize, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<Outcomes> {
+    let url = stack.url("/v1/completions");
+    tokio::spawn(async move {
+        let client = reqwest::Client::builder()
+            .timeout(Duration::from_secs(120))
+            .build()
+            .unwrap();
+        let tasks = (0..workers).map(|w| {
+            let (client, url, stop) = (client.clone(), url.clone(), stop.clone());
+            async move {
+                let mut o = Outcomes::default();
+                let mut i = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    i += 1;
+                    o.sent += 1;
+                    let r = client
+                        .post(&url)
+                        .json(
+                            &serde_json::json!({"prompt": format!("Worker {w} asks question {i}:"),
+                                                  "max_tokens": 12}),
+                        )
+                        .send()
+                        .await;
+                    match r {
+                        Ok(r) if r.status() == 200 => match r.text().await {
+                            Ok(_) => o.ok += 1,
+                            Err(_) => o.connection_errors += 1,
+                        },
+                        Ok(_) => o.http_errors += 1,
+                        Err(_) => {
+                            o.connection_errors += 1;
+                            // Refused while the gateway is down: try again shortly.
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                        }
+                    }
+                }
+                o
+            }
+        });
+        let all = futures::future::join_all(tasks).await;
+        all.into_iter().fold(Outcomes::default(), |a, o| Outcomes {
+            sent: a.sent + o.sent,
+            ok: a.ok + o.ok,
+            http_errors: a.http_errors + o.http_errors,
+            connection_errors: a.connection_errors + o.connection_errors,
+        })
+    })
+}
+
+/// One row of the table.
+struct Row {
+    fault: &'static str,
+    expected: &'static str,
+    sent: usize,
+    failed: usize,
+    created: u64,
+    dropped: u64,
+    delivered: usize,
+    duplicates: usize,
+}
+
+impl Row {
+    fn lost(&self) -> i64 {
+        self.created as i64 - self.dropped as i64 - self.delivered as i64
+    }
+}
+
+/// The dual groups (float copy held) of the first-load plan, at most `n`.
+async fn dual_groups(client: &reqwest::Client, stack: &Stack, n: usize) -> Vec<String> {
+    let cfg = support::get_json(client, &stack.url("/admin/config"), TOKEN).await;
+    let mut groups: Vec<String> = cfg["engines"][0]["body"]["residency"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(_, r)| *r == "dual")
+        .map(|(g, _)| g.clone())
+        .collect();
+    groups.sort();
+    groups.truncate(n);
+    assert!(
+        !groups.is_empty(),
+        "the first-load plan keeps no dual group: {cfg}"
+    );
+    groups
+}
+
+async fn wait_gateway_sees(client: &reqwest::Client, stack: &Stack, engine: &Engine, up: f64) {
+    let t0 = Instant::now();
+    loop {
+        let m = client
+            .get(stack.url("/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let v = sum_metric(
+            &m,
+            "quantmesh_gateway_engine_up",
+            &[&format!("engine=\"{}\"", engine.name())],
+        );
+        if v == up {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the gateway never saw {} ({}) as up={up}:\n{m}",
+            engine.service,
+            engine.name()
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stack_loses_nothing_under_faults() {
+    if !docker_available() {
+        return;
+    }
+    let t_all = Instant::now();
+    let tmp = tempfile::tempdir().unwrap();
+    build_images(tmp.path());
+    let models = model_copy(tmp.path());
+    let fs = SmallFs::mount(tmp.path(), OUTBOX_FS_BYTES);
+    let overlay = tmp.path().join("compose.faults.yml");
+    std::fs::write(
+        &overlay,
+        format!(
+            "services:\n  engine-2:\n    volumes:\n      - {}:/var/lib/quantmesh/outbox\n    environment:\n      QUANTMESH_OUTBOX_MIN_FREE_BYTES: \"{OUTBOX_RESERVE_BYTES}\"\n",
+            fs.dir.display()
+        ),
+    )
+    .unwrap();
+    let stack = Stack::new(&models, &[&overlay]);
+    // Everything but the evolution service (not under test here).
+    run(&mut stack.cmd(&["up", "-d", "--no-build", "gateway", "prometheus"]));
+    let services = [
+        "minio",
+        "kafka",
+        "engine-1",
+        "engine-2",
+        "gateway",
+        "prometheus",
+    ];
+    stack.wait_healthy(&services, Duration::from_secs(300));
+    let client = reqwest::Client::new();
+    let (e1, e2) = (
+        Engine::of(&stack, "engine-1"),
+        Engine::of(&stack, "engine-2"),
+    );
+    wait_gateway_sees(&client, &stack, &e1, 1.0).await;
+    wait_gateway_sees(&client, &stack, &e2, 1.0).await;
+    let mut toggler = Toggler {
+        groups: dual_groups(&client, &stack, 4).await,
+        calls: 0,
+    };
+    let mut rows = Vec::new();
+
+    // 1. engine-1 SIGKILLed with requests in flight.
+    {
+        let t_from = now_ms();
+        let before = e1.admin_events(&client).await + e2.admin_events(&client).await;
+        // Two streams that have started on engine-1.
+        let mut streams = Vec::new();
+        let mut sent = 0;
+        while streams.len() < 2 {
+            sent += 1;
+            let r = client
+                .post(stack.url("/v1/completions"))
+                .json(
+                    &serde_json::json!({"prompt": "Tell a long story", "max_tokens": 400,
+                                          "stream": true, "ignore_eos": true}),
+                )
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            let on = r.headers()["x-quantmesh-engine"]
+                .to_str()
+                .unwrap()
+                .to_string();
+            let mut body = r.bytes_stream();
+            let first = body.next().await.unwrap().unwrap();
+            assert!(!first.is_empty());
+            if on == e1.name() {
+                streams.push(body);
+            } else {
+                tokio::spawn(async move { while body.next().await.is_some() {} });
+            }
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let traffic = load(&stack, 6, stop.clone());
+        toggler.fire(&client, &stack, 2).await;
+        let created = e1.admin_events(&client).await + e2.admin_events(&client).await - before;
+        e1.wait_written(&client).await;
+        // Kill it while it holds requests that have not answered yet (beyond the streams).
+        let t0 = Instant::now();
+        loop {
+            let m = client
+                .get(stack.url("/metrics"))
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            let held = sum_metric(
+                &m,
+                "quantmesh_gateway_engine_outstanding",
+                &[&format!("engine=\"{}\"", e1.name())],
+            );
+            if held >= 3.0 {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "engine-1 never held a request:\n{m}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        run(&mut stack.cmd(&["kill", "-s", "SIGKILL", "engine-1"]));
+        let mut failed_streams = 0;
+        for mut s in streams {
+            let rest = tokio::time::timeout(Duration::from_secs(60), async {
+                let mut text = String::new();
+                while let Some(chunk) = s.next().await {
+                    match chunk {
+                        Ok(b) => text.push_str(&String::from_utf8_lossy(&b)),
+                        Err(_) => break,
+                    }
+                }
+                text
+            })
+            .await
+            .expect("a stream on the killed engine hung");
+            assert!(
+                rest.contains("\"engine_failed\"") && !rest.contains("[DONE]"),
+                "a started stream ends with the engine_failed error event: {rest}"
+            );
+            failed_streams += 1;
+        }
+        wait_gateway_sees(&client, &stack, &e1, 0.0).await;
+        stop.store(true, Ordering::Relaxed);
+        let o = tokio::time::timeout(Duration::from_secs(180), traffic)
+            .await
+            .expect("requests hung after the engine was killed")
+            .unwrap();
+        assert_eq!(
+            (o.http_errors, o.connection_errors),
+            (0, 0),
+            "every request that had not started succeeds on engine-2: {o:?}"
+        );
+        let m = client
+            .get(stack.url("/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let retried = sum_metric(
+            &m,
+            "quantmesh_gateway_retries_total",
+            &[&format!("engine=\"{}\"", e1.name())],
+        );
+        assert!(
+            retried >= 1.0,
+            "no request was retried after the kill:\n{m}"
+        );
+        eprintln!("engine SIGKILL: {retried} requests retried on engine-2, {o:?}");
+        run(&mut stack.cmd(&["start", "engine-1"]));
+        stack.wait_healthy(&["engine-1"], Duration::from_secs(240));
+        let e1_back = Engine::of(&stack, "engine-1");
+        wait_gateway_sees(&client, &stack, &e1_back, 1.0).await;
+        e1_back.wait_drained(&client).await;
+        e2.wait_drained(&client).await;
+        let (ids, read) = topic_events(&stack, t_from, now_ms());
+        rows.push(Row {
+            fault: "engine SIGKILL under load",
+            expected: "unstarted requests retried elsewhere; started streams end with engine_failed; recorded events relayed after restart",
+            sent: o.sent + sent,
+            failed: failed_streams,
+            created,
+            dropped: 0,
+            delivered: ids.len(),
+            duplicates: read - ids.len(),
+        });
+    }
+    let e1 = Engine::of(&stack, "engine-1");
+
+    // 2. The broker stopped for a minute under load.
+    {
+        let t_from = now_ms();
+        let before = e1.admin_events(&client).await + e2.admin_events(&client).await;
+        let stop = Arc::new(AtomicBool::new(false));
+        let traffic = load(&stack, 2, stop.clone());
+        let t_down = Instant::now();
+        run(&mut stack.cmd(&["stop", "kafka"]));
+        toggler.fire(&client, &stack, 2).await;
+        let created = e1.admin_events(&client).await + e2.admin_events(&client).await - before;
+        for e in [&e1, &e2] {
+            e.wait_written(&client).await;
+        }
+        // The relays have noticed.
+        for e in [&e1, &e2] {
+            let t0 = Instant::now();
+            while e.metric(&client, "quantmesh_kafka_broker_up", &[]).await != 0.0 {
+                assert!(
+                    t0.elapsed() < OUTAGE,
+                    "{} never saw the broker down",
+                    e.service
+                );
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+        }
+        while t_down.elapsed() < OUTAGE {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        run(&mut stack.cmd(&["start", "kafka"]));
+        stack.wait_healthy(&["kafka"], Duration::from_secs(120));
+        e1.wait_drained(&client).await;
+        e2.wait_drained(&client).await;
+        stop.store(true, Ordering::Relaxed);
+        let o = traffic.await.unwrap();
+        assert_eq!(o.sent, o.ok, "serving goes on without the broker: {o:?}");
+        let (ids, read) = topic_events(&stack, t_from, now_ms());
+        rows.push(Row {
+            fault: "broker stopped for a minute under load",
+            expected:
+                "serving goes on; every event created in the outage delivered once after dedup",
+            sent: o.sent,
+            failed: o.sent - o.ok,
+            created,
+            dropped: 0,
+            delivered: ids.len(),
+            duplicates: read - ids.len(),
+        });
+    }
+
+    // 3. engine-2's outbox filesystem filled up (by another file) with events waiting in it.
+    {
+        let t_from = now_ms();
+        let mut created = 0;
+        let mut sent = 0;
+        let mut failed = 0;
+        let before = e1.admin_events(&client).await + e2.admin_events(&client).await;
+        // Events waiting in the outbox when the disk fills: the broker is stopped first.
+        run(&mut stack.cmd(&["stop", "kafka"]));
+        toggler.fire(&client, &stack, 1).await;
+        for e in [&e1, &e2] {
+            e.wait_written(&client).await;
+        }
+        let waiting = e2
+            .metric(&client, "quantmesh_events_outbox_depth", &[])
+            .await;
+        assert!(
+            waiting > 0.0,
+            "engine-2's outbox holds the events of the outage"
+        );
+        fs.fill_leaving(OUTBOX_RESERVE_BYTES / 2);
+        let before_full = e2.admin_events(&client).await;
+        let recorded_before = e2
+            .metric(&client, "quantmesh_events_recorded_total", &[])
+            .await;
+        toggler.fire(&client, &stack, 1).await;
+        // Every event engine-2 makes on the full filesystem is refused and counted
+        // (`disk_full` also counts its monitor's window events of the time).
+        let refused = e2.admin_events(&client).await - before_full;
+        let t0 = Instant::now();
+        let disk_full = loop {
+            let n = e2.dropped(&client, "disk_full").await;
+            if n >= refused {
+                break n;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "{refused} events made on the full filesystem, {n} counted as disk_full"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        assert_eq!(
+            e2.metric(&client, "quantmesh_events_recorded_total", &[])
+                .await,
+            recorded_before,
+            "nothing is stored below the reserve ({disk_full} refused)"
+        );
+        // Serving goes on.
+        for i in 0..4 {
+            sent += 1;
+            let r = client
+                .post(stack.url("/v1/completions"))
+                .json(
+                    &serde_json::json!({"prompt": format!("On a full disk {i}:"), "max_tokens": 8}),
+                )
+                .send()
+                .await
+                .unwrap();
+            if r.status() != 200 {
+                failed += 1;
+            }
+        }
+        // …and Prometheus alerts on the drops.
+        let t0 = Instant::now();
+        loop {
+            let alerts = stack.prom(&client, "/api/v1/alerts").await;
+            let firing = alerts["data"]["alerts"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|a| {
+                    a["labels"]["alertname"] == "QuantmeshEventsDropped"
+                        && a["labels"]["reason"] == "disk_full"
+                        && a["state"] == "firing"
+                });
+            if firing {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(90),
+                "no disk_full alert: {alerts}"
+            );
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        // A restart on the full filesystem: the outbox reopens with what it held.
+        created += e1.admin_events(&client).await + e2.admin_events(&client).await - before;
+        let held = e2
+            .metric(&client, "quantmesh_events_outbox_depth", &[])
+            .await;
+        run(&mut stack.cmd(&["restart", "engine-2"]));
+        stack.wait_healthy(&["engine-2"], Duration::from_secs(240));
+        let e2b = Engine::of(&stack, "engine-2");
+        assert_eq!(
+            e2b.metric(&client, "quantmesh_events_outbox_depth", &[])
+                .await,
+            held,
+            "the outbox reopened on the full filesystem with every event it held"
+        );
+        wait_gateway_sees(&client, &stack, &e2b, 1.0).await;
+        // Room again (no restart needed), then the broker: everything kept is delivered.
+        fs.unfill();
+        let before = e1.admin_events(&client).await;
+        toggler.fire(&client, &stack, 1).await;
+        created += e1.admin_events(&client).await - before + e2b.admin_events(&client).await;
+        for e in [&e1, &e2b] {
+            e.wait_written(&client).await;
+        }
+        run(&mut stack.cmd(&["start", "kafka"]));
+        stack.wait_healthy(&["kafka"], Duration::from_secs(120));
+        e1.wait_drained(&client).await;
+        e2b.wait_drained(&client).await;
+        for reason in ["storage_error", "unreadable", "writer_failed"] {
+            assert_eq!(e2b.dropped(&client, reason).await, 0, "{reason}");
+        }
+        let (ids, read) = topic_events(&stack, t_from, now_ms());
+        rows.push(Row {
+            fault: "outbox filesystem full, engine restarted on it",
+            expected: "serving goes on; drops counted (disk_full) and alerted; outbox intact after restart",
+            sent,
+            failed,
+            created,
+            dropped: refused,
+            delivered: ids.len(),
+            duplicates: read - ids.len(),
+        });
+    }
+
+    // 4. The gateway restarted under load.
+    {
+        let started = |s: &str| stack.inspect(s, "{{.State.StartedAt}}");
+        let engines_started = (started("engine-1"), started("engine-2"));
+        let stop = Arc::new(AtomicBool::new(false));
+        let traffic = load(&stack, 4, stop.clone());
+        // Under load first.
+        let t0 = Instant::now();
+        loop {
+            let m = client
+                .get(stack.url("/metrics"))
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            if sum_metric(&m, "quantmesh_gateway_engine_outstanding", &[]) >= 2.0 {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "no load on the gateway:\n{m}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        run(&mut stack.cmd(&["restart", "gateway"]));
+        // Back: ready, and serving again through the new process.
+        let t0 = Instant::now();
+        loop {
+            let ok = client
+                .get(stack.url("/ready"))
+                .send()
+                .await
+                .is_ok_and(|r| r.status() == 200);
+            if ok {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "the gateway did not come back"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let r = client
+            .post(stack.url("/v1/completions"))
+            .json(&serde_json::json!({"prompt": "After the restart", "max_tokens": 8}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        stop.store(true, Ordering::Relaxed);
+        let o = traffic.await.unwrap();
+        assert_eq!(
+            o.http_errors, 0,
+            "clients see connection errors only: {o:?}"
+        );
+        assert_eq!(
+            (started("engine-1"), started("engine-2")),
+            engines_started,
+            "the engines were not restarted"
+        );
+        rows.push(Row {
+            fault: "gateway restarted under load",
+            expected: "engines unaffected; clients see connection errors only while it is down",
+            sent: o.sent + 1,
+            failed: o.connection_errors,
+            created: 0,
+            dropped: 0,
+            delivered: 0,
+            duplicates: 0,
+        });
+    }
+
+    let mut table = String::from(
+        "| fault | expectation | requests sent | failed | events created | dropped (counted) | delivered | duplicates before dedup | lost |\n|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in &rows {
+        table.push_str(&format!(
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            r.fault,
+            r.expected,
+            r.sent,
+            r.failed,
+            r.created,
+            r.dropped,
+            r.delivered,
+            r.duplicates,
+            r.lost()
+        ));
+    }
+    eprintln!(
+        "fault suite ({:.0} s):\n{table}",
+        t_all.elapsed().as_secs_f64()
+    );
+    for r in &rows {
+        assert_eq!(r.lost(), 0, "events lost under '{}':\n{table}", r.fault);
+    }
+}
