@@ -14,7 +14,10 @@
 //!   by Prometheus, the engine restarts on the full filesystem with its stored events intact,
 //!   and once there is room every event it kept is delivered;
 //! - **gateway restart** under load: the engines are not restarted, and clients see
-//!   connection errors only while the gateway is down (no HTTP error status).
+//!   connection errors only while the gateway is down (no HTTP error status);
+//! - **plan store** unreachable during polls, then a bad plan published, then a good one:
+//!   the plan in force is kept through both (failed polls and the rejection counted), and the
+//!   good plan is applied by every engine without a restart.
 //!
 //! Events are the admin-forced fallbacks (one per engine per call, each engine's
 //! `quantmesh_fallback_decisions_total{reason="admin"}` counts them when they are created);
@@ -106,6 +109,7 @@ impl Drop for SmallFs {
 }
 
 /// One engine container as the test sees it: its service name and address.
+#[derive(Clone)]
 struct Engine {
     service: &'static str,
     ip: String,
@@ -348,13 +352,18 @@ struct Row {
     expected: &'static str,
     sent: usize,
     failed: usize,
+    events: Option<Events>,
+}
+
+/// A fault's fallback events, counted end to end.
+struct Events {
     created: u64,
     dropped: u64,
     delivered: usize,
     duplicates: usize,
 }
 
-impl Row {
+impl Events {
     fn lost(&self) -> i64 {
         self.created as i64 - self.dropped as i64 - self.delivered as i64
     }
@@ -576,10 +585,12 @@ async fn the_stack_loses_nothing_under_faults() {
             expected: "unstarted requests retried elsewhere; started streams end with engine_failed; recorded events relayed after restart",
             sent: o.sent + sent,
             failed: failed_streams,
-            created,
-            dropped: 0,
-            delivered: ids.len(),
-            duplicates: read - ids.len(),
+            events: Some(Events {
+                created,
+                dropped: 0,
+                delivered: ids.len(),
+                duplicates: read - ids.len(),
+            }),
         });
     }
     let e1 = Engine::of(&stack, "engine-1");
@@ -626,10 +637,12 @@ async fn the_stack_loses_nothing_under_faults() {
                 "serving goes on; every event created in the outage delivered once after dedup",
             sent: o.sent,
             failed: o.sent - o.ok,
-            created,
-            dropped: 0,
-            delivered: ids.len(),
-            duplicates: read - ids.len(),
+            events: Some(Events {
+                created,
+                dropped: 0,
+                delivered: ids.len(),
+                duplicates: read - ids.len(),
+            }),
         });
     }
 
@@ -753,10 +766,12 @@ async fn the_stack_loses_nothing_under_faults() {
             expected: "serving goes on; drops counted (disk_full) and alerted; outbox intact after restart",
             sent,
             failed,
-            created,
-            dropped: refused,
-            delivered: ids.len(),
-            duplicates: read - ids.len(),
+            events: Some(Events {
+                created,
+                dropped: refused,
+                delivered: ids.len(),
+                duplicates: read - ids.len(),
+            }),
         });
     }
 
@@ -827,10 +842,150 @@ async fn the_stack_loses_nothing_under_faults() {
             expected: "engines unaffected; clients see connection errors only while it is down",
             sent: o.sent + 1,
             failed: o.connection_errors,
-            created: 0,
-            dropped: 0,
-            delivered: 0,
-            duplicates: 0,
+            events: None,
+        });
+    }
+
+    // 5. The plan store unreachable during polls, then a bad plan, then a good one.
+    {
+        let (e1, e2) = (
+            Engine::of(&stack, "engine-1"),
+            Engine::of(&stack, "engine-2"),
+        );
+        let stop = Arc::new(AtomicBool::new(false));
+        let traffic = load(&stack, 2, stop.clone());
+        let groups = toggler.groups.clone();
+        assert!(
+            groups.len() >= 2,
+            "two dual groups for two plans: {groups:?}"
+        );
+        // Published from this host through the S3 API without `--model`, as a careless
+        // publisher would: only the schema is checked here, the engines check the rest.
+        let publish = |name: &str, plan: serde_json::Value| -> String {
+            let file = tmp.path().join(name);
+            let bytes = serde_json::to_vec_pretty(&plan).unwrap();
+            std::fs::write(&file, &bytes).unwrap();
+            run(Command::new(env!("CARGO_BIN_EXE_quantmesh"))
+                .args(["plan", "publish"])
+                .arg(&file)
+                .args(["--to", "s3://quantmesh/plans"])
+                .env("AWS_ENDPOINT", format!("http://127.0.0.1:{}", stack.s3))
+                .env("AWS_ALLOW_HTTP", "true")
+                .env("AWS_REGION", "us-east-1")
+                .env("AWS_ACCESS_KEY_ID", support::stack::S3_USER)
+                .env("AWS_SECRET_ACCESS_KEY", &stack.s3_secret));
+            format!("{:x}", md5::compute(&bytes))
+        };
+        let float = |group: &str| {
+            serde_json::json!({"schema_version": 1,
+                               "groups": {group: {"class": "fp16", "residency": "float"}}})
+        };
+        let in_force = || async {
+            let cfg = support::get_json(&client, &stack.url("/admin/config"), TOKEN).await;
+            let md5s: Vec<String> = cfg["engines"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|e| e["body"]["md5"].as_str().unwrap_or("").to_string())
+                .collect();
+            md5s
+        };
+        let wait_in_force = |md5: String| {
+            let in_force = &in_force;
+            async move {
+                let t0 = Instant::now();
+                loop {
+                    let now = in_force().await;
+                    if now.len() == 2 && now.iter().all(|m| *m == md5) {
+                        return;
+                    }
+                    assert!(
+                        t0.elapsed() < Duration::from_secs(60),
+                        "plan {md5} not applied by both engines: {now:?}"
+                    );
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+            }
+        };
+        let reloads = |e: &Engine, result: &'static str| {
+            let (e, client) = (e.clone(), client.clone());
+            async move {
+                e.metric(
+                    &client,
+                    "quantmesh_config_reloads_total",
+                    &[&format!("result=\"{result}\"")],
+                )
+                .await
+            }
+        };
+        let first = publish("plan-first.json", float(&groups[0]));
+        wait_in_force(first.clone()).await;
+
+        // The store goes away: polls fail (each gives up after 10 s) and are counted; the plan
+        // in force stays.
+        let failed_before = (
+            reloads(&e1, "fetch_error").await,
+            reloads(&e2, "fetch_error").await,
+        );
+        run(&mut stack.cmd(&["stop", "minio"]));
+        let t0 = Instant::now();
+        loop {
+            let now = (
+                reloads(&e1, "fetch_error").await,
+                reloads(&e2, "fetch_error").await,
+            );
+            if now.0 > failed_before.0 && now.1 > failed_before.1 {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "failed polls not counted: {failed_before:?} -> {now:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        assert_eq!(in_force().await, [first.clone(), first.clone()]);
+        run(&mut stack.cmd(&["start", "minio"]));
+        stack.wait_healthy(&["minio"], Duration::from_secs(60));
+
+        // A plan naming a group the model does not have: rejected by every engine, counted,
+        // the old plan kept.
+        let rejected_before = (
+            reloads(&e1, "rejected").await,
+            reloads(&e2, "rejected").await,
+        );
+        let bad = publish("plan-bad.json", float("layers.99.down"));
+        let t0 = Instant::now();
+        loop {
+            let now = (
+                reloads(&e1, "rejected").await,
+                reloads(&e2, "rejected").await,
+            );
+            if now.0 > rejected_before.0 && now.1 > rejected_before.1 {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "the bad plan {bad} was not rejected by both engines: {rejected_before:?} -> {now:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        assert_eq!(in_force().await, [first.clone(), first]);
+
+        // A good one: applied by every engine, no restart.
+        let good = publish("plan-good.json", float(&groups[1]));
+        wait_in_force(good).await;
+        stop.store(true, Ordering::Relaxed);
+        let o = traffic.await.unwrap();
+        assert_eq!(
+            o.sent, o.ok,
+            "serving goes on through the plan store's faults: {o:?}"
+        );
+        rows.push(Row {
+            fault: "plan store unreachable during polls, then a bad plan, then a good one",
+            expected: "serving goes on; the plan in force is kept through the outage and the bad plan (failed polls and the rejection counted); the good plan applied by every engine",
+            sent: o.sent,
+            failed: o.sent - o.ok,
+            events: None,
         });
     }
 
@@ -838,17 +993,20 @@ async fn the_stack_loses_nothing_under_faults() {
         "| fault | expectation | requests sent | failed | events created | dropped (counted) | delivered | duplicates before dedup | lost |\n|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in &rows {
+        let events = match &r.events {
+            Some(e) => format!(
+                "{} | {} | {} | {} | {}",
+                e.created,
+                e.dropped,
+                e.delivered,
+                e.duplicates,
+                e.lost()
+            ),
+            None => "— | — | — | — | —".into(),
+        };
         table.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
-            r.fault,
-            r.expected,
-            r.sent,
-            r.failed,
-            r.created,
-            r.dropped,
-            r.delivered,
-            r.duplicates,
-            r.lost()
+            "| {} | {} | {} | {} | {events} |\n",
+            r.fault, r.expected, r.sent, r.failed
         ));
     }
     eprintln!(
@@ -856,6 +1014,8 @@ async fn the_stack_loses_nothing_under_faults() {
         t_all.elapsed().as_secs_f64()
     );
     for r in &rows {
-        assert_eq!(r.lost(), 0, "events lost under '{}':\n{table}", r.fault);
+        if let Some(e) = &r.events {
+            assert_eq!(e.lost(), 0, "events lost under '{}':\n{table}", r.fault);
+        }
     }
 }

@@ -45,6 +45,11 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// How long one read of the plan source may take. A plan is a few KiB: a store that has not
+/// answered by then is unreachable for this attempt (its client would otherwise retry a
+/// refused connection with backoff for about a minute) and the next poll tries again.
+const SOURCE_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// What started a reload.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -239,6 +244,18 @@ impl Reloader {
         }
     }
 
+    /// Read the plan source, giving up after [`SOURCE_READ_TIMEOUT`].
+    async fn read_source(&self) -> std::result::Result<bytes::Bytes, String> {
+        match tokio::time::timeout(SOURCE_READ_TIMEOUT, self.source.read()).await {
+            Ok(read) => read.map_err(|e| e.to_string()),
+            Err(_) => Err(format!(
+                "{}: no answer within {} s",
+                self.source,
+                SOURCE_READ_TIMEOUT.as_secs()
+            )),
+        }
+    }
+
     /// One reload attempt. Never panics, never leaves a half-applied plan.
     pub async fn reload(&self, trigger: Trigger) -> ReloadOutcome {
         let mut state = match trigger {
@@ -249,7 +266,7 @@ impl Reloader {
             Trigger::Manual => self.state.lock().await,
         };
         let t0 = Instant::now();
-        let read = self.source.read().await;
+        let read = self.read_source().await;
         if trigger == Trigger::Poll {
             // Counted once the source has been read: a change written after a client saw
             // `polls == n` is seen by poll n + 1, never half-way through poll n.
@@ -258,8 +275,7 @@ impl Reloader {
         }
         let bytes = match read {
             Ok(b) => b,
-            Err(e) => {
-                let error = e.to_string();
+            Err(error) => {
                 tracing::warn!(source = %self.source, %error, "config source unreadable; keeping the plan in force");
                 self.metrics.reload(ReloadResult::FetchError);
                 self.update_status(|s| {
@@ -285,7 +301,7 @@ impl Reloader {
         if trigger == Trigger::Poll {
             let settle = (self.base.reload_interval / 4).min(Duration::from_millis(250));
             tokio::time::sleep(settle).await;
-            match self.source.read().await {
+            match self.read_source().await {
                 Ok(again) if again == bytes => {}
                 _ => return ReloadOutcome::Settling,
             }
