@@ -44,7 +44,7 @@ pub use f16::f16_matmul;
 pub use isa::Isa;
 pub use pool::Pool;
 pub use q8::{ActBits, Activations, PackedQ8, BLOCK, TILE_ROWS};
-pub use rows::{rms_norm, rope};
+pub use rows::{dequantize_i8, rms_norm, rope, softmax_weights};
 pub use swiglu::swiglu;
 
 /// What a kernel call was given that it cannot work with.

@@ -1,9 +1,10 @@
-//! The step's small per-row operations around the products, on plain slices: RMSNorm and
-//! rotary position embedding. One pass over each row, no temporaries (the tensor library's
-//! form of each is five to nine element-wise operations, each allocating its result), and the
-//! same bits whatever the batch a row is in.
+//! The step's small per-row operations around the products, on plain slices: RMSNorm,
+//! rotary position embedding, the KV cache's INT8 rows back to f32, and sampling's softmax
+//! weights. One pass over each row, no temporaries (the tensor library's form of RMSNorm or
+//! RoPE is five to nine element-wise operations, each allocating its result), and the same
+//! bits whatever the batch a row is in.
 
-use crate::{KernelError, Result};
+use crate::{Isa, KernelError, Result};
 
 /// `out = x / sqrt(mean(x²) + eps) · w` for each row of `x` (`x.len() / w.len()` rows).
 /// The squares are summed in 8 lanes (then the lanes in order), so the loop vectorizes and
@@ -57,4 +58,111 @@ pub fn rope(x: &mut [f32], cos: &[f32], sin: &[f32]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `dst[i] = src[i] · scale`: a row of 8-bit values back to f32 (the KV cache's INT8 pages).
+/// The same bits under every instruction set (one multiply per value).
+pub fn dequantize_i8(src: &[i8], scale: f32, dst: &mut [f32], isa: Isa) -> Result<()> {
+    if src.len() != dst.len() {
+        return Err(KernelError::Shape(format!(
+            "dequantize {} values into {}",
+            src.len(),
+            dst.len()
+        )));
+    }
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `available()` checked AVX2 and FMA.
+        isa if isa.x86_simd() && isa.available() => unsafe { dequantize_avx2(src, scale, dst) },
+        _ => dequantize(src, scale, dst),
+    }
+    Ok(())
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dequantize_avx2(src: &[i8], scale: f32, dst: &mut [f32]) {
+    dequantize(src, scale, dst)
+}
+
+#[inline(always)]
+fn dequantize(src: &[i8], scale: f32, dst: &mut [f32]) {
+    for (o, &x) in dst.iter_mut().zip(src) {
+        *o = x as f32 * scale;
+    }
+}
+
+/// Sampling's unnormalized softmax: `w[i] = e^((logits[i] − max) · inv_t)` for every finite
+/// logit (`max` the largest finite one) and 0 for the others (masked to −∞, NaN). Returns the
+/// sum of the weights, or `None` when no logit is finite. The exponential is
+/// [`crate::exp_nonpositive`] (about 2 ulp); maximum and sum run in 8 lanes, so the loops
+/// vectorize and every instruction set gives the same bits.
+pub fn softmax_weights(logits: &[f32], inv_t: f32, w: &mut [f32], isa: Isa) -> Result<Option<f32>> {
+    if logits.len() != w.len() {
+        return Err(KernelError::Shape(format!(
+            "softmax weights of {} logits into {}",
+            logits.len(),
+            w.len()
+        )));
+    }
+    Ok(match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `available()` checked AVX2 and FMA.
+        isa if isa.x86_simd() && isa.available() => unsafe { weights_avx2(logits, inv_t, w) },
+        _ => weights(logits, inv_t, w),
+    })
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn weights_avx2(logits: &[f32], inv_t: f32, w: &mut [f32]) -> Option<f32> {
+    weights(logits, inv_t, w)
+}
+
+#[inline(always)]
+fn weights(logits: &[f32], inv_t: f32, w: &mut [f32]) -> Option<f32> {
+    // Largest finite logit, in 8 lanes (a non-finite value counts as −∞).
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    let mut chunks = logits.chunks_exact(8);
+    for c in &mut chunks {
+        for (m, &v) in lanes.iter_mut().zip(c) {
+            let v = if v.is_finite() { v } else { f32::NEG_INFINITY };
+            *m = if v > *m { v } else { *m };
+        }
+    }
+    for (m, &v) in lanes.iter_mut().zip(chunks.remainder()) {
+        if v.is_finite() && v > *m {
+            *m = v;
+        }
+    }
+    let max = lanes
+        .iter()
+        .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
+    if max == f32::NEG_INFINITY {
+        return None;
+    }
+    // The exponentials' arguments (≤ 0 for a finite logit, −∞ for the others), then the
+    // exponentials in place (exp_nonpositive gives 0 for −∞), then their sum in 8 lanes:
+    // three simple loops, each of which vectorizes.
+    for (o, &v) in w.iter_mut().zip(logits) {
+        *o = if v.is_finite() {
+            (v - max) * inv_t
+        } else {
+            f32::NEG_INFINITY
+        };
+    }
+    for o in w.iter_mut() {
+        *o = crate::exp_nonpositive(*o);
+    }
+    let mut sums = [0f32; 8];
+    let mut chunks = w.chunks_exact(8);
+    for c in &mut chunks {
+        for (s, &v) in sums.iter_mut().zip(c) {
+            *s += v;
+        }
+    }
+    for (s, &v) in sums.iter_mut().zip(chunks.remainder()) {
+        *s += v;
+    }
+    Some(sums.iter().sum())
 }

@@ -1,8 +1,9 @@
-//! RMSNorm and RoPE against their formulas.
+//! RMSNorm, RoPE, INT8 dequantization and sampling's softmax weights against their
+//! formulas, and every instruction set against the scalar reference (bit for bit).
 #![allow(clippy::unwrap_used)]
 
 use proptest::prelude::*;
-use quantmesh_kernels::{rms_norm, rope};
+use quantmesh_kernels::{dequantize_i8, rms_norm, rope, softmax_weights, Isa};
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
@@ -56,8 +57,79 @@ fn rope_rotates_each_head_by_the_tables() {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    /// Every instruction set gives the formula's value exactly, on lengths that are and are
+    /// not multiples of the vector width.
+    #[test]
+    fn dequantize_i8_is_the_product_on_every_isa(len in 0usize..150, seed in any::<u8>(), scale in 1e-4f32..0.2) {
+        let src: Vec<i8> = (0..len).map(|i| (i as u8).wrapping_mul(37).wrapping_add(seed) as i8).collect();
+        for isa in Isa::all_available() {
+            let mut dst = vec![f32::NAN; len];
+            dequantize_i8(&src, scale, &mut dst, isa).unwrap();
+            for (d, &x) in dst.iter().zip(&src) {
+                prop_assert_eq!(d.to_bits(), (x as f32 * scale).to_bits(), "{:?}", isa);
+            }
+        }
+    }
+
+    /// The weights are e^((l − max)/T) within a few ulp of the f64 formula, 0 for masked
+    /// logits, summed correctly; every instruction set gives the scalar reference's bits.
+    #[test]
+    fn softmax_weights_are_the_formula_on_every_isa(
+        len in 1usize..300,
+        seed in any::<u32>(),
+        temperature in 0.05f32..3.0,
+        masked in 0usize..5,
+    ) {
+        let mut logits: Vec<f32> = (0..len)
+            .map(|i| (i as f32 * 0.917 + seed as f32 * 0.013).sin() * 12.0)
+            .collect();
+        for m in 0..masked.min(len - 1) {
+            logits[(m * 7919) % len] = if m % 2 == 0 { f32::NEG_INFINITY } else { f32::NAN };
+        }
+        let inv_t = 1.0 / temperature;
+        let mut reference = vec![0f32; len];
+        let total = softmax_weights(&logits, inv_t, &mut reference, Isa::Scalar).unwrap().unwrap();
+        let max = logits.iter().copied().filter(|l| l.is_finite()).fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0f64;
+        for (&w, &l) in reference.iter().zip(&logits) {
+            if !l.is_finite() {
+                prop_assert_eq!(w, 0.0);
+                continue;
+            }
+            let x = (l as f64 - max as f64) * inv_t as f64;
+            let want = x.exp();
+            // The exponential's own error, plus the f32 rounding of its argument.
+            let tol = want * (4e-7 + 2.4e-7 * x.abs()) + 2e-38; // 0 below e^-87
+            prop_assert!((w as f64 - want).abs() <= tol, "{} vs {}", w, want);
+            sum += w as f64;
+        }
+        prop_assert!((total as f64 - sum).abs() <= 1e-5 * sum);
+        for isa in Isa::all_available() {
+            let mut w = vec![f32::NAN; len];
+            let t = softmax_weights(&logits, inv_t, &mut w, isa).unwrap().unwrap();
+            prop_assert_eq!(t.to_bits(), total.to_bits(), "{:?}", isa);
+            for (a, b) in w.iter().zip(&reference) {
+                prop_assert_eq!(a.to_bits(), b.to_bits(), "{:?}", isa);
+            }
+        }
+    }
+}
+
+#[test]
+fn softmax_weights_of_no_finite_logit_are_none() {
+    let logits = [f32::NEG_INFINITY, f32::NAN, f32::INFINITY];
+    for isa in Isa::all_available() {
+        let mut w = [1.0f32; 3];
+        assert_eq!(softmax_weights(&logits, 1.0, &mut w, isa).unwrap(), None);
+    }
+}
+
 #[test]
 fn bad_shapes_are_errors() {
+    assert!(dequantize_i8(&[1, 2], 1.0, &mut [0.0; 3], Isa::Scalar).is_err());
+    assert!(softmax_weights(&[1.0; 2], 1.0, &mut [0.0; 3], Isa::Scalar).is_err());
     assert!(rms_norm(&[1.0; 5], &[1.0; 2], 1e-5).is_err());
     assert!(rms_norm(&[1.0; 4], &[], 1e-5).is_err());
     assert!(rope(&mut [1.0; 6], &[1.0; 2], &[0.0; 2]).is_err());

@@ -242,15 +242,18 @@ impl KvCache {
         let d = self.kv_dim;
         let mut k = vec![0f32; len * d];
         let mut v = vec![0f32; len * d];
+        let isa = quantmesh_kernels::Isa::current();
         for (pos, (ko, vo)) in k.chunks_exact_mut(d).zip(v.chunks_exact_mut(d)).enumerate() {
             // the whole row is one "head" of width kv_dim
-            self.read_head(layer, table, pos, 0, ko, vo);
+            self.read_head(layer, table, pos, 0, ko, vo, isa);
         }
         (k, v)
     }
 
-    /// Dequantize token `pos`'s K and V for KV head `g` (`hd` wide) into `k` and `v`.
+    /// Dequantize token `pos`'s K and V for KV head `g` (`hd` wide) into `k` and `v`, with
+    /// `isa`'s kernel.
     #[inline]
+    #[allow(clippy::too_many_arguments)]
     fn read_head(
         &self,
         layer: usize,
@@ -259,6 +262,7 @@ impl KvCache {
         g: usize,
         k: &mut [f32],
         v: &mut [f32],
+        isa: quantmesh_kernels::Isa,
     ) {
         let hd = k.len();
         let page = &self.layers[layer][table[pos / self.page_size] as usize];
@@ -276,14 +280,19 @@ impl KvCache {
                         let end = ((ch / w + 1) * w - g * hd).min(hd);
                         let si = off * ns + ch / w;
                         let (ks, vs) = (q.k_scale[si], q.v_scale[si]);
-                        k[i..end]
-                            .iter_mut()
-                            .zip(&q.k[at + i..at + end])
-                            .for_each(|(o, x)| *o = *x as f32 * ks);
-                        v[i..end]
-                            .iter_mut()
-                            .zip(&q.v[at + i..at + end])
-                            .for_each(|(o, x)| *o = *x as f32 * vs);
+                        // Equal lengths by construction: the kernels' shape checks hold.
+                        let _ = quantmesh_kernels::dequantize_i8(
+                            &q.k[at + i..at + end],
+                            ks,
+                            &mut k[i..end],
+                            isa,
+                        );
+                        let _ = quantmesh_kernels::dequantize_i8(
+                            &q.v[at + i..at + end],
+                            vs,
+                            &mut v[i..end],
+                            isa,
+                        );
                         i = end;
                     }
                 }
@@ -330,11 +339,12 @@ impl KvCache {
         // The sequence's keys and values, dequantized once per kv head ([kv head][pos][hd]).
         let mut kb = vec![0f32; nkv * total * hd];
         let mut vb = vec![0f32; nkv * total * hd];
+        let isa = quantmesh_kernels::Isa::current();
         for g in 0..nkv {
             for j in 0..total {
                 let at = (g * total + j) * hd;
                 let (k, v) = (&mut kb[at..at + hd], &mut vb[at..at + hd]);
-                self.read_head(layer, table, j, g, k, v);
+                self.read_head(layer, table, j, g, k, v, isa);
             }
         }
         let shape = quantmesh_kernels::AttentionShape {
@@ -350,7 +360,7 @@ impl KvCache {
             &vb,
             shape,
             out,
-            quantmesh_kernels::Isa::current(),
+            isa,
             quantmesh_kernels::Pool::global(),
         )
     }
@@ -519,7 +529,15 @@ mod tests {
         assert!(max_err(&per_token, 0) > half_step(0.1) * 10.0);
         // attention's per-head read decodes the same values as `gather`
         let (mut k, mut v) = (vec![0f32; hd], vec![0f32; hd]);
-        per_head.read_head(0, &[0], 0, 2, &mut k, &mut v);
+        per_head.read_head(
+            0,
+            &[0],
+            0,
+            2,
+            &mut k,
+            &mut v,
+            quantmesh_kernels::Isa::current(),
+        );
         let (gk, _) = per_head.gather(0, &[0], 1);
         assert_eq!(k, gk[2 * hd..3 * hd]);
         assert_eq!(

@@ -96,8 +96,11 @@ pub fn logprobs(logits: &[f32], token: u32, top: usize) -> TokenLogprobs {
 /// the cost per token is a few passes over the vocabulary, whatever the batch. Ties between
 /// equal logits go to the lower index, as in [`argmax`].
 pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> u32 {
-    if p.temperature <= 0.0 || p.top_k == 1 {
+    if p.temperature <= 0.0 || p.top_k == 1 || !(1.0 / p.temperature).is_finite() {
         return argmax(logits);
+    }
+    if p.top_p >= 1.0 && (p.top_k == 0 || p.top_k >= logits.len()) {
+        return sample_all(logits, 1.0 / p.temperature, rng);
     }
     let mut idx: Vec<usize> = (0..logits.len())
         .filter(|&i| logits[i].is_finite())
@@ -152,6 +155,38 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> u32 {
         r -= q;
     }
     cand[cand.len() - 1].0 as u32
+}
+
+/// [`sample`] over the whole vocabulary (no top-k, no nucleus): the softmax weights in one
+/// vectorized pass into a per-thread buffer, then one draw by the cumulative sum. No index
+/// list and no sort, so a row costs two passes over its logits whatever the batch.
+fn sample_all(logits: &[f32], inv_t: f32, rng: &mut StdRng) -> u32 {
+    thread_local! {
+        static WEIGHTS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    WEIGHTS.with(|w| {
+        let mut w = w.borrow_mut();
+        w.clear();
+        w.resize(logits.len(), 0.0);
+        let isa = quantmesh_kernels::Isa::current();
+        let total = match quantmesh_kernels::softmax_weights(logits, inv_t, &mut w, isa) {
+            Ok(Some(total)) if total > 0.0 => total,
+            _ => return argmax(logits),
+        };
+        let mut r = rng.gen::<f32>() * total;
+        let mut last = 0;
+        for (i, &q) in w.iter().enumerate() {
+            if q > 0.0 {
+                if r < q {
+                    return i as u32;
+                }
+                r -= q;
+                last = i;
+            }
+        }
+        // Rounding left `r` past the last weight: the last candidate, as in `sample`.
+        last as u32
+    })
 }
 
 #[cfg(test)]
