@@ -47,6 +47,14 @@ if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus
 fi
 
+# The trace tests make a private CA and a collector certificate with the openssl CLI (Debian
+# package; the fault suite's tmpfs mount needs util-linux's mount, present on every Debian).
+if ! command -v openssl >/dev/null 2>&1; then
+  log "installing openssl (Debian package)"
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends openssl
+fi
+
 # The real-model tests compare against llama.cpp through llama-cpp-python (PyPI ships it as
 # source: the first install compiles llama.cpp, ~10 min on 2 cores, without pip's wheel cache so
 # a build made for other CPU flags is never reused)

@@ -44,14 +44,7 @@ async fn admin_config(client: &reqwest::Client, stack: &Stack) -> serde_json::Va
 }
 
 async fn metrics_text(client: &reqwest::Client, stack: &Stack) -> String {
-    client
-        .get(stack.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
+    stack.metrics(client).await
 }
 
 #[test]
@@ -111,7 +104,7 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
 
     let models = model_copy(tmp.path());
     let stack = Stack::new(&models, &[]);
-    let (prometheus, s3, s3_secret) = (stack.prometheus, stack.s3, stack.s3_secret.clone());
+    let (s3, s3_secret) = (stack.s3, stack.s3_secret.clone());
     run(&mut stack.cmd(&["up", "-d", "--no-build"]));
     let services = [
         "minio",
@@ -161,29 +154,8 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
             .all(|e| e["status"] == 200),
         "{body}"
     );
-    let tail = run(&mut stack.cmd(&[
-        "exec",
-        "-T",
-        "engine-1",
-        "quantmesh",
-        "events",
-        "tail",
-        "--brokers",
-        "kafka:9092",
-        "--from-beginning",
-        "--limit",
-        "2",
-        "--idle-timeout",
-        "60s",
-    ]));
-    let out = String::from_utf8_lossy(&tail.stdout);
-    let events: Vec<serde_json::Value> = out
-        .lines()
-        .map(|l| {
-            serde_json::from_str(l).unwrap_or_else(|e| panic!("events tail printed {l:?}: {e}"))
-        })
-        .collect();
-    assert_eq!(events.len(), 2, "one event per engine: {out}");
+    let events = stack.events(&["--limit", "2", "--idle-timeout", "60s"]);
+    assert_eq!(events.len(), 2, "one event per engine: {events:?}");
     for ev in &events {
         assert_eq!(ev["group"], group.as_str());
         assert_eq!(ev["reason"], "admin");
@@ -247,17 +219,8 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
     // Prometheus (in its container) scrapes the gateway and both engines and has loaded our
     // alert rules.
     let prom = |path: String| {
-        let client = client.clone();
-        async move {
-            client
-                .get(format!("http://127.0.0.1:{prometheus}{path}"))
-                .send()
-                .await
-                .unwrap()
-                .json::<serde_json::Value>()
-                .await
-                .unwrap()
-        }
+        let (client, stack) = (client.clone(), &stack);
+        async move { stack.prom(&client, &path).await }
     };
     let t1 = Instant::now();
     loop {

@@ -33,7 +33,6 @@
 
 mod support;
 
-use futures::StreamExt;
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -129,14 +128,7 @@ impl Engine {
     }
 
     async fn metrics(&self, client: &reqwest::Client) -> String {
-        client
-            .get(format!("http://{}:8080/metrics", self.ip))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap()
+        support::scrape(client, &format!("http://{}:8080/metrics", self.ip)).await
     }
 
     async fn metric(&self, client: &reqwest::Client, name: &str, labels: &[&str]) -> f64 {
@@ -257,24 +249,9 @@ impl Toggler {
 /// Every admin fallback event on the topic timestamped in `[from, to]` ms: (distinct event
 /// ids, messages read).
 fn topic_events(stack: &Stack, from: u64, to: u64) -> (HashSet<String>, usize) {
-    let out = run(&mut stack.cmd(&[
-        "exec",
-        "-T",
-        "engine-1",
-        "quantmesh",
-        "events",
-        "tail",
-        "--brokers",
-        "kafka:9092",
-        "--from-beginning",
-        "--idle-timeout",
-        "10s",
-    ]));
     let mut ids = HashSet::new();
     let mut read = 0;
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
-        let ev: serde_json::Value = serde_json::from_str(line)
-            .unwrap_or_else(|e| panic!("events tail printed {line:?}: {e}"));
+    for ev in stack.events(&["--idle-timeout", "10s"]) {
         let t = ev["timestamp_ms"].as_u64().unwrap();
         if ev["reason"] == "admin" && (from..=to).contains(&t) {
             ids.insert(ev["event_id"].as_str().unwrap().to_string());
@@ -391,14 +368,7 @@ async fn dual_groups(client: &reqwest::Client, stack: &Stack, n: usize) -> Vec<S
 async fn wait_gateway_sees(client: &reqwest::Client, stack: &Stack, engine: &Engine, up: f64) {
     let t0 = Instant::now();
     loop {
-        let m = client
-            .get(stack.url("/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let m = stack.metrics(client).await;
         let v = sum_metric(
             &m,
             "quantmesh_gateway_engine_up",
@@ -466,33 +436,8 @@ async fn the_stack_loses_nothing_under_faults() {
         let t_from = now_ms();
         let before = e1.admin_events(&client).await + e2.admin_events(&client).await;
         // Two streams that have started on engine-1.
-        let mut streams = Vec::new();
-        let mut sent = 0;
-        while streams.len() < 2 {
-            sent += 1;
-            let r = client
-                .post(stack.url("/v1/completions"))
-                .json(
-                    &serde_json::json!({"prompt": "Tell a long story", "max_tokens": 400,
-                                          "stream": true, "ignore_eos": true}),
-                )
-                .send()
-                .await
-                .unwrap();
-            assert_eq!(r.status(), 200);
-            let on = r.headers()["x-quantmesh-engine"]
-                .to_str()
-                .unwrap()
-                .to_string();
-            let mut body = r.bytes_stream();
-            let first = body.next().await.unwrap().unwrap();
-            assert!(!first.is_empty());
-            if on == e1.name() {
-                streams.push(body);
-            } else {
-                tokio::spawn(async move { while body.next().await.is_some() {} });
-            }
-        }
+        let (streams, sent) =
+            support::streams_on(&client, &stack.url(""), &e1.name(), 2, 400).await;
         let stop = Arc::new(AtomicBool::new(false));
         let traffic = load(&stack, 6, stop.clone());
         toggler.fire(&client, &stack, 2).await;
@@ -501,14 +446,7 @@ async fn the_stack_loses_nothing_under_faults() {
         // Kill it while it holds requests that have not answered yet (beyond the streams).
         let t0 = Instant::now();
         loop {
-            let m = client
-                .get(stack.url("/metrics"))
-                .send()
-                .await
-                .unwrap()
-                .text()
-                .await
-                .unwrap();
+            let m = stack.metrics(&client).await;
             let held = sum_metric(
                 &m,
                 "quantmesh_gateway_engine_outstanding",
@@ -524,25 +462,9 @@ async fn the_stack_loses_nothing_under_faults() {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         run(&mut stack.cmd(&["kill", "-s", "SIGKILL", "engine-1"]));
-        let mut failed_streams = 0;
-        for mut s in streams {
-            let rest = tokio::time::timeout(Duration::from_secs(60), async {
-                let mut text = String::new();
-                while let Some(chunk) = s.next().await {
-                    match chunk {
-                        Ok(b) => text.push_str(&String::from_utf8_lossy(&b)),
-                        Err(_) => break,
-                    }
-                }
-                text
-            })
-            .await
-            .expect("a stream on the killed engine hung");
-            assert!(
-                rest.contains("\"engine_failed\"") && !rest.contains("[DONE]"),
-                "a started stream ends with the engine_failed error event: {rest}"
-            );
-            failed_streams += 1;
+        let failed_streams = streams.len();
+        for s in streams {
+            support::assert_ends_with_engine_failed(s).await;
         }
         wait_gateway_sees(&client, &stack, &e1, 0.0).await;
         stop.store(true, Ordering::Relaxed);
@@ -555,14 +477,7 @@ async fn the_stack_loses_nothing_under_faults() {
             (0, 0),
             "every request that had not started succeeds on engine-2: {o:?}"
         );
-        let m = client
-            .get(stack.url("/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let m = stack.metrics(&client).await;
         let retried = sum_metric(
             &m,
             "quantmesh_gateway_retries_total",
@@ -784,14 +699,7 @@ async fn the_stack_loses_nothing_under_faults() {
         // Under load first.
         let t0 = Instant::now();
         loop {
-            let m = client
-                .get(stack.url("/metrics"))
-                .send()
-                .await
-                .unwrap()
-                .text()
-                .await
-                .unwrap();
+            let m = stack.metrics(&client).await;
             if sum_metric(&m, "quantmesh_gateway_engine_outstanding", &[]) >= 2.0 {
                 break;
             }

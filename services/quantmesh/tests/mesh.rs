@@ -13,7 +13,10 @@ use futures::StreamExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
-use support::{free_port, get_json, model_dir, sum_metric, ADMIN_TOKEN};
+use support::{
+    assert_ends_with_engine_failed, free_port, get_json, model_dir, scrape, streams_on, sum_metric,
+    ADMIN_TOKEN,
+};
 
 /// A `quantmesh` process (engine or gateway) and its port.
 struct Proc {
@@ -94,14 +97,7 @@ impl Proc {
     }
 
     async fn metrics(&self, client: &reqwest::Client) -> String {
-        client
-            .get(self.url("/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap()
+        scrape(client, &self.url("/metrics")).await
     }
 }
 
@@ -165,32 +161,7 @@ async fn load_spreads_and_a_killed_engine_costs_no_unstarted_request() {
     assert!(on("engine-1") > 0 && on("engine-2") > 0, "{results:?}");
 
     // Streams that start on engine-1, then SIGKILL engine-1 while more requests arrive.
-    let mut streams = Vec::new();
-    while streams.len() < 2 {
-        let r = client
-            .post(gw.url("/v1/completions"))
-            .json(
-                &serde_json::json!({"prompt": "a long story", "max_tokens": 200,
-                                      "stream": true, "ignore_eos": true}),
-            )
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200);
-        let engine = r.headers()["x-quantmesh-engine"]
-            .to_str()
-            .unwrap()
-            .to_string();
-        let mut body = r.bytes_stream();
-        let first = body.next().await.unwrap().unwrap();
-        assert!(!first.is_empty());
-        if engine == "engine-1" {
-            streams.push(body);
-        } else {
-            // Keep engine-2 busy with it too; read it to the end below.
-            tokio::spawn(async move { while body.next().await.is_some() {} });
-        }
-    }
+    let (streams, _) = streams_on(&client, &gw.url(""), "engine-1", 2, 200).await;
     let load = tokio::spawn({
         let (client, url) = (client.clone(), gw.url(""));
         async move {
@@ -243,23 +214,8 @@ async fn load_spreads_and_a_killed_engine_costs_no_unstarted_request() {
         statuses.iter().all(|s| *s == 200),
         "every request that had not started succeeds on the other engine: {statuses:?}"
     );
-    for mut s in streams {
-        let rest = tokio::time::timeout(Duration::from_secs(30), async {
-            let mut text = String::new();
-            while let Some(chunk) = s.next().await {
-                match chunk {
-                    Ok(b) => text.push_str(&String::from_utf8_lossy(&b)),
-                    Err(_) => break,
-                }
-            }
-            text
-        })
-        .await
-        .expect("a stream on the killed engine hung");
-        assert!(
-            rest.contains("\"engine_failed\"") && !rest.contains("[DONE]"),
-            "a started stream ends with an error event: {rest}"
-        );
+    for s in streams {
+        assert_ends_with_engine_failed(s).await;
     }
     wait_metric(
         &client,

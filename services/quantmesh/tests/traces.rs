@@ -321,27 +321,11 @@ async fn a_dead_collector_costs_nothing_but_a_counter() {
         assert_eq!(r.status(), 200);
         assert!(r.headers().contains_key("traceparent"));
     }
-    let t0 = std::time::Instant::now();
-    loop {
-        let m = reqwest::get(serve.url("/metrics"))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        if sum_metric(&m, "quantmesh_otel_spans_total", &["failed"]) > 0.0 {
-            assert_eq!(
-                sum_metric(&m, "quantmesh_otel_spans_total", &["exported"]),
-                0.0
-            );
-            break;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "failed exports never counted"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let m = wait_spans(&serve, "failed").await;
+    assert_eq!(
+        sum_metric(&m, "quantmesh_otel_spans_total", &["exported"]),
+        0.0
+    );
     // Still serving.
     let r = client
         .post(serve.url("/v1/completions"))

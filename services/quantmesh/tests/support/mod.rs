@@ -29,6 +29,68 @@ pub async fn get_json(client: &reqwest::Client, url: &str, token: &str) -> serde
         .unwrap()
 }
 
+/// The text of a `/metrics` scrape at `url`.
+pub async fn scrape(client: &reqwest::Client, url: &str) -> String {
+    client.get(url).send().await.unwrap().text().await.unwrap()
+}
+
+/// Streaming completions sent to `base` (a gateway) until `want` of them started on the
+/// engine named `engine` (`x-quantmesh-engine`); each is returned after its first chunk, with
+/// the number of requests sent. The others are read to their end in the background (they
+/// keep the other engines busy).
+pub async fn streams_on(
+    client: &reqwest::Client,
+    base: &str,
+    engine: &str,
+    want: usize,
+    max_tokens: usize,
+) -> (Vec<reqwest::Response>, usize) {
+    let (mut streams, mut sent) = (Vec::new(), 0);
+    while streams.len() < want {
+        sent += 1;
+        let mut r = client
+            .post(format!("{base}/v1/completions"))
+            .json(
+                &serde_json::json!({"prompt": "Tell a long story", "max_tokens": max_tokens,
+                                      "stream": true, "ignore_eos": true}),
+            )
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let on = r.headers()["x-quantmesh-engine"]
+            .to_str()
+            .unwrap()
+            .to_string();
+        let first = r.chunk().await.unwrap().unwrap();
+        assert!(!first.is_empty());
+        if on == engine {
+            streams.push(r);
+        } else {
+            tokio::spawn(async move { while let Ok(Some(_)) = r.chunk().await {} });
+        }
+    }
+    (streams, sent)
+}
+
+/// The rest of a stream whose engine was killed: it must end (within 60 s) with the
+/// `engine_failed` error event and without `[DONE]`.
+pub async fn assert_ends_with_engine_failed(mut r: reqwest::Response) {
+    let rest = tokio::time::timeout(Duration::from_secs(60), async {
+        let mut text = String::new();
+        while let Ok(Some(b)) = r.chunk().await {
+            text.push_str(&String::from_utf8_lossy(&b));
+        }
+        text
+    })
+    .await
+    .expect("a stream on the killed engine hung");
+    assert!(
+        rest.contains("\"engine_failed\"") && !rest.contains("[DONE]"),
+        "a started stream ends with the engine_failed error event: {rest}"
+    );
+}
+
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -244,15 +306,7 @@ impl Serve {
 
     /// Sum of a metric's samples whose labels contain all of `labels`.
     pub async fn metric(&self, client: &reqwest::Client, name: &str, labels: &[&str]) -> f64 {
-        let text = client
-            .get(self.url("/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        sum_metric(&text, name, labels)
+        sum_metric(&scrape(client, &self.url("/metrics")).await, name, labels)
     }
 
     /// Wait until the server has counted at least `at_least` requests

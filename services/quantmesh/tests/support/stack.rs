@@ -295,6 +295,36 @@ impl Stack {
         format!("http://127.0.0.1:{}{path}", self.http)
     }
 
+    /// The fallback events on the stack's broker, oldest first, as `quantmesh events tail`
+    /// (run in engine-1's container) prints them, with `extra` arguments (`--limit`,
+    /// `--idle-timeout`).
+    pub fn events(&self, extra: &[&str]) -> Vec<serde_json::Value> {
+        let mut args = vec![
+            "exec",
+            "-T",
+            "engine-1",
+            "quantmesh",
+            "events",
+            "tail",
+            "--brokers",
+            "kafka:9092",
+            "--from-beginning",
+        ];
+        args.extend(extra);
+        let out = run(&mut self.cmd(&args));
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| {
+                serde_json::from_str(l).unwrap_or_else(|e| panic!("events tail printed {l:?}: {e}"))
+            })
+            .collect()
+    }
+
+    /// The gateway's `/metrics`.
+    pub async fn metrics(&self, client: &reqwest::Client) -> String {
+        super::scrape(client, &self.url("/metrics")).await
+    }
+
     /// A Prometheus HTTP API answer (published port).
     pub async fn prom(&self, client: &reqwest::Client, path: &str) -> serde_json::Value {
         client
