@@ -43,10 +43,6 @@ async fn admin_config(client: &reqwest::Client, stack: &Stack) -> serde_json::Va
     support::get_json(client, &stack.url("/admin/config"), TOKEN).await
 }
 
-async fn metrics_text(client: &reqwest::Client, stack: &Stack) -> String {
-    stack.metrics(client).await
-}
-
 #[test]
 fn the_users_compose_file_is_valid() {
     if !docker_available() {
@@ -298,7 +294,7 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
     };
     let id = stack.container("engine-1");
     let ip = container_ip(&id);
-    let discovered = metrics_text(&client, &stack).await;
+    let discovered = stack.metrics(&client).await;
     assert_eq!(
         gateway_metric(discovered.clone(), &ip),
         1.0,
@@ -312,7 +308,7 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
     // Stop it while it holds requests (the gateway counts them outstanding).
     let t1 = Instant::now();
     loop {
-        let m = metrics_text(&client, &stack).await;
+        let m = stack.metrics(&client).await;
         let held = support::sum_metric(
             &m,
             "quantmesh_gateway_engine_outstanding",
@@ -342,7 +338,7 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
         "{}",
         stack.logs()
     );
-    let metrics = || metrics_text(&client, &stack);
+    let metrics = || stack.metrics(&client);
     let t2 = Instant::now();
     while gateway_metric(metrics().await, &ip) != 0.0 {
         assert!(

@@ -41,7 +41,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use support::stack::{build_images, container_ip, docker_available, model_copy, run, Stack, TOKEN};
-use support::sum_metric;
+use support::{poll, sum_metric};
 
 /// engine-2's outbox filesystem, and the space its outbox keeps free there.
 const OUTBOX_FS_BYTES: u64 = 64 << 20;
@@ -164,47 +164,51 @@ impl Engine {
     /// Until every fallback decision made so far is recorded in the outbox or counted as
     /// dropped (the writer has seen them all).
     async fn wait_written(&self, client: &reqwest::Client) {
-        let t0 = Instant::now();
-        loop {
-            let m = self.metrics(client).await;
-            let made = match m.contains("# TYPE quantmesh_fallback_decisions_total ") {
-                true => sum_metric(&m, "quantmesh_fallback_decisions_total", &[]),
-                false => 0.0, // no decision yet (see `admin_events`)
-            };
-            let recorded = sum_metric(
-                &m,
-                "quantmesh_events_recorded_total",
-                &["event_type=\"fallback\""],
-            );
-            let dropped = sum_metric(&m, "quantmesh_events_dropped_total", &[]);
-            if recorded + dropped >= made {
-                return;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(60),
-                "{}: {made} decisions, {recorded} recorded, {dropped} dropped",
-                self.service
-            );
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        poll(
+            Duration::from_secs(60),
+            Duration::from_millis(200),
+            || async {
+                let m = self.metrics(client).await;
+                let made = match m.contains("# TYPE quantmesh_fallback_decisions_total ") {
+                    true => sum_metric(&m, "quantmesh_fallback_decisions_total", &[]),
+                    false => 0.0, // no decision yet (see `admin_events`)
+                };
+                let recorded = sum_metric(
+                    &m,
+                    "quantmesh_events_recorded_total",
+                    &["event_type=\"fallback\""],
+                );
+                let dropped = sum_metric(&m, "quantmesh_events_dropped_total", &[]);
+                match recorded + dropped >= made {
+                    true => Ok(()),
+                    false => Err(format!(
+                        "{}: {made} decisions, {recorded} recorded, {dropped} dropped",
+                        self.service
+                    )),
+                }
+            },
+        )
+        .await
     }
 
     async fn wait_drained(&self, client: &reqwest::Client) {
-        let t0 = Instant::now();
-        loop {
-            let depth = self
-                .metric(client, "quantmesh_events_outbox_depth", &[])
-                .await;
-            if depth == 0.0 {
-                return;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(120),
-                "{}: the outbox still holds {depth} events",
-                self.service
-            );
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        }
+        poll(
+            Duration::from_secs(120),
+            Duration::from_millis(250),
+            || async {
+                let depth = self
+                    .metric(client, "quantmesh_events_outbox_depth", &[])
+                    .await;
+                match depth == 0.0 {
+                    true => Ok(()),
+                    false => Err(format!(
+                        "{}: the outbox still holds {depth} events",
+                        self.service
+                    )),
+                }
+            },
+        )
+        .await
     }
 }
 
@@ -366,25 +370,53 @@ async fn dual_groups(client: &reqwest::Client, stack: &Stack, n: usize) -> Vec<S
 }
 
 async fn wait_gateway_sees(client: &reqwest::Client, stack: &Stack, engine: &Engine, up: f64) {
-    let t0 = Instant::now();
-    loop {
-        let m = stack.metrics(client).await;
-        let v = sum_metric(
-            &m,
-            "quantmesh_gateway_engine_up",
-            &[&format!("engine=\"{}\"", engine.name())],
-        );
-        if v == up {
-            return;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "the gateway never saw {} ({}) as up={up}:\n{m}",
-            engine.service,
-            engine.name()
-        );
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+    poll(
+        Duration::from_secs(60),
+        Duration::from_millis(250),
+        || async {
+            let m = stack.metrics(client).await;
+            let v = sum_metric(
+                &m,
+                "quantmesh_gateway_engine_up",
+                &[&format!("engine=\"{}\"", engine.name())],
+            );
+            match v == up {
+                true => Ok(()),
+                false => Err(format!(
+                    "the gateway never saw {} ({}) as up={up}:\n{m}",
+                    engine.service,
+                    engine.name()
+                )),
+            }
+        },
+    )
+    .await
+}
+
+/// Until the gateway holds at least `at_least` unanswered requests (on `engine`, or on all).
+async fn wait_outstanding(
+    client: &reqwest::Client,
+    stack: &Stack,
+    engine: Option<&Engine>,
+    at_least: f64,
+) {
+    let label = engine.map(|e| format!("engine=\"{}\"", e.name()));
+    let labels: Vec<&str> = label.iter().map(String::as_str).collect();
+    poll(
+        Duration::from_secs(60),
+        Duration::from_millis(10),
+        || async {
+            let m = stack.metrics(client).await;
+            match sum_metric(&m, "quantmesh_gateway_engine_outstanding", &labels) >= at_least {
+                true => Ok(()),
+                false => Err(format!(
+                    "{} never held {at_least} requests:\n{m}",
+                    engine.map_or("the gateway", |e| e.service)
+                )),
+            }
+        },
+    )
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -444,23 +476,7 @@ async fn the_stack_loses_nothing_under_faults() {
         let created = e1.admin_events(&client).await + e2.admin_events(&client).await - before;
         e1.wait_written(&client).await;
         // Kill it while it holds requests that have not answered yet (beyond the streams).
-        let t0 = Instant::now();
-        loop {
-            let m = stack.metrics(&client).await;
-            let held = sum_metric(
-                &m,
-                "quantmesh_gateway_engine_outstanding",
-                &[&format!("engine=\"{}\"", e1.name())],
-            );
-            if held >= 3.0 {
-                break;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(60),
-                "engine-1 never held a request:\n{m}"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        wait_outstanding(&client, &stack, Some(&e1), 3.0).await;
         run(&mut stack.cmd(&["kill", "-s", "SIGKILL", "engine-1"]));
         let failed_streams = streams.len();
         for s in streams {
@@ -525,15 +541,13 @@ async fn the_stack_loses_nothing_under_faults() {
         }
         // The relays have noticed.
         for e in [&e1, &e2] {
-            let t0 = Instant::now();
-            while e.metric(&client, "quantmesh_kafka_broker_up", &[]).await != 0.0 {
-                assert!(
-                    t0.elapsed() < OUTAGE,
-                    "{} never saw the broker down",
-                    e.service
-                );
-                tokio::time::sleep(Duration::from_millis(250)).await;
-            }
+            poll(OUTAGE, Duration::from_millis(250), || async {
+                match e.metric(&client, "quantmesh_kafka_broker_up", &[]).await {
+                    0.0 => Ok(()),
+                    _ => Err(format!("{} never saw the broker down", e.service)),
+                }
+            })
+            .await;
         }
         while t_down.elapsed() < OUTAGE {
             tokio::time::sleep(Duration::from_millis(500)).await;
@@ -590,18 +604,20 @@ async fn the_stack_loses_nothing_under_faults() {
         // Every event engine-2 makes on the full filesystem is refused and counted
         // (`disk_full` also counts its monitor's window events of the time).
         let refused = e2.admin_events(&client).await - before_full;
-        let t0 = Instant::now();
-        let disk_full = loop {
-            let n = e2.dropped(&client, "disk_full").await;
-            if n >= refused {
-                break n;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(60),
-                "{refused} events made on the full filesystem, {n} counted as disk_full"
-            );
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        };
+        let disk_full = poll(
+            Duration::from_secs(60),
+            Duration::from_millis(200),
+            || async {
+                let n = e2.dropped(&client, "disk_full").await;
+                match n >= refused {
+                    true => Ok(n),
+                    false => Err(format!(
+                        "{refused} events made on the full filesystem, {n} counted as disk_full"
+                    )),
+                }
+            },
+        )
+        .await;
         assert_eq!(
             e2.metric(&client, "quantmesh_events_recorded_total", &[])
                 .await,
@@ -624,8 +640,7 @@ async fn the_stack_loses_nothing_under_faults() {
             }
         }
         // …and Prometheus alerts on the drops.
-        let t0 = Instant::now();
-        loop {
+        poll(Duration::from_secs(90), Duration::from_secs(1), || async {
             let alerts = stack.prom(&client, "/api/v1/alerts").await;
             let firing = alerts["data"]["alerts"]
                 .as_array()
@@ -636,15 +651,12 @@ async fn the_stack_loses_nothing_under_faults() {
                         && a["labels"]["reason"] == "disk_full"
                         && a["state"] == "firing"
                 });
-            if firing {
-                break;
+            match firing {
+                true => Ok(()),
+                false => Err(format!("no disk_full alert: {alerts}")),
             }
-            assert!(
-                t0.elapsed() < Duration::from_secs(90),
-                "no disk_full alert: {alerts}"
-            );
-            tokio::time::sleep(Duration::from_secs(1)).await;
-        }
+        })
+        .await;
         // A restart on the full filesystem: the outbox reopens with what it held.
         created += e1.admin_events(&client).await + e2.admin_events(&client).await - before;
         let held = e2
@@ -697,36 +709,21 @@ async fn the_stack_loses_nothing_under_faults() {
         let stop = Arc::new(AtomicBool::new(false));
         let traffic = load(&stack, 4, stop.clone());
         // Under load first.
-        let t0 = Instant::now();
-        loop {
-            let m = stack.metrics(&client).await;
-            if sum_metric(&m, "quantmesh_gateway_engine_outstanding", &[]) >= 2.0 {
-                break;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(60),
-                "no load on the gateway:\n{m}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        wait_outstanding(&client, &stack, None, 2.0).await;
         run(&mut stack.cmd(&["restart", "gateway"]));
         // Back: ready, and serving again through the new process.
-        let t0 = Instant::now();
-        loop {
-            let ok = client
-                .get(stack.url("/ready"))
-                .send()
-                .await
-                .is_ok_and(|r| r.status() == 200);
-            if ok {
-                break;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(60),
-                "the gateway did not come back"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        poll(
+            Duration::from_secs(60),
+            Duration::from_millis(100),
+            || async {
+                let ready = client.get(stack.url("/ready")).send().await;
+                match ready.is_ok_and(|r| r.status() == 200) {
+                    true => Ok(()),
+                    false => Err("the gateway did not come back".to_string()),
+                }
+            },
+        )
+        .await;
         let r = client
             .post(stack.url("/v1/completions"))
             .json(&serde_json::json!({"prompt": "After the restart", "max_tokens": 8}))
@@ -800,83 +797,82 @@ async fn the_stack_loses_nothing_under_faults() {
         };
         let wait_in_force = |md5: String| {
             let in_force = &in_force;
-            async move {
-                let t0 = Instant::now();
-                loop {
-                    let now = in_force().await;
-                    if now.len() == 2 && now.iter().all(|m| *m == md5) {
-                        return;
+            poll(
+                Duration::from_secs(60),
+                Duration::from_millis(250),
+                move || {
+                    let md5 = md5.clone();
+                    async move {
+                        let now = in_force().await;
+                        match now.len() == 2 && now.iter().all(|m| *m == md5) {
+                            true => Ok(()),
+                            false => {
+                                Err(format!("plan {md5} not applied by both engines: {now:?}"))
+                            }
+                        }
                     }
-                    assert!(
-                        t0.elapsed() < Duration::from_secs(60),
-                        "plan {md5} not applied by both engines: {now:?}"
-                    );
-                    tokio::time::sleep(Duration::from_millis(250)).await;
-                }
+                },
+            )
+        };
+        // Both engines' `quantmesh_config_reloads_total{result}`.
+        let reloads = |result: &'static str| {
+            let (e1, e2, client) = (e1.clone(), e2.clone(), client.clone());
+            async move {
+                let label = format!("result=\"{result}\"");
+                let one = |e: Engine| {
+                    let (client, label) = (client.clone(), label.clone());
+                    async move {
+                        e.metric(&client, "quantmesh_config_reloads_total", &[&label])
+                            .await
+                    }
+                };
+                (one(e1).await, one(e2).await)
             }
         };
-        let reloads = |e: &Engine, result: &'static str| {
-            let (e, client) = (e.clone(), client.clone());
-            async move {
-                e.metric(
-                    &client,
-                    "quantmesh_config_reloads_total",
-                    &[&format!("result=\"{result}\"")],
-                )
-                .await
-            }
+        // Until both engines have counted more `result`s than `before`.
+        let wait_counted = |result: &'static str, before: (f64, f64), what: String| {
+            poll(
+                Duration::from_secs(60),
+                Duration::from_millis(250),
+                move || {
+                    let what = what.clone();
+                    async move {
+                        let now = reloads(result).await;
+                        match now.0 > before.0 && now.1 > before.1 {
+                            true => Ok(()),
+                            false => Err(format!("{what}: {before:?} -> {now:?}")),
+                        }
+                    }
+                },
+            )
         };
         let first = publish("plan-first.json", float(&groups[0]));
         wait_in_force(first.clone()).await;
 
         // The store goes away: polls fail (each gives up after 10 s) and are counted; the plan
         // in force stays.
-        let failed_before = (
-            reloads(&e1, "fetch_error").await,
-            reloads(&e2, "fetch_error").await,
-        );
+        let failed_before = reloads("fetch_error").await;
         run(&mut stack.cmd(&["stop", "minio"]));
-        let t0 = Instant::now();
-        loop {
-            let now = (
-                reloads(&e1, "fetch_error").await,
-                reloads(&e2, "fetch_error").await,
-            );
-            if now.0 > failed_before.0 && now.1 > failed_before.1 {
-                break;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(60),
-                "failed polls not counted: {failed_before:?} -> {now:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        }
+        wait_counted(
+            "fetch_error",
+            failed_before,
+            "failed polls not counted".into(),
+        )
+        .await;
         assert_eq!(in_force().await, [first.clone(), first.clone()]);
         run(&mut stack.cmd(&["start", "minio"]));
         stack.wait_healthy(&["minio"], Duration::from_secs(60));
 
         // A plan naming a group the model does not have: rejected by every engine, counted,
         // the old plan kept.
-        let rejected_before = (
-            reloads(&e1, "rejected").await,
-            reloads(&e2, "rejected").await,
-        );
+        let rejected_before = reloads("rejected").await;
         let bad = publish("plan-bad.json", float("layers.99.down"));
-        let t0 = Instant::now();
-        loop {
-            let now = (
-                reloads(&e1, "rejected").await,
-                reloads(&e2, "rejected").await,
-            );
-            if now.0 > rejected_before.0 && now.1 > rejected_before.1 {
-                break;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(60),
-                "the bad plan {bad} was not rejected by both engines: {rejected_before:?} -> {now:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        }
+        wait_counted(
+            "rejected",
+            rejected_before,
+            format!("the bad plan {bad} was not rejected by both engines"),
+        )
+        .await;
         assert_eq!(in_force().await, [first.clone(), first]);
 
         // A good one: applied by every engine, no restart.

@@ -280,12 +280,7 @@ async fn a_traced_request_yields_its_span_tree_and_its_fallback_event_carries_th
     );
 
     // Export is counted.
-    let m = reqwest::get(serve.url("/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = scrape(&client, &serve.url("/metrics")).await;
     assert!(sum_metric(&m, "quantmesh_otel_spans_total", &["exported"]) >= names.len() as f64);
 }
 
@@ -492,23 +487,19 @@ impl Drop for TlsFront {
 
 /// Until `quantmesh_otel_spans_total{outcome}` of `serve` is above zero.
 async fn wait_spans(serve: &Serve, outcome: &str) -> String {
-    let t0 = std::time::Instant::now();
-    loop {
-        let m = reqwest::get(serve.url("/metrics"))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        if sum_metric(&m, "quantmesh_otel_spans_total", &[outcome]) > 0.0 {
-            return m;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "no span {outcome} within a minute:\n{m}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let client = reqwest::Client::new();
+    poll(
+        Duration::from_secs(60),
+        Duration::from_millis(200),
+        || async {
+            let m = scrape(&client, &serve.url("/metrics")).await;
+            match sum_metric(&m, "quantmesh_otel_spans_total", &[outcome]) > 0.0 {
+                true => Ok(m),
+                false => Err(format!("no span {outcome}:\n{m}")),
+            }
+        },
+    )
+    .await
 }
 
 /// OTLP over TLS (build feature `otlp-tls`, on in the test command's build): gRPC to an

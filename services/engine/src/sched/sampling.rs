@@ -165,8 +165,8 @@ fn sample_all(logits: &[f32], inv_t: f32, rng: &mut StdRng) -> u32 {
         static WEIGHTS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     }
     WEIGHTS.with(|w| {
+        // Every weight is written below: only the length is set (no zeroing per row).
         let mut w = w.borrow_mut();
-        w.clear();
         w.resize(logits.len(), 0.0);
         let isa = quantmesh_kernels::Isa::current();
         let total = match quantmesh_kernels::softmax_weights(logits, inv_t, &mut w, isa) {

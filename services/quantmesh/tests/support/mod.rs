@@ -29,6 +29,23 @@ pub async fn get_json(client: &reqwest::Client, url: &str, token: &str) -> serde
         .unwrap()
 }
 
+/// Run `check` every `every` until it gives `Ok`, for at most `within`; past that, fail with
+/// the last `Err` it gave (what it saw). The one wait-on-a-condition loop of these tests.
+pub async fn poll<T, F, Fut>(within: Duration, every: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, String>>,
+{
+    let t0 = Instant::now();
+    loop {
+        match check().await {
+            Ok(v) => return v,
+            Err(seen) => assert!(t0.elapsed() < within, "after {within:?}: {seen}"),
+        }
+        tokio::time::sleep(every).await;
+    }
+}
+
 /// The text of a `/metrics` scrape at `url`.
 pub async fn scrape(client: &reqwest::Client, url: &str) -> String {
     client.get(url).send().await.unwrap().text().await.unwrap()
@@ -312,36 +329,28 @@ impl Serve {
     /// Wait until the server has counted at least `at_least` requests
     /// (`quantmesh_requests_total`): traffic is flowing.
     pub async fn wait_requests(&self, client: &reqwest::Client, at_least: f64, within: Duration) {
-        let t0 = Instant::now();
-        loop {
+        poll(within, Duration::from_millis(50), || async {
             let n = self.metric(client, "quantmesh_requests_total", &[]).await;
-            if n >= at_least {
-                return;
+            match n >= at_least {
+                true => Ok(()),
+                false => Err(format!("only {n} requests counted, waiting for {at_least}")),
             }
-            assert!(
-                t0.elapsed() < within,
-                "only {n} requests counted, waiting for {at_least}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        })
+        .await
     }
 
     /// Wait until the relay has emptied the outbox (`quantmesh_events_outbox_depth` 0).
     pub async fn wait_outbox_drained(&self, client: &reqwest::Client, within: Duration) {
-        let t0 = Instant::now();
-        loop {
+        poll(within, Duration::from_millis(200), || async {
             let depth = self
                 .metric(client, "quantmesh_events_outbox_depth", &[])
                 .await;
-            if depth == 0.0 {
-                return;
+            match depth == 0.0 {
+                true => Ok(()),
+                false => Err(format!("outbox did not drain: {depth} events left")),
             }
-            assert!(
-                t0.elapsed() < within,
-                "outbox did not drain: {depth} events left"
-            );
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        })
+        .await
     }
 
     /// Every fallback event the engine's monitor has created (independent of the Kafka path).
