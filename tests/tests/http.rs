@@ -891,8 +891,7 @@ async fn n_choices_whole_and_streamed() {
 async fn prefix_cache_is_partitioned_by_api_key_and_cache_salt() {
     let mut settings = settings();
     settings.server.api_keys = vec!["tenant-a".into(), "tenant-b".into()];
-    settings.server.prefix_cache_isolation =
-        quantmesh_gateway::settings::PrefixCacheIsolation::PerApiKey;
+    settings.server.prefix_cache_isolation = quantmesh_settings::PrefixCacheIsolation::PerApiKey;
     let s = Server::start(settings).await;
     let hits = || async { s.gauge("quantmesh_prefix_cache_hit_pages_total").await };
     // Long enough to fill several 16-token pages.

@@ -41,7 +41,7 @@ impl Fixture {
         )
     }
 
-    fn settings(&self, interval: &str) -> quantmesh_gateway::Settings {
+    fn settings(&self, interval: &str) -> quantmesh_settings::Settings {
         let mut s = settings();
         s.model.source = self.model.dir.display().to_string();
         s.engine.sensitive_layers = Some(self.file.display().to_string());

@@ -24,7 +24,7 @@ use crate::stats::StatsCell;
 use crate::tokenize::EncodePrompt;
 use crate::tokenize::TokenizerActor;
 use actix::prelude::*;
-use quantmesh_model::{model_shape, Checkpoint, IncrementalDecoder, TextTokenizer};
+use quantmesh_model::{model_shape, Checkpoint, IncrementalDecoder, ModelFiles, TextTokenizer};
 use quantmesh_store::{Location, StoreError};
 use quantmesh_types::{
     ConfigEvent, FallbackEvent, FinishReason, GroupId, GroupKind, ModelShape, Residency,
@@ -133,7 +133,9 @@ pub fn load_parts(
     plan: Option<&[u8]>,
 ) -> Result<LoadedParts> {
     cfg.validate()?;
-    let mcfg = ModelConfig::load(model_dir)?;
+    // One look at the files: a GGUF header is parsed once for config, weights and tokenizer.
+    let files = ModelFiles::open(model_dir)?;
+    let mcfg = files.config()?;
     for key in cfg.group_residency.keys() {
         let g = key.parse::<GroupId>().map_err(EngineError::Config)?;
         if g.layer >= mcfg.num_hidden_layers {
@@ -143,7 +145,7 @@ pub fn load_parts(
             )));
         }
     }
-    let ck = Checkpoint::open(model_dir)?;
+    let ck = files.checkpoint()?;
     let shape = model_shape(&ck, &mcfg)?;
     let validated = match plan {
         Some(bytes) => {
@@ -173,7 +175,7 @@ pub fn load_parts(
         ));
     }
     let backend = Box::new(model);
-    let tokenizer = TextTokenizer::load(model_dir)?;
+    let tokenizer = files.tokenizer()?;
     Ok(LoadedParts {
         backend,
         tokenizer,

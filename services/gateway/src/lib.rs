@@ -1,23 +1,23 @@
-//! quantmesh gateway: the OpenAI-compatible HTTP API in front of the engine.
+//! quantmesh gateway: the mesh role (`quantmesh gateway`) — the OpenAI API in front of
+//! engine processes reached over HTTP, with routing, health checks, DNS discovery and the
+//! admin fan-out. Its front door (auth, limits, errors, request spans) is the server's.
 
-pub mod auth;
-pub mod error;
-pub mod first_plan;
-pub mod logprobs;
 pub mod mesh;
-pub mod metrics;
-pub mod model_source;
-pub mod openai;
-pub mod openapi;
-pub mod request_trace;
-pub mod routes;
-pub mod server;
-pub mod settings;
-pub mod signals;
-pub mod state;
-pub mod telemetry;
+
+use anyhow::Context;
+use quantmesh_server::shutdown_signal;
+use std::net::TcpListener;
 
 pub use mesh::http::run_gateway;
-pub use server::{gateway_main, run_embedded, serve_main};
-pub use settings::{GatewayFlags, LogFormat, ServeFlags, Settings};
-pub use signals::shutdown_signal;
+
+/// `quantmesh gateway`: settings from flags, telemetry, bind, route to the engines until
+/// SIGINT/SIGTERM, drain.
+pub fn gateway_main(flags: &quantmesh_settings::GatewayFlags) -> anyhow::Result<()> {
+    let s = flags.settings()?;
+    let mut telemetry = quantmesh_telemetry::init_with(s.log.format, &s.log.level, &s.telemetry);
+    let listener = TcpListener::bind((s.server.host.as_str(), s.server.port))
+        .with_context(|| format!("binding {}:{}", s.server.host, s.server.port))?;
+    let served = actix_rt::System::new().block_on(run_gateway(s, listener, shutdown_signal()));
+    telemetry.shutdown();
+    served
+}

@@ -10,7 +10,7 @@ use clap::Parser;
 )]
 struct Args {
     #[command(flatten)]
-    flags: quantmesh_gateway::GatewayFlags,
+    flags: quantmesh_settings::GatewayFlags,
 }
 
 fn main() -> anyhow::Result<()> {

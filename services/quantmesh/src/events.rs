@@ -60,8 +60,8 @@ pub fn run(cmd: EventsCommand) -> anyhow::Result<()> {
 
 fn tail_cmd(args: TailArgs) -> anyhow::Result<()> {
     use quantmesh_kafka::tail::{tail, TailFormat, TailOptions};
-    quantmesh_gateway::telemetry::init(quantmesh_gateway::LogFormat::Text, "warn");
-    let mut settings = quantmesh_gateway::Settings::load(args.config.as_deref())?.kafka;
+    quantmesh_telemetry::init(quantmesh_settings::LogFormat::Text, "warn");
+    let mut settings = quantmesh_settings::Settings::load(args.config.as_deref())?.kafka;
     if let Some(b) = args.brokers {
         settings.brokers = b;
     }

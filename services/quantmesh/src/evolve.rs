@@ -73,8 +73,8 @@ fn parse_time(s: &str) -> anyhow::Result<i64> {
 }
 
 pub fn run(args: EvolveArgs) -> anyhow::Result<()> {
-    quantmesh_gateway::telemetry::init(quantmesh_gateway::LogFormat::Text, "info");
-    let all = quantmesh_gateway::Settings::load(args.config.as_deref())?;
+    quantmesh_telemetry::init(quantmesh_settings::LogFormat::Text, "info");
+    let all = quantmesh_settings::Settings::load(args.config.as_deref())?;
     let mut kafka = all.kafka;
     let mut s = EvolutionSettings::from_table(all.evolution).map_err(anyhow::Error::msg)?;
     if let Some(b) = args.brokers {
@@ -182,7 +182,7 @@ pub fn run(args: EvolveArgs) -> anyhow::Result<()> {
         };
         // One listener for the whole life of the service: a SIGTERM that arrives during a
         // run is kept (the run finishes, then the service stops), not lost between waits.
-        let shutdown = quantmesh_gateway::shutdown_signal();
+        let shutdown = quantmesh_server::shutdown_signal();
         tokio::pin!(shutdown);
         loop {
             let now = chrono::Utc::now();

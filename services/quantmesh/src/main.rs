@@ -31,17 +31,17 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the embedded all-in-one stack: gateway and engine actors in one process.
-    Serve(quantmesh_gateway::ServeFlags),
+    Serve(quantmesh_settings::ServeFlags),
     /// Run one engine for a gateway (mesh mode): the model, scheduler, executor, monitor,
     /// config reload and event outbox behind the versioned OpenAI `/v1` API, `/ready`,
     /// `/metrics` and `/admin/*`. Same flags as `serve`; `QUANTMESH_ENGINE_NAME` labels
     /// every series of its `/metrics` with `engine="<name>"`.
-    Engine(quantmesh_gateway::ServeFlags),
+    Engine(quantmesh_settings::ServeFlags),
     /// Run the gateway (mesh mode): the OpenAI API, auth and limits in front of engine
     /// processes reached over HTTP; least-outstanding routing with prefix affinity, retry on
     /// another engine before the first byte, 429 when all are saturated, admin fan-out;
     /// engines listed by URL or found by DNS (`--engine dns+http://engine:8080`).
-    Gateway(quantmesh_gateway::GatewayFlags),
+    Gateway(quantmesh_settings::GatewayFlags),
     /// Manage model checkpoints.
     #[command(subcommand)]
     Model(model::ModelCommand),
@@ -72,7 +72,7 @@ enum Command {
 fn main() -> anyhow::Result<()> {
     quantmesh_engine::api::leave_the_cores_to_the_kernel_pool();
     match Cli::parse().command {
-        Command::Serve(flags) | Command::Engine(flags) => quantmesh_gateway::serve_main(&flags),
+        Command::Serve(flags) | Command::Engine(flags) => quantmesh_server::serve_main(&flags),
         Command::Gateway(flags) => quantmesh_gateway::gateway_main(&flags),
         Command::Prescreen(args) => prescreen::run(args),
         Command::Events(cmd) => events::run(cmd),

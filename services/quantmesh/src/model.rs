@@ -50,7 +50,7 @@ pub enum ModelCommand {
 pub fn run(cmd: ModelCommand) -> anyhow::Result<()> {
     match cmd {
         ModelCommand::Fetch { name, dir, quiet } => {
-            quantmesh_gateway::telemetry::init(quantmesh_gateway::LogFormat::Text, "info");
+            quantmesh_telemetry::init(quantmesh_settings::LogFormat::Text, "info");
             let progress = if quiet {
                 quantmesh_catalog::Progress::Quiet
             } else {

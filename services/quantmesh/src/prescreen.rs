@@ -69,7 +69,7 @@ impl quantmesh_prescreen::scan::Progress for Bar {
 
 pub fn run(args: PrescreenArgs) -> anyhow::Result<()> {
     use anyhow::Context;
-    quantmesh_gateway::telemetry::init(quantmesh_gateway::LogFormat::Text, "info");
+    quantmesh_telemetry::init(quantmesh_settings::LogFormat::Text, "info");
     let rules = match &args.rules {
         Some(p) => {
             let text = std::fs::read_to_string(p)

@@ -10,7 +10,7 @@
 //! with the two scales' product by AVX-512 (`vcvtdq2ps`, `vfmadd`): sixteen output rows
 //! per vector instead of one or two.
 //!
-//! - 8-bit activations: the signed bytes ([`crate::q8::Activations`]' `s8`), `tdpbssd`.
+//! - 8-bit activations: the signed bytes ([`crate::Activations`]' `s8`), `tdpbssd`.
 //! - 16-bit activations: `a = 256 · hi + lo`, `hi` signed (`tdpbssd`), `lo` unsigned
 //!   (`tdpbusd`): the two integer tiles are combined as `(Σ hi·w) << 8 + Σ lo·w`, exact
 //!   (each below 2³¹ in magnitude), then converted as the scalar reference converts.
@@ -28,7 +28,7 @@
 //! (`arch_prctl(ARCH_REQ_XCOMP_PERM)`); [`granted`] asks once, and a refusal (a virtual
 //! machine whose kernel does not pass AMX through) leaves [`crate::Isa::Amx`] unavailable.
 
-use crate::q8::{ActBits, Activations, PackedQ8, BLOCK, TILE_ROWS};
+use crate::layout::{ActBits, Activations, PackedQ8, BLOCK, TILE_ROWS};
 use std::arch::asm;
 use std::arch::x86_64::*;
 use std::ops::Range;

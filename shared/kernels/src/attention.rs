@@ -9,8 +9,8 @@
 
 #![allow(clippy::needless_range_loop)] // lane-indexed loops: the order of the additions is the contract
 
+use crate::layout::Out;
 use crate::pool::Pool;
-use crate::q8::Out;
 use crate::{Isa, KernelError, Result};
 use std::cell::RefCell;
 

@@ -23,7 +23,7 @@
 //! tile, at the end. A register tile is one weight tile (4 rows: two registers) × `J`
 //! activation rows.
 
-use crate::q8::{ActBits, Activations, PackedQ8, BLOCK, ROW_BLOCK, TILE_ROWS};
+use crate::layout::{ActBits, Activations, PackedQ8, BLOCK, ROW_BLOCK, TILE_ROWS};
 use std::arch::x86_64::*;
 use std::ops::Range;
 

@@ -4,8 +4,8 @@
 //! rows (register tiles of 4 weight rows × 2 activation rows; rows split across the pool's
 //! threads in contiguous ranges).
 
+use crate::layout::{F16Product, Out, ROW_BLOCK, TILE_ROWS};
 use crate::pool::{share, Pool};
-use crate::q8::{Out, ROW_BLOCK, TILE_ROWS};
 use crate::{Isa, KernelError, Result};
 use half::f16;
 
@@ -66,15 +66,6 @@ pub fn f16_matmul(
         pool.run(&work);
     }
     Ok(())
-}
-
-/// One call's operands, as the per-ISA loops see them.
-pub(crate) struct F16Product<'a> {
-    pub(crate) w: &'a [f16],
-    pub(crate) rows: usize,
-    pub(crate) cols: usize,
-    pub(crate) x: &'a [f32],
-    pub(crate) m: usize,
 }
 
 impl F16Product<'_> {

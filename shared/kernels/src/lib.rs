@@ -31,6 +31,7 @@ mod attention;
 mod avx512;
 mod f16;
 mod isa;
+mod layout;
 mod pool;
 mod q8;
 mod rows;
@@ -42,8 +43,8 @@ mod x86;
 pub use attention::{attention, exp_nonpositive, AttentionShape};
 pub use f16::f16_matmul;
 pub use isa::Isa;
+pub use layout::{ActBits, Activations, PackedQ8, BLOCK, TILE_ROWS};
 pub use pool::Pool;
-pub use q8::{ActBits, Activations, PackedQ8, BLOCK, TILE_ROWS};
 pub use rows::{dequantize_i8, rms_norm, rope, softmax_weights};
 pub use swiglu::swiglu;
 

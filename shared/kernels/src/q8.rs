@@ -1,159 +1,14 @@
-//! Q8_0 weights in row tiles, activations quantized once per call, and the product.
-//!
-//! Layout of [`PackedQ8`] (`rows × cols` weights, `cols` a multiple of [`BLOCK`]): the
-//! rows are cut into tiles of [`TILE_ROWS`]; inside a tile the 32-value blocks of its rows
-//! are interleaved (`[tile][block][row][32]` values), and the f16 scales are kept in the
-//! same order (`[tile][block][row]`). A tile's weights sit in one contiguous run, so a call
-//! streams each weight once from memory however many activation rows it has: the kernel
-//! keeps the tile in L1 while it walks the rows (register tiles of 4 weight rows × 2
-//! activation rows). The bytes are Q8_0's own (34 per 32 weights); a row count that
-//! [`TILE_ROWS`] does not divide is padded with zero rows that are never written out.
+//! The Q8_0 product: activations quantized once per call with this CPU's kernel, and the
+//! weights' row tiles handed out to the pool's threads, each running the best kernel the
+//! instruction set allows (layout in `layout.rs`).
 
+use crate::layout::{quantize_act_block, Out};
 use crate::pool::Pool;
-use crate::{scalar, Isa, KernelError, Result};
-use half::f16;
+use crate::{scalar, ActBits, Activations, Isa, KernelError, PackedQ8, Result, BLOCK};
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// Values per quantization block (Q8_0's).
-pub const BLOCK: usize = 32;
-/// Output rows per tile.
-pub const TILE_ROWS: usize = 4;
-/// Activation rows a thread walks per pass over its tiles (they stay in L2 meanwhile).
-pub(crate) const ROW_BLOCK: usize = 64;
-
-/// Q8_0 weights repacked for the kernels.
-#[derive(Clone)]
-pub struct PackedQ8 {
-    pub(crate) rows: usize,
-    pub(crate) cols: usize,
-    pub(crate) blocks: usize,
-    pub(crate) tiles: usize,
-    /// `[tile][block][row in tile][BLOCK]`.
-    pub(crate) qs: Vec<i8>,
-    /// `[tile][block][row in tile]`.
-    pub(crate) d: Vec<f16>,
-}
-
-impl std::fmt::Debug for PackedQ8 {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "PackedQ8[{}, {}]", self.rows, self.cols)
-    }
-}
-
-/// Q8_0's rounding of one block (llama.cpp's `quantize_row_q8_0_ref`): scale
-/// `amax / 127` stored as f16, values `round(x / scale)` (ties away from zero).
-fn quantize_block(x: &[f32], q: &mut [i8]) -> f16 {
-    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let d = amax / 127.0;
-    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-    for (q, &v) in q.iter_mut().zip(x) {
-        *q = (v * id).round().clamp(-127.0, 127.0) as i8;
-    }
-    f16::from_f32(d)
-}
-
 impl PackedQ8 {
-    fn empty(rows: usize, cols: usize) -> Result<Self> {
-        if !cols.is_multiple_of(BLOCK) || cols == 0 {
-            return Err(KernelError::Width(cols));
-        }
-        let blocks = cols / BLOCK;
-        let tiles = rows.div_ceil(TILE_ROWS);
-        Ok(Self {
-            rows,
-            cols,
-            blocks,
-            tiles,
-            qs: vec![0; tiles * TILE_ROWS * cols],
-            d: vec![f16::ZERO; tiles * TILE_ROWS * blocks],
-        })
-    }
-
-    /// Where row `r`'s block `b` lives: (offset in `qs`, offset in `d`).
-    #[inline]
-    fn at(&self, r: usize, b: usize) -> (usize, usize) {
-        let (t, i) = (r / TILE_ROWS, r % TILE_ROWS);
-        let s = (t * self.blocks + b) * TILE_ROWS + i;
-        (s * BLOCK, s)
-    }
-
-    /// Quantize the f32 weight `w` (`rows × cols`, row-major) to Q8_0.
-    pub fn quantize(w: &[f32], rows: usize, cols: usize) -> Result<Self> {
-        let mut p = Self::empty(rows, cols)?;
-        if w.len() != rows * cols {
-            return Err(KernelError::Shape(format!(
-                "{} weights for [{rows}, {cols}]",
-                w.len()
-            )));
-        }
-        for r in 0..rows {
-            for b in 0..p.blocks {
-                let (q, s) = p.at(r, b);
-                let x = &w[r * cols + b * BLOCK..][..BLOCK];
-                p.d[s] = quantize_block(x, &mut p.qs[q..q + BLOCK]);
-            }
-        }
-        Ok(p)
-    }
-
-    /// From Q8_0 blocks as GGUF stores them (per block: f16 scale, 32 signed bytes; rows
-    /// one after another).
-    pub fn from_q8_0(data: &[u8], rows: usize, cols: usize) -> Result<Self> {
-        let mut p = Self::empty(rows, cols)?;
-        if data.len() != rows * p.blocks * (BLOCK + 2) {
-            return Err(KernelError::Shape(format!(
-                "{} bytes of Q8_0 for [{rows}, {cols}]",
-                data.len()
-            )));
-        }
-        for (i, block) in data.chunks_exact(BLOCK + 2).enumerate() {
-            let (q, s) = p.at(i / p.blocks, i % p.blocks);
-            p.d[s] = f16::from_le_bytes([block[0], block[1]]);
-            for (dst, &src) in p.qs[q..q + BLOCK].iter_mut().zip(&block[2..]) {
-                *dst = src as i8;
-            }
-        }
-        Ok(p)
-    }
-
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-
-    pub fn cols(&self) -> usize {
-        self.cols
-    }
-
-    /// Resident bytes: Q8_0's 34 per 32 weights (padding rows of a last partial tile
-    /// included).
-    pub fn bytes(&self) -> usize {
-        self.qs.len() + 2 * self.d.len()
-    }
-
-    /// Row `r` dequantized into `out` (`cols` values).
-    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
-        for b in 0..self.blocks {
-            let (q, s) = self.at(r, b);
-            let d = self.d[s].to_f32();
-            for (o, &v) in out[b * BLOCK..(b + 1) * BLOCK]
-                .iter_mut()
-                .zip(&self.qs[q..q + BLOCK])
-            {
-                *o = d * v as f32;
-            }
-        }
-    }
-
-    /// The whole weight dequantized (`rows × cols`, row-major).
-    pub fn dequantize(&self) -> Vec<f32> {
-        let mut out = vec![0f32; self.rows * self.cols];
-        for (r, row) in out.chunks_exact_mut(self.cols).enumerate() {
-            self.dequantize_row(r, row);
-        }
-        out
-    }
-
     /// `out = a · deq(self)ᵀ` (`a.rows() × self.rows()`, row-major), on `pool`'s threads,
     /// each taking contiguous chunks of tiles from one counter.
     pub fn matmul(&self, a: &Activations, out: &mut [f32], isa: Isa, pool: &Pool) -> Result<()> {
@@ -263,71 +118,7 @@ impl PackedQ8 {
     }
 }
 
-/// The output pointer the threads share (each writes disjoint elements).
-pub(crate) struct Out(pub(crate) *mut f32);
-// SAFETY: threads write disjoint elements, and `matmul` outlives them (`Pool::run` waits).
-unsafe impl Sync for Out {}
-unsafe impl Send for Out {}
-
-/// How many bits the activations are quantized to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ActBits {
-    /// Q8_0 activations (`amax / 127` per block): W8A8, llama.cpp's product.
-    Eight,
-    /// `amax / 32767` per block: W8A16, the activations' rounding ≈ 2⁻¹⁶ of the block's
-    /// largest value, so the product carries the weights' quantization error alone.
-    Sixteen,
-}
-
-impl ActBits {
-    fn max(self) -> f32 {
-        match self {
-            ActBits::Eight => 127.0,
-            ActBits::Sixteen => 32767.0,
-        }
-    }
-}
-
-/// Activation rows quantized per block of 32, values stored as `i16` whatever the bits (the
-/// AVX2 and scalar kernels widen the weights to 16 bits and multiply pairs), one f32 scale
-/// per block. Quantized for [`Isa::Avx512`] or [`Isa::Amx`], they also hold the values as
-/// bytes for `vpdpbusd` (the `bytes`, `hi` and `lo` fields), and for AMX as signed bytes
-/// (`s8`). Reused across calls: quantizing into it allocates only when it grows.
-#[derive(Debug, Clone, Default)]
-pub struct Activations {
-    pub(crate) rows: usize,
-    pub(crate) cols: usize,
-    pub(crate) blocks: usize,
-    /// `[row][cols]`.
-    pub(crate) q: Vec<i16>,
-    /// `[row][block]`.
-    pub(crate) d: Vec<f32>,
-    /// The byte form, when quantized for [`Isa::Avx512`] or [`Isa::Amx`]: `Some(bits)`.
-    pub(crate) bytes: Option<ActBits>,
-    /// `[row][cols]`: `h + 128` as an unsigned byte, `h` the value (8-bit) or its high
-    /// byte `v >> 8` (16-bit). `vpdpbusd` multiplies unsigned by signed bytes; the kernel
-    /// takes the bias back off with the weights' own sums.
-    pub(crate) hi: Vec<u8>,
-    /// `[row][cols]`: the low byte `v & 0xff` (16-bit only), unsigned.
-    pub(crate) lo: Vec<u8>,
-    /// `[row][cols]`, for [`Isa::Amx`] only (else empty): `h` itself, signed (`hi` without
-    /// its bias).
-    pub(crate) s8: Vec<i8>,
-}
-
 impl Activations {
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-
-    pub fn cols(&self) -> usize {
-        self.cols
-    }
-
     /// Quantize `x` (`rows × cols`, row-major) to `bits`, per block of 32: scale
     /// `amax / max` (`max` = 127 or 32767), values `round(x / scale)` (ties to even), with
     /// this thread's kernel ([`Isa::current`]).
@@ -387,40 +178,4 @@ impl Activations {
         }
         Ok(())
     }
-
-    /// The byte form of the quantized values (see the fields): a 16-bit value `v` is
-    /// `256 · (v >> 8) + (v & 0xff)` exactly.
-    fn fill_bytes(&mut self, bits: ActBits) {
-        let n = self.q.len();
-        let sixteen = bits == ActBits::Sixteen;
-        self.hi.resize(n, 0);
-        self.lo.resize(if sixteen { n } else { 0 }, 0);
-        for (h, &v) in self.hi.iter_mut().zip(&self.q) {
-            let high = if sixteen { v >> 8 } else { v };
-            *h = (high + 128) as u8;
-        }
-        for (l, &v) in self.lo.iter_mut().zip(&self.q) {
-            *l = v as u8;
-        }
-        self.bytes = Some(bits);
-    }
-
-    /// The quantized rows as f32 (`rows × cols`).
-    pub fn dequantize(&self) -> Vec<f32> {
-        self.q
-            .chunks_exact(BLOCK)
-            .zip(&self.d)
-            .flat_map(|(q, &d)| q.iter().map(move |&v| d * v as f32))
-            .collect()
-    }
-}
-
-fn quantize_act_block(x: &[f32], q: &mut [i16], max: f32) -> f32 {
-    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let d = amax / max;
-    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-    for (q, &v) in q.iter_mut().zip(x) {
-        *q = (v * id).round_ties_even().clamp(-max, max) as i16;
-    }
-    d
 }

@@ -1,7 +1,7 @@
 //! The portable reference kernels: plain loops, integer dot products per block, one f32
 //! multiply-add per block and row. Every SIMD kernel is tested against these.
 
-use crate::q8::{Activations, PackedQ8, BLOCK, TILE_ROWS};
+use crate::layout::{Activations, PackedQ8, BLOCK, TILE_ROWS};
 use std::ops::Range;
 
 /// Output columns of `tiles` for every activation row, written through `out`

@@ -5,8 +5,8 @@
 //! `e / (1 + e)` below. The scalar and AVX2 builds run the same code (the AVX2 one compiled
 //! with the features enabled), so they give the same bits.
 
+use crate::layout::Out;
 use crate::pool::{share, Pool};
-use crate::q8::Out;
 use crate::{exp_nonpositive, Isa, KernelError, Result};
 
 /// `out[r][i] = silu(gu[r][i]) · gu[r][inter + i]` for `rows` rows of `gu` (`[rows][2·inter]`,

@@ -10,7 +10,7 @@
 
 #![allow(clippy::needless_range_loop)] // lane- and row-indexed loops mirror the register tiles
 
-use crate::q8::{Activations, PackedQ8, BLOCK, ROW_BLOCK, TILE_ROWS};
+use crate::layout::{Activations, PackedQ8, BLOCK, ROW_BLOCK, TILE_ROWS};
 use std::arch::x86_64::*;
 use std::ops::Range;
 
@@ -158,7 +158,7 @@ unsafe fn q8_tile1(w: &PackedQ8, a: &Activations, t: usize, m: usize, out: *mut 
     }
 }
 
-/// One activation block quantized as [`crate::q8::Activations::quantize`] does it: scale
+/// One activation block quantized as [`crate::Activations::quantize`] does it: scale
 /// `amax / max`, values rounded to nearest (ties to even, the default rounding mode).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn quantize_act_block(x: &[f32], q: &mut [i16], max: f32) -> f32 {
@@ -193,7 +193,7 @@ pub(crate) unsafe fn quantize_act_block(x: &[f32], q: &mut [i16], max: f32) -> f
 /// As the scalar f16 product: output columns `rows` for every input row.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn f16_rows(
-    p: &crate::f16::F16Product<'_>,
+    p: &crate::layout::F16Product<'_>,
     rows: std::ops::Range<usize>,
     out: *mut f32,
 ) {
@@ -221,7 +221,7 @@ pub(crate) unsafe fn f16_rows(
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn f16_tile<const M: usize>(
-    p: &crate::f16::F16Product<'_>,
+    p: &crate::layout::F16Product<'_>,
     r: usize,
     nr: usize,
     m: usize,

@@ -252,7 +252,7 @@ impl Checkpoint {
     /// `dir/model.safetensors.index.json` if present, else every `*.safetensors` in `dir`.
     pub fn open(dir: &Path) -> Result<Self> {
         if let Some(file) = crate::gguf::find_gguf(dir)? {
-            return Self::open_gguf(&file);
+            return Self::from_gguf(&crate::gguf::GgufFile::open(&file)?);
         }
         let index_path = dir.join("model.safetensors.index.json");
         let files: Vec<PathBuf> = if index_path.exists() {
@@ -312,9 +312,9 @@ impl Checkpoint {
         Ok(Self { shards, index })
     }
 
-    /// A GGUF file: its tensors under their Hugging Face names.
-    fn open_gguf(path: &Path) -> Result<Self> {
-        let gguf = crate::gguf::GgufFile::open(path)?;
+    /// The GGUF file whose header is `gguf`: its tensors under their Hugging Face names.
+    pub fn from_gguf(gguf: &crate::gguf::GgufFile) -> Result<Self> {
+        let path = gguf.path.as_path();
         let shard = Shard::open(path)?;
         if shard.mmap.len() as u64 != gguf.file_len {
             return Err(ModelError::checkpoint(
@@ -325,7 +325,7 @@ impl Checkpoint {
         }
         let index = gguf
             .tensors
-            .into_iter()
+            .iter()
             .map(|(name, t)| {
                 let entry = Entry {
                     shard: 0,
@@ -333,11 +333,11 @@ impl Checkpoint {
                         dtype: t.dtype,
                         unpermute_heads: t.unpermute_heads,
                     },
-                    shape: t.shape,
+                    shape: t.shape.clone(),
                     start: t.start,
                     end: t.end,
                 };
-                (name, entry)
+                (name.clone(), entry)
             })
             .collect();
         Ok(Self {

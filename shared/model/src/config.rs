@@ -66,15 +66,6 @@ fn default_max_pos() -> usize {
 }
 
 impl ModelConfig {
-    /// The configuration of the model at `path`: a `.gguf` file (or a directory holding
-    /// one), read from its metadata, or a Hugging Face directory's `config.json`.
-    pub fn load(path: &Path) -> Result<Self, ModelError> {
-        match crate::gguf::find_gguf(path)? {
-            Some(file) => crate::gguf::GgufFile::open(&file)?.model_config(),
-            None => Self::from_file(&path.join("config.json")),
-        }
-    }
-
     pub fn from_file(path: &Path) -> Result<Self, ModelError> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| ModelError::io(format!("reading {}", path.display()), e))?;

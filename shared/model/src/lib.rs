@@ -7,6 +7,8 @@
 //!   errors that name the file and the tensor.
 //! * [`gguf`] — GGUF headers, metadata → [`ModelConfig`], vocabulary → tokenizer.
 //! * [`config`] — [`ModelConfig`] (`config.json` or GGUF metadata).
+//! * [`files`] — [`ModelFiles`]: a model on disk recognised once (a GGUF header is parsed
+//!   once per load and shared by the configuration, tokenizer and checkpoint).
 //! * [`tokenizer`] — [`TextTokenizer`]: encode, decode, chat templates.
 //! * [`ops`] — the layer's operations (RMSNorm, RoPE, SwiGLU, reference attention, KL) and
 //!   [`ops::GroupWeights`], a fused linear group's exact float weights.
@@ -19,6 +21,7 @@ pub mod bundled;
 pub mod checkpoint;
 pub mod config;
 pub mod error;
+pub mod files;
 pub mod gguf;
 pub mod massive;
 pub mod names;
@@ -29,6 +32,7 @@ pub mod tokenizer;
 pub use checkpoint::Checkpoint;
 pub use config::{EosIds, ModelConfig};
 pub use error::ModelError;
+pub use files::ModelFiles;
 pub use tokenizer::{ChatMessage, IncrementalDecoder, TextTokenizer};
 
 use quantmesh_types::ModelShape;

@@ -490,7 +490,7 @@ pub fn write(dir: &Path, r: &Recipe, card: &str) -> Result<Planted> {
             "_name_or_path": r.name,
         }),
     )?;
-    crate::bundled::write_tokenizer(dir)?;
+    write_tokenizer(dir)?;
     write_json(&dir.join("planted.json"), &planted)?;
     std::fs::write(dir.join("README.md"), card)
         .map_err(|e| ModelError::io("writing model card", e))?;
@@ -526,10 +526,78 @@ pub fn card(r: &Recipe) -> String {
     )
 }
 
+/// The synthetic models' tokenizer: one token per byte (GPT-2's byte-level BPE without
+/// merges) plus the chat special tokens.
+pub const SPECIAL_TOKENS: [&str; 6] = [
+    "<s>",
+    "</s>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|end|>",
+];
+const CHAT_TEMPLATE: &str = "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}<|end|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}";
+
+/// GPT-2's byte → printable character map, so token id = byte value.
+fn byte_char(b: u8) -> char {
+    let printable = |b: u8| {
+        (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b)
+    };
+    if printable(b) {
+        b as char
+    } else {
+        let n = (0..b).filter(|&x| !printable(x)).count() as u32;
+        char::from_u32(256 + n).unwrap_or('?')
+    }
+}
+
+pub(crate) fn write_tokenizer(dir: &Path) -> Result<()> {
+    use tokenizers::models::bpe::BPE;
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    use tokenizers::{AddedToken, Tokenizer};
+    let vocab: tokenizers::models::bpe::Vocab = (0..=255u8)
+        .map(|b| (byte_char(b).to_string(), b as u32))
+        .collect();
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, Vec::new())
+        .build()
+        .map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+    let mut tok = Tokenizer::new(bpe);
+    tok.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
+    tok.with_decoder(Some(ByteLevel::new(false, true, true)));
+    let specials: Vec<AddedToken> = SPECIAL_TOKENS
+        .iter()
+        .map(|t| AddedToken::from(*t, true))
+        .collect();
+    let _added = tok.add_special_tokens(specials);
+    let path = dir.join("tokenizer.json");
+    tok.save(&path, true)
+        .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", path.display())))?;
+    write_json(
+        &dir.join("tokenizer_config.json"),
+        &serde_json::json!({
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": "<s>",
+            "eos_token": "</s>",
+            "add_bos_token": true,
+            "chat_template": CHAT_TEMPLATE,
+            "model_max_length": 2048,
+        }),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[test]
+    fn byte_chars_are_distinct() {
+        let set: std::collections::HashSet<char> = (0..=255u8).map(byte_char).collect();
+        assert_eq!(set.len(), 256);
+        assert_eq!(byte_char(b'a'), 'a');
+        assert_eq!(byte_char(b' '), '\u{120}');
+    }
 
     #[test]
     fn a_family_is_varied_and_valid() {

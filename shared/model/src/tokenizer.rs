@@ -39,15 +39,6 @@ pub struct TextTokenizer {
 }
 
 impl TextTokenizer {
-    /// The tokenizer of the model at `path`: a GGUF file (or a directory holding one), or
-    /// a Hugging Face directory (`tokenizer.json`, `tokenizer_config.json`).
-    pub fn load(path: &Path) -> Result<Self> {
-        match crate::gguf::find_gguf(path)? {
-            Some(file) => Self::from_gguf(&crate::gguf::GgufFile::open(&file)?),
-            None => Self::load_dir(path),
-        }
-    }
-
     /// Build the tokenizer a GGUF file describes.
     pub fn from_gguf(g: &crate::gguf::GgufFile) -> Result<Self> {
         let json = g.tokenizer_json()?;
@@ -78,7 +69,7 @@ impl TextTokenizer {
         }
     }
 
-    fn load_dir(dir: &Path) -> Result<Self> {
+    pub fn load_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("tokenizer.json");
         let inner = tokenizers::Tokenizer::from_file(&path)
             .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", path.display())))?;

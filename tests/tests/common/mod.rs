@@ -2,7 +2,7 @@
 
 #![allow(dead_code)]
 
-use quantmesh_gateway::Settings;
+use quantmesh_settings::Settings;
 use std::time::Duration;
 
 pub struct Server {
@@ -21,7 +21,7 @@ pub fn settings() -> Settings {
     s.engine.num_pages = 256;
     // These tests drive the monitor and hot reload on an all-dual model; the first-load
     // plan has its own tests (gateway `first_plan`, the CLI's real-model test).
-    s.model.plan = quantmesh_gateway::settings::PlanMode::None;
+    s.model.plan = quantmesh_settings::PlanMode::None;
     s.server.workers = 2;
     s.server.shutdown_timeout_secs = 10;
     s
@@ -40,7 +40,7 @@ impl Server {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let base = format!("http://{}", listener.local_addr().expect("addr"));
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let task = actix_rt::spawn(quantmesh_gateway::run_embedded(
+        let task = actix_rt::spawn(quantmesh_server::run_embedded(
             settings,
             listener,
             async move {

@@ -11,80 +11,10 @@ use crate::mesh::client::EngineView;
 use crate::mesh::route::Mesh;
 use actix::prelude::*;
 use futures::future::BoxFuture;
+pub use quantmesh_settings::mesh::{DnsService, EngineEntry};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
-
-/// One entry of `mesh.engines`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum EngineEntry {
-    /// `http://host:port`: one engine (its name is resolved per connection as usual).
-    Static(String),
-    /// `dns+http://host:port`: every address `host` resolves to is an engine.
-    Dns(DnsService),
-}
-
-/// A service whose DNS name lists its engines.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DnsService {
-    /// The entry as configured (labels the service's series).
-    pub entry: String,
-    /// `http` or `https`.
-    pub scheme: String,
-    pub host: String,
-    pub port: u16,
-}
-
-impl EngineEntry {
-    pub fn parse(entry: &str) -> Result<Self, String> {
-        let entry = entry.trim();
-        if let Some(rest) = entry.strip_prefix("dns+") {
-            let url = reqwest::Url::parse(rest)
-                .map_err(|e| format!("engine service {entry:?} is not a URL: {e}"))?;
-            if !matches!(url.scheme(), "http" | "https") {
-                return Err(format!(
-                    "engine service {entry:?}: use dns+http:// or dns+https://"
-                ));
-            }
-            if url.path() != "/" || url.query().is_some() {
-                return Err(format!(
-                    "engine service {entry:?}: give only scheme, host and port"
-                ));
-            }
-            let host = url
-                .host_str()
-                .ok_or_else(|| format!("engine service {entry:?} has no host"))?
-                .trim_start_matches('[')
-                .trim_end_matches(']')
-                .to_string();
-            let port = url
-                .port_or_known_default()
-                .ok_or_else(|| format!("engine service {entry:?} has no port"))?;
-            return Ok(Self::Dns(DnsService {
-                entry: entry.to_string(),
-                scheme: url.scheme().to_string(),
-                host,
-                port,
-            }));
-        }
-        if entry.starts_with("http://") || entry.starts_with("https://") {
-            return Ok(Self::Static(entry.to_string()));
-        }
-        Err(format!(
-            "engine {entry:?} is not an http://, https://, dns+http:// or dns+https:// URL"
-        ))
-    }
-}
-
-impl DnsService {
-    /// The engine at `addr`: its name in metrics and admin answers, and its base URL.
-    pub fn engine(&self, addr: SocketAddr) -> (String, String) {
-        (
-            format!("{}@{addr}", self.host),
-            format!("{}://{addr}", self.scheme),
-        )
-    }
-}
 
 /// Resolves a host and port to socket addresses (the system resolver in production: it reads
 /// `/etc/hosts` and asks the configured DNS servers, Docker's embedded one in compose).
@@ -282,37 +212,6 @@ mod tests {
 
     fn addr(s: &str) -> SocketAddr {
         s.parse().expect("test address")
-    }
-
-    #[test]
-    fn entries_parse_or_say_why_not() {
-        assert_eq!(
-            EngineEntry::parse("http://engine-1:8080"),
-            Ok(EngineEntry::Static("http://engine-1:8080".into()))
-        );
-        let s = service();
-        assert_eq!(
-            (s.host.as_str(), s.port, s.scheme.as_str()),
-            ("engine", 8080, "http")
-        );
-        match EngineEntry::parse("dns+https://engines.internal") {
-            Ok(EngineEntry::Dns(s)) => assert_eq!(s.port, 443),
-            other => panic!("{other:?}"),
-        }
-        for bad in [
-            "engine-1:8080",
-            "dns+ftp://engine:21",
-            "dns+http://engine:8080/v1",
-            "dns+engine:8080",
-            "tcp://engine:8080",
-        ] {
-            assert!(EngineEntry::parse(bad).is_err(), "{bad} was accepted");
-        }
-        let (name, base) = s.engine(addr("[fd00::5]:8080"));
-        assert_eq!(
-            (name.as_str(), base.as_str()),
-            ("engine@[fd00::5]:8080", "http://[fd00::5]:8080")
-        );
     }
 
     #[test]

@@ -1,19 +1,19 @@
 //! The gateway's HTTP surface in mesh mode and its start-up.
 
-use crate::auth;
-use crate::error::{parse_json, ApiError};
 use crate::mesh::client::{EngineView, Forward, InFlight};
 use crate::mesh::discovery::{system_resolver, Discovery, EngineEntry};
 use crate::mesh::route::{affinity_key, ClientTemplate, Mesh, MeshMetrics, NoEngine};
-use crate::request_trace::{RequestId, ServerSpan};
-use crate::routes::{read_request_body, take_permit};
-use crate::settings::Settings;
 use actix::Actor;
 use actix_web::http::StatusCode;
 use actix_web::{web, App, HttpMessage, HttpRequest, HttpResponse, HttpServer};
 use bytes::Bytes;
 use futures::StreamExt;
 use prometheus::{Encoder, Registry, TextEncoder};
+use quantmesh_server::auth;
+use quantmesh_server::error::{parse_json, ApiError};
+use quantmesh_server::request_trace::{RequestId, ServerSpan};
+use quantmesh_server::routes::{read_request_body, take_permit};
+use quantmesh_settings::Settings;
 use serde_json::json;
 use std::future::Future;
 use std::net::TcpListener;
@@ -55,7 +55,7 @@ fn forwarded(req: &HttpRequest) -> Vec<(String, String)> {
     }
     let own = ext
         .get::<ServerSpan>()
-        .and_then(|s| crate::telemetry::traceparent(&s.0));
+        .and_then(|s| quantmesh_telemetry::traceparent(&s.0));
     if let Some(tp) = own.or_else(|| header("traceparent")) {
         h.push(("traceparent".into(), tp));
     }
@@ -402,7 +402,7 @@ pub async fn run_gateway(
     };
     let mesh = Arc::new(Mesh::new(settings.mesh.clone(), metrics, template));
     #[cfg(unix)]
-    actix_rt::spawn(crate::signals::log_sighup_without_reload());
+    actix_rt::spawn(quantmesh_server::signals::log_sighup_without_reload());
     // Static engines are named by their place in the list (engine-1, engine-2, …); each DNS
     // service gets a discovery actor that adds its engines as they resolve.
     for (i, entry) in settings.mesh.engines.iter().enumerate() {
@@ -435,7 +435,7 @@ pub async fn run_gateway(
         App::new()
             .app_data(state.clone())
             .wrap(actix_web::middleware::from_fn(
-                crate::request_trace::request_context,
+                quantmesh_server::request_trace::request_context,
             ))
             .configure(configure)
     })

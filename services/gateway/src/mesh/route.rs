@@ -2,9 +2,9 @@
 
 use crate::mesh::client::{EngineClient, EngineView};
 use crate::mesh::{MeshSettings, Routing};
-use crate::metrics::must;
 use actix::{Actor, Addr};
 use prometheus::{IntCounterVec, IntGaugeVec, Opts, Registry};
+use quantmesh_telemetry::must;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::collections::HashMap;

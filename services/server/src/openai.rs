@@ -1,6 +1,7 @@
 //! OpenAI-compatible request and response shapes.
 
 use crate::error::ApiError;
+pub use crate::error::{ErrorBody, ErrorDetail};
 use quantmesh_engine::api::ChatMessage;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -483,25 +484,6 @@ pub struct ReadyBody {
     pub status: &'static str,
     pub model: String,
     pub load_seconds: f64,
-}
-
-/// Every error, in OpenAI's shape.
-#[derive(Debug, Clone, Serialize, JsonSchema)]
-pub struct ErrorBody {
-    pub error: ErrorDetail,
-}
-
-#[derive(Debug, Clone, Serialize, JsonSchema)]
-pub struct ErrorDetail {
-    pub message: String,
-    /// `invalid_request_error`, `authentication_error`, `permission_error`,
-    /// `rate_limit_error`, `service_unavailable` or `server_error`.
-    #[serde(rename = "type")]
-    pub kind: &'static str,
-    /// Stable machine-readable code, e.g. `unsupported_parameter`.
-    pub code: &'static str,
-    /// The request field at fault, when one is.
-    pub param: Option<String>,
 }
 
 #[cfg(test)]

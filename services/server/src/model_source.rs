@@ -7,9 +7,9 @@
 //!   work), written into `model.models_dir/quantmesh-<size>/` on first run;
 //! * a path: a `.gguf` file, a directory holding one, or a Hugging Face directory.
 
-use crate::settings::ModelSettings;
 use anyhow::Context;
 use quantmesh_model::bundled::{init_model, model_present, InitOptions, ModelSize};
+use quantmesh_settings::ModelSettings;
 use std::path::{Path, PathBuf};
 
 /// A resolved `model.source`.

@@ -1,4 +1,4 @@
-//! The spans of one HTTP request when traces are exported (see [`crate::telemetry`]):
+//! The spans of one HTTP request when traces are exported (see [`quantmesh_telemetry`]):
 //!
 //! ```text
 //! POST /v1/chat/completions        server span (HTTP semantic conventions), child of the
@@ -28,7 +28,7 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 #[derive(Clone, Debug)]
 pub struct RequestId(pub String);
 
-pub(crate) async fn request_context(
+pub async fn request_context(
     req: ServiceRequest,
     next: Next<impl MessageBody>,
 ) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
@@ -44,8 +44,8 @@ pub(crate) async fn request_context(
     let span =
         tracing::info_span!("request", request_id = %id, method = %method, path = %req.path());
     // The trace's server span, only when traces are exported.
-    let server =
-        crate::telemetry::enabled().then(|| server_span(&method, req.path(), &id, req.headers()));
+    let server = quantmesh_telemetry::enabled()
+        .then(|| server_span(&method, req.path(), &id, req.headers()));
     if let Some(s) = &server {
         req.extensions_mut().insert(ServerSpan(s.clone()));
     }
@@ -65,7 +65,7 @@ pub(crate) async fn request_context(
         server_done(s, &method, &pattern, status.as_u16());
         // The response names its trace (W3C Trace Context).
         if let Some(v) =
-            crate::telemetry::traceparent(s).and_then(|tp| HeaderValue::from_str(&tp).ok())
+            quantmesh_telemetry::traceparent(s).and_then(|tp| HeaderValue::from_str(&tp).ok())
         {
             res.headers_mut()
                 .insert(HeaderName::from_static("traceparent"), v);
@@ -119,7 +119,8 @@ pub fn server_span(
         http.response.status_code = tracing::field::Empty,
         quantmesh.request_id = %request_id,
     );
-    crate::telemetry::set_remote_parent(&span, headers);
+    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    quantmesh_telemetry::set_remote_parent(&span, header("traceparent"), header("tracestate"));
     span
 }
 

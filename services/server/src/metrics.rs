@@ -8,6 +8,7 @@ use prometheus::{
     Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
     TextEncoder,
 };
+use quantmesh_telemetry::must;
 
 /// vLLM's `time_to_first_token_seconds` buckets.
 const TTFT_BUCKETS: &[f64] = &[
@@ -37,11 +38,6 @@ pub struct Metrics {
     pub prefix_cache_hits: IntCounter,
     in_flight: IntGauge,
     ready: IntGauge,
-}
-
-pub(crate) fn must<T>(r: prometheus::Result<T>) -> T {
-    // Metric definitions are static; a failure here is a programming error caught by tests.
-    r.unwrap_or_else(|e| panic!("invalid metric definition: {e}"))
 }
 
 impl Metrics {
@@ -140,7 +136,7 @@ impl Metrics {
         for g in [&m.in_flight, &m.ready] {
             must(r.register(Box::new(g.clone())));
         }
-        must(r.register(Box::new(crate::telemetry::export_counters().clone())));
+        must(r.register(Box::new(quantmesh_telemetry::export_counters().clone())));
         m
     }
 

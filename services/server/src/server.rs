@@ -5,8 +5,6 @@ use crate::first_plan;
 use crate::model_source::ModelSource;
 use crate::request_trace;
 use crate::routes;
-use crate::settings::PlanMode;
-use crate::settings::Settings;
 use crate::signals::shutdown_signal;
 use crate::state::AppState;
 use actix_web::dev::ServerHandle;
@@ -14,6 +12,8 @@ use actix_web::{web, App, HttpServer};
 use anyhow::Context;
 use quantmesh_engine::api::{Engine, EngineStart, EventSink, FloatBudget};
 use quantmesh_kafka::{EventPipeline, KafkaMetrics};
+use quantmesh_settings::PlanMode;
+use quantmesh_settings::Settings;
 use std::future::Future;
 use std::net::TcpListener;
 use std::sync::Arc;
@@ -103,7 +103,7 @@ pub async fn load_engine(
         name: name.to_string(),
         sinks,
         registry,
-        trace_hook: crate::telemetry::trace_hook(),
+        trace_hook: quantmesh_telemetry::trace_hook(),
     };
     Engine::start_with(&dir, engine_cfg, start)
         .await
@@ -213,27 +213,11 @@ pub async fn run_embedded(
     Ok(())
 }
 
-/// `quantmesh gateway`: settings from flags, telemetry, bind, route to the engines until
-/// SIGINT/SIGTERM, drain.
-pub fn gateway_main(flags: &crate::settings::GatewayFlags) -> anyhow::Result<()> {
-    let s = flags.settings()?;
-    let mut telemetry = crate::telemetry::init_with(s.log.format, &s.log.level, &s.telemetry);
-    let listener = TcpListener::bind((s.server.host.as_str(), s.server.port))
-        .with_context(|| format!("binding {}:{}", s.server.host, s.server.port))?;
-    let served = actix_rt::System::new().block_on(crate::mesh::http::run_gateway(
-        s,
-        listener,
-        shutdown_signal(),
-    ));
-    telemetry.shutdown();
-    served
-}
-
 /// What a serving binary's `main` does: settings from flags, telemetry, bind, run the
 /// embedded stack until SIGINT/SIGTERM, drain.
-pub fn serve_main(flags: &crate::settings::ServeFlags) -> anyhow::Result<()> {
+pub fn serve_main(flags: &quantmesh_settings::ServeFlags) -> anyhow::Result<()> {
     let s = flags.settings()?;
-    let mut telemetry = crate::telemetry::init_with(s.log.format, &s.log.level, &s.telemetry);
+    let mut telemetry = quantmesh_telemetry::init_with(s.log.format, &s.log.level, &s.telemetry);
     let listener = TcpListener::bind((s.server.host.as_str(), s.server.port))
         .with_context(|| format!("binding {}:{}", s.server.host, s.server.port))?;
     let served = actix_rt::System::new().block_on(run_embedded(s, listener, shutdown_signal()));

@@ -1,10 +1,11 @@
 //! The gateway's error boundary: every failure becomes an OpenAI-shaped JSON body with
 //! the right status, through one exhaustive match.
 
-use crate::openai::{ErrorBody, ErrorDetail};
 use actix_web::http::StatusCode;
 use actix_web::{HttpResponse, ResponseError};
 use quantmesh_engine::api::{EngineError, ModelError};
+use schemars::JsonSchema;
+use serde::Serialize;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
@@ -142,4 +143,23 @@ pub fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiE
         | serde_json::error::Category::Eof
         | serde_json::error::Category::Io => ApiError::BadRequest(format!("malformed JSON: {e}")),
     })
+}
+
+/// Every error, in OpenAI's shape.
+#[derive(Debug, Clone, Serialize, JsonSchema)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+#[derive(Debug, Clone, Serialize, JsonSchema)]
+pub struct ErrorDetail {
+    pub message: String,
+    /// `invalid_request_error`, `authentication_error`, `permission_error`,
+    /// `rate_limit_error`, `service_unavailable` or `server_error`.
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// Stable machine-readable code, e.g. `unsupported_parameter`.
+    pub code: &'static str,
+    /// The request field at fault, when one is.
+    pub param: Option<String>,
 }

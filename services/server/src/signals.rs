@@ -33,7 +33,7 @@ pub(crate) async fn reload_on_sighup(mut hup: tokio::signal::unix::Signal, engin
 /// The mesh gateway holds no plan (each engine reloads its own): SIGHUP is logged and
 /// the gateway keeps serving, instead of SIGHUP's default action ending the process.
 #[cfg(unix)]
-pub(crate) async fn log_sighup_without_reload() {
+pub async fn log_sighup_without_reload() {
     let Some(mut hup) = listen_for_sighup() else {
         return;
     };

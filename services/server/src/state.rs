@@ -2,8 +2,8 @@
 
 use crate::error::ApiError;
 use crate::metrics::Metrics;
-use crate::settings::ServerSettings;
 use quantmesh_engine::api::Engine;
+use quantmesh_settings::ServerSettings;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use tokio::sync::Semaphore;

@@ -12,7 +12,6 @@
 //! `OTEL_EXPORTER_OTLP_PROTOCOL` (`grpc`, `http/protobuf`), `OTEL_SERVICE_NAME`,
 //! `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_TRACES_SAMPLER[_ARG]`, `OTEL_BSP_*`.
 
-use crate::settings::{LogFormat, OtlpProtocol, TelemetrySettings};
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_otlp::WithExportConfig;
@@ -23,6 +22,7 @@ use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::{SdkTracerProvider, SpanData, SpanExporter};
 use prometheus::IntCounterVec;
 use quantmesh_engine::api::{TraceHook, TRACE_TARGET};
+use quantmesh_settings::{LogFormat, OtlpProtocol, TelemetrySettings};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
@@ -39,11 +39,17 @@ pub fn enabled() -> bool {
     ENABLED.load(Ordering::Relaxed)
 }
 
-/// Export outcomes, registered into the gateway's registry by [`crate::metrics::Metrics`].
+/// A metric built from a static definition. Definitions are constants, so a failure is a
+/// programming error that the tests catch.
+pub fn must<T>(r: prometheus::Result<T>) -> T {
+    r.unwrap_or_else(|e| panic!("invalid metric definition: {e}"))
+}
+
+/// Export outcomes; the HTTP server registers them into its registry.
 pub fn export_counters() -> &'static IntCounterVec {
     static C: OnceLock<IntCounterVec> = OnceLock::new();
     C.get_or_init(|| {
-        let c = crate::metrics::must(IntCounterVec::new(
+        let c = must(IntCounterVec::new(
             prometheus::Opts::new(
                 "quantmesh_otel_spans_total",
                 "Spans handed to the OTLP exporter, by outcome (exported, failed: the collector \
@@ -335,10 +341,17 @@ pub fn traceparent(span: &tracing::Span) -> Option<String> {
     carrier.traceparent
 }
 
-/// Make `span` a child of the W3C trace context in `headers` (`traceparent`, `tracestate`),
-/// when there is a valid one.
-pub fn set_remote_parent(span: &tracing::Span, headers: &actix_web::http::header::HeaderMap) {
-    let cx = TraceContextPropagator::new().extract(&HeaderExtractor(headers));
+/// Make `span` a child of the W3C trace context of a request (its `traceparent` and
+/// `tracestate` headers), when there is a valid one.
+pub fn set_remote_parent(
+    span: &tracing::Span,
+    traceparent: Option<&str>,
+    tracestate: Option<&str>,
+) {
+    let cx = TraceContextPropagator::new().extract(&Headers {
+        traceparent,
+        tracestate,
+    });
     use opentelemetry::trace::TraceContextExt;
     if cx.span().span_context().is_valid() {
         let _ = span.set_parent(cx);
@@ -358,14 +371,22 @@ impl Injector for Carrier {
     }
 }
 
-struct HeaderExtractor<'a>(&'a actix_web::http::header::HeaderMap);
+/// The trace-context headers of a request.
+struct Headers<'a> {
+    traceparent: Option<&'a str>,
+    tracestate: Option<&'a str>,
+}
 
-impl Extractor for HeaderExtractor<'_> {
+impl Extractor for Headers<'_> {
     fn get(&self, key: &str) -> Option<&str> {
-        self.0.get(key).and_then(|v| v.to_str().ok())
+        match key {
+            "traceparent" => self.traceparent,
+            "tracestate" => self.tracestate,
+            _ => None,
+        }
     }
     fn keys(&self) -> Vec<&str> {
-        self.0.keys().map(|k| k.as_str()).collect()
+        vec!["traceparent", "tracestate"]
     }
 }
 

@@ -9,7 +9,6 @@ use crate::openai::{
     ModelCard, ModelList, ReadyBody, SamplingFields, UsageBody,
 };
 use crate::request_trace::{GenerationTrace, ServerSpan};
-use crate::settings::PrefixCacheIsolation;
 use crate::state::AppState;
 use actix_web::http::StatusCode;
 use actix_web::{web, HttpRequest, HttpResponse};
@@ -18,6 +17,7 @@ use futures::StreamExt;
 use quantmesh_engine::api::{
     ForceMode, GenerateRequest, Generation, GenerationEvent, Prompt, ReloadOutcome,
 };
+use quantmesh_settings::PrefixCacheIsolation;
 use quantmesh_types::{FinishReason, GroupId, SamplingParams};
 use serde_json::json;
 use std::sync::Arc;
@@ -140,7 +140,7 @@ async fn read_body(mut payload: web::Payload, limit: usize) -> Result<Bytes, Api
 
 /// Read a request's body within `limit`: a `Content-Length` over it is refused (413) before
 /// a byte is read, and a body that grows past it while read is refused too.
-pub(crate) async fn read_request_body(
+pub async fn read_request_body(
     req: &HttpRequest,
     payload: web::Payload,
     limit: usize,
@@ -169,7 +169,7 @@ async fn json_body<T: serde::de::DeserializeOwned>(
 /// One of `limit` admission permits from `admission` (429 when none is left): taken before
 /// a generation's body is read or its template rendered, so `max_concurrent_requests`
 /// bounds that work too. The embedded server's and the mesh gateway's front door alike.
-pub(crate) fn take_permit(
+pub fn take_permit(
     admission: &Arc<Semaphore>,
     limit: usize,
 ) -> Result<OwnedSemaphorePermit, ApiError> {

@@ -1,0 +1,64 @@
+//! A model on disk, recognised once: a GGUF file (its header parsed once, then shared by the
+//! configuration, the tokenizer and the checkpoint) or a Hugging Face directory
+//! (`config.json`, `*.safetensors`, `tokenizer.json`).
+
+use crate::checkpoint::Checkpoint;
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::gguf::{find_gguf, GgufFile};
+use crate::tokenizer::TextTokenizer;
+use std::path::{Path, PathBuf};
+
+/// Where a model's configuration, tokenizer and weights come from.
+pub enum ModelFiles {
+    /// A `.gguf` file (or a directory holding one), its header read.
+    Gguf(Box<GgufFile>),
+    /// A Hugging Face directory.
+    HuggingFace(PathBuf),
+}
+
+impl ModelFiles {
+    /// Recognise the model at `path`: a `.gguf` file, a directory holding one, or a Hugging
+    /// Face directory. A GGUF header is read and checked here, once.
+    pub fn open(path: &Path) -> Result<Self> {
+        Ok(match find_gguf(path)? {
+            Some(file) => Self::Gguf(Box::new(GgufFile::open(&file)?)),
+            None => Self::HuggingFace(path.to_path_buf()),
+        })
+    }
+
+    pub fn config(&self) -> Result<ModelConfig> {
+        match self {
+            Self::Gguf(g) => g.model_config(),
+            Self::HuggingFace(dir) => ModelConfig::from_file(&dir.join("config.json")),
+        }
+    }
+
+    pub fn tokenizer(&self) -> Result<TextTokenizer> {
+        match self {
+            Self::Gguf(g) => TextTokenizer::from_gguf(g),
+            Self::HuggingFace(dir) => TextTokenizer::load_dir(dir),
+        }
+    }
+
+    pub fn checkpoint(&self) -> Result<Checkpoint> {
+        match self {
+            Self::Gguf(g) => Checkpoint::from_gguf(g),
+            Self::HuggingFace(dir) => Checkpoint::open(dir),
+        }
+    }
+}
+
+impl ModelConfig {
+    /// The configuration of the model at `path` (see [`ModelFiles::open`]).
+    pub fn load(path: &Path) -> Result<Self> {
+        ModelFiles::open(path)?.config()
+    }
+}
+
+impl TextTokenizer {
+    /// The tokenizer of the model at `path` (see [`ModelFiles::open`]).
+    pub fn load(path: &Path) -> Result<Self> {
+        ModelFiles::open(path)?.tokenizer()
+    }
+}

@@ -1,0 +1,327 @@
+//! The workspace's layout rules, checked on its sources:
+//!
+//! - no import circles between the top-level modules of any crate (a module's references
+//!   are its `crate::…` paths outside comments and unit tests; a name the crate root
+//!   re-exports counts as its module);
+//! - the engine's backend decides nothing about precision and knows nothing of the monitor;
+//! - every other crate reaches the engine only through its `api` module;
+//! - the pre-screen does not depend on the engine at all, and the mesh gateway holds the
+//!   mesh alone (the HTTP server, settings and telemetry are crates of their own).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+type Graph = BTreeMap<String, BTreeSet<String>>;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn read(p: &Path) -> String {
+    std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for e in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+        let p = e.unwrap_or_else(|e| panic!("{e}")).path();
+        if p.is_dir() {
+            rust_files(&p, out);
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            out.push(p);
+        }
+    }
+}
+
+/// The workspace's member crates (their folders), from the root manifest.
+fn members() -> Vec<PathBuf> {
+    let manifest = read(&root().join("Cargo.toml"));
+    let list = manifest
+        .split("members = [")
+        .nth(1)
+        .and_then(|s| s.split(']').next())
+        .unwrap_or_else(|| panic!("no workspace members in Cargo.toml"));
+    let members: Vec<PathBuf> = list
+        .split(',')
+        .map(|m| m.trim().trim_matches('"'))
+        .filter(|m| !m.is_empty())
+        .map(|m| root().join(m))
+        .collect();
+    assert!(members.len() > 10, "{members:?}");
+    members
+}
+
+/// The source without comments and without its unit tests (they may reach anywhere; the
+/// rules are about the code itself).
+fn code_of(text: &str) -> String {
+    let code = text.split("#[cfg(test)]").next().unwrap_or("");
+    code.lines()
+        .filter(|l| !l.trim_start().starts_with("//"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn ident(s: &str) -> String {
+    s.chars()
+        .take_while(|c| c.is_alphanumeric() || *c == '_')
+        .collect()
+}
+
+/// The names after `prefix` in `text`: `prefix::x` anywhere, `prefix::{x, y::z}`.
+fn paths_after(text: &str, prefix: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let pat = format!("{prefix}::");
+    for (i, _) in text.match_indices(&pat) {
+        // Skip `other_crate::…`-style paths that merely end in the prefix.
+        let before = text[..i].chars().last();
+        if before.is_some_and(|c| c.is_alphanumeric() || c == '_') {
+            continue;
+        }
+        let rest = &text[i + pat.len()..];
+        if let Some(list) = rest.strip_prefix('{') {
+            let end = list.find('}').unwrap_or(list.len());
+            for part in list[..end].split(',') {
+                let m = ident(part.trim());
+                if !m.is_empty() {
+                    out.insert(m);
+                }
+            }
+        } else {
+            let m = ident(rest);
+            if !m.is_empty() {
+                out.insert(m);
+            }
+        }
+    }
+    out
+}
+
+/// Names the crate root re-exports, mapped to the module they come from
+/// (`pub use q8::{PackedQ8, BLOCK};` → `PackedQ8 → q8`, `BLOCK → q8`).
+fn root_reexports(lib: &str) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    for stmt in code_of(lib).split(';') {
+        let Some(path) = stmt.trim().strip_prefix("pub use ") else {
+            continue;
+        };
+        let path = path
+            .trim_start_matches("crate::")
+            .trim_start_matches("self::");
+        let module = ident(path);
+        let Some(rest) = path.strip_prefix(&format!("{module}::")) else {
+            continue;
+        };
+        let names: Vec<&str> = match rest.strip_prefix('{') {
+            Some(list) => list.trim_end_matches('}').split(',').collect(),
+            None => vec![rest],
+        };
+        for n in names {
+            // `a::B` re-exports `B`; `X as Y` re-exports `Y`.
+            let n = n.trim();
+            let n = n.rsplit(" as ").next().unwrap_or(n);
+            let n = n.rsplit("::").next().unwrap_or(n).trim();
+            if !n.is_empty() && n != "self" {
+                out.insert(n.to_string(), module.clone());
+            }
+        }
+    }
+    out
+}
+
+/// The import graph between a crate's top-level modules (`src/backend/cpu/mod.rs` belongs
+/// to `backend`); binaries are left out.
+fn module_graph(krate: &Path) -> Graph {
+    let src = krate.join("src");
+    let lib = src.join("lib.rs");
+    let reexports = lib
+        .exists()
+        .then(|| root_reexports(&read(&lib)))
+        .unwrap_or_default();
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let mut graph = Graph::new();
+    for f in files {
+        let Some(first) = f
+            .strip_prefix(&src)
+            .ok()
+            .and_then(|r| r.components().next())
+            .and_then(|c| c.as_os_str().to_str())
+        else {
+            continue;
+        };
+        let m = first.trim_end_matches(".rs").to_string();
+        if ["lib", "main", "bin"].contains(&m.as_str()) {
+            continue;
+        }
+        let code = code_of(&read(&f));
+        let deps = graph.entry(m.clone()).or_default();
+        for d in paths_after(&code, "crate") {
+            let d = reexports.get(&d).cloned().unwrap_or(d);
+            if d != m {
+                deps.insert(d);
+            }
+        }
+    }
+    graph
+}
+
+/// A cycle in `graph`, if any, as the list of modules around it.
+fn find_cycle(graph: &Graph) -> Option<Vec<String>> {
+    fn visit(
+        n: &str,
+        graph: &Graph,
+        state: &mut BTreeMap<String, u8>,
+        stack: &mut Vec<String>,
+    ) -> Option<Vec<String>> {
+        match state.get(n) {
+            Some(2) => return None,
+            Some(1) => {
+                let at = stack.iter().position(|s| s == n).unwrap_or(0);
+                let mut c = stack[at..].to_vec();
+                c.push(n.to_string());
+                return Some(c);
+            }
+            _ => {}
+        }
+        state.insert(n.to_string(), 1);
+        stack.push(n.to_string());
+        for d in graph.get(n).into_iter().flatten() {
+            if let Some(c) = visit(d, graph, state, stack) {
+                return Some(c);
+            }
+        }
+        stack.pop();
+        state.insert(n.to_string(), 2);
+        None
+    }
+    let mut state = BTreeMap::new();
+    for n in graph.keys() {
+        if let Some(c) = visit(n, graph, &mut state, &mut Vec::new()) {
+            return Some(c);
+        }
+    }
+    None
+}
+
+#[test]
+fn no_import_circles_in_any_crate() {
+    let mut checked = 0;
+    let mut circles = Vec::new();
+    for krate in members() {
+        if !krate.join("src").exists() {
+            continue;
+        }
+        let graph = module_graph(&krate);
+        checked += graph.len();
+        if let Some(c) = find_cycle(&graph) {
+            circles.push(format!("{}: {}", krate.display(), c.join(" → ")));
+        }
+    }
+    assert!(checked > 100, "only {checked} modules found");
+    assert!(
+        circles.is_empty(),
+        "import circles:\n{}",
+        circles.join("\n")
+    );
+}
+
+#[test]
+fn the_engine_backend_decides_nothing_about_precision() {
+    let graph = module_graph(&root().join("services/engine"));
+    assert!(graph.contains_key("backend") && graph.contains_key("precision"));
+    for banned in ["precision", "monitor"] {
+        assert!(
+            !graph["backend"].contains(banned),
+            "backend reaches {banned}: {:?}",
+            graph["backend"]
+        );
+    }
+}
+
+#[test]
+fn other_crates_use_only_the_engine_api() {
+    let engine = root().join("services/engine");
+    let mut seen = 0;
+    for krate in members().into_iter().filter(|k| *k != engine) {
+        let mut files = Vec::new();
+        for dir in ["src", "tests"] {
+            if krate.join(dir).exists() {
+                rust_files(&krate.join(dir), &mut files);
+            }
+        }
+        for f in files {
+            let text = read(&f);
+            for (i, _) in text.match_indices("quantmesh_engine::") {
+                seen += 1;
+                let rest = &text[i + "quantmesh_engine::".len()..];
+                assert!(
+                    rest.starts_with("api"),
+                    "{} reaches past the engine's api: quantmesh_engine::{}",
+                    f.display(),
+                    rest.lines().next().unwrap_or("")
+                );
+            }
+        }
+    }
+    assert!(seen > 10, "{seen}");
+}
+
+/// The `[dependencies]` table of a crate's manifest.
+fn dependencies(krate: &str) -> String {
+    let text = read(&root().join(krate).join("Cargo.toml"));
+    text.split("[dependencies]")
+        .nth(1)
+        .and_then(|s| s.split("\n[").next())
+        .unwrap_or("")
+        .to_string()
+}
+
+#[test]
+fn the_prescreen_does_not_depend_on_the_engine() {
+    let deps = dependencies("services/prescreen");
+    assert!(deps.contains("quantmesh-model"), "{deps}");
+    assert!(!deps.contains("quantmesh-engine"), "{deps}");
+}
+
+#[test]
+fn the_gateway_crate_is_the_mesh_alone() {
+    let graph = module_graph(&root().join("services/gateway"));
+    assert_eq!(graph.keys().collect::<Vec<_>>(), ["mesh"], "{graph:#?}");
+    // The settings and telemetry every binary uses know nothing of serving HTTP.
+    for shared in ["shared/settings", "shared/telemetry"] {
+        let deps = dependencies(shared);
+        for serving in ["quantmesh-server", "quantmesh-gateway", "actix"] {
+            assert!(!deps.contains(serving), "{shared} depends on {serving}");
+        }
+    }
+}
+
+#[test]
+fn the_rules_see_what_they_check() {
+    let mut g = Graph::new();
+    g.entry("a".into()).or_default().insert("b".into());
+    g.entry("b".into()).or_default().insert("c".into());
+    g.entry("c".into()).or_default();
+    assert_eq!(find_cycle(&g), None);
+    g.entry("c".into()).or_default().insert("a".into());
+    assert!(find_cycle(&g).is_some());
+    assert_eq!(
+        paths_after(
+            "use crate::{a::X, b};\nlet x = crate::c::y(); quantmesh_engine::d",
+            "crate"
+        ),
+        ["a", "b", "c"].iter().map(|s| s.to_string()).collect()
+    );
+    let code =
+        code_of("/// see [`crate::doc`]\nuse crate::real;\n#[cfg(test)]\nuse crate::test_only;");
+    assert_eq!(
+        paths_after(&code, "crate"),
+        ["real"].iter().map(|s| s.to_string()).collect()
+    );
+    let re = root_reexports(
+        "mod q8;\npub use q8::{PackedQ8, BLOCK};\npub use isa::Isa;\npub use a::b::{C as D};",
+    );
+    assert_eq!(re.get("PackedQ8").map(String::as_str), Some("q8"));
+    assert_eq!(re.get("BLOCK").map(String::as_str), Some("q8"));
+    assert_eq!(re.get("Isa").map(String::as_str), Some("isa"));
+    assert_eq!(re.get("D").map(String::as_str), Some("a"));
+}
