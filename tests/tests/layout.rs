@@ -4,7 +4,7 @@
 //!   are its `crate::…` paths outside comments and unit tests; a name the crate root
 //!   re-exports counts as its module);
 //! - the engine's backend decides nothing about precision and knows nothing of the monitor;
-//! - every other crate reaches the engine only through its `api` module;
+//! - every other crate's code reaches the engine only through its `api` module;
 //! - the pre-screen does not depend on the engine at all, and the mesh gateway holds the
 //!   mesh alone (the HTTP server, settings and telemetry are crates of their own).
 
@@ -110,16 +110,12 @@ fn root_reexports(lib: &str) -> BTreeMap<String, String> {
         let Some(rest) = path.strip_prefix(&format!("{module}::")) else {
             continue;
         };
-        let names: Vec<&str> = match rest.strip_prefix('{') {
-            Some(list) => list.trim_end_matches('}').split(',').collect(),
-            None => vec![rest],
-        };
-        for n in names {
+        for n in rest.split(['{', '}', ',']) {
             // `a::B` re-exports `B`; `X as Y` re-exports `Y`.
             let n = n.trim();
             let n = n.rsplit(" as ").next().unwrap_or(n);
             let n = n.rsplit("::").next().unwrap_or(n).trim();
-            if !n.is_empty() && n != "self" {
+            if !n.is_empty() && n != "self" && n != "*" {
                 out.insert(n.to_string(), module.clone());
             }
         }
@@ -132,10 +128,11 @@ fn root_reexports(lib: &str) -> BTreeMap<String, String> {
 fn module_graph(krate: &Path) -> Graph {
     let src = krate.join("src");
     let lib = src.join("lib.rs");
-    let reexports = lib
-        .exists()
-        .then(|| root_reexports(&read(&lib)))
-        .unwrap_or_default();
+    let reexports = if lib.exists() {
+        root_reexports(&read(&lib))
+    } else {
+        BTreeMap::new()
+    };
     let mut files = Vec::new();
     rust_files(&src, &mut files);
     let mut graph = Graph::new();
@@ -216,7 +213,7 @@ fn no_import_circles_in_any_crate() {
             circles.push(format!("{}: {}", krate.display(), c.join(" → ")));
         }
     }
-    assert!(checked > 100, "only {checked} modules found");
+    assert!(checked > 80, "only {checked} modules found");
     assert!(
         circles.is_empty(),
         "import circles:\n{}",
@@ -243,10 +240,8 @@ fn other_crates_use_only_the_engine_api() {
     let mut seen = 0;
     for krate in members().into_iter().filter(|k| *k != engine) {
         let mut files = Vec::new();
-        for dir in ["src", "tests"] {
-            if krate.join(dir).exists() {
-                rust_files(&krate.join(dir), &mut files);
-            }
+        if krate.join("src").exists() {
+            rust_files(&krate.join("src"), &mut files);
         }
         for f in files {
             let text = read(&f);
