@@ -6,7 +6,8 @@
 //! - the engine's backend decides nothing about precision and knows nothing of the monitor;
 //! - every other crate's code reaches the engine only through its `api` module;
 //! - the pre-screen does not depend on the engine at all, and the mesh gateway holds the
-//!   mesh alone (the HTTP server, settings and telemetry are crates of their own).
+//!   mesh alone (the HTTP server, settings and telemetry are crates of their own);
+//! - no Rust file, code or test, is longer than one reading holds (800 lines).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -288,6 +289,33 @@ fn the_gateway_crate_is_the_mesh_alone() {
             assert!(!deps.contains(serving), "{shared} depends on {serving}");
         }
     }
+}
+
+/// Longest a Rust source file may be.
+const MAX_LINES: usize = 800;
+
+#[test]
+fn no_source_file_is_longer_than_one_reading() {
+    let mut files = Vec::new();
+    for krate in members() {
+        for dir in ["src", "tests", "benches", "examples"] {
+            if krate.join(dir).exists() {
+                rust_files(&krate.join(dir), &mut files);
+            }
+        }
+    }
+    assert!(files.len() > 150, "only {} files", files.len());
+    let long: Vec<String> = files
+        .iter()
+        .map(|f| (f, read(f).lines().count()))
+        .filter(|(_, n)| *n > MAX_LINES)
+        .map(|(f, n)| format!("{}: {n} lines", f.display()))
+        .collect();
+    assert!(
+        long.is_empty(),
+        "files over {MAX_LINES} lines (split them by what they do):\n{}",
+        long.join("\n")
+    );
 }
 
 #[test]

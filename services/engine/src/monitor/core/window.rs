@@ -1,0 +1,230 @@
+//! The monitor's windows: shadow-KL evidence sampled while a window runs, and the decisions
+//! taken when it closes (per group with hysteresis, then MLP coupling and the batch flag).
+
+use super::*;
+
+/// Shadow-KL samples and request fallbacks of the window in progress. Samples are a
+/// reservoir of at most [`MAX_WINDOW_KL_SAMPLES`] (deterministic generator), so the window
+/// event stays bounded and unbiased whatever the traffic.
+#[derive(Debug, Clone)]
+pub(super) struct WindowEvidence {
+    started_ms: u64,
+    kl: Vec<f64>,
+    kl_seen: u64,
+    kl_reference: Option<KlReference>,
+    pub(super) request_kl_fallbacks: u64,
+    rng: u64,
+}
+
+impl WindowEvidence {
+    pub(super) fn new() -> Self {
+        Self {
+            started_ms: now_ms(),
+            kl: Vec::new(),
+            kl_seen: 0,
+            kl_reference: None,
+            request_kl_fallbacks: 0,
+            rng: 0x9E37_79B9_7F4A_7C15,
+        }
+    }
+
+    pub(super) fn sample(&mut self, kl: f64, reference: Option<KlReference>) {
+        self.kl_seen += 1;
+        // A partial reference anywhere in the window labels the whole window partial.
+        self.kl_reference = match (self.kl_reference, reference) {
+            (Some(KlReference::PartialFloatWeights), _)
+            | (_, Some(KlReference::PartialFloatWeights)) => Some(KlReference::PartialFloatWeights),
+            (a, b) => b.or(a),
+        };
+        if self.kl.len() < MAX_WINDOW_KL_SAMPLES {
+            self.kl.push(kl);
+            return;
+        }
+        self.rng = self
+            .rng
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        let j = (self.rng >> 11) % self.kl_seen;
+        if let Some(slot) = self.kl.get_mut(j as usize) {
+            *slot = kl;
+        }
+    }
+}
+
+impl Monitor {
+    /// Close the current window: decide per group, then the batch flag.
+    pub fn end_window(&mut self) -> Vec<FallbackEvent> {
+        self.windows += 1;
+        self.requests_in_window = 0;
+        let mut events = Vec::new();
+        let ids: Vec<GroupId> = self.groups.keys().copied().collect();
+        let mut counted: BTreeMap<GroupId, (u64, u64, bool)> = BTreeMap::new();
+        for g in ids {
+            let Some(s) = self.groups.get_mut(&g) else {
+                continue;
+            };
+            let decided = s.ready && s.window_tokens >= self.cfg.min_window_tokens;
+            let rate = if s.window_tokens > 0 {
+                s.window_outliers as f64 / s.window_tokens as f64
+            } else {
+                0.0
+            };
+            // Enter only when the rate is above the trigger with confidence: a one-sided
+            // binomial test of "true rate ≤ trigger" (normal approximation, `trigger_z` σ).
+            let n = s.window_tokens as f64;
+            let margin = self.cfg.trigger_z * (s.trigger * (1.0 - s.trigger) / n.max(1.0)).sqrt();
+            let above = rate > s.trigger + margin;
+            counted.insert(
+                g,
+                (
+                    s.window_tokens,
+                    s.window_outliers,
+                    decided && above && !s.residency.has_float(),
+                ),
+            );
+            if decided {
+                s.last_rate = Some(rate);
+                if s.window_harm_rows > 0 {
+                    s.last_nsr = Some(s.window_harm / s.window_harm_rows as f64);
+                }
+            }
+            s.window_harm = 0.0;
+            s.window_harm_rows = 0;
+            s.window_tokens = 0;
+            s.window_outliers = 0;
+            if s.ready {
+                s.token_bound = s.bound(self.cfg.token_k) as f32;
+            }
+            if !decided {
+                continue;
+            }
+            let mut ev = None;
+            match s.mode {
+                GroupMode::Int8 if above => {
+                    if s.residency.has_float() {
+                        s.mode = GroupMode::Fallback;
+                        s.quiet = 0;
+                        s.reason = Some(FallbackReason::OutlierRate);
+                        ev = Some((FallbackAction::Enter, FallbackReason::OutlierRate));
+                    } else {
+                        s.wanted_unavailable = true;
+                        s.reason = Some(FallbackReason::OutlierRate);
+                        ev = Some((FallbackAction::Unavailable, FallbackReason::OutlierRate));
+                    }
+                }
+                GroupMode::Fallback => {
+                    if rate < s.trigger / 2.0 {
+                        s.quiet += 1;
+                        if s.quiet >= self.cfg.recovery_windows {
+                            s.mode = GroupMode::Int8;
+                            s.quiet = 0;
+                            s.reason = Some(FallbackReason::Recovered);
+                            ev = Some((FallbackAction::Exit, FallbackReason::Recovered));
+                        }
+                    } else {
+                        s.quiet = 0;
+                    }
+                }
+                _ => {}
+            }
+            if let Some((action, reason)) = ev {
+                let e = self.event(Some(g), Granularity::Layer, action, reason);
+                tracing::info!(group = %g, ?action, ?reason, rate, "layer fallback decision");
+                events.push(e);
+            }
+        }
+        events.extend(self.couple_mlp());
+        let share = self.groups.values().filter(|s| s.in_float()).count() as f64
+            / self.groups.len().max(1) as f64;
+        let want_batch = share > self.cfg.batch_group_share;
+        if want_batch != self.batch_float {
+            self.batch_float = want_batch;
+            let action = if want_batch {
+                FallbackAction::Enter
+            } else {
+                FallbackAction::Exit
+            };
+            events.push(self.event(None, Granularity::Batch, action, FallbackReason::LayerShare));
+        }
+        self.close_window(&counted);
+        events
+    }
+
+    /// Turn the window's evidence into its event and start the next window.
+    fn close_window(&mut self, counted: &BTreeMap<GroupId, (u64, u64, bool)>) {
+        let ev = std::mem::replace(&mut self.window, WindowEvidence::new());
+        let end = self.window.started_ms;
+        let groups = self
+            .groups
+            .iter()
+            .map(|(g, s)| {
+                let (tokens, outliers, wanted_unavailable) =
+                    counted.get(g).copied().unwrap_or_default();
+                WindowGroup {
+                    group: g.to_string(),
+                    tokens,
+                    outliers,
+                    in_float: s.in_float(),
+                    wanted_unavailable,
+                    residency: wire_name(&s.residency),
+                }
+            })
+            .collect();
+        self.closed_window = Some(WindowEvent {
+            schema_version: WINDOW_EVENT_SCHEMA_VERSION,
+            event_id: uuid_v4(),
+            timestamp_ms: end,
+            duration_ms: end.saturating_sub(ev.started_ms),
+            model: self.model.clone(),
+            window: self.windows,
+            config_md5: self.config_md5.clone(),
+            groups,
+            shadow_kl: ev.kl,
+            shadow_kl_seen: ev.kl_seen,
+            kl_reference: ev.kl_reference,
+            request_kl_fallbacks: ev.request_kl_fallbacks,
+        });
+    }
+
+    /// `gate_up` follows its layer's `down` in and out of an automatic fallback.
+    fn couple_mlp(&mut self) -> Vec<FallbackEvent> {
+        let mut events = Vec::new();
+        let layers: Vec<usize> = self
+            .groups
+            .keys()
+            .map(|g| g.layer)
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        for l in layers {
+            let down = GroupId::new(l, quantmesh_types::GroupKind::Down);
+            let gu = GroupId::new(l, quantmesh_types::GroupKind::GateUp);
+            let down_auto_float = self
+                .groups
+                .get(&down)
+                .is_some_and(|s| s.mode == GroupMode::Fallback && s.in_float());
+            let Some(g) = self.groups.get_mut(&gu) else {
+                continue;
+            };
+            let change = match (g.mode, down_auto_float) {
+                (GroupMode::Int8, true) if g.residency.has_float() => Some((
+                    GroupMode::Coupled,
+                    FallbackAction::Enter,
+                    FallbackReason::OutlierRate,
+                )),
+                (GroupMode::Coupled, false) => Some((
+                    GroupMode::Int8,
+                    FallbackAction::Exit,
+                    FallbackReason::Recovered,
+                )),
+                _ => None,
+            };
+            if let Some((mode, action, reason)) = change {
+                g.mode = mode;
+                g.reason = Some(reason);
+                events.push(self.event(Some(gu), Granularity::Layer, action, reason));
+            }
+        }
+        events
+    }
+}

@@ -1,0 +1,401 @@
+//! The fault suite's harness: a small filesystem for the outbox, one engine container, the
+//! admin toggler that makes fallback events, the load loops and the table's rows.
+
+use crate::support::stack::{container_ip, Stack, TOKEN};
+use crate::support::{self, poll, sum_metric};
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// engine-2's outbox filesystem, and the space its outbox keeps free there.
+pub(crate) const OUTBOX_FS_BYTES: u64 = 64 << 20;
+pub(crate) const OUTBOX_RESERVE_BYTES: u64 = 16 << 20;
+/// How long the broker stays down.
+pub(crate) const OUTAGE: Duration = Duration::from_secs(60);
+
+pub(crate) fn now_ms() -> u64 {
+    quantmesh_types::now_ms()
+}
+
+/// A tmpfs of `bytes` mounted on a new directory (this host's, so it outlives the engine's
+/// container across a restart); unmounted when dropped.
+pub(crate) struct SmallFs {
+    pub(crate) dir: PathBuf,
+}
+
+impl SmallFs {
+    pub(crate) fn mount(parent: &Path, bytes: u64) -> SmallFs {
+        let dir = parent.join("outbox-fs");
+        std::fs::create_dir_all(&dir).unwrap();
+        let out = Command::new("mount")
+            .args(["-t", "tmpfs", "-o"])
+            .arg(format!("size={bytes},mode=1777"))
+            .arg("tmpfs")
+            .arg(&dir)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "the disk-full fault mounts a {} MiB tmpfs for engine-2's outbox and needs root for it: {}",
+            bytes >> 20,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        SmallFs { dir }
+    }
+
+    pub(crate) fn free(&self) -> u64 {
+        fs2::available_space(&self.dir).unwrap()
+    }
+
+    /// Fill the filesystem with another file until `leave` bytes are free.
+    pub(crate) fn fill_leaving(&self, leave: u64) {
+        use std::io::Write;
+        let mut f = std::fs::File::create(self.dir.join("filler")).unwrap();
+        let chunk = vec![0u8; 1 << 20];
+        while self.free() > leave {
+            let n = (self.free() - leave).min(chunk.len() as u64) as usize;
+            f.write_all(&chunk[..n]).unwrap();
+            f.flush().unwrap();
+        }
+        f.sync_all().unwrap();
+    }
+
+    pub(crate) fn unfill(&self) {
+        std::fs::remove_file(self.dir.join("filler")).unwrap();
+    }
+}
+
+impl Drop for SmallFs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.dir).output();
+    }
+}
+
+/// One engine container as the test sees it: its service name and address.
+#[derive(Clone)]
+pub(crate) struct Engine {
+    pub(crate) service: &'static str,
+    pub(crate) ip: String,
+}
+
+impl Engine {
+    pub(crate) fn of(stack: &Stack, service: &'static str) -> Engine {
+        Engine {
+            service,
+            ip: container_ip(&stack.container(service)),
+        }
+    }
+
+    /// The name the gateway gives it (found by DNS).
+    pub(crate) fn name(&self) -> String {
+        format!("engine@{}:8080", self.ip)
+    }
+
+    pub(crate) async fn metrics(&self, client: &reqwest::Client) -> String {
+        support::scrape(client, &format!("http://{}:8080/metrics", self.ip)).await
+    }
+
+    pub(crate) async fn metric(
+        &self,
+        client: &reqwest::Client,
+        name: &str,
+        labels: &[&str],
+    ) -> f64 {
+        sum_metric(&self.metrics(client).await, name, labels)
+    }
+
+    /// Admin fallback decisions created since this engine process started. The counter's
+    /// series appear with the first decision: until then the family is absent from the
+    /// scrape (checked to be an engine's, which declares its outbox gauges from the start).
+    pub(crate) async fn admin_events(&self, client: &reqwest::Client) -> u64 {
+        let m = self.metrics(client).await;
+        let name = "quantmesh_fallback_decisions_total";
+        if !m.contains(&format!("# TYPE {name} ")) {
+            assert!(
+                m.contains("# TYPE quantmesh_events_outbox_depth "),
+                "{} answered a scrape that is not an engine's:\n{m}",
+                self.service
+            );
+            return 0;
+        }
+        sum_metric(&m, name, &["reason=\"admin\""]) as u64
+    }
+
+    pub(crate) async fn dropped(&self, client: &reqwest::Client, reason: &str) -> u64 {
+        self.metric(
+            client,
+            "quantmesh_events_dropped_total",
+            &[&format!("reason=\"{reason}\"")],
+        )
+        .await as u64
+    }
+
+    /// Until every fallback decision made so far is recorded in the outbox or counted as
+    /// dropped (the writer has seen them all).
+    pub(crate) async fn wait_written(&self, client: &reqwest::Client) {
+        poll(
+            Duration::from_secs(60),
+            Duration::from_millis(200),
+            || async {
+                let m = self.metrics(client).await;
+                let made = match m.contains("# TYPE quantmesh_fallback_decisions_total ") {
+                    true => sum_metric(&m, "quantmesh_fallback_decisions_total", &[]),
+                    false => 0.0, // no decision yet (see `admin_events`)
+                };
+                let recorded = sum_metric(
+                    &m,
+                    "quantmesh_events_recorded_total",
+                    &["event_type=\"fallback\""],
+                );
+                let dropped = sum_metric(&m, "quantmesh_events_dropped_total", &[]);
+                match recorded + dropped >= made {
+                    true => Ok(()),
+                    false => Err(format!(
+                        "{}: {made} decisions, {recorded} recorded, {dropped} dropped",
+                        self.service
+                    )),
+                }
+            },
+        )
+        .await
+    }
+
+    pub(crate) async fn wait_drained(&self, client: &reqwest::Client) {
+        poll(
+            Duration::from_secs(120),
+            Duration::from_millis(250),
+            || async {
+                let depth = self
+                    .metric(client, "quantmesh_events_outbox_depth", &[])
+                    .await;
+                match depth == 0.0 {
+                    true => Ok(()),
+                    false => Err(format!(
+                        "{}: the outbox still holds {depth} events",
+                        self.service
+                    )),
+                }
+            },
+        )
+        .await
+    }
+}
+
+/// Admin forced fallbacks through the gateway (fanned out to every engine), alternating
+/// float / auto per group so that each call changes every engine's state: one event each.
+pub(crate) struct Toggler {
+    pub(crate) groups: Vec<String>,
+    pub(crate) calls: usize,
+}
+
+impl Toggler {
+    /// `rounds` calls per group; each must reach every engine.
+    pub(crate) async fn fire(&mut self, client: &reqwest::Client, stack: &Stack, rounds: usize) {
+        for _ in 0..rounds {
+            let mode = if self.calls.is_multiple_of(2) {
+                "float"
+            } else {
+                "auto"
+            };
+            for g in &self.groups {
+                let r = client
+                    .post(stack.url("/admin/fallback"))
+                    .bearer_auth(TOKEN)
+                    .json(&serde_json::json!({"group": g, "mode": mode}))
+                    .send()
+                    .await
+                    .unwrap();
+                let status = r.status();
+                let body: serde_json::Value = r.json().await.unwrap();
+                assert_eq!(status, 200, "{body}");
+                let engines = body["engines"].as_array().unwrap();
+                assert!(
+                    engines.len() == 2 && engines.iter().all(|e| e["status"] == 200),
+                    "{body}"
+                );
+            }
+            self.calls += 1;
+        }
+    }
+}
+
+/// Every admin fallback event on the topic timestamped in `[from, to]` ms: (distinct event
+/// ids, messages read).
+pub(crate) fn topic_events(stack: &Stack, from: u64, to: u64) -> (HashSet<String>, usize) {
+    let mut ids = HashSet::new();
+    let mut read = 0;
+    for ev in stack.events(&["--idle-timeout", "10s"]) {
+        let t = ev["timestamp_ms"].as_u64().unwrap();
+        if ev["reason"] == "admin" && (from..=to).contains(&t) {
+            ids.insert(ev["event_id"].as_str().unwrap().to_string());
+            read += 1;
+        }
+    }
+    (ids, read)
+}
+
+/// Outcomes of requests sent during a fault.
+#[derive(Default, Debug, Clone, Copy)]
+pub(crate) struct Outcomes {
+    pub(crate) sent: usize,
+    pub(crate) ok: usize,
+    /// Answered with an HTTP error status.
+    pub(crate) http_errors: usize,
+    /// No answer: refused, reset, closed.
+    pub(crate) connection_errors: usize,
+}
+
+/// Completions through the gateway from `workers` loops until `stop`; each a short
+/// non-streaming completion, read to the end.
+pub(crate) fn load(
+    stack: &Stack,
+    workers: usize,
+    stop: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<Outcomes> {
+    let url = stack.url("/v1/completions");
+    tokio::spawn(async move {
+        let client = reqwest::Client::builder()
+            .timeout(Duration::from_secs(120))
+            .build()
+            .unwrap();
+        let tasks = (0..workers).map(|w| {
+            let (client, url, stop) = (client.clone(), url.clone(), stop.clone());
+            async move {
+                let mut o = Outcomes::default();
+                let mut i = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    i += 1;
+                    o.sent += 1;
+                    let r = client
+                        .post(&url)
+                        .json(
+                            &serde_json::json!({"prompt": format!("Worker {w} asks question {i}:"),
+                                                  "max_tokens": 12}),
+                        )
+                        .send()
+                        .await;
+                    match r {
+                        Ok(r) if r.status() == 200 => match r.text().await {
+                            Ok(_) => o.ok += 1,
+                            Err(_) => o.connection_errors += 1,
+                        },
+                        Ok(_) => o.http_errors += 1,
+                        Err(_) => {
+                            o.connection_errors += 1;
+                            // Refused while the gateway is down: try again shortly.
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                        }
+                    }
+                }
+                o
+            }
+        });
+        let all = futures::future::join_all(tasks).await;
+        all.into_iter().fold(Outcomes::default(), |a, o| Outcomes {
+            sent: a.sent + o.sent,
+            ok: a.ok + o.ok,
+            http_errors: a.http_errors + o.http_errors,
+            connection_errors: a.connection_errors + o.connection_errors,
+        })
+    })
+}
+
+/// One row of the table.
+pub(crate) struct Row {
+    pub(crate) fault: &'static str,
+    pub(crate) expected: &'static str,
+    pub(crate) sent: usize,
+    pub(crate) failed: usize,
+    pub(crate) events: Option<Events>,
+}
+
+/// A fault's fallback events, counted end to end.
+pub(crate) struct Events {
+    pub(crate) created: u64,
+    pub(crate) dropped: u64,
+    pub(crate) delivered: usize,
+    pub(crate) duplicates: usize,
+}
+
+impl Events {
+    pub(crate) fn lost(&self) -> i64 {
+        self.created as i64 - self.dropped as i64 - self.delivered as i64
+    }
+}
+
+/// The dual groups (float copy held) of the first-load plan, at most `n`.
+pub(crate) async fn dual_groups(client: &reqwest::Client, stack: &Stack, n: usize) -> Vec<String> {
+    let cfg = support::get_json(client, &stack.url("/admin/config"), TOKEN).await;
+    let mut groups: Vec<String> = cfg["engines"][0]["body"]["residency"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(_, r)| *r == "dual")
+        .map(|(g, _)| g.clone())
+        .collect();
+    groups.sort();
+    groups.truncate(n);
+    assert!(
+        !groups.is_empty(),
+        "the first-load plan keeps no dual group: {cfg}"
+    );
+    groups
+}
+
+pub(crate) async fn wait_gateway_sees(
+    client: &reqwest::Client,
+    stack: &Stack,
+    engine: &Engine,
+    up: f64,
+) {
+    poll(
+        Duration::from_secs(60),
+        Duration::from_millis(250),
+        || async {
+            let m = stack.metrics(client).await;
+            let v = sum_metric(
+                &m,
+                "quantmesh_gateway_engine_up",
+                &[&format!("engine=\"{}\"", engine.name())],
+            );
+            match v == up {
+                true => Ok(()),
+                false => Err(format!(
+                    "the gateway never saw {} ({}) as up={up}:\n{m}",
+                    engine.service,
+                    engine.name()
+                )),
+            }
+        },
+    )
+    .await
+}
+
+/// Until the gateway holds at least `at_least` unanswered requests (on `engine`, or on all).
+pub(crate) async fn wait_outstanding(
+    client: &reqwest::Client,
+    stack: &Stack,
+    engine: Option<&Engine>,
+    at_least: f64,
+) {
+    let label = engine.map(|e| format!("engine=\"{}\"", e.name()));
+    let labels: Vec<&str> = label.iter().map(String::as_str).collect();
+    poll(
+        Duration::from_secs(60),
+        Duration::from_millis(10),
+        || async {
+            let m = stack.metrics(client).await;
+            match sum_metric(&m, "quantmesh_gateway_engine_outstanding", &labels) >= at_least {
+                true => Ok(()),
+                false => Err(format!(
+                    "{} never held {at_least} requests:\n{m}",
+                    engine.map_or("the gateway", |e| e.service)
+                )),
+            }
+        },
+    )
+    .await
+}
