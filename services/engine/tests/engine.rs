@@ -145,7 +145,10 @@ async fn run_with_logprobs(
         } = ev
         {
             toks.push(t);
-            lps.push(logprobs.expect("asked for log-probabilities"));
+            let lp = logprobs.expect("asked for log-probabilities");
+            // Every token of the log-probabilities comes with its text.
+            assert_eq!(lp.top.len(), lp.ids.top.len());
+            lps.push(lp.ids);
         }
     }
     (toks, lps)

@@ -1,8 +1,7 @@
 //! Log-probabilities in OpenAI's two shapes: the completions API's parallel lists and the
 //! chat API's `content` entries.
 
-use quantmesh_engine::api::Engine;
-use quantmesh_types::TokenLogprobs;
+use quantmesh_engine::api::LogprobsText;
 use serde_json::{json, Value};
 
 /// One sampled token with its text and alternatives.
@@ -13,15 +12,16 @@ pub struct Entry {
     pub top: Vec<(String, f32)>,
 }
 
-impl Entry {
-    pub fn new(engine: &Engine, token: u32, lp: &TokenLogprobs) -> Self {
+impl From<LogprobsText> for Entry {
+    fn from(lp: LogprobsText) -> Self {
         Self {
-            token: engine.token_text(token),
-            logprob: lp.logprob,
+            token: lp.token,
+            logprob: lp.ids.logprob,
             top: lp
                 .top
-                .iter()
-                .map(|&(t, l)| (engine.token_text(t), l))
+                .into_iter()
+                .zip(lp.ids.top)
+                .map(|(text, (_, l))| (text, l))
                 .collect(),
         }
     }

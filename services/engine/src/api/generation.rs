@@ -8,17 +8,41 @@ use super::*;
 pub enum GenerationEvent {
     /// New text; may be empty while a multi-byte character or a possible stop string is
     /// held back. `token` is the sampled token, `None` for text flushed at the end;
-    /// `logprobs` its log-probabilities when the request asked for them.
+    /// `logprobs` its log-probabilities, with their tokens' text, when the request asked
+    /// for them.
     Text {
         text: String,
         token: Option<u32>,
-        logprobs: Option<TokenLogprobs>,
+        logprobs: Option<LogprobsText>,
     },
     Done {
         reason: FinishReason,
         usage: Usage,
         cached_tokens: usize,
     },
+}
+
+/// A sampled token's log-probabilities with the text of the token and of each alternative,
+/// each decoded alone (a byte-level token inside a multi-byte character decodes lossily).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LogprobsText {
+    /// The log-probabilities by token id.
+    pub ids: TokenLogprobs,
+    /// The sampled token's text.
+    pub token: String,
+    /// The alternatives' texts, in the order of `ids.top`.
+    pub top: Vec<String>,
+}
+
+impl LogprobsText {
+    fn new(tokenizer: &TextTokenizer, token: u32, ids: TokenLogprobs) -> Self {
+        let text = |id: u32| tokenizer.decode(&[id]).unwrap_or_default();
+        Self {
+            token: text(token),
+            top: ids.top.iter().map(|&(t, _)| text(t)).collect(),
+            ids,
+        }
+    }
 }
 
 /// A running request. Yields text deltas, then one `Done`. Dropping it before `Done`
@@ -157,7 +181,7 @@ impl Generation {
                 Some(GenerationEvent::Text {
                     text,
                     token: Some(token),
-                    logprobs,
+                    logprobs: logprobs.map(|lp| LogprobsText::new(&self.tokenizer, token, lp)),
                 })
             }
             Some(SeqEvent::Finished {

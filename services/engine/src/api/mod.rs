@@ -63,7 +63,7 @@ pub use crate::reload::{ConfigStatus, ReloadOutcome};
 pub use crate::request::{GenerateRequest, Prompt};
 pub use crate::stats::EngineStats;
 pub use crate::trace::{TraceHook, TARGET as TRACE_TARGET};
-pub use generation::{Generation, GenerationEvent};
+pub use generation::{Generation, GenerationEvent, LogprobsText};
 pub use load::{load_parts, LoadedParts};
 pub use quantmesh_model::{ChatMessage, ModelConfig};
 
@@ -180,12 +180,6 @@ impl Engine {
 
     pub fn stats(&self) -> EngineStats {
         self.inner.stats.get()
-    }
-
-    /// The text of one token as the tokenizer decodes it alone (for log-probabilities;
-    /// a byte-level token that is part of a multi-byte character decodes lossily).
-    pub fn token_text(&self, id: u32) -> String {
-        self.inner.tokenizer.decode(&[id]).unwrap_or_default()
     }
 
     /// Whether the engine can serve: every actor on the request path is alive. A panicking

@@ -339,16 +339,14 @@ fn observe(
             token,
             logprobs,
         } => {
-            if let Some(token) = token {
+            if token.is_some() {
                 if i == 0 {
                     timing.token(state);
                 } else {
                     state.metrics.generation_tokens.inc();
                 }
-                if let (Some(lp), Ok(engine)) = (logprobs, state.engine()) {
-                    choice
-                        .entries
-                        .push(logprobs::Entry::new(engine, token, &lp));
+                if let Some(lp) = logprobs {
+                    choice.entries.push(lp.into());
                 }
             }
             Some(text)
