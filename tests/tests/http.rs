@@ -305,8 +305,12 @@ async fn metrics_parse_as_prometheus_exposition() {
     .await;
     s.post_raw("/v1/completions", b"{".to_vec()).await;
     let scrape = s.metrics().await;
-    let names: std::collections::HashSet<&str> =
-        scrape.samples.iter().map(|x| x.metric.as_str()).collect();
+    let names: std::collections::HashSet<&str> = scrape
+        .parsed
+        .samples
+        .iter()
+        .map(|x| x.metric.as_str())
+        .collect();
     for want in [
         "quantmesh_requests_total",
         "quantmesh_time_to_first_token_seconds",
@@ -322,16 +326,16 @@ async fn metrics_parse_as_prometheus_exposition() {
     ] {
         assert!(names.contains(want), "missing {want}; have {names:?}");
     }
-    let ok = scrape.samples.iter().find(|x| {
+    let ok = scrape.parsed.samples.iter().find(|x| {
         x.metric == "quantmesh_requests_total"
             && x.labels.get("status") == Some("200")
             && x.labels.get("endpoint") == Some("/v1/completions")
     });
     assert!(ok.is_some());
-    let bad = scrape
-        .samples
-        .iter()
-        .find(|x| x.metric == "quantmesh_requests_total" && x.labels.get("status") == Some("400"));
+    let bad =
+        scrape.parsed.samples.iter().find(|x| {
+            x.metric == "quantmesh_requests_total" && x.labels.get("status") == Some("400")
+        });
     assert!(bad.is_some());
     assert_eq!(s.gauge("quantmesh_generation_tokens_total").await, 4.0);
 }
@@ -409,6 +413,7 @@ async fn api_keys_and_admin_routes() {
     );
     let scrape = s.metrics().await;
     let float_rows = scrape
+        .parsed
         .samples
         .iter()
         .find(|x| {
@@ -492,7 +497,7 @@ async fn monitor_finds_sensitive_group_through_http_and_streams_survive_switches
         "layers.1.down should be in fallback after ordinary traffic"
     );
     let scrape = s.metrics().await;
-    let enter = scrape.samples.iter().find(|x| {
+    let enter = scrape.parsed.samples.iter().find(|x| {
         x.metric == "quantmesh_fallback_decisions_total"
             && x.labels.get("granularity") == Some("layer")
             && x.labels.get("action") == Some("enter")
@@ -539,8 +544,9 @@ async fn concurrent_scrapes_do_not_double_count() {
     for r in futures::future::join_all(reqs).await {
         assert_eq!(r.status(), 200);
     }
-    let totals = |scrape: &prometheus_parse::Scrape| {
+    let totals = |scrape: &common::Scrape| {
         let mut v: Vec<(String, String, u64)> = scrape
+            .parsed
             .samples
             .iter()
             .filter(|x| {

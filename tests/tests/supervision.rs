@@ -12,23 +12,8 @@ use quantmesh_engine::faults;
 use serde_json::{json, Value};
 
 async fn metric(s: &Server, name: &str, label: Option<(&str, &str)>) -> f64 {
-    let scrape = s.metrics().await;
-    assert!(
-        scrape.docs.contains_key(name) || scrape.samples.iter().any(|x| x.metric == name),
-        "the scrape has no metric named {name} (renamed, or never registered?)"
-    );
-    scrape
-        .samples
-        .iter()
-        .filter(|x| x.metric == name)
-        .filter(|x| label.is_none_or(|(k, v)| x.labels.get(k) == Some(v)))
-        .map(|x| match x.value {
-            prometheus_parse::Value::Gauge(v)
-            | prometheus_parse::Value::Counter(v)
-            | prometheus_parse::Value::Untyped(v) => v,
-            _ => 0.0,
-        })
-        .sum()
+    let labels: Vec<(&str, &str)> = label.into_iter().collect();
+    s.metrics().await.sum(name, &labels)
 }
 
 async fn ready(s: &Server) -> u16 {

@@ -3,6 +3,9 @@
 #![allow(dead_code)]
 
 use quantmesh_settings::Settings;
+pub use quantmesh_testkit::metrics::Scrape;
+#[allow(unused_imports)] // each test binary uses its share
+pub use quantmesh_testkit::{parse_sse, poll};
 use std::time::Duration;
 
 pub struct Server {
@@ -95,32 +98,16 @@ impl Server {
         }
     }
 
-    pub async fn metrics(&self) -> prometheus_parse::Scrape {
-        let text = self
-            .client
-            .get(self.url("/metrics"))
-            .send()
-            .await
-            .expect("metrics")
-            .text()
-            .await
-            .expect("text");
-        let lines = text.lines().map(|l| Ok(l.to_string()));
-        prometheus_parse::Scrape::parse(lines).expect("valid exposition format")
+    /// The server's `/metrics`, parsed by the kit's scraper.
+    pub async fn metrics(&self) -> Scrape {
+        Scrape::get(&self.client, &self.url("/metrics")).await
     }
 
+    /// The value of the unlabelled series `name`; fails when it is missing.
     pub async fn gauge(&self, name: &str) -> f64 {
-        let scrape = self.metrics().await;
-        scrape
-            .samples
-            .iter()
-            .find(|s| s.metric == name)
-            .map(|s| match s.value {
-                prometheus_parse::Value::Gauge(v)
-                | prometheus_parse::Value::Counter(v)
-                | prometheus_parse::Value::Untyped(v) => v,
-                _ => f64::NAN,
-            })
+        self.metrics()
+            .await
+            .value(name, &[])
             .unwrap_or_else(|| panic!("metric {name} missing"))
     }
 }
@@ -129,23 +116,6 @@ impl Drop for Server {
     fn drop(&mut self) {
         self.shutdown();
     }
-}
-
-/// Parse an SSE body into the JSON payloads of its `data:` lines (without `[DONE]`),
-/// and whether `[DONE]` was seen.
-pub fn parse_sse(body: &str) -> (Vec<serde_json::Value>, bool) {
-    let mut out = Vec::new();
-    let mut done = false;
-    for line in body.lines() {
-        if let Some(d) = line.strip_prefix("data: ") {
-            if d == "[DONE]" {
-                done = true;
-            } else {
-                out.push(serde_json::from_str(d).expect("chunk is JSON"));
-            }
-        }
-    }
-    (out, done)
 }
 
 /// The admin token the helpers below send (set it with `settings.server.admin_token`).
@@ -188,39 +158,24 @@ impl Server {
             .clone()
     }
 
-    /// The value of `name{label=value}`, if exposed.
+    /// The value of `name{label=value}`, if exposed (the metric itself must be declared).
     pub async fn labelled(&self, name: &str, label: &str, value: &str) -> Option<f64> {
-        let scrape = self.metrics().await;
-        scrape
-            .samples
-            .iter()
-            .find(|s| s.metric == name && s.labels.get(label) == Some(value))
-            .and_then(|s| match s.value {
-                prometheus_parse::Value::Gauge(v)
-                | prometheus_parse::Value::Counter(v)
-                | prometheus_parse::Value::Untyped(v) => Some(v),
-                _ => None,
-            })
+        self.metrics().await.value(name, &[(label, value)])
     }
 }
 
-/// Poll `f` every 20 ms until it returns `Some`, at most `secs` seconds.
+/// Poll `f` every 20 ms until it returns `Some`, at most `secs` seconds (the kit's `poll`).
 pub async fn wait_for<T, F, Fut>(secs: u64, what: &str, mut f: F) -> T
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Option<T>>,
 {
-    let deadline = std::time::Instant::now() + Duration::from_secs(secs);
-    loop {
-        if let Some(v) = f().await {
-            return v;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let within = Duration::from_secs(secs);
+    poll(within, Duration::from_millis(20), || {
+        let next = f();
+        async move { next.await.ok_or_else(|| format!("waiting for {what}")) }
+    })
+    .await
 }
 
 /// The bundled model written into `dir`, with what a `sensitive_layers.json` for it names.

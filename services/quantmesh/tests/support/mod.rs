@@ -12,44 +12,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+pub use quantmesh_testkit::metrics::{scrape_text as scrape, sum_metric};
+#[allow(unused_imports)] // each test binary uses its share
+pub use quantmesh_testkit::{get_json, poll};
+
 pub const ADMIN_TOKEN: &str = "kafka-test-token";
 pub const TOPIC: &str = quantmesh_kafka::DEFAULT_TOPIC;
 pub const CONFIG_TOPIC: &str = quantmesh_kafka::DEFAULT_CONFIG_TOPIC;
-
-/// GET `url` with a bearer token and parse the JSON answer (the admin API's reads).
-pub async fn get_json(client: &reqwest::Client, url: &str, token: &str) -> serde_json::Value {
-    client
-        .get(url)
-        .bearer_auth(token)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
-}
-
-/// Run `check` every `every` until it gives `Ok`, for at most `within`; past that, fail with
-/// the last `Err` it gave (what it saw). The one wait-on-a-condition loop of these tests.
-pub async fn poll<T, F, Fut>(within: Duration, every: Duration, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, String>>,
-{
-    let t0 = Instant::now();
-    loop {
-        match check().await {
-            Ok(v) => return v,
-            Err(seen) => assert!(t0.elapsed() < within, "after {within:?}: {seen}"),
-        }
-        tokio::time::sleep(every).await;
-    }
-}
-
-/// The text of a `/metrics` scrape at `url`.
-pub async fn scrape(client: &reqwest::Client, url: &str) -> String {
-    client.get(url).send().await.unwrap().text().await.unwrap()
-}
 
 /// Streaming completions sent to `base` (a gateway) until `want` of them started on the
 /// engine named `engine` (`x-quantmesh-engine`); each is returned after its first chunk, with
@@ -364,30 +333,6 @@ impl Drop for Serve {
     fn drop(&mut self) {
         self.kill();
     }
-}
-
-/// The sum of `name`'s samples whose line contains every one of `labels`. Panics when the
-/// scrape does not declare `name` at all (`# TYPE name …`), so a renamed or unregistered
-/// metric fails the test instead of reading as 0.
-pub fn sum_metric(text: &str, name: &str, labels: &[&str]) -> f64 {
-    let declared = text.lines().any(|l| {
-        l.strip_prefix("# TYPE ")
-            .and_then(|r| r.split_whitespace().next())
-            .is_some_and(|n| n == name || n.strip_suffix("_total") == Some(name))
-    });
-    assert!(
-        declared,
-        "the scrape has no metric named {name} (renamed, or never registered?)"
-    );
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|r| r.starts_with('{') || r.starts_with(' '))
-        })
-        .filter(|l| labels.iter().all(|want| l.contains(want)))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 /// Groups the tests toggle (one task per group, so each call changes its state).
