@@ -18,6 +18,13 @@ pub enum EngineError {
     /// The request cannot be served as given (the caller's mistake: HTTP 400).
     #[error("the request is invalid: {0}")]
     InvalidRequest(String),
+    /// One field of the request holds a value the engine does not take (HTTP 400 naming
+    /// the field).
+    #[error("the request is invalid: {message}")]
+    InvalidParam {
+        param: &'static str,
+        message: String,
+    },
     #[error("engine overloaded: {0}")]
     Overloaded(String),
     #[error("the engine has stopped")]
@@ -33,6 +40,7 @@ impl EngineError {
         matches!(
             self,
             EngineError::InvalidRequest(_)
+                | EngineError::InvalidParam { .. }
                 | EngineError::Model(ModelError::Tokenizer(_) | ModelError::InvalidInput(_))
         )
     }

@@ -13,6 +13,9 @@ pub enum ApiError {
     BadRequest(String),
     #[error("{0}")]
     Unprocessable(String),
+    /// A request field whose value is out of its range.
+    #[error("{message}")]
+    InvalidValue { param: String, message: String },
     /// A request field that is not supported (or not known): never silently ignored.
     #[error("{message}")]
     UnsupportedParam { param: String, message: String },
@@ -45,7 +48,9 @@ impl ApiError {
     /// The request field at fault, when one is.
     fn param(&self) -> Option<&str> {
         match self {
-            ApiError::UnsupportedParam { param, .. } => Some(param),
+            ApiError::UnsupportedParam { param, .. } | ApiError::InvalidValue { param, .. } => {
+                Some(param)
+            }
             _ => None,
         }
     }
@@ -56,6 +61,7 @@ impl ApiError {
             ApiError::BadRequest(_) => ("invalid_request_error", "invalid_request"),
             ApiError::Unprocessable(_) => ("invalid_request_error", "invalid_type"),
             ApiError::UnsupportedParam { .. } => ("invalid_request_error", "unsupported_parameter"),
+            ApiError::InvalidValue { .. } => ("invalid_request_error", "invalid_value"),
             ApiError::PayloadTooLarge { .. } => ("invalid_request_error", "payload_too_large"),
             ApiError::Unauthorized(_) => ("authentication_error", "invalid_api_key"),
             ApiError::Forbidden(_) => ("permission_error", "forbidden"),
@@ -74,7 +80,9 @@ impl ApiError {
 impl ResponseError for ApiError {
     fn status_code(&self) -> StatusCode {
         match self {
-            ApiError::BadRequest(_) | ApiError::UnsupportedParam { .. } => StatusCode::BAD_REQUEST,
+            ApiError::BadRequest(_)
+            | ApiError::UnsupportedParam { .. }
+            | ApiError::InvalidValue { .. } => StatusCode::BAD_REQUEST,
             ApiError::Unprocessable(_) => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
@@ -110,6 +118,10 @@ impl From<EngineError> for ApiError {
     fn from(e: EngineError) -> Self {
         match e {
             EngineError::InvalidRequest(m) => ApiError::BadRequest(m),
+            EngineError::InvalidParam { param, message } => ApiError::InvalidValue {
+                param: param.into(),
+                message,
+            },
             EngineError::Overloaded(m) => ApiError::Overloaded(m),
             EngineError::Stopped => ApiError::ShuttingDown,
             EngineError::Model(ModelError::Tokenizer(m)) => {

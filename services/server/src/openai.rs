@@ -227,13 +227,6 @@ impl SamplingFields {
                 ));
             }
         }
-        let max_n = quantmesh_engine::api::MAX_N;
-        if let Some(n) = self.n.filter(|&n| n == 0 || n as usize > max_n) {
-            return Err(unsupported(
-                "n",
-                format!("n must be in 1..={max_n}, got {n}"),
-            ));
-        }
         Ok(())
     }
 

@@ -93,6 +93,22 @@ pub enum SamplingError {
     TopLogprobs(usize),
 }
 
+impl SamplingError {
+    /// The request field at fault (its OpenAI name).
+    pub fn param(&self) -> &'static str {
+        match self {
+            SamplingError::Temperature(_) => "temperature",
+            SamplingError::TopP(_) => "top_p",
+            SamplingError::MaxTokens => "max_tokens",
+            SamplingError::Stop => "stop",
+            SamplingError::Penalty(name, _) => name,
+            SamplingError::RepetitionPenalty(_) => "repetition_penalty",
+            SamplingError::LogitBias => "logit_bias",
+            SamplingError::TopLogprobs(_) => "logprobs",
+        }
+    }
+}
+
 impl SamplingParams {
     pub fn validate(&self) -> Result<(), SamplingError> {
         if !self.temperature.is_finite() || !(0.0..=2.0).contains(&self.temperature) {

@@ -61,7 +61,6 @@ async fn request_fields_are_honoured_or_refused_never_ignored() {
             "logprobs",
         ),
         ("/v1/completions", cmpl(json!({"echo": true})), "echo"),
-        ("/v1/completions", cmpl(json!({"n": 9})), "n"),
         (
             "/v1/completions",
             cmpl(json!({"logit_bias": {"x": 1}})),
@@ -74,6 +73,34 @@ async fn request_fields_are_honoured_or_refused_never_ignored() {
         let b: serde_json::Value = r.json().await.unwrap();
         assert_eq!(b["error"]["param"], param, "{b}");
         assert_eq!(b["error"]["code"], "unsupported_parameter", "{b}");
+    }
+    // A value out of its range is refused by the engine's one check, naming the field.
+    for (path, body, param) in [
+        ("/v1/completions", cmpl(json!({"n": 9})), "n"),
+        ("/v1/chat/completions", chat(json!({"n": 0})), "n"),
+        (
+            "/v1/completions",
+            cmpl(json!({"temperature": 3})),
+            "temperature",
+        ),
+        ("/v1/chat/completions", chat(json!({"top_p": 0})), "top_p"),
+        (
+            "/v1/completions",
+            cmpl(json!({"presence_penalty": 3})),
+            "presence_penalty",
+        ),
+        (
+            "/v1/completions",
+            cmpl(json!({"logit_bias": {"65": 500}})),
+            "logit_bias",
+        ),
+        ("/v1/completions", cmpl(json!({"logprobs": 21})), "logprobs"),
+    ] {
+        let r = s.post(path, body.clone()).await;
+        assert_eq!(r.status(), 400, "{body}");
+        let b: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(b["error"]["param"], param, "{b}");
+        assert_eq!(b["error"]["code"], "invalid_value", "{b}");
     }
     for (body, what) in [
         (cmpl(json!({"presence_penalty": 3})), "presence_penalty"),

@@ -20,9 +20,10 @@ impl Engine {
     /// (copy-on-write); with a `seed`, answer `i` uses `seed + i`.
     pub async fn submit_n(&self, req: GenerateRequest, n: usize) -> Result<Vec<Generation>> {
         if n == 0 || n > MAX_N {
-            return Err(EngineError::InvalidRequest(format!(
-                "n must be in 1..={MAX_N}, got {n}"
-            )));
+            return Err(EngineError::InvalidParam {
+                param: "n",
+                message: format!("n must be in 1..={MAX_N}, got {n}"),
+            });
         }
         let invalid = |m: String| Err(EngineError::InvalidRequest(m));
         let GenerateRequest {
@@ -33,9 +34,10 @@ impl Engine {
             cache_salt,
             trace,
         } = req;
-        params
-            .validate()
-            .map_err(|e| EngineError::InvalidRequest(e.to_string()))?;
+        params.validate().map_err(|e| EngineError::InvalidParam {
+            param: e.param(),
+            message: e.to_string(),
+        })?;
         match &prompt {
             Prompt::Text { text, .. } if text.is_empty() => {
                 return invalid("the prompt is empty".into())

@@ -27,7 +27,7 @@ fn cache_salt(
         .as_ref()
         .is_some_and(|s| s.is_empty() || s.chars().count() > 256)
     {
-        return Err(ApiError::UnsupportedParam {
+        return Err(ApiError::InvalidValue {
             param: "cache_salt".into(),
             message: "cache_salt must be 1 to 256 characters".into(),
         });
