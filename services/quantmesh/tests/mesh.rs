@@ -11,103 +11,47 @@ mod support;
 
 use futures::StreamExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 use support::{
-    assert_ends_with_engine_failed, free_port, get_json, model_dir, scrape, streams_on, sum_metric,
-    ADMIN_TOKEN,
+    assert_ends_with_engine_failed, free_port, get_json, model_dir, quantmesh, scrape, streams_on,
+    sum_metric, Process, ADMIN_TOKEN,
 };
 
-/// A `quantmesh` process (engine or gateway) and its port.
-struct Proc {
-    child: Option<Child>,
-    port: u16,
-    log: PathBuf,
+/// A `quantmesh` role (engine or gateway) on `port`, logging into `log`.
+fn spawn(args: &[&str], port: u16, log: PathBuf, env: &[(&str, &str)]) -> Process {
+    let mut cmd = quantmesh(args);
+    cmd.envs(env.iter().copied())
+        .args(["--port", &port.to_string()]);
+    Process::spawn(cmd, port, log)
 }
 
-impl Proc {
-    fn spawn(args: &[&str], port: u16, log: PathBuf) -> Proc {
-        Proc::spawn_with(args, port, log, &[])
-    }
-
-    fn spawn_with(args: &[&str], port: u16, log: PathBuf, env: &[(&str, &str)]) -> Proc {
-        let f = std::fs::File::create(&log).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_quantmesh"))
-            .args(args)
-            .envs(env.iter().copied())
-            .args(["--port", &port.to_string()])
-            .env("QUANTMESH_ADMIN_TOKEN", ADMIN_TOKEN)
-            .env("QUANTMESH_KV_PAGES", "256")
-            .env("QUANTMESH_PLAN", "none")
-            .env("RUST_LOG", "info,quantmesh::fallback=warn")
-            .stdout(f.try_clone().unwrap())
-            .stderr(f)
-            .spawn()
-            .unwrap();
-        Proc {
-            child: Some(child),
-            port,
-            log,
-        }
-    }
-
-    fn engine(root: &Path, model: &Path, port: u16) -> Proc {
-        let log = root.join(format!("engine-{port}.log"));
-        Proc::spawn(&["engine", "--model", model.to_str().unwrap()], port, log)
-    }
-
-    fn gateway(root: &Path, engines: &[&Proc], routing: &str) -> Proc {
-        let port = free_port();
-        let mut args = vec!["gateway".to_string(), "--routing".into(), routing.into()];
-        for e in engines {
-            args.push("--engine".into());
-            args.push(format!("http://127.0.0.1:{}", e.port));
-        }
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        Proc::spawn(&args, port, root.join(format!("gateway-{port}.log")))
-    }
-
-    fn url(&self, path: &str) -> String {
-        format!("http://127.0.0.1:{}{path}", self.port)
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    async fn ready(&self, client: &reqwest::Client) {
-        let t0 = Instant::now();
-        loop {
-            if let Ok(r) = client.get(self.url("/ready")).send().await {
-                if r.status() == 200 {
-                    return;
-                }
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(120),
-                "{} not ready; log:\n{}",
-                self.url(""),
-                std::fs::read_to_string(&self.log).unwrap_or_default()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
-
-    async fn metrics(&self, client: &reqwest::Client) -> String {
-        scrape(client, &self.url("/metrics")).await
-    }
+fn engine(root: &Path, model: &Path, port: u16) -> Process {
+    let log = root.join(format!("engine-{port}.log"));
+    spawn(
+        &["engine", "--model", model.to_str().unwrap()],
+        port,
+        log,
+        &[],
+    )
 }
 
-impl Drop for Proc {
-    fn drop(&mut self) {
-        self.kill();
+fn gateway(root: &Path, engines: &[&Process], routing: &str) -> Process {
+    let port = free_port();
+    let mut args = vec!["gateway".to_string(), "--routing".into(), routing.into()];
+    for e in engines {
+        args.push("--engine".into());
+        args.push(e.base.clone());
     }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    spawn(&args, port, root.join(format!("gateway-{port}.log")), &[])
 }
 
-async fn complete(client: &reqwest::Client, gw: &Proc, prompt: &str) -> (u16, String) {
+/// Until `p` answers `/ready` (two minutes at most).
+async fn ready(p: &Process, client: &reqwest::Client) {
+    p.wait_ready(client, Duration::from_secs(120)).await
+}
+
+async fn complete(client: &reqwest::Client, gw: &Process, prompt: &str) -> (u16, String) {
     let r = client
         .post(gw.url("/v1/completions"))
         .json(&serde_json::json!({"prompt": prompt, "max_tokens": 8, "temperature": 0}))
@@ -122,10 +66,16 @@ async fn complete(client: &reqwest::Client, gw: &Proc, prompt: &str) -> (u16, St
     (r.status().as_u16(), engine)
 }
 
-async fn wait_metric(client: &reqwest::Client, p: &Proc, name: &str, labels: &[&str], want: f64) {
+async fn wait_metric(
+    client: &reqwest::Client,
+    p: &Process,
+    name: &str,
+    labels: &[&str],
+    want: f64,
+) {
     let t0 = Instant::now();
     loop {
-        let v = sum_metric(&p.metrics(client).await, name, labels);
+        let v = sum_metric(&scrape(client, &p.url("/metrics")).await, name, labels);
         if v == want {
             return;
         }
@@ -142,11 +92,11 @@ async fn load_spreads_and_a_killed_engine_costs_no_unstarted_request() {
     let root = tempfile::tempdir().unwrap();
     let model = model_dir(root.path());
     let client = reqwest::Client::new();
-    let mut e1 = Proc::engine(root.path(), &model, free_port());
-    let e2 = Proc::engine(root.path(), &model, free_port());
-    let gw = Proc::gateway(root.path(), &[&e1, &e2], "least-outstanding");
+    let mut e1 = engine(root.path(), &model, free_port());
+    let e2 = engine(root.path(), &model, free_port());
+    let gw = gateway(root.path(), &[&e1, &e2], "least-outstanding");
     for p in [&e1, &e2, &gw] {
-        p.ready(&client).await;
+        ready(p, &client).await;
     }
     wait_metric(&client, &gw, "quantmesh_gateway_engine_up", &[], 2.0).await;
 
@@ -190,7 +140,7 @@ async fn load_spreads_and_a_killed_engine_costs_no_unstarted_request() {
     // there than the two started streams.
     let t0 = Instant::now();
     loop {
-        let m = gw.metrics(&client).await;
+        let m = scrape(&client, &gw.url("/metrics")).await;
         if sum_metric(
             &m,
             "quantmesh_gateway_engine_outstanding",
@@ -229,7 +179,7 @@ async fn load_spreads_and_a_killed_engine_costs_no_unstarted_request() {
         client.get(gw.url("/ready")).send().await.unwrap().status(),
         200
     );
-    let m = gw.metrics(&client).await;
+    let m = scrape(&client, &gw.url("/metrics")).await;
     assert!(sum_metric(&m, "quantmesh_gateway_stream_failures_total", &["engine-1"]) >= 2.0);
     // The requests it held unanswered were retried on engine-2 (counted against engine-1).
     assert!(
@@ -238,8 +188,8 @@ async fn load_spreads_and_a_killed_engine_costs_no_unstarted_request() {
     );
 
     // engine-1 comes back on its port: marked up, and it takes requests again.
-    let e1 = Proc::engine(root.path(), &model, e1.port);
-    e1.ready(&client).await;
+    let e1 = engine(root.path(), &model, e1.port);
+    ready(&e1, &client).await;
     wait_metric(&client, &gw, "quantmesh_gateway_engine_up", &[], 2.0).await;
     let calls = (0..16).map(|i| {
         let (client, gw) = (&client, &gw);
@@ -301,11 +251,11 @@ async fn prefix_affinity_raises_prefix_cache_hits_over_random_routing() {
         .collect();
     let mut hits = Vec::new();
     for routing in ["least-outstanding", "random"] {
-        let e1 = Proc::engine(root.path(), &model, free_port());
-        let e2 = Proc::engine(root.path(), &model, free_port());
-        let gw = Proc::gateway(root.path(), &[&e1, &e2], routing);
+        let e1 = engine(root.path(), &model, free_port());
+        let e2 = engine(root.path(), &model, free_port());
+        let gw = gateway(root.path(), &[&e1, &e2], routing);
         for p in [&e1, &e2, &gw] {
-            p.ready(&client).await;
+            ready(p, &client).await;
         }
         wait_metric(&client, &gw, "quantmesh_gateway_engine_up", &[], 2.0).await;
         let calls = (0..48).map(|i| {
@@ -332,13 +282,12 @@ async fn prefix_affinity_raises_prefix_cache_hits_over_random_routing() {
         let mut h = 0.0;
         for e in [&e1, &e2] {
             h += sum_metric(
-                &e.metrics(&client).await,
+                &scrape(&client, &e.url("/metrics")).await,
                 "quantmesh_prefix_cache_hits_total",
                 &[],
             );
         }
-        let routed: Vec<String> = gw
-            .metrics(&client)
+        let routed: Vec<String> = scrape(&client, &gw.url("/metrics"))
             .await
             .lines()
             .filter(|l| l.starts_with("quantmesh_gateway_routed_total"))
@@ -372,14 +321,15 @@ async fn engines_are_found_by_dns_and_a_name_that_does_not_resolve_is_counted() 
         "dns+http://no-such-engine.invalid:8080".to_string(),
     );
     let gw_port = free_port();
-    let gw = Proc::spawn(
+    let gw = spawn(
         &["gateway", "--engine", &good, "--engine", &bad],
         gw_port,
         root.path().join("gateway-dns.log"),
+        &[],
     );
-    let engine = Proc::engine(root.path(), &model, port);
+    let engine = engine(root.path(), &model, port);
     for p in [&engine, &gw] {
-        p.ready(&client).await;
+        ready(p, &client).await;
     }
     let name = format!("localhost@127.0.0.1:{port}");
     wait_metric(
@@ -392,7 +342,7 @@ async fn engines_are_found_by_dns_and_a_name_that_does_not_resolve_is_counted() 
     .await;
     let (status, served_by) = complete(&client, &gw, "found by name").await;
     assert_eq!((status, served_by.as_str()), (200, name.as_str()));
-    let m = gw.metrics(&client).await;
+    let m = scrape(&client, &gw.url("/metrics")).await;
     assert_eq!(
         sum_metric(
             &m,
@@ -405,7 +355,7 @@ async fn engines_are_found_by_dns_and_a_name_that_does_not_resolve_is_counted() 
     // The unresolvable service: counted, no engine made up for it.
     let t0 = Instant::now();
     while sum_metric(
-        &gw.metrics(&client).await,
+        &scrape(&client, &gw.url("/metrics")).await,
         "quantmesh_gateway_discovery_errors_total",
         &[&format!("service=\"{bad}\"")],
     ) < 1.0
@@ -434,7 +384,7 @@ async fn the_gateway_forwards_keys_and_limits_before_reading_the_body() {
     let model = model_dir(root.path());
     let client = reqwest::Client::new();
     let key = "sk-engine-only-key";
-    let engine = Proc::spawn_with(
+    let engine = spawn(
         &["engine", "--model", model.to_str().unwrap()],
         free_port(),
         root.path().join("engine.log"),
@@ -447,7 +397,7 @@ async fn the_gateway_forwards_keys_and_limits_before_reading_the_body() {
     )
     .unwrap();
     let gw_port = free_port();
-    let gw = Proc::spawn_with(
+    let gw = spawn(
         &[
             "gateway",
             "--engine",
@@ -458,7 +408,7 @@ async fn the_gateway_forwards_keys_and_limits_before_reading_the_body() {
         &[("QUANTMESH_CONFIG", config.to_str().unwrap())],
     );
     for p in [&engine, &gw] {
-        p.ready(&client).await;
+        ready(p, &client).await;
     }
     let body = serde_json::json!({"prompt": "Hello", "max_tokens": 2});
     // A completion through the gateway with the engine's key.

@@ -13,6 +13,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 pub use quantmesh_testkit::metrics::{scrape_text as scrape, sum_metric};
+pub use quantmesh_testkit::process::Process;
 #[allow(unused_imports)] // each test binary uses its share
 pub use quantmesh_testkit::{get_json, poll};
 
@@ -201,12 +202,32 @@ impl Drop for Broker {
     }
 }
 
-/// The real `quantmesh serve` as a child process.
-pub struct Serve {
-    child: Option<Child>,
-    pub port: u16,
-    pub base: String,
-    pub log: PathBuf,
+/// The real `quantmesh serve` as a child process (the kit's [`Process`]).
+pub struct Serve(Process);
+
+impl std::ops::Deref for Serve {
+    type Target = Process;
+    fn deref(&self) -> &Process {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Serve {
+    fn deref_mut(&mut self) -> &mut Process {
+        &mut self.0
+    }
+}
+
+/// `quantmesh` with the settings every test process shares.
+pub fn quantmesh(args: &[&str]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_quantmesh"));
+    cmd.args(args)
+        .env("QUANTMESH_ADMIN_TOKEN", ADMIN_TOKEN)
+        .env("QUANTMESH_KV_PAGES", "256")
+        // The tests drive the monitor on an all-dual model.
+        .env("QUANTMESH_PLAN", "none")
+        .env("RUST_LOG", "info,quantmesh::fallback=warn");
+    cmd
 }
 
 impl Serve {
@@ -215,79 +236,15 @@ impl Serve {
     pub async fn start(model: &Path, outbox: &Path, brokers: &str, env: &[(&str, &str)]) -> Serve {
         let port = free_port();
         let log = outbox.parent().unwrap().join(format!("serve-{port}.log"));
-        let f = std::fs::File::create(&log).unwrap();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_quantmesh"));
-        cmd.args(["serve", "--port", &port.to_string(), "--model"])
-            .arg(model)
+        let mut cmd = quantmesh(&["serve", "--port", &port.to_string(), "--model"]);
+        cmd.arg(model)
             .args(["--kafka-brokers", brokers, "--outbox-dir"])
             .arg(outbox)
-            .env("QUANTMESH_ADMIN_TOKEN", ADMIN_TOKEN)
-            .env("QUANTMESH_KV_PAGES", "256")
-            // The event-path tests drive the monitor on an all-dual model.
-            .env("QUANTMESH_PLAN", "none")
-            .env("RUST_LOG", "info,quantmesh::fallback=warn")
-            .stdout(f.try_clone().unwrap())
-            .stderr(f);
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        let child = cmd.spawn().expect("starting quantmesh serve");
-        let s = Serve {
-            child: Some(child),
-            port,
-            base: format!("http://127.0.0.1:{port}"),
-            log,
-        };
-        let client = reqwest::Client::new();
-        let t0 = Instant::now();
-        loop {
-            if let Ok(r) = client.get(format!("{}/ready", s.base)).send().await {
-                if r.status() == 200 {
-                    return s;
-                }
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(180),
-                "quantmesh serve did not become ready; log:\n{}",
-                std::fs::read_to_string(&s.log).unwrap_or_default()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
-
-    pub fn url(&self, path: &str) -> String {
-        format!("{}{}", self.base, path)
-    }
-
-    /// The server process's id (`None` once stopped).
-    pub fn pid(&self) -> Option<u32> {
-        self.child.as_ref().map(Child::id)
-    }
-
-    /// SIGKILL: no shutdown code runs.
-    pub fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            c.kill().unwrap();
-            c.wait().unwrap();
-        }
-    }
-
-    /// SIGTERM and wait for the graceful exit.
-    pub fn terminate(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = Command::new("kill")
-                .args(["-TERM", &c.id().to_string()])
-                .status();
-            let t0 = Instant::now();
-            while t0.elapsed() < Duration::from_secs(60) {
-                if c.try_wait().unwrap().is_some() {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+            .envs(env.iter().copied());
+        let s = Serve(Process::spawn(cmd, port, log));
+        s.wait_ready(&reqwest::Client::new(), Duration::from_secs(180))
+            .await;
+        s
     }
 
     /// Sum of a metric's samples whose labels contain all of `labels`.
@@ -326,12 +283,6 @@ impl Serve {
     pub async fn decisions(&self, client: &reqwest::Client) -> u64 {
         self.metric(client, "quantmesh_fallback_decisions_total", &[])
             .await as u64
-    }
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        self.kill();
     }
 }
 
