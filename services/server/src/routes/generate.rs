@@ -165,7 +165,7 @@ async fn prepare(
 }
 
 #[derive(Clone, Copy)]
-enum Endpoint {
+pub(super) enum Endpoint {
     Completions,
     Chat,
 }
@@ -237,43 +237,59 @@ impl Timing {
     }
 }
 
-pub(super) async fn completions(
-    req: HttpRequest,
-    payload: web::Payload,
-    state: web::Data<AppState>,
-) -> Result<HttpResponse, ApiError> {
-    check_api_key(&req, &state)?;
-    let arrived = Instant::now();
-    let permit = admit(&state)?;
-    let r: CompletionRequest = json_body(&req, payload, &state).await?;
-    check_fields(&r.sampling, &r.rest)?;
-    let mut prompts = r.prompt.into_vec();
-    if prompts.len() != 1 {
-        return Err(ApiError::BadRequest(format!(
-            "exactly one prompt per request is supported, got {}",
-            prompts.len()
-        )));
-    }
-    let prompt = prompts.remove(0);
-    let salt = cache_salt(&req, &state, &r.sampling)?;
-    let p = prepare(
-        &state,
-        server_span(&req),
-        &r.sampling,
-        salt,
-        Prompt::Text {
-            text: prompt,
-            add_bos: true,
-        },
-        Endpoint::Completions,
-        permit,
-        arrived,
-    )
-    .await?;
-    respond(state, p, Endpoint::Completions).await
+/// A generation request body as the two endpoints take it.
+pub(super) trait GenerationBody: serde::de::DeserializeOwned {
+    const ENDPOINT: Endpoint;
+    fn sampling(&self) -> &SamplingFields;
+    /// The fields the typed body did not name (refused unless known and harmless).
+    fn rest(&self) -> &serde_json::Map<String, serde_json::Value>;
+    /// The sampling fields and the prompt.
+    fn into_parts(self) -> Result<(SamplingFields, Prompt), ApiError>;
 }
 
-pub(super) async fn chat_completions(
+impl GenerationBody for CompletionRequest {
+    const ENDPOINT: Endpoint = Endpoint::Completions;
+    fn sampling(&self) -> &SamplingFields {
+        &self.sampling
+    }
+    fn rest(&self) -> &serde_json::Map<String, serde_json::Value> {
+        &self.rest
+    }
+    fn into_parts(self) -> Result<(SamplingFields, Prompt), ApiError> {
+        let mut prompts = self.prompt.into_vec();
+        if prompts.len() != 1 {
+            return Err(ApiError::BadRequest(format!(
+                "exactly one prompt per request is supported, got {}",
+                prompts.len()
+            )));
+        }
+        let text = prompts.remove(0);
+        Ok((
+            self.sampling,
+            Prompt::Text {
+                text,
+                add_bos: true,
+            },
+        ))
+    }
+}
+
+impl GenerationBody for ChatRequest {
+    const ENDPOINT: Endpoint = Endpoint::Chat;
+    fn sampling(&self) -> &SamplingFields {
+        &self.sampling
+    }
+    fn rest(&self) -> &serde_json::Map<String, serde_json::Value> {
+        &self.rest
+    }
+    fn into_parts(self) -> Result<(SamplingFields, Prompt), ApiError> {
+        Ok((self.sampling, Prompt::Chat(self.messages)))
+    }
+}
+
+/// `POST /v1/completions` and `POST /v1/chat/completions`: key, admission permit (before the
+/// body is read), the body, its fields, the cache partition, then the engine.
+pub(super) async fn generate<R: GenerationBody>(
     req: HttpRequest,
     payload: web::Payload,
     state: web::Data<AppState>,
@@ -281,21 +297,22 @@ pub(super) async fn chat_completions(
     check_api_key(&req, &state)?;
     let arrived = Instant::now();
     let permit = admit(&state)?;
-    let r: ChatRequest = json_body(&req, payload, &state).await?;
-    check_fields(&r.sampling, &r.rest)?;
-    let salt = cache_salt(&req, &state, &r.sampling)?;
+    let body: R = json_body(&req, payload, &state).await?;
+    check_fields(body.sampling(), body.rest())?;
+    let salt = cache_salt(&req, &state, body.sampling())?;
+    let (sampling, prompt) = body.into_parts()?;
     let p = prepare(
         &state,
         server_span(&req),
-        &r.sampling,
+        &sampling,
         salt,
-        Prompt::Chat(r.messages),
-        Endpoint::Chat,
+        prompt,
+        R::ENDPOINT,
         permit,
         arrived,
     )
     .await?;
-    respond(state, p, Endpoint::Chat).await
+    respond(state, p, R::ENDPOINT).await
 }
 
 /// One choice's events, tagged with its index.

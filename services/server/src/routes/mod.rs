@@ -34,7 +34,7 @@ mod admin;
 mod generate;
 
 use admin::{get_config, get_fallback, get_mask, reload_config, set_fallback};
-use generate::{chat_completions, completions};
+use generate::generate;
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
     cfg.route("/health", web::get().to(health))
@@ -42,8 +42,14 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
         .route("/metrics", web::get().to(metrics))
         .route("/openapi.json", web::get().to(openapi))
         .route("/v1/models", web::get().to(models))
-        .route("/v1/completions", web::post().to(completions))
-        .route("/v1/chat/completions", web::post().to(chat_completions))
+        .route(
+            "/v1/completions",
+            web::post().to(generate::<CompletionRequest>),
+        )
+        .route(
+            "/v1/chat/completions",
+            web::post().to(generate::<ChatRequest>),
+        )
         .route("/admin/mask", web::get().to(get_mask))
         .route("/admin/fallback", web::get().to(get_fallback))
         .route("/admin/fallback", web::post().to(set_fallback))
