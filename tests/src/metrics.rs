@@ -79,27 +79,24 @@ fn value(s: &Sample) -> Option<f64> {
     }
 }
 
-/// The sum of `name`'s samples whose line contains every one of `labels` (substrings of
-/// the sample line, e.g. `"engine-1"` or `outcome="ok"`), from exposition text. Panics when
-/// the text does not declare `name` (`# TYPE name …`).
+/// The sum of `name`'s samples whose labels, written `k="v"`, contain every one of `labels`
+/// (substrings, e.g. `"engine-1"` or `outcome="ok"`), from exposition text. Panics when the
+/// text does not declare `name`.
 pub fn sum_metric(text: &str, name: &str, labels: &[&str]) -> f64 {
-    let declared = text.lines().any(|l| {
-        l.strip_prefix("# TYPE ")
-            .and_then(|r| r.split_whitespace().next())
-            .is_some_and(|n| n == name || n.strip_suffix("_total") == Some(name))
-    });
-    assert!(
-        declared,
-        "the scrape has no metric named {name} (renamed, or never registered?)"
-    );
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|r| r.starts_with('{') || r.starts_with(' '))
+    let scrape = Scrape::parse(text);
+    scrape
+        .samples(name, &[])
+        .filter(|s| {
+            let mut pairs: Vec<String> = s
+                .labels
+                .iter()
+                .map(|(k, v)| format!("{k}=\"{v}\""))
+                .collect();
+            pairs.sort();
+            let written = pairs.join(",");
+            labels.iter().all(|want| written.contains(want))
         })
-        .filter(|l| labels.iter().all(|want| l.contains(want)))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .filter_map(value)
         .sum()
 }
 
@@ -117,6 +114,11 @@ mod tests {
         assert_eq!(s.value("quantmesh_x_total", &[("engine", "c")]), None);
         assert_eq!(s.value("quantmesh_g", &[]), Some(7.0));
         assert_eq!(sum_metric(TEXT, "quantmesh_x_total", &["\"a\""]), 2.0);
+        assert_eq!(
+            sum_metric(TEXT, "quantmesh_x_total", &["engine=\"b\""]),
+            3.0
+        );
+        assert_eq!(sum_metric(TEXT, "quantmesh_x_total", &[]), 5.0);
         assert_eq!(sum_metric(TEXT, "quantmesh_g", &[]), 7.0);
     }
 

@@ -3,82 +3,102 @@
 //! through the real engine with ordinary traffic, and prints what the monitor did against
 //! what was planted.
 
+use quantmesh_engine::backend::SplitActivations;
 use quantmesh_engine::evaluation::{run_case, table, EvalOptions};
 use quantmesh_model::recipe::Recipe;
+use quantmesh_types::PrecisionClass;
+use std::path::PathBuf;
 
-const HELP: &str = "\
-quantmesh-monitor-eval — score the activation monitor on planted-truth checkpoints
+/// Score the activation monitor on planted-truth checkpoints, or report it on a real one.
+#[derive(clap::Parser)]
+#[command(
+    name = "quantmesh-monitor-eval",
+    about = "Score the activation monitor on planted-truth checkpoints (or, with --model, report it on a real checkpoint)",
+    after_help = "Set QUANTMESH_EVAL_VERBOSE=1 to print every group's final statistics."
+)]
+struct Args {
+    /// Models in the family (every third has nothing planted).
+    #[arg(long = "models", default_value_t = 12)]
+    n: usize,
+    /// Family seed.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Ordinary requests per model [default: 200].
+    #[arg(long)]
+    requests: Option<usize>,
+    /// Requests per monitor window [default: 20].
+    #[arg(long)]
+    window: Option<usize>,
+    /// The outlier rule's relative floor [default: the monitor's, 1.0].
+    #[arg(long)]
+    min_excess: Option<f64>,
+    /// The outlier rule's k [default: 4].
+    #[arg(long)]
+    k: Option<f64>,
+    /// Where to write the checkpoints [default: a temporary directory, removed after].
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// Run only model I of the family (0-based).
+    #[arg(long)]
+    only: Option<usize>,
+    /// Instead: serve a real checkpoint (Hugging Face directory or GGUF) with ordinary chat
+    /// traffic and report per-group statistics, fallbacks and KL.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// With --model: also rank every group by its own KL contribution, compare the
+    /// monitor's float set with the oracle's at the same float parameters, and rank the
+    /// groups by their measured harm against the oracle at 5–40 % float.
+    #[arg(long, requires = "model")]
+    oracle: bool,
+    /// Which quantized rows carry split activations: off, copyless or all [default: off for
+    /// the planted family, whose truth is 8-bit activation harm; the engine's default, all,
+    /// for --model].
+    #[arg(long = "split-activations")]
+    split: Option<SplitActivations>,
+    /// Serve every group as this class, each with an exact float copy: w8a8 (the default),
+    /// w4a16 (4-bit weights), w8a8_per_channel or fp16.
+    #[arg(long, value_parser = class)]
+    class: Option<PrecisionClass>,
+}
 
-USAGE: quantmesh-monitor-eval [--models N] [--seed S] [--requests R] [--window W] [--min-excess E] [--k K] [--dir DIR] [--only I]
-       quantmesh-monitor-eval --model DIR [--oracle] [--class C] [--split-activations S] [--requests R] [--window W]
-
-  --models N      models in the family (default 12; every third has nothing planted)
-  --seed S        family seed (default 1)
-  --requests R    ordinary requests per model (default 200)
-  --window W      requests per monitor window (default 20)
-  --min-excess E  the outlier rule's relative floor (default: the monitor's, 1.0)
-  --k K           the outlier rule's k (default 4)
-  --dir DIR       where to write the checkpoints (default: a temporary directory)
-  --only I        run only model I of the family (0-based)
-  --model DIR     instead: serve a real checkpoint (HF directory or GGUF) with ordinary chat
-                  traffic and report per-group statistics, fallbacks and KL
-  --oracle        with --model: also rank every group by its own KL contribution and compare
-                  the monitor's float set with the oracle's at the same float parameters, and
-                  rank the groups by their measured harm against the oracle at 5–40 % float
-  --split-activations off|copyless|all
-                  which quantized rows carry split activations (default: off for the
-                  planted family, whose truth is 8-bit activation harm; the engine's
-                  default, all, for --model)
-  --class C       serve every group as class C (w8a8, the default; or w4a16: 4-bit weights),
-                  each with an exact float copy
-
-Set QUANTMESH_EVAL_VERBOSE=1 to print every group's final statistics.
-";
+fn class(s: &str) -> Result<PrecisionClass, String> {
+    serde_json::from_value(serde_json::Value::String(s.to_string()))
+        .map_err(|_| format!("{s:?} is not w4a16, w8a8, w8a8_per_channel or fp16"))
+}
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let mut n = 12usize;
-    let mut seed = 1u64;
+    let args = <Args as clap::Parser>::parse();
     let mut opts = EvalOptions::default();
-    let mut dir: Option<std::path::PathBuf> = None;
-    let mut only: Option<usize> = None;
-    let mut model: Option<std::path::PathBuf> = None;
-    let mut oracle = false;
-    let mut split_given = false;
-    let mut it = std::env::args().skip(1);
-    while let Some(a) = it.next() {
-        let mut val = || it.next().ok_or_else(|| format!("{a} needs a value"));
-        match a.as_str() {
-            "--models" => n = val()?.parse()?,
-            "--seed" => seed = val()?.parse()?,
-            "--requests" => opts.requests = val()?.parse()?,
-            "--window" => opts.monitor.window_requests = val()?.parse()?,
-            "--min-excess" => opts.monitor.min_excess = val()?.parse()?,
-            "--k" => opts.monitor.k = val()?.parse()?,
-            "--dir" => dir = Some(val()?.into()),
-            "--only" => only = Some(val()?.parse::<usize>()?),
-            "--model" => model = Some(std::path::PathBuf::from(val()?)),
-            "--oracle" => oracle = true,
-            "--split-activations" => {
-                opts.split = val()?.parse()?;
-                split_given = true;
-            }
-            "--class" => {
-                let v = val()?;
-                opts.class =
-                    serde_json::from_value(serde_json::Value::String(v.clone())).map_err(|_| {
-                        format!("--class: {v:?} is not w4a16, w8a8, w8a8_per_channel or fp16")
-                    })?
-            }
-            "-h" | "--help" => {
-                print!("{HELP}");
-                return Ok(());
-            }
-            other => return Err(format!("unknown argument {other:?}\n\n{HELP}").into()),
-        }
+    if let Some(r) = args.requests {
+        opts.requests = r;
+    }
+    if let Some(w) = args.window {
+        opts.monitor.window_requests = w;
+    }
+    if let Some(e) = args.min_excess {
+        opts.monitor.min_excess = e;
+    }
+    if let Some(k) = args.k {
+        opts.monitor.k = k;
+    }
+    if let Some(c) = args.class {
+        opts.class = c;
+    }
+    let (n, seed, dir, only, model, oracle) = (
+        args.n,
+        args.seed,
+        args.dir,
+        args.only,
+        args.model,
+        args.oracle,
+    );
+    let split_given = args.split.is_some();
+    if let Some(s) = args.split {
+        opts.split = s;
     }
     if let Some(m) = model {
         if !split_given {
-            opts.split = quantmesh_engine::backend::SplitActivations::default();
+            opts.split = SplitActivations::default();
         }
         let sys = actix::System::new();
         let text = sys.block_on(quantmesh_engine::evaluation::real_model_report(
