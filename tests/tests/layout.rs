@@ -7,7 +7,10 @@
 //! - every other crate's code reaches the engine only through its `api` module;
 //! - the pre-screen does not depend on the engine at all, and the mesh gateway holds the
 //!   mesh alone (the HTTP server, settings and telemetry are crates of their own);
-//! - no Rust file, code or test, is longer than one reading holds (800 lines).
+//! - no Rust file, code or test, is longer than one reading holds (800 lines);
+//! - the docs point at what exists: every relative link resolves, every repository path they
+//!   name in backticks is a file (paths may be written relative to the section's folder),
+//!   and the README's test command is the one CI runs.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -318,6 +321,108 @@ fn no_source_file_is_longer_than_one_reading() {
     );
 }
 
+/// Every file in the repository (as `git ls-files` lists it, else walked from the root).
+fn repo_files() -> Vec<String> {
+    let out = std::process::Command::new("git")
+        .arg("-C")
+        .arg(root())
+        .args(["ls-files"])
+        .output();
+    match out {
+        Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .map(str::to_string)
+            .collect(),
+        _ => panic!("git ls-files failed in {}", root().display()),
+    }
+}
+
+/// The repository paths a markdown text names: `[..](path)` links and backticked
+/// `dir/file.ext` paths.
+fn named_paths(md: &str) -> (Vec<String>, Vec<String>) {
+    let mut links = Vec::new();
+    for (i, _) in md.match_indices("](") {
+        let rest = &md[i + 2..];
+        let Some(end) = rest.find(')') else { continue };
+        let target = rest[..end].split('#').next().unwrap_or("");
+        if !target.is_empty() && !target.contains("://") && !target.starts_with("mailto:") {
+            links.push(target.to_string());
+        }
+    }
+    let exts = [
+        ".rs", ".md", ".toml", ".yml", ".yaml", ".py", ".sh", ".json", ".jsonl",
+    ];
+    let mut paths = Vec::new();
+    for part in md.split('`').skip(1).step_by(2) {
+        let pathlike = part
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "_-./".contains(c));
+        if pathlike
+            && part.contains('/')
+            && !part.starts_with('/')
+            && exts.iter().any(|e| part.ends_with(e))
+        {
+            paths.push(part.to_string());
+        }
+    }
+    (links, paths)
+}
+
+#[test]
+fn the_docs_point_at_what_exists() {
+    let files = repo_files();
+    let docs: Vec<&String> = files.iter().filter(|f| f.ends_with(".md")).collect();
+    assert!(docs.len() >= 5, "{docs:?}");
+    let mut missing = Vec::new();
+    let mut checked = 0;
+    for doc in docs {
+        let dir = Path::new(doc).parent().unwrap_or(Path::new(""));
+        let (links, paths) = named_paths(&read(&root().join(doc)));
+        for l in links {
+            checked += 1;
+            if !root().join(dir).join(&l).exists() {
+                missing.push(format!("{doc}: link {l}"));
+            }
+        }
+        for p in paths {
+            checked += 1;
+            let found = root().join(&p).exists()
+                || root().join(dir).join(&p).exists()
+                || files.iter().any(|f| f.ends_with(&format!("/{p}")));
+            if !found {
+                missing.push(format!("{doc}: `{p}`"));
+            }
+        }
+    }
+    assert!(checked > 100, "only {checked} references found");
+    assert!(
+        missing.is_empty(),
+        "the docs name what does not exist:\n{}",
+        missing.join("\n")
+    );
+}
+
+#[test]
+fn the_readme_test_command_is_what_ci_runs() {
+    let readme = read(&root().join("README.md"));
+    let quick = readme
+        .split("## Quick start")
+        .nth(1)
+        .and_then(|s| s.split("\n## ").next())
+        .unwrap_or_else(|| panic!("README has no Quick start"));
+    let ci = read(&root().join(".ci/run"));
+    let ci_tests: Vec<&str> = ci
+        .lines()
+        .filter(|l| l.trim_start().starts_with("./scripts/"))
+        .collect();
+    assert_eq!(ci_tests, ["./scripts/test.sh"], "{ci}");
+    assert!(
+        quick.lines().any(|l| l.trim() == "./scripts/test.sh"),
+        "the quick start's test command is not CI's: {quick}"
+    );
+    assert!(quick.contains("cargo run --release -p quantmesh -- serve"));
+}
+
 #[test]
 fn the_rules_see_what_they_check() {
     let mut g = Graph::new();
@@ -347,4 +452,9 @@ fn the_rules_see_what_they_check() {
     assert_eq!(re.get("BLOCK").map(String::as_str), Some("q8"));
     assert_eq!(re.get("Isa").map(String::as_str), Some("isa"));
     assert_eq!(re.get("D").map(String::as_str), Some("a"));
+    let (links, paths) = named_paths(
+        "see [a](docs/x.md#y) and [b](https://e.org), `services/a/b.rs`, `x.rs`, `a b/c.rs`",
+    );
+    assert_eq!(links, ["docs/x.md"]);
+    assert_eq!(paths, ["services/a/b.rs"]);
 }
