@@ -353,6 +353,8 @@ fn named_paths(md: &str) -> (Vec<String>, Vec<String>) {
         ".rs", ".md", ".toml", ".yml", ".yaml", ".py", ".sh", ".json", ".jsonl",
     ];
     let mut paths = Vec::new();
+    // Code fences would shift which pieces are inside backticks.
+    let md = md.replace("```", "");
     for part in md.split('`').skip(1).step_by(2) {
         let pathlike = part
             .chars()
