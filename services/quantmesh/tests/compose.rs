@@ -132,24 +132,7 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
         .find(|(_, r)| *r == "dual")
         .map(|(g, _)| g.clone())
         .expect("the first-load plan keeps some dual groups");
-    let r = client
-        .post(stack.url("/admin/fallback"))
-        .bearer_auth(TOKEN)
-        .json(&serde_json::json!({"group": group, "mode": "float"}))
-        .send()
-        .await
-        .unwrap();
-    let status = r.status();
-    let body: serde_json::Value = r.json().await.unwrap();
-    assert_eq!(status, 200, "{body}");
-    assert!(
-        body["engines"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .all(|e| e["status"] == 200),
-        "{body}"
-    );
+    stack.force(&client, &group, "float").await;
     let events = stack.events(&["--limit", "2", "--idle-timeout", "60s"]);
     assert_eq!(events.len(), 2, "one event per engine: {events:?}");
     for ev in &events {

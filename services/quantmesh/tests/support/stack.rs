@@ -325,6 +325,36 @@ impl Stack {
         super::scrape(client, &self.url("/metrics")).await
     }
 
+    /// An admin forced fallback through the gateway (`mode`: float, int8 or auto), fanned out
+    /// to every engine: the gateway and every engine must answer 200. Returns the gateway's
+    /// answer (one entry per engine under `engines`).
+    pub async fn force(
+        &self,
+        client: &reqwest::Client,
+        group: &str,
+        mode: &str,
+    ) -> serde_json::Value {
+        let r = client
+            .post(self.url("/admin/fallback"))
+            .bearer_auth(TOKEN)
+            .json(&serde_json::json!({"group": group, "mode": mode}))
+            .send()
+            .await
+            .unwrap();
+        let status = r.status();
+        let body: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(status, 200, "{body}");
+        assert!(
+            body["engines"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|e| e["status"] == 200),
+            "{body}"
+        );
+        body
+    }
+
     /// A Prometheus HTTP API answer (published port).
     pub async fn prom(&self, client: &reqwest::Client, path: &str) -> serde_json::Value {
         client
