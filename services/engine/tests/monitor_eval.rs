@@ -2,7 +2,7 @@
 //! planted-truth family 2, which the monitor was not built on — a clean one (f32, three
 //! massive channels), one with one sensitive MLP (f16, hidden 192, six layers), one with two
 //! (bf16 in two shards, four *equal* massive channels) — 200 ordinary requests each. It
-//! guards what the full runs measured (ARCHITECTURE.md's table, where family 11 still shows
+//! guards what the full runs measured (docs/MEASUREMENTS.md's table, where family 11 still shows
 //! heavy-tailed-weight false fallbacks).
 //! The full family is `cargo run --release -p quantmesh-engine --bin quantmesh-monitor-eval`.
 

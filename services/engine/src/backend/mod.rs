@@ -184,7 +184,7 @@ pub enum SplitActivations {
     Copyless,
     /// Every row on the quantized path, the Q8_0 `lm_head` included. The default: with it the first-load plan (0.56× all-f16's bytes)
     /// is closer to the float model than every group dual in f32 (2.4×), on SmolLM2 and on
-    /// the bundled model (ARCHITECTURE.md, "Split activations").
+    /// the bundled model (docs/design/precision.md, "Split activations").
     #[default]
     All,
 }

@@ -11,7 +11,7 @@
 //! monitor's final float set, and of the planted (oracle) set in float.
 //!
 //! The suite's small configuration runs in the test suite; the full one is the
-//! `quantmesh-monitor-eval` binary, whose table is in ARCHITECTURE.md.
+//! `quantmesh-monitor-eval` binary, whose results are in docs/MEASUREMENTS.md.
 
 use crate::api::Engine;
 use crate::backend::cpu::LlamaModel;

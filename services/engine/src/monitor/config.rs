@@ -93,7 +93,7 @@ pub struct GroupOverride {
     pub massive_channels: Vec<usize>,
 }
 
-/// The harm bound's default (see ARCHITECTURE.md, "Activation monitor").
+/// The harm bound's default (see docs/design/monitor.md).
 pub const DEFAULT_MAX_NSR: f64 = 0.01;
 
 impl Default for MonitorConfig {

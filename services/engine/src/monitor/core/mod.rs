@@ -12,7 +12,7 @@
 //!    included; the rule lives in `quantmesh_model::massive`, shared with the pre-screen.
 //!    Only the residual-stream readers (`qkv`, `gate_up`) learn them: learning them in
 //!    `down` too removed the heavy-tailed-weight false fallbacks on one evaluation family
-//!    and added eight on another (measured; see ARCHITECTURE.md), so it stays off.
+//!    and added eight on another (measured; see docs/design/monitor.md), so it stays off.
 //!    Positions in `skip_positions` (default: 0, the attention-sink token) never count.
 //! 2. Warm-up phase B (`warmup_tokens / 2` rows): collect the statistic with exclusions; set
 //!    the running mean to the median and σ to 1.4826 × MAD (robust to the outliers we are

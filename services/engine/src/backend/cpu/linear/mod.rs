@@ -6,7 +6,7 @@
 //! activations quantized once per call to 8 bits — W8A8 with per-block scales, finer than
 //! per-channel — or to 16 bits under split activations, at the same cost), or for `w4a16`
 //! groups 4-bit weights (Q4_K, or Q4_0 where 256 does not divide the input width) on
-//! candle's kernels, which quantize activations to 8 bits (W4A8). See ARCHITECTURE.md, "CPU
+//! candle's kernels, which quantize activations to 8 bits (W4A8). See docs/design/kernels.md, "CPU
 //! kernels and the thread runtime".
 //!
 //! Float form: the checkpoint's values (never dequantized INT8), stored in the engine's
