@@ -27,7 +27,10 @@ trap 'git worktree remove --force "$wt" 2>/dev/null || true' EXIT
 
 build() { # $1 = source dir, $2 = where to copy the binary
   echo "[bench-compare] building the bench in $1" >&2
-  cargo build --quiet --release -p quantmesh-engine --bin quantmesh-engine-bench \
+  # The bench lives in quantmesh-engine-tools (in quantmesh-engine at older revisions).
+  local pkg=quantmesh-engine-tools
+  [ -d "$1/services/engine-tools" ] || pkg=quantmesh-engine
+  cargo build --quiet --release -p "$pkg" --bin quantmesh-engine-bench \
     --manifest-path "$1/Cargo.toml"
   cp "$CARGO_TARGET_DIR/release/quantmesh-engine-bench" "$2"
 }

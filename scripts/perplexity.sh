@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 TOKENS="${1:-1024}"
 TEXT="${2:-/usr/share/common-licenses/GPL-3}"
 MODELS="${QUANTMESH_BENCH_MODELS:-models}"
-cargo build --release --quiet -p quantmesh -p quantmesh-engine --bin quantmesh --bin quantmesh-engine-bench
+cargo build --release --quiet -p quantmesh -p quantmesh-engine-tools --bin quantmesh --bin quantmesh-engine-bench
 target/release/quantmesh model fetch smollm2-135m-instruct --dir "$MODELS" --quiet >/dev/null
 GGUF="$MODELS/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
 target/release/quantmesh-engine-bench --model "$GGUF" --plans dual --batches 1 --prompt-len 16 \

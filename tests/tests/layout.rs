@@ -1,10 +1,13 @@
 //! The workspace's layout rules, checked on its sources:
 //!
-//! - no import circles between the top-level modules of any crate (a module's references
-//!   are its `crate::…` paths outside comments and unit tests; a name the crate root
-//!   re-exports counts as its module);
+//! - crates depend downward only (`LAYERS`; nothing under `shared/` depends on a service);
+//! - no import circles between the files of any crate (`layout/files.rs` says what a
+//!   file's references are), nor between the top-level modules of any crate (a module's
+//!   references are its `crate::…` paths outside comments and unit tests; a name the crate
+//!   root re-exports counts as its module);
 //! - the engine's backend decides nothing about precision and knows nothing of the monitor;
-//! - every other crate's code reaches the engine only through its `api` module;
+//! - every other crate's code reaches the engine only through its `api` module (its own
+//!   measuring tools, `services/engine-tools`, excepted);
 //! - the pre-screen does not depend on the engine at all, and the mesh gateway holds the
 //!   mesh alone (the HTTP server, settings and telemetry are crates of their own);
 //! - no Rust file, code or test, is longer than one reading holds (800 lines);
@@ -14,6 +17,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
+
+#[path = "layout/files.rs"]
+mod files;
 
 type Graph = BTreeMap<String, BTreeSet<String>>;
 
@@ -226,6 +232,29 @@ fn no_import_circles_in_any_crate() {
 }
 
 #[test]
+fn no_import_circles_between_files() {
+    let mut checked = 0;
+    let mut found = Vec::new();
+    for krate in members() {
+        if !krate.join("src").exists() {
+            continue;
+        }
+        let graph = files::file_graph(&krate, &root(), code_of);
+        checked += graph.len();
+        for c in files::circles(&graph) {
+            found.push(c.join(" ↔ "));
+        }
+    }
+    assert!(checked > 120, "only {checked} files found");
+    assert!(
+        found.is_empty(),
+        "{} import circles between files:\n{}",
+        found.len(),
+        found.join("\n")
+    );
+}
+
+#[test]
 fn the_engine_backend_decides_nothing_about_precision() {
     let graph = module_graph(&root().join("services/engine"));
     assert!(graph.contains_key("backend") && graph.contains_key("precision"));
@@ -240,9 +269,13 @@ fn the_engine_backend_decides_nothing_about_precision() {
 
 #[test]
 fn other_crates_use_only_the_engine_api() {
-    let engine = root().join("services/engine");
+    // The engine's own measuring tools (bench, evaluation suite) look inside it on purpose.
+    let inside = [
+        root().join("services/engine"),
+        root().join("services/engine-tools"),
+    ];
     let mut seen = 0;
-    for krate in members().into_iter().filter(|k| *k != engine) {
+    for krate in members().into_iter().filter(|k| !inside.contains(k)) {
         let mut files = Vec::new();
         if krate.join("src").exists() {
             rust_files(&krate.join("src"), &mut files);
@@ -272,6 +305,92 @@ fn dependencies(krate: &str) -> String {
         .and_then(|s| s.split("\n[").next())
         .unwrap_or("")
         .to_string()
+}
+
+/// The workspace's crates from the bottom up: a crate depends (through `[dependencies]`;
+/// tests may reach anywhere) only on crates of a lower layer, and a crate under `shared/`
+/// only on crates under `shared/`.
+const LAYERS: &[&[&str]] = &[
+    &[
+        "quantmesh-types",
+        "quantmesh-kernels",
+        "quantmesh-store",
+        "quantmesh-outbox",
+        "quantmesh-catalog",
+    ],
+    &["quantmesh-model", "quantmesh-kafka"],
+    &["quantmesh-config"],
+    &["quantmesh-settings"],
+    &["quantmesh-telemetry"],
+    &[
+        "quantmesh-engine",
+        "quantmesh-prescreen",
+        "quantmesh-evolution",
+    ],
+    &["quantmesh-server", "quantmesh-engine-tools"],
+    &["quantmesh-gateway"],
+    &["quantmesh"],
+    &["quantmesh-e2e"],
+];
+
+/// A crate's package name and the workspace crates its `[dependencies]` name.
+fn crate_deps(krate: &Path) -> (String, Vec<String>) {
+    let text = read(&krate.join("Cargo.toml"));
+    let name = text
+        .lines()
+        .find_map(|l| l.strip_prefix("name = "))
+        .map(|n| n.trim().trim_matches('"').to_string())
+        .unwrap_or_else(|| panic!("{}: no package name", krate.display()));
+    let deps = text
+        .split("[dependencies]")
+        .nth(1)
+        .and_then(|s| s.split("\n[").next())
+        .unwrap_or("")
+        .lines()
+        .map(|l| {
+            l.trim()
+                .chars()
+                .take_while(|c| c.is_alphanumeric() || *c == '-' || *c == '_')
+                .collect::<String>()
+        })
+        .filter(|d| d == "quantmesh" || d.starts_with("quantmesh-"))
+        .collect();
+    (name, deps)
+}
+
+#[test]
+fn crates_depend_downward_only() {
+    let layer_of = |name: &str| LAYERS.iter().position(|l| l.contains(&name));
+    let mut wrong = Vec::new();
+    let mut shared = BTreeSet::new();
+    let mut all = Vec::new();
+    for krate in members() {
+        let (name, deps) = crate_deps(&krate);
+        if krate.starts_with(root().join("shared")) {
+            shared.insert(name.clone());
+        }
+        all.push((krate, name, deps));
+    }
+    for (krate, name, deps) in &all {
+        let Some(own) = layer_of(name) else {
+            wrong.push(format!("{name} has no layer in LAYERS"));
+            continue;
+        };
+        for d in deps {
+            match layer_of(d) {
+                Some(l) if l < own => {}
+                _ => wrong.push(format!("{name} depends on {d}, which is not below it")),
+            }
+            if shared.contains(name) && !shared.contains(d) {
+                wrong.push(format!(
+                    "{} ({name}) is shared but depends on {d}, a service",
+                    krate.display()
+                ));
+            }
+        }
+    }
+    assert!(all.len() > 10 && shared.len() > 5, "{all:?}");
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }
 
 #[test]
@@ -423,6 +542,61 @@ fn the_readme_test_command_is_what_ci_runs() {
         "the quick start's test command is not CI's: {quick}"
     );
     assert!(quick.contains("cargo run --release -p quantmesh -- serve"));
+}
+
+/// A crate on disk for the file-graph checks.
+fn fixture(files: &[(&str, &str)]) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "quantmesh-layout-{}-{}",
+        std::process::id(),
+        files.len()
+    ));
+    for (path, text) in files {
+        let p = dir.join("src").join(path);
+        std::fs::create_dir_all(p.parent().unwrap_or(&dir)).unwrap_or_else(|e| panic!("{e}"));
+        std::fs::write(&p, text).unwrap_or_else(|e| panic!("{e}"));
+    }
+    dir
+}
+
+#[test]
+fn the_file_graph_sees_parents_children_and_reexports() {
+    // A parent that defines what its child uses and re-exports the child: a circle.
+    let circle = fixture(&[
+        ("lib.rs", "mod a;\npub use a::Thing;"),
+        ("a/mod.rs", "mod b;\npub use b::Thing;\npub struct Shared;"),
+        ("a/b.rs", "use super::Shared;\npub struct Thing(Shared);"),
+    ]);
+    let g = files::file_graph(&circle, &circle, code_of);
+    assert_eq!(files::circles(&g).len(), 1, "{g:#?}");
+    // The same with the shared item in a sibling: no circle, and a name the parent
+    // re-exports leads to the file that defines it.
+    let fixed = fixture(&[
+        ("lib.rs", "mod a;\npub use a::Thing;\nmod c;"),
+        (
+            "a/mod.rs",
+            "mod b;\nmod shared;\npub use b::Thing;\npub use shared::*;",
+        ),
+        ("a/shared.rs", "pub struct Shared;"),
+        (
+            "a/b.rs",
+            "use super::shared::Shared;\npub struct Thing(Shared);",
+        ),
+        (
+            "c.rs",
+            "use crate::a::Shared;\nmod inner { use super::X; }\npub struct X;",
+        ),
+    ]);
+    let g = files::file_graph(&fixed, &fixed, code_of);
+    assert!(files::circles(&g).is_empty(), "{g:#?}");
+    let c = g.iter().find(|(f, _)| f.ends_with("c.rs")).map(|(_, d)| d);
+    assert_eq!(
+        c.map(|d| d.iter().map(|s| s.replace('\\', "/")).collect::<Vec<_>>()),
+        Some(vec!["src/a/shared.rs".to_string()]),
+        "{g:#?}"
+    );
+    let _ = std::fs::remove_dir_all(circle);
+    let _ = std::fs::remove_dir_all(fixed);
 }
 
 #[test]

@@ -21,7 +21,6 @@
 //! * [`reload`] — the config actor (hot reload); [`plan`] — the live plan; [`budget`] —
 //!   the memory budget for float copies.
 //! * [`metrics`] — the engine's Prometheus series, updated where things happen.
-//! * [`evaluation`] — the monitor's evaluation suite on planted-truth checkpoints.
 //! * [`trace`] — request traces with `tracing` alone (phase spans, event `traceparent`s);
 //!   the caller owns the OpenTelemetry exporter.
 
@@ -30,7 +29,6 @@ pub mod backend;
 pub mod budget;
 pub mod config;
 pub mod error;
-pub mod evaluation;
 pub mod events;
 pub mod executor;
 pub mod faults;

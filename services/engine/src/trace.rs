@@ -18,35 +18,9 @@
 //! the decision that made it, so a consumer of the event stream can open its trace.
 //! Without a hook and a request span nothing here creates a span: a branch per request.
 
-use std::sync::Arc;
 use tracing::Span;
 
-/// The `tracing` target of every span and event the engine makes for traces. Log output
-/// leaves it out (spans are for the trace exporter, not the log).
-pub const TARGET: &str = "quantmesh::trace";
-
-type TraceparentOf = dyn Fn(&Span) -> Option<String> + Send + Sync;
-
-/// Turns a span into the W3C `traceparent` of its exported trace (`None` when it is not
-/// exported). Installed by whoever owns the exporter.
-#[derive(Clone)]
-pub struct TraceHook(Arc<TraceparentOf>);
-
-impl TraceHook {
-    pub fn new(f: impl Fn(&Span) -> Option<String> + Send + Sync + 'static) -> Self {
-        Self(Arc::new(f))
-    }
-
-    pub fn traceparent(&self, span: &Span) -> Option<String> {
-        (self.0)(span)
-    }
-}
-
-impl std::fmt::Debug for TraceHook {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("TraceHook")
-    }
-}
+pub use quantmesh_types::trace::{TraceHook, TARGET};
 
 /// A sequence's place in its request's trace: the request's span and the phase span open
 /// now (dropping it ends the phase).

@@ -33,65 +33,10 @@
 use crate::analysis::{Evidence, GroupEvidence};
 use quantmesh_types::sensitive::{GroupEntry, MonitorOverride, ObservedUse};
 use quantmesh_types::{PrecisionClass, Residency, SensitiveLayers};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use std::collections::BTreeMap;
 
-/// Rule parameters (`[evolution.rules]`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct Rules {
-    pub min_windows: u64,
-    pub min_tokens: u64,
-    pub min_kl_samples: u64,
-    pub kl_margin: f64,
-    pub kl_limit_bounds: (f64, f64),
-    pub kl_min_change: f64,
-    pub promote_share: f64,
-    pub float_share: f64,
-    pub demote_kl: f64,
-    pub flap_enters: u64,
-    pub max_trigger: f64,
-}
-
-impl Default for Rules {
-    fn default() -> Self {
-        Self {
-            min_windows: 20,
-            min_tokens: 5_000,
-            min_kl_samples: 200,
-            kl_margin: 1.5,
-            kl_limit_bounds: (0.002, 0.2),
-            kl_min_change: 0.1,
-            promote_share: 0.25,
-            float_share: 0.9,
-            demote_kl: 1e-3,
-            flap_enters: 4,
-            max_trigger: 0.2,
-        }
-    }
-}
-
-impl Rules {
-    pub fn validate(&self) -> Result<(), String> {
-        let (lo, hi) = self.kl_limit_bounds;
-        if !(lo > 0.0 && hi > lo && hi.is_finite()) {
-            return Err("evolution.rules.kl_limit_bounds must be (lo, hi) with 0 < lo < hi".into());
-        }
-        for (n, v) in [
-            ("promote_share", self.promote_share),
-            ("float_share", self.float_share),
-            ("max_trigger", self.max_trigger),
-        ] {
-            if !(0.0..=1.0).contains(&v) {
-                return Err(format!("evolution.rules.{n} = {v}: must be in [0, 1]"));
-            }
-        }
-        if !(self.kl_margin >= 1.0 && self.kl_margin.is_finite()) {
-            return Err("evolution.rules.kl_margin must be ≥ 1".into());
-        }
-        Ok(())
-    }
-}
+pub use quantmesh_settings::evolution::Rules;
 
 /// The engine's values where the plan says nothing (its `[engine.monitor]` defaults).
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -6,12 +6,15 @@
 //! See `metrics` for the exact definitions, `rules` for the classification, `scan` for how
 //! the checkpoint is walked in bounded memory.
 
+mod error;
 pub mod metrics;
 pub mod quant;
 pub mod rules;
 pub mod scan;
 
-use quantmesh_model::{model_shape, Checkpoint, ModelConfig, ModelError, TextTokenizer};
+pub use error::PrescreenError;
+
+use quantmesh_model::{model_shape, Checkpoint, ModelConfig, TextTokenizer};
 use quantmesh_types::sensitive::{CalibrationInfo, Generator, HookThresholds, ModelFingerprint};
 use quantmesh_types::{
     GroupEntry, PrecisionClass, Residency, SensitiveLayers, SENSITIVE_LAYERS_SCHEMA_VERSION,
@@ -19,17 +22,6 @@ use quantmesh_types::{
 use rules::Rules;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-
-#[derive(Debug, thiserror::Error)]
-pub enum PrescreenError {
-    /// Checkpoint problems: the message names the file and the tensor.
-    #[error(transparent)]
-    Model(#[from] ModelError),
-    #[error("calibration: {0}")]
-    Calibration(String),
-    #[error("tensor computation: {0}")]
-    Compute(#[from] candle_core::Error),
-}
 
 /// What to run.
 #[derive(Debug, Clone)]

@@ -6,7 +6,6 @@ use quantmesh_evolution::ingest::{self, IngestOptions};
 use quantmesh_evolution::lake::Lake;
 use quantmesh_evolution::metrics::EvolutionMetrics;
 use quantmesh_evolution::run::{next_run, run_once};
-use quantmesh_evolution::EvolutionSettings;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -76,7 +75,7 @@ pub fn run(args: EvolveArgs) -> anyhow::Result<()> {
     quantmesh_telemetry::init(quantmesh_settings::LogFormat::Text, "info");
     let all = quantmesh_settings::Settings::load(args.config.as_deref())?;
     let mut kafka = all.kafka;
-    let mut s = EvolutionSettings::from_table(all.evolution).map_err(anyhow::Error::msg)?;
+    let mut s = all.evolution.with_env().map_err(anyhow::Error::msg)?;
     if let Some(b) = args.brokers {
         kafka.brokers = b;
     }

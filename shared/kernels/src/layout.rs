@@ -55,7 +55,10 @@ fn quantize_block(x: &[f32], q: &mut [i8]) -> f16 {
 impl PackedQ8 {
     pub(crate) fn empty(rows: usize, cols: usize) -> Result<Self> {
         if !cols.is_multiple_of(BLOCK) || cols == 0 {
-            return Err(KernelError::Width(cols));
+            return Err(KernelError::Width {
+                width: cols,
+                block: BLOCK,
+            });
         }
         let blocks = cols / BLOCK;
         let tiles = rows.div_ceil(TILE_ROWS);

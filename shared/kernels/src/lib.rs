@@ -29,6 +29,7 @@ mod amx;
 mod attention;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+mod error;
 mod f16;
 mod isa;
 mod layout;
@@ -41,20 +42,10 @@ mod swiglu;
 mod x86;
 
 pub use attention::{attention, exp_nonpositive, AttentionShape};
+pub use error::{KernelError, Result};
 pub use f16::f16_matmul;
 pub use isa::Isa;
 pub use layout::{ActBits, Activations, PackedQ8, BLOCK, TILE_ROWS};
 pub use pool::Pool;
 pub use rows::{dequantize_i8, rms_norm, rope, softmax_weights};
 pub use swiglu::swiglu;
-
-/// What a kernel call was given that it cannot work with.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum KernelError {
-    #[error("input width {0} is not a multiple of the block size {BLOCK}")]
-    Width(usize),
-    #[error("shape mismatch: {0}")]
-    Shape(String),
-}
-
-pub type Result<T> = std::result::Result<T, KernelError>;

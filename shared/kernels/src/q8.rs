@@ -136,7 +136,10 @@ impl Activations {
         isa: Isa,
     ) -> Result<()> {
         if !cols.is_multiple_of(BLOCK) || cols == 0 {
-            return Err(KernelError::Width(cols));
+            return Err(KernelError::Width {
+                width: cols,
+                block: BLOCK,
+            });
         }
         if x.len() != rows * cols {
             return Err(KernelError::Shape(format!(

@@ -35,19 +35,19 @@ pub struct ServeFlags {
     /// Most memory the float copies may take: `unlimited`, a share of the INT8 weights
     /// (`10%`) or bytes (`64MiB`) [default: 10% with the first-load plan, else unlimited].
     #[arg(long, env = "QUANTMESH_FLOAT_BUDGET")]
-    pub float_budget: Option<quantmesh_engine::api::FloatBudget>,
+    pub float_budget: Option<quantmesh_types::FloatBudget>,
     /// Quantized-path rows whose activations carry ≈ 16 bits (no extra memory; on Q8_0
     /// weights at the speed of 8-bit ones, on 4-bit weights as two 8-bit parts, twice the
     /// rows): `all` [default] (INT8 weights and the Q8_0 lm_head served W8A16: on SmolLM2 the
     /// first-load plan's median KL to float falls to 0.4x of `off`'s), `copyless` (rows that
     /// want float in a group without a float copy) or `off` (plain W8A8).
     #[arg(long, env = "QUANTMESH_SPLIT_ACTIVATIONS")]
-    pub split_activations: Option<quantmesh_engine::api::SplitActivations>,
+    pub split_activations: Option<quantmesh_config::SplitActivations>,
     /// How the token embedding and lm_head are stored: `auto` [default] (f16 when their
     /// bytes beyond Q8_0 fit in the float budget, which serves them first; else q8_0),
     /// `q8_0`, `f16` or `f32` (16-bit tables are charged to the float budget).
     #[arg(long, env = "QUANTMESH_EMBEDDINGS")]
-    pub embeddings: Option<quantmesh_engine::api::EmbeddingDtype>,
+    pub embeddings: Option<quantmesh_config::EmbeddingDtype>,
     /// sensitive_layers.json to serve with: a path, or an object-store URL (file://; s3://,
     /// gs://, az:// in builds with `--features cloud`). Polled for changes and applied
     /// without restart; SIGHUP or `POST /admin/config/reload` reloads at once.

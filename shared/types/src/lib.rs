@@ -8,6 +8,7 @@ pub mod events;
 pub mod generation;
 pub mod precision;
 pub mod sensitive;
+pub mod trace;
 
 pub use budget::FloatBudget;
 pub use events::{now_ms, wire_name};

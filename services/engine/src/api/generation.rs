@@ -1,7 +1,14 @@
 //! One answer's stream: text, token ids and log-probabilities as they are produced; dropping
 //! it cancels the request.
 
-use super::*;
+use crate::kv::SeqId;
+use crate::sched::Cancel;
+use crate::sched::{SchedulerActor, SeqEvent};
+use actix::prelude::*;
+use quantmesh_model::{IncrementalDecoder, TextTokenizer};
+use quantmesh_types::{FinishReason, TokenLogprobs, Usage};
+use std::sync::Arc;
+use tokio::sync::mpsc;
 
 /// One item of a generation stream.
 #[derive(Debug, Clone, PartialEq)]

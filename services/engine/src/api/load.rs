@@ -1,6 +1,16 @@
 //! Loading: the model, its tokenizer and the plan it starts with, from disk.
 
-use super::*;
+use crate::backend::cpu::reference::ReferenceWeights;
+use crate::backend::cpu::LlamaModel;
+use crate::backend::Backend;
+use crate::config::EngineConfig;
+use crate::error::EngineError;
+use crate::error::Result;
+use crate::plan::{resolve, LivePlan};
+use quantmesh_model::ModelConfig;
+use quantmesh_model::{model_shape, Checkpoint, ModelFiles, TextTokenizer};
+use quantmesh_types::{GroupId, GroupKind, ModelShape, Residency, SensitiveLayers};
+use std::path::Path;
 
 /// What [`load_parts`] produces.
 pub struct LoadedParts {

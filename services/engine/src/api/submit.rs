@@ -1,7 +1,17 @@
 //! Admission: a request checked (every check of a request lives here), its prompt
 //! tokenized, its sequences queued.
 
-use super::*;
+use super::generation::Generation;
+use super::handle::*;
+use crate::error::EngineError;
+use crate::error::Result;
+use crate::kv::SeqId;
+use crate::request::{GenerateRequest, Prompt};
+use crate::sched::Submit;
+use crate::sched::{Sequence, SubmitError};
+use quantmesh_types::SamplingParams;
+use std::sync::atomic::Ordering;
+use tokio::sync::mpsc;
 
 impl Engine {
     /// Validate a request, tokenize its prompt and queue it. The returned [`Generation`]

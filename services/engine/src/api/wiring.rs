@@ -1,8 +1,38 @@
 //! Starting an engine: the plan read, the model loaded off the reactor, the actors started
 //! with the handles they share.
 
+use super::handle::*;
 use super::load::log_plan;
-use super::*;
+use super::load::{load_parts, LoadedParts};
+use crate::backend::Backend;
+use crate::backend::SplitActivations;
+use crate::config::EngineConfig;
+use crate::error::EngineError;
+use crate::error::Result;
+use crate::events::EventSink;
+use crate::events::{ChannelSink, LogSink};
+use crate::executor::{ExecutorActor, ExecutorState};
+use crate::kv::{BlockManager, KvCache};
+use crate::metrics::EngineMetrics;
+use crate::monitor::MonitorReport;
+use crate::monitor::{Monitor, MonitorActor};
+use crate::plan::LivePlan;
+use crate::precision::{MaskHandle, StepRunner};
+use crate::reload::ConfigStatus;
+use crate::reload::{ConfigActor, Reloader, ReloaderParts};
+use crate::sched::{Scheduler, SchedulerActor, SchedulerLimits, SchedulerParts};
+use crate::stats::EngineStats;
+use crate::stats::StatsCell;
+use crate::tokenize::TokenizerActor;
+use crate::trace::TraceHook;
+use actix::prelude::*;
+use quantmesh_model::ModelConfig;
+use quantmesh_store::{Location, StoreError};
+use quantmesh_types::{GroupId, GroupKind, Residency};
+use std::path::Path;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 /// Where the engine's model came from, for the handle and the config actor.
 struct Origin<'a> {

@@ -167,57 +167,14 @@ impl ColumnError {
     }
 }
 
-/// Which rows on the quantized path carry their activations to ≈ 16 bits (W8A16): the
-/// weights' quantization error stays, the activations' goes, no extra memory
-/// (`engine.split_activations`). On Q8_0 weights the kernel quantizes such rows to 16 bits
-/// in the same single pass as 8-bit ones; on candle's 4-bit kernels a row is split into two
-/// 8-bit parts (the kernel's own quantization and its remainder) run as twice the rows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum SplitActivations {
-    /// None: the plain W8A8 kernel everywhere (on Q8_0 as fast as `all`; on 4-bit groups
-    /// about twice as fast); rows that want float in a group without a float copy are only
-    /// counted as "wanted fallback, unavailable".
-    Off,
-    /// Rows that want float in a group without a float copy (INT8-only, e.g. over the float
-    /// budget): a fallback that costs no memory.
-    Copyless,
-    /// Every row on the quantized path, the Q8_0 `lm_head` included. The default: with it the first-load plan (0.56× all-f16's bytes)
-    /// is closer to the float model than every group dual in f32 (2.4×), on SmolLM2 and on
-    /// the bundled model (docs/design/precision.md, "Split activations").
-    #[default]
-    All,
-}
+pub use quantmesh_config::{EmbeddingDtype, FloatDtype, Forms, SplitActivations};
 
-impl std::str::FromStr for SplitActivations {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "off" => Ok(SplitActivations::Off),
-            "copyless" => Ok(SplitActivations::Copyless),
-            "all" => Ok(SplitActivations::All),
-            other => Err(format!("{other:?} is not off, copyless or all")),
-        }
-    }
-}
-
-impl SplitActivations {
-    /// Whether a row on the quantized path is split: `wanted_float` when it asked for the
-    /// float path in a group without a float copy.
-    pub fn splits(self, wanted_float: bool) -> bool {
-        match self {
-            SplitActivations::Off => false,
-            SplitActivations::Copyless => wanted_float,
-            SplitActivations::All => true,
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            SplitActivations::Off => "off",
-            SplitActivations::Copyless => "copyless",
-            SplitActivations::All => "all",
-        }
+/// The candle dtype a float copy is stored in.
+pub fn candle_dtype(f: FloatDtype) -> DType {
+    match f {
+        FloatDtype::F16 => DType::F16,
+        FloatDtype::Bf16 => DType::BF16,
+        FloatDtype::F32 => DType::F32,
     }
 }
 
@@ -240,44 +197,6 @@ pub trait Router {
 #[derive(Debug, Clone, Default)]
 pub struct PassOutput {
     pub logits: Vec<(SeqId, Vec<f32>)>,
-}
-
-/// How float copies are stored; the float path computes in this dtype (f32 in and out).
-/// 16-bit halves the memory of a float copy. Measured on the CPU backend
-/// (`quantmesh-engine-bench --float-dtypes`): f16 0.75–0.97× the f32 time at batch 1, 2–4× at
-/// batch 8–32; bf16 slower still.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum FloatDtype {
-    #[default]
-    F16,
-    Bf16,
-    F32,
-}
-
-impl FloatDtype {
-    pub fn dtype(self) -> DType {
-        match self {
-            FloatDtype::F16 => DType::F16,
-            FloatDtype::Bf16 => DType::BF16,
-            FloatDtype::F32 => DType::F32,
-        }
-    }
-
-    pub fn bytes(self) -> usize {
-        match self {
-            FloatDtype::F16 | FloatDtype::Bf16 => 2,
-            FloatDtype::F32 => 4,
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FloatDtype::F16 => "f16",
-            FloatDtype::Bf16 => "bf16",
-            FloatDtype::F32 => "f32",
-        }
-    }
 }
 
 /// How a linear group's quantized form stores its weights — the form the plan and the
@@ -370,77 +289,6 @@ impl GroupForm {
             quant: QuantFormat::Q8_0,
         }
     }
-}
-
-/// How the vocabulary tables (token embedding, `lm_head`) are stored.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum EmbeddingDtype {
-    /// 8 bits with a scale per 32 values (llama.cpp's usual output format).
-    #[default]
-    #[serde(rename = "q8_0")]
-    Q8_0,
-    F16,
-    F32,
-    /// A setting, not a form (`engine.embeddings`, the default): f16 when the tables' bytes
-    /// beyond Q8_0 fit in the float budget (they are served first), else Q8_0. The plan
-    /// resolves it (`plan::resolve`) before anything is loaded.
-    Auto,
-}
-
-impl EmbeddingDtype {
-    /// Bytes of `values` table values in this form (Q8_0 by [`QuantFormat::bytes`]; `None`
-    /// for `Auto`, which is not a form).
-    pub fn bytes(self, values: usize) -> Option<usize> {
-        match self {
-            EmbeddingDtype::Q8_0 => Some(QuantFormat::Q8_0.bytes(values)),
-            EmbeddingDtype::F16 => Some(2 * values),
-            EmbeddingDtype::F32 => Some(4 * values),
-            EmbeddingDtype::Auto => None,
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            EmbeddingDtype::Q8_0 => "q8_0",
-            EmbeddingDtype::F16 => "f16",
-            EmbeddingDtype::F32 => "f32",
-            EmbeddingDtype::Auto => "auto",
-        }
-    }
-}
-
-impl std::str::FromStr for EmbeddingDtype {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "q8_0" => Ok(EmbeddingDtype::Q8_0),
-            "f16" => Ok(EmbeddingDtype::F16),
-            "f32" => Ok(EmbeddingDtype::F32),
-            "auto" => Ok(EmbeddingDtype::Auto),
-            other => Err(format!("{other:?} is not auto, q8_0, f16 or f32")),
-        }
-    }
-}
-
-/// How a backend stores what the precision plan does not decide.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Forms {
-    /// Float copies of linear groups.
-    pub float: FloatDtype,
-    /// Token embedding and `lm_head`.
-    pub embeddings: EmbeddingDtype,
-    /// Which quantized-path rows run with split activations.
-    pub split: SplitActivations,
-}
-
-impl Forms {
-    /// f32 everywhere: the exact reference the tests and benchmarks compare against.
-    pub const EXACT: Forms = Forms {
-        float: FloatDtype::F32,
-        embeddings: EmbeddingDtype::F32,
-        split: SplitActivations::Off,
-    };
 }
 
 /// Resident weight bytes by form.

@@ -2,7 +2,7 @@
 //! bounded queue) and checks its `/ready` on a timer. The router reads the engine's state
 //! from the shared [`EngineView`].
 
-use crate::mesh::route::MeshMetrics;
+use crate::mesh::metrics::MeshMetrics;
 use actix::prelude::*;
 use bytes::Bytes;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};

@@ -2,7 +2,8 @@
 
 use crate::mesh::client::{EngineView, Forward, InFlight};
 use crate::mesh::discovery::{system_resolver, Discovery, EngineEntry};
-use crate::mesh::route::{affinity_key, ClientTemplate, Mesh, MeshMetrics, NoEngine};
+use crate::mesh::metrics::MeshMetrics;
+use crate::mesh::route::{affinity_key, ClientTemplate, Mesh, NoEngine};
 use actix::Actor;
 use actix_web::http::StatusCode;
 use actix_web::{web, App, HttpMessage, HttpRequest, HttpResponse, HttpServer};

@@ -23,6 +23,7 @@
 pub mod client;
 pub mod discovery;
 pub mod http;
+pub mod metrics;
 pub mod route;
 
 pub use quantmesh_settings::mesh::{MeshSettings, Routing};

@@ -1,7 +1,14 @@
 //! The admin routes (admin token): the live mask, the monitor's state, forced fallbacks,
 //! the plan in force and its reload.
 
-use super::*;
+use super::door::*;
+use crate::error::ApiError;
+use crate::state::AppState;
+use actix_web::http::StatusCode;
+use actix_web::{web, HttpRequest, HttpResponse};
+use quantmesh_engine::api::{ForceMode, ReloadOutcome};
+use quantmesh_types::GroupId;
+use serde_json::json;
 
 pub(super) async fn get_mask(
     req: HttpRequest,

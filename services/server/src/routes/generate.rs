@@ -1,7 +1,26 @@
 //! Completions and chat completions: the request's fields checked and translated, the
 //! prompt prepared, the answers streamed (SSE) or gathered, their usage and timings noted.
 
-use super::*;
+use super::door::*;
+use crate::auth::bearer;
+use crate::error::ApiError;
+use crate::logprobs;
+use crate::openai::{
+    positive_f32, AssistantMessage, ChatChoice, ChatCompletionResponse, ChatRequest,
+    CompletionChoice, CompletionRequest, CompletionResponse, FinishReasonBody, SamplingFields,
+    UsageBody,
+};
+use crate::request_trace::{GenerationTrace, ServerSpan};
+use crate::state::AppState;
+use actix_web::{web, HttpRequest, HttpResponse};
+use bytes::Bytes;
+use futures::StreamExt;
+use quantmesh_engine::api::{GenerateRequest, Generation, GenerationEvent, Prompt};
+use quantmesh_settings::PrefixCacheIsolation;
+use quantmesh_types::{FinishReason, SamplingParams};
+use serde_json::json;
+use std::time::Instant;
+use tokio::sync::OwnedSemaphorePermit;
 
 /// Refuse what the request asks for and the server would not do; note the end user as a
 /// hash (never the raw identifier).

@@ -66,7 +66,7 @@ impl ReferenceWeights {
         }
         let w = GroupWeights::load(&self.ck, &self.cfg, g)?
             .weight
-            .to_dtype(self.dtype.dtype())?;
+            .to_dtype(crate::backend::candle_dtype(self.dtype))?;
         held.reads += 1;
         let bytes = w.elem_count() * w.dtype().size_in_bytes();
         if held.bytes + bytes <= self.capacity {

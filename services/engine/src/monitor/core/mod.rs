@@ -45,9 +45,10 @@
 //! the same per token: rows routed to float at `down` get their `gate_up` recomputed in
 //! float first.
 
+mod evidence;
 mod window;
 
-use window::WindowEvidence;
+use evidence::WindowEvidence;
 
 use crate::backend::ColumnError;
 use crate::kv::SeqId;
@@ -56,8 +57,8 @@ use crate::precision::{DetectorParams, GroupDetector, PathMask, StepOutput};
 use quantmesh_model::massive::MassiveCounter;
 use quantmesh_types::{
     now_ms, wire_name, FallbackAction, FallbackEvent, FallbackReason, Granularity, GroupId,
-    KlReference, Residency, WindowEvent, WindowGroup, FALLBACK_EVENT_SCHEMA_VERSION,
-    MAX_WINDOW_KL_SAMPLES, WINDOW_EVENT_SCHEMA_VERSION,
+    Residency, WindowEvent, WindowGroup, FALLBACK_EVENT_SCHEMA_VERSION,
+    WINDOW_EVENT_SCHEMA_VERSION,
 };
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashSet};

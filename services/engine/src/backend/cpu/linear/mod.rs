@@ -313,7 +313,7 @@ impl DualLinear {
             .map(|k| k.column_error(&weight).map(Arc::new))
             .transpose()?;
         let float = if residency.has_float() {
-            Some(weight.to_dtype(float_dtype.dtype())?)
+            Some(weight.to_dtype(crate::backend::candle_dtype(float_dtype))?)
         } else {
             None
         };

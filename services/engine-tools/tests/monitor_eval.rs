@@ -4,11 +4,11 @@
 //! (bf16 in two shards, four *equal* massive channels) — 200 ordinary requests each. It
 //! guards what the full runs measured (docs/MEASUREMENTS.md's table, where family 11 still shows
 //! heavy-tailed-weight false fallbacks).
-//! The full family is `cargo run --release -p quantmesh-engine --bin quantmesh-monitor-eval`.
+//! The full family is `cargo run --release -p quantmesh-engine-tools --bin quantmesh-monitor-eval`.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use quantmesh_engine::evaluation::{run_case, table, EvalOptions};
+use quantmesh_engine_tools::{run_case, table, EvalOptions};
 use quantmesh_model::recipe::Recipe;
 
 #[actix_rt::test]

@@ -1,7 +1,18 @@
 //! Teacher-forced runs: a scratch KV cache, one step per token over a text, and the
 //! next-token KL of a plan to the exact float reference.
 
-use super::*;
+use quantmesh_engine::backend::cpu::LlamaModel;
+use quantmesh_engine::backend::{
+    EmbeddingDtype, FloatDtype, Forms, GroupForm, QuantFormat, SeqChunk, SplitActivations,
+    StepInput,
+};
+use quantmesh_engine::error::{EngineError, Result};
+use quantmesh_engine::kv::{BlockManager, KvCache, KvFloatDtype, KvScale};
+use quantmesh_engine::precision::{PathMask, StepRunner};
+use quantmesh_model::bundled::ORDINARY_TEXT;
+use quantmesh_model::{ModelConfig, TextTokenizer};
+use quantmesh_types::{GroupId, PrecisionClass, Residency};
+use std::path::Path;
 
 /// An empty KV cache (f16 float pages, the default C8 scale) and its block manager: `pages`
 /// pages of `page` tokens.
@@ -78,7 +89,10 @@ impl Reference {
         let ck = quantmesh_model::Checkpoint::open(dir)?;
         let form = |g: GroupId| GroupForm {
             residency: Residency::Dual,
-            quant: QuantFormat::for_class(class, crate::plan::group_in_dim(&cfg, g.kind)),
+            quant: QuantFormat::for_class(
+                class,
+                quantmesh_engine::plan::group_in_dim(&cfg, g.kind),
+            ),
         };
         let forms = Forms {
             float: FloatDtype::F32,
@@ -118,7 +132,7 @@ impl Reference {
 /// Summed next-token KL(P_float-only ‖ P_mask) for each mask over `texts` (token ids), and
 /// the number of positions summed (see [`teacher_forced_on`]).
 pub fn teacher_forced_kl_on(
-    model: &dyn crate::backend::Backend,
+    model: &dyn quantmesh_engine::backend::Backend,
     cfg: &ModelConfig,
     texts: &[Vec<u32>],
     masks: &[PathMask],
@@ -151,7 +165,7 @@ impl TeacherForced {
 /// sequences, as the engine serves them), once all-float (the reference) and once per mask:
 /// each position's KL to the reference and each mask's likelihood of the actual next token.
 pub fn teacher_forced_on(
-    model: &dyn crate::backend::Backend,
+    model: &dyn quantmesh_engine::backend::Backend,
     cfg: &ModelConfig,
     texts: &[Vec<u32>],
     masks: &[PathMask],

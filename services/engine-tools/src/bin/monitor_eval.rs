@@ -1,10 +1,10 @@
 //! `quantmesh-monitor-eval`: the monitor's evaluation suite (see
-//! `quantmesh_engine::evaluation`). Writes a family of planted-truth checkpoints, serves each
+//! `quantmesh_engine_tools`). Writes a family of planted-truth checkpoints, serves each
 //! through the real engine with ordinary traffic, and prints what the monitor did against
 //! what was planted.
 
 use quantmesh_engine::backend::SplitActivations;
-use quantmesh_engine::evaluation::{run_case, table, EvalOptions};
+use quantmesh_engine_tools::{run_case, table, EvalOptions};
 use quantmesh_model::recipe::Recipe;
 use quantmesh_types::PrecisionClass;
 use std::path::PathBuf;
@@ -101,9 +101,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             opts.split = SplitActivations::default();
         }
         let sys = actix::System::new();
-        let text = sys.block_on(quantmesh_engine::evaluation::real_model_report(
-            &m, &opts, oracle,
-        ))?;
+        let text = sys.block_on(quantmesh_engine_tools::real_model_report(&m, &opts, oracle))?;
         println!("Monitor on {} (no planted truth):\n\n{text}", m.display());
         return Ok(());
     }

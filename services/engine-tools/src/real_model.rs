@@ -1,8 +1,15 @@
 //! The monitor on a real checkpoint: its report, the oracle at the same float bytes, and
 //! each group's measured harm against the rankings that predict it.
 
-use super::teacher::teacher_forced_logits;
-use super::*;
+use crate::serve::{observe, EvalOptions, Observed};
+use crate::teacher::*;
+use quantmesh_engine::backend::cpu::LlamaModel;
+use quantmesh_engine::backend::{Backend, RowPath};
+use quantmesh_engine::error::{EngineError, Result};
+use quantmesh_engine::precision::PathMask;
+use quantmesh_types::{GroupId, GroupKind};
+use std::collections::BTreeSet;
+use std::path::Path;
 
 /// The monitor on a real checkpoint (no planted truth): serve `dir` with ordinary chat
 /// traffic and report, as markdown, every group's statistic and outlier rate, the massive
@@ -165,7 +172,7 @@ pub fn oracle_at_same_bytes(r: &Reference, chosen: &BTreeSet<GroupId>) -> Result
         .map(|(g, k)| (*g, kl_quantized - k))
         .collect();
     gain.sort_by(|a, b| b.1.total_cmp(&a.1));
-    let params = |g: &GroupId| crate::plan::group_params(cfg, g.kind);
+    let params = |g: &GroupId| quantmesh_engine::plan::group_params(cfg, g.kind);
     let total: usize = groups.iter().map(params).sum();
     // Groups in `order` until `budget` parameters are used (a group that would overflow is
     // skipped, a smaller one after it may still fit).
@@ -309,7 +316,7 @@ fn spearman(a: &[GroupId], b: &[GroupId]) -> f64 {
 }
 
 /// One group's measured harm on traffic: what its quantized weights do to the inputs it
-/// actually sees ([`crate::backend::ColumnError`]).
+/// actually sees ([`quantmesh_engine::backend::ColumnError`]).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct GroupHarm {
     /// Output noise-to-signal ratio for the traffic's mean input power per channel.
@@ -342,7 +349,7 @@ pub fn harm_by_group(
         rows: Vec<(u64, usize)>,
         acc: std::collections::BTreeMap<GroupId, Acc>,
     }
-    impl crate::backend::Router for PowerProbe<'_> {
+    impl quantmesh_engine::backend::Router for PowerProbe<'_> {
         fn route(&mut self, g: GroupId, input: &candle_core::Tensor) -> Result<RowPath> {
             let Some(ce) = self.model.column_error(g) else {
                 return Ok(RowPath::AllInt8);
@@ -370,7 +377,7 @@ pub fn harm_by_group(
         fn kv_int8(&self, _layer: usize) -> bool {
             true
         }
-        fn record(&mut self, _g: GroupId, _o: crate::backend::GroupOutcome) {}
+        fn record(&mut self, _g: GroupId, _o: quantmesh_engine::backend::GroupOutcome) {}
     }
     let mut probe = PowerProbe {
         model: &r.model,

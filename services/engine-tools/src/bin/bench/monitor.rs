@@ -1,6 +1,12 @@
 //! The monitor's sections: perplexity under the plan it reaches, its overhead and quality.
 
-use super::*;
+use crate::args::*;
+use crate::steps::*;
+use quantmesh_engine::backend::cpu::LlamaModel;
+use quantmesh_engine::precision::{PathMask, StepRunner};
+use quantmesh_model::ModelConfig;
+use quantmesh_types::Residency;
+use std::time::Instant;
 
 /// Perplexity of `text` (its first `max_tokens` tokens, windows of 256, teacher-forced one
 /// token per step) on the float plan, INT8 only, and the plan the activation monitor
@@ -315,8 +321,7 @@ pub(crate) fn monitor_section(
         .map(|p| tok.encode(p, true))
         .collect::<Result<Vec<_>, _>>()?;
     let masks: Vec<PathMask> = quality.iter().map(|(_, m)| (*m).clone()).collect();
-    let (sums, n) =
-        quantmesh_engine::evaluation::teacher_forced_kl_on(&model, cfg, &texts, &masks)?;
+    let (sums, n) = quantmesh_engine_tools::teacher_forced_kl_on(&model, cfg, &texts, &masks)?;
     println!();
     println!("Quality: mean next-token KL(P_float-only ‖ P) over {} prompts, {n} positions (teacher-forced):", quantmesh_model::bundled::SAMPLE_PROMPTS.len());
     println!();

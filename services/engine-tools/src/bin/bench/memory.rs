@@ -1,7 +1,15 @@
 //! The memory table (resident bytes, RSS, speed and quality per configuration) and the
 //! shadow pass's cost.
 
-use super::*;
+use crate::args::*;
+use crate::formats::{teacher_forced, KlSummary};
+use crate::steps::*;
+use quantmesh_engine::backend::cpu::LlamaModel;
+use quantmesh_engine::backend::{Backend, FloatDtype};
+use quantmesh_engine::precision::{PathMask, StepRunner};
+use quantmesh_model::ModelConfig;
+use quantmesh_types::Residency;
+use std::time::Instant;
 
 pub(crate) fn rss_mib(key: &str) -> Option<f64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;

@@ -1,7 +1,13 @@
 //! Storage forms compared: float-copy dtypes, the 4-bit candidates against Q8_0, and the
 //! teacher-forced KL / perplexity runs they are scored with.
 
-use super::*;
+use crate::steps::*;
+use quantmesh_engine::backend::cpu::LlamaModel;
+use quantmesh_engine::backend::Backend;
+use quantmesh_engine::precision::{PathMask, StepRunner};
+use quantmesh_model::ModelConfig;
+use quantmesh_types::Residency;
+use std::time::Instant;
 
 /// How fast and how exact a float copy is in each storage dtype, on this model's group
 /// shapes: the float path casts its input to the weight's dtype, multiplies with candle's

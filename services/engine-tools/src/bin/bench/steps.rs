@@ -1,0 +1,87 @@
+//! Steps driven by hand on a backend: scratch caches, batches admitted, a step for given
+//! sequences, the monitor watching served traffic.
+
+use quantmesh_engine::backend::cpu::LlamaModel;
+use quantmesh_engine::backend::StepInput;
+use quantmesh_engine::kv::{BlockManager, KvCache, KvScale};
+use quantmesh_engine::precision::{PathMask, StepRunner};
+use quantmesh_model::ModelConfig;
+use quantmesh_types::Residency;
+
+/// C8 scales of every cache the bench makes (`--kv-scale`; set once at start).
+pub(crate) static KV_SCALE: std::sync::OnceLock<KvScale> = std::sync::OnceLock::new();
+
+pub(crate) fn cache(cfg: &ModelConfig, pages: usize, page: usize) -> (KvCache, BlockManager) {
+    let scale = KV_SCALE.get().copied().unwrap_or_default();
+    quantmesh_engine_tools::scratch_cache_with(cfg, pages, page, scale)
+}
+
+/// `b` synthetic prompts of printable tokens, admitted with room for `decode_steps` more.
+pub(crate) fn admit_batch(
+    bm: &mut BlockManager,
+    b: usize,
+    prompt_len: usize,
+    decode_steps: usize,
+) -> Result<Vec<(u64, Vec<u32>)>, String> {
+    let prompts: Vec<(u64, Vec<u32>)> = (0..b as u64)
+        .map(|i| {
+            (
+                i,
+                (0..prompt_len as u32)
+                    .map(|t| 32 + (t * 7 + i as u32) % 90)
+                    .collect(),
+            )
+        })
+        .collect();
+    for (id, p) in &prompts {
+        bm.admit(*id, p, decode_steps).map_err(|e| e.to_string())?;
+    }
+    Ok(prompts)
+}
+
+pub(crate) fn step_for(bm: &mut BlockManager, seqs: &[(u64, Vec<u32>)]) -> StepInput {
+    quantmesh_engine_tools::step_for(bm, seqs).expect("reserved")
+}
+
+/// Run the activation monitor over `requests` (each its own sequence, `rounds` times, every
+/// group dual-resident) as served traffic; returns it and the mask it publishes.
+pub(crate) fn watch(
+    model: &LlamaModel,
+    cfg: &ModelConfig,
+    mcfg: quantmesh_engine::monitor::MonitorConfig,
+    requests: &[Vec<u32>],
+    rounds: u64,
+) -> Result<(quantmesh_engine::monitor::Monitor, PathMask), Box<dyn std::error::Error>> {
+    use quantmesh_types::{GroupId, GroupKind};
+    let residencies: Vec<(GroupId, Residency)> = (0..cfg.num_hidden_layers)
+        .flat_map(|l| GroupKind::ALL.map(|k| (GroupId::new(l, k), Residency::Dual)))
+        .collect();
+    let mut monitor = quantmesh_engine::monitor::Monitor::new(mcfg, "bench", &residencies);
+    // The harm test's column errors, as the engine gives them (the model here runs plain
+    // W8A8 rows, so activation spikes count too: the monitor's default).
+    monitor.set_column_errors(residencies.iter().map(|(g, _)| {
+        (
+            *g,
+            quantmesh_engine::backend::Backend::column_error(model, *g),
+        )
+    }));
+    let mut runner = StepRunner::default();
+    let page = 16;
+    for round in 0..rounds {
+        for (i, ids) in requests.iter().enumerate() {
+            let mut mask = PathMask::default();
+            monitor.apply_to(&mut mask);
+            let pages = ids.len().div_ceil(page) + 1;
+            let (mut kv, mut bm) = cache(cfg, pages, page);
+            let id = round * 1_000_000 + i as u64;
+            bm.admit(id, &[], ids.len()).map_err(|e| e.to_string())?;
+            let step = step_for(&mut bm, &[(id, ids.clone())]);
+            let out = runner.run(model, &step, &mask, &mut kv, true)?;
+            monitor.observe(&out);
+            monitor.requests_finished(&[id]);
+        }
+    }
+    let mut mask = PathMask::default();
+    monitor.apply_to(&mut mask);
+    Ok((monitor, mask))
+}

@@ -1,0 +1,15 @@
+//! Why a pre-screen run failed.
+
+use quantmesh_model::ModelError;
+
+/// Why a pre-screen run failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PrescreenError {
+    /// Checkpoint problems: the message names the file and the tensor.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error("calibration: {0}")]
+    Calibration(String),
+    #[error("tensor computation: {0}")]
+    Compute(#[from] candle_core::Error),
+}
