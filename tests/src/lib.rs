@@ -1,10 +1,12 @@
 //! quantmesh's test kit, shared by every end-to-end test (this crate's and the `quantmesh`
 //! binary's): one wait on a condition, one metrics scraper that fails on a missing series,
 //! one server-process builder, the real parts (tansu broker, Prometheus, free ports), one SSE
-//! parser, the admin API's JSON reads.
+//! parser, the admin API's JSON reads, and a stand-in for a git forge's REST API
+//! (`forge_stub`, where no real forge can be installed).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed step fails the test
 
+pub mod forge_stub;
 pub mod metrics;
 pub mod parts;
 pub mod process;

@@ -6,8 +6,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod forge_stub;
-use forge_stub::start_stub;
+use quantmesh_testkit::forge_stub::{self, start_stub};
 
 use quantmesh_evolution::analysis::Span;
 use quantmesh_evolution::forge::{ForgeKind, PrOutcome};

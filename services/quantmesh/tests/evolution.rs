@@ -215,8 +215,7 @@ async fn served_windows_land_in_the_lake_once_across_a_sigkill_between_write_and
     );
 }
 
-#[path = "../../evolution/tests/forge_stub/mod.rs"]
-mod forge_stub;
+use quantmesh_testkit::forge_stub;
 
 fn git(dir: &std::path::Path, args: &[&str]) -> String {
     let out = Command::new("git")

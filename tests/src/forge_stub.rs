@@ -3,10 +3,9 @@
 //! our registries. It records every request (method, path, auth header, JSON body) for the
 //! tests to check, and keeps the pull requests (open, closed, merged) so that looking up a
 //! branch's pull requests works. Lists are paged like Gitea's (`limit`, `page`, no `head`
-//! filter): a client that reads one page misses older ones. Shared by `services/evolution/tests/forge.rs` and the end-to-end loop in
-//! `services/quantmesh/tests/evolution.rs` (included there by path).
-
-#![allow(clippy::unwrap_used, clippy::expect_used, dead_code)]
+//! filter): a client that reads one page misses older ones. Used by
+//! `services/evolution/tests/forge.rs` and the end-to-end loop in
+//! `services/quantmesh/tests/evolution.rs`.
 
 use std::sync::{Arc, Mutex};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
