@@ -79,6 +79,14 @@ if [ "$(python3 -c 'import importlib.metadata as m; print(m.version("schemathesi
 fi
 
 # The evolution tests read the Parquet lake with a second query engine (DuckDB).
+# The Kubernetes manifests (infra/k8s) are validated against the API schemas of a stated
+# Kubernetes version by kubernetes-validate, which bundles them (tests/tests/kubernetes.rs).
+KUBERNETES_VALIDATE="kubernetes-validate==1.34.1"
+if [ "$(python3 -c 'import importlib.metadata as m; print(m.version("kubernetes-validate"))' 2>/dev/null)" != "1.34.1" ]; then
+  log "installing $KUBERNETES_VALIDATE"
+  pip_install "$KUBERNETES_VALIDATE"
+fi
+
 DUCKDB="duckdb==1.4.2"
 if [ "$(python3 -c 'import importlib.metadata as m; print(m.version("duckdb"))' 2>/dev/null)" != "1.4.2" ]; then
   log "installing $DUCKDB"
