@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 #[path = "layout/files.rs"]
 mod files;
 
-type Graph = BTreeMap<String, BTreeSet<String>>;
+type Graph = files::FileGraph;
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -29,17 +29,6 @@ fn root() -> PathBuf {
 
 fn read(p: &Path) -> String {
     std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
-}
-
-fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
-    for e in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
-        let p = e.unwrap_or_else(|e| panic!("{e}")).path();
-        if p.is_dir() {
-            rust_files(&p, out);
-        } else if p.extension().is_some_and(|x| x == "rs") {
-            out.push(p);
-        }
-    }
 }
 
 /// The workspace's member crates (their folders), from the root manifest.
@@ -144,7 +133,7 @@ fn module_graph(krate: &Path) -> Graph {
         BTreeMap::new()
     };
     let mut files = Vec::new();
-    rust_files(&src, &mut files);
+    files::rust_files(&src, &mut files);
     let mut graph = Graph::new();
     for f in files {
         let Some(first) = f
@@ -171,44 +160,6 @@ fn module_graph(krate: &Path) -> Graph {
     graph
 }
 
-/// A cycle in `graph`, if any, as the list of modules around it.
-fn find_cycle(graph: &Graph) -> Option<Vec<String>> {
-    fn visit(
-        n: &str,
-        graph: &Graph,
-        state: &mut BTreeMap<String, u8>,
-        stack: &mut Vec<String>,
-    ) -> Option<Vec<String>> {
-        match state.get(n) {
-            Some(2) => return None,
-            Some(1) => {
-                let at = stack.iter().position(|s| s == n).unwrap_or(0);
-                let mut c = stack[at..].to_vec();
-                c.push(n.to_string());
-                return Some(c);
-            }
-            _ => {}
-        }
-        state.insert(n.to_string(), 1);
-        stack.push(n.to_string());
-        for d in graph.get(n).into_iter().flatten() {
-            if let Some(c) = visit(d, graph, state, stack) {
-                return Some(c);
-            }
-        }
-        stack.pop();
-        state.insert(n.to_string(), 2);
-        None
-    }
-    let mut state = BTreeMap::new();
-    for n in graph.keys() {
-        if let Some(c) = visit(n, graph, &mut state, &mut Vec::new()) {
-            return Some(c);
-        }
-    }
-    None
-}
-
 #[test]
 fn no_import_circles_in_any_crate() {
     let mut checked = 0;
@@ -219,8 +170,8 @@ fn no_import_circles_in_any_crate() {
         }
         let graph = module_graph(&krate);
         checked += graph.len();
-        if let Some(c) = find_cycle(&graph) {
-            circles.push(format!("{}: {}", krate.display(), c.join(" → ")));
+        for c in files::circles(&graph) {
+            circles.push(format!("{}: {}", krate.display(), c.join(" ↔ ")));
         }
     }
     assert!(checked > 80, "only {checked} modules found");
@@ -278,7 +229,7 @@ fn other_crates_use_only_the_engine_api() {
     for krate in members().into_iter().filter(|k| !inside.contains(k)) {
         let mut files = Vec::new();
         if krate.join("src").exists() {
-            rust_files(&krate.join("src"), &mut files);
+            files::rust_files(&krate.join("src"), &mut files);
         }
         for f in files {
             let text = read(&f);
@@ -297,8 +248,9 @@ fn other_crates_use_only_the_engine_api() {
     assert!(seen > 10, "{seen}");
 }
 
-/// The `[dependencies]` table of a crate's manifest.
-fn dependencies(krate: &str) -> String {
+/// The `[dependencies]` table of a crate's manifest (`krate`: its folder, absolute or from
+/// the repository's root).
+fn dependencies(krate: impl AsRef<Path>) -> String {
     let text = read(&root().join(krate).join("Cargo.toml"));
     text.split("[dependencies]")
         .nth(1)
@@ -341,11 +293,7 @@ fn crate_deps(krate: &Path) -> (String, Vec<String>) {
         .find_map(|l| l.strip_prefix("name = "))
         .map(|n| n.trim().trim_matches('"').to_string())
         .unwrap_or_else(|| panic!("{}: no package name", krate.display()));
-    let deps = text
-        .split("[dependencies]")
-        .nth(1)
-        .and_then(|s| s.split("\n[").next())
-        .unwrap_or("")
+    let deps = dependencies(krate)
         .lines()
         .map(|l| {
             l.trim()
@@ -422,7 +370,7 @@ fn no_source_file_is_longer_than_one_reading() {
     for krate in members() {
         for dir in ["src", "tests", "benches", "examples"] {
             if krate.join(dir).exists() {
-                rust_files(&krate.join(dir), &mut files);
+                files::rust_files(&krate.join(dir), &mut files);
             }
         }
     }
@@ -605,9 +553,9 @@ fn the_rules_see_what_they_check() {
     g.entry("a".into()).or_default().insert("b".into());
     g.entry("b".into()).or_default().insert("c".into());
     g.entry("c".into()).or_default();
-    assert_eq!(find_cycle(&g), None);
+    assert!(files::circles(&g).is_empty());
     g.entry("c".into()).or_default().insert("a".into());
-    assert!(find_cycle(&g).is_some());
+    assert_eq!(files::circles(&g), [["a", "b", "c"]]);
     assert_eq!(
         paths_after(
             "use crate::{a::X, b};\nlet x = crate::c::y(); quantmesh_engine::d",

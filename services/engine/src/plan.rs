@@ -54,7 +54,7 @@ pub fn table_extra_bytes(cfg: &ModelConfig, dtype: EmbeddingDtype) -> usize {
     } else {
         EmbeddingDtype::F16
     };
-    let bytes = |d: EmbeddingDtype| d.bytes(values).unwrap_or(0);
+    let bytes = |d: EmbeddingDtype| crate::backend::table_bytes(d, values).unwrap_or(0);
     bytes(dtype).saturating_sub(bytes(floor))
 }
 

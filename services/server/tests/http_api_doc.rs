@@ -137,20 +137,11 @@ fn the_http_api_page_is_generated_from_the_openapi_document() {
         routes.contains("### `POST /v1/chat/completions`") && routes.contains("`temperature`"),
         "{routes}"
     );
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../docs/http-api.md");
-    let page = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{e}"));
-    let (Some(b), Some(e)) = (page.find(BEGIN), page.find(END)) else {
-        panic!("docs/http-api.md has no generated route reference ({BEGIN:?} … {END:?})");
-    };
-    if page[b + BEGIN.len()..e] != routes {
-        if std::env::var_os("QUANTMESH_UPDATE_DOCS").is_some() {
-            let new = format!("{}{BEGIN}{routes}{}", &page[..b], &page[e..]);
-            std::fs::write(&path, new).unwrap_or_else(|e| panic!("{e}"));
-        } else {
-            panic!(
-                "docs/http-api.md is stale against the OpenAPI document: run \
-                 `QUANTMESH_UPDATE_DOCS=1 cargo test -p quantmesh-server --test http_api_doc`"
-            );
-        }
-    }
+    quantmesh_testkit::generated::keep_block_current(
+        &PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../docs/http-api.md"),
+        BEGIN,
+        END,
+        &routes,
+        "cargo test -p quantmesh-server --test http_api_doc",
+    );
 }

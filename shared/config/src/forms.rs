@@ -103,17 +103,6 @@ pub enum EmbeddingDtype {
 }
 
 impl EmbeddingDtype {
-    /// Bytes of `values` table values in this form (Q8_0: 34 bytes per block of 32; `None`
-    /// for `Auto`, which is not a form).
-    pub fn bytes(self, values: usize) -> Option<usize> {
-        match self {
-            EmbeddingDtype::Q8_0 => Some(values / 32 * 34),
-            EmbeddingDtype::F16 => Some(2 * values),
-            EmbeddingDtype::F32 => Some(4 * values),
-            EmbeddingDtype::Auto => None,
-        }
-    }
-
     pub fn as_str(self) -> &'static str {
         match self {
             EmbeddingDtype::Q8_0 => "q8_0",

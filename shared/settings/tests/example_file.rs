@@ -167,25 +167,14 @@ const END: &str = "<!-- end of keys -->";
 
 #[test]
 fn the_configuration_page_lists_every_key_of_the_example() {
-    let example = read("infra/quantmesh.example.toml");
-    let tables = render(&parse(&example));
-    let page_path = "docs/configuration.md";
-    let page = read(page_path);
-    let (Some(b), Some(e)) = (page.find(BEGIN), page.find(END)) else {
-        panic!("{page_path} has no generated key tables ({BEGIN:?} … {END:?})");
-    };
-    let current = &page[b + BEGIN.len()..e];
-    if current != tables {
-        if std::env::var_os("QUANTMESH_UPDATE_DOCS").is_some() {
-            let new = format!("{}{BEGIN}{tables}{}", &page[..b], &page[e..]);
-            std::fs::write(repo(page_path), new).unwrap_or_else(|e| panic!("{e}"));
-        } else {
-            panic!(
-                "{page_path} is stale against infra/quantmesh.example.toml: run \
-                 `QUANTMESH_UPDATE_DOCS=1 cargo test -p quantmesh-settings --test example_file`"
-            );
-        }
-    }
+    let tables = render(&parse(&read("infra/quantmesh.example.toml")));
+    quantmesh_testkit::generated::keep_block_current(
+        &repo("docs/configuration.md"),
+        BEGIN,
+        END,
+        &tables,
+        "cargo test -p quantmesh-settings --test example_file",
+    );
 }
 
 /// Dotted paths of every value the defaults serialize (maps that start empty count as

@@ -11,7 +11,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-/// Files (repository-relative display paths) → the files they reference.
+/// An import graph: files (repository-relative display paths), or modules, → what they
+/// reference.
 pub type FileGraph = BTreeMap<String, BTreeSet<String>>;
 
 /// One module tree: module path (`["backend", "cpu"]`) → its file.
@@ -259,9 +260,18 @@ fn defines(code: &str, name: &str) -> bool {
     })
 }
 
+/// What one file says, read once.
+struct File {
+    code: String,
+    /// The modules it declares.
+    declared: BTreeSet<String>,
+    /// What it re-exports.
+    reexports: BTreeMap<String, Vec<Vec<String>>>,
+}
+
 struct Crate {
     trees: BTreeMap<String, Tree>,
-    code: BTreeMap<PathBuf, String>,
+    files: BTreeMap<PathBuf, File>,
 }
 
 impl Crate {
@@ -273,7 +283,7 @@ impl Crate {
             "crate" => return Some(path[1..].to_vec()),
             "self" => at.to_vec(),
             "super" => at.to_vec(),
-            m if declared(&self.code[file]).contains(m) => {
+            m if self.files[file].declared.contains(m) => {
                 let mut b = at.to_vec();
                 b.push(m.to_string());
                 return Some(b.into_iter().chain(path[1..].iter().cloned()).collect());
@@ -303,17 +313,17 @@ impl Crate {
         let Some(name) = path.get(n).filter(|s| *s != "*") else {
             return Some(file);
         };
-        if depth > 8 || defines(&self.code[&file], name) {
+        if depth > 8 || defines(&self.files[&file].code, name) {
             return Some(file);
         }
-        let re = reexports(&self.code[&file]);
+        let re = &self.files[&file].reexports;
         let mut sources: Vec<&Vec<String>> = re.get(name).into_iter().flatten().collect();
         if sources.is_empty() {
             // A glob whose module defines the name.
             for g in re.get("*").into_iter().flatten() {
                 let abs = self.absolute(&file, module, &g[..g.len() - 1]);
                 if let Some(target) = abs.and_then(|a| self.resolve(tree, &a, depth + 1)) {
-                    if defines(&self.code[&target], name) {
+                    if defines(&self.files[&target].code, name) {
                         return Some(target);
                     }
                 }
@@ -329,9 +339,10 @@ impl Crate {
     }
 }
 
-fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
-    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        let p = e.path();
+/// Every `.rs` file under `dir`.
+pub fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for e in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+        let p = e.unwrap_or_else(|e| panic!("{e}")).path();
         if p.is_dir() {
             rust_files(&p, out);
         } else if p.extension().is_some_and(|x| x == "rs") {
@@ -372,14 +383,22 @@ pub fn file_graph(krate: &Path, shown_from: &Path, code_of: fn(&str) -> String) 
     rust_files(&src, &mut files);
     let mut c = Crate {
         trees: BTreeMap::new(),
-        code: BTreeMap::new(),
+        files: BTreeMap::new(),
     };
     let mut places = Vec::new();
     for f in files {
         let rel = f.strip_prefix(&src).unwrap_or(&f).to_path_buf();
         let (tree, segs) = place(&rel);
-        let text = std::fs::read_to_string(&f).unwrap_or_default();
-        c.code.insert(f.clone(), code_of(&text));
+        let text = std::fs::read_to_string(&f).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+        let code = code_of(&text);
+        c.files.insert(
+            f.clone(),
+            File {
+                declared: declared(&code),
+                reexports: reexports(&code),
+                code,
+            },
+        );
         c.trees
             .entry(tree.clone())
             .or_default()
@@ -396,8 +415,9 @@ pub fn file_graph(krate: &Path, shown_from: &Path, code_of: fn(&str) -> String) 
     for (f, tree_name, at) in places {
         let tree = &c.trees[&tree_name];
         let deps = graph.entry(show(&f)).or_default();
-        let inline = inline_modules(&c.code[&f]);
-        for (pos, p) in paths_at(&c.code[&f]) {
+        let code = &c.files[&f].code;
+        let inline = inline_modules(code);
+        for (pos, p) in paths_at(code) {
             // Inside `mod a { … }` a path starts from the inline module.
             let mut at = at.clone();
             at.extend(
@@ -411,9 +431,6 @@ pub fn file_graph(krate: &Path, shown_from: &Path, code_of: fn(&str) -> String) 
             };
             if let Some(target) = c.resolve(tree, &abs, 0) {
                 if target != f {
-                    if std::env::var("LAYOUT_DEBUG").is_ok() {
-                        eprintln!("{} -> {}: {:?}", show(&f), show(&target), p);
-                    }
                     deps.insert(show(&target));
                 }
             }

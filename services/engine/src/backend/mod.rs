@@ -169,6 +169,17 @@ impl ColumnError {
 
 pub use quantmesh_config::{EmbeddingDtype, FloatDtype, Forms, SplitActivations};
 
+/// Bytes of `values` vocabulary-table values in form `d` (Q8_0 by [`QuantFormat::bytes`];
+/// `None` for `Auto`, which is not a form).
+pub fn table_bytes(d: EmbeddingDtype, values: usize) -> Option<usize> {
+    match d {
+        EmbeddingDtype::Q8_0 => Some(QuantFormat::Q8_0.bytes(values)),
+        EmbeddingDtype::F16 => Some(2 * values),
+        EmbeddingDtype::F32 => Some(4 * values),
+        EmbeddingDtype::Auto => None,
+    }
+}
+
 /// The candle dtype a float copy is stored in.
 pub fn candle_dtype(f: FloatDtype) -> DType {
     match f {
