@@ -1,6 +1,6 @@
 //! One evolution run end to end, and the schedule that repeats it.
 
-use crate::analysis::{self, Evidence, Span};
+use crate::analysis::{self, Evidence, EvidenceFile, Span};
 use crate::forge::{Checkout, Forge, PrOutcome};
 use crate::lake::tables::model_partition;
 use crate::lake::Lake;
@@ -22,12 +22,28 @@ pub enum RunError {
     Invalid(String),
     #[error("checkpoint {0}: {1}")]
     Checkpoint(String, String),
+    #[error("evidence file {0}: {1}")]
+    Evidence(String, String),
+}
+
+/// Where a run's evidence comes from.
+#[derive(Clone)]
+pub enum EvidenceSource<'a> {
+    /// The lake, analysed here with DataFusion over `span`.
+    Lake { lake: &'a Lake, span: Span },
+    /// Evidence tables another engine computed over the same lake (Spark's job writes
+    /// them), read from `path`; the span is the file's.
+    File { path: String, file: EvidenceFile },
 }
 
 /// What a run did.
 #[derive(Debug, Clone)]
 pub struct RunReport {
     pub evidence: Evidence,
+    /// The evidence tables the evidence was assembled from (what `--evidence-out` writes).
+    pub tables: EvidenceFile,
+    /// Which engine computed them, and where (for the report).
+    pub evidence_from: String,
     pub proposal: Proposal,
     /// `None` on a dry run.
     pub outcome: Option<PrOutcome>,
@@ -58,8 +74,8 @@ impl RunReport {
         s.push_str("\n### Evidence\n\n");
         s.push_str(&proposal::evidence_table(&self.evidence, current));
         s.push_str(&format!(
-            "\nAnalysis over the Parquet lake with DataFusion took {} ms. Rules: see `services/evolution/src/proposal.rs`.\n",
-            self.analysis_ms
+            "\nEvidence from {}. Queries: `services/evolution/sql/evidence.sql`; rules: `services/evolution/src/proposal.rs`.\n",
+            self.evidence_from
         ));
         s
     }
@@ -117,13 +133,12 @@ fn validate(s: &EvolutionSettings, p: &Proposal) -> Result<(), RunError> {
 /// update the pull request.
 pub async fn run_once(
     s: &EvolutionSettings,
-    lake: &Lake,
-    span: Span,
+    source: EvidenceSource<'_>,
     dry_run: bool,
     metrics: Option<&EvolutionMetrics>,
 ) -> Result<(RunReport, SensitiveLayers), RunError> {
     let started = Instant::now();
-    let result = run_inner(s, lake, span, dry_run).await;
+    let result = run_inner(s, source, dry_run).await;
     if let Some(m) = metrics {
         m.last_run_seconds.set(started.elapsed().as_secs_f64());
         match &result {
@@ -145,10 +160,54 @@ pub async fn run_once(
     result
 }
 
+/// The evidence tables for this run: computed over the lake, or read from a file that must
+/// be for the same model and the same request limit.
+async fn evidence_tables(
+    s: &EvolutionSettings,
+    source: EvidenceSource<'_>,
+    limit: f64,
+) -> Result<(EvidenceFile, String, u128), RunError> {
+    match source {
+        EvidenceSource::Lake { lake, span } => {
+            tracing::info!(target: "quantmesh::evolution", model = %s.model, lake = %lake.location(), since_ms = span.since_ms, until_ms = span.until_ms, "analysing");
+            let t = Instant::now();
+            let ctx = analysis::session(lake).await?;
+            let tables = analysis::evidence_tables(&ctx, &s.model, span, limit).await?;
+            let ms = t.elapsed().as_millis();
+            Ok((
+                tables,
+                format!("DataFusion over the Parquet lake ({ms} ms)"),
+                ms,
+            ))
+        }
+        EvidenceSource::File { path, file } => {
+            if file.model != s.model {
+                return Err(RunError::Evidence(
+                    path,
+                    format!(
+                        "computed for model {:?}, this run is for {:?}",
+                        file.model, s.model
+                    ),
+                ));
+            }
+            if file.request_kl_limit != limit {
+                return Err(RunError::Evidence(
+                    path,
+                    format!(
+                        "split by request_kl_limit {}, the limit in force is {limit} (compute it again with that limit)",
+                        file.request_kl_limit
+                    ),
+                ));
+            }
+            let from = format!("{} (evidence file {path})", file.engine);
+            Ok((file, from, 0))
+        }
+    }
+}
+
 async fn run_inner(
     s: &EvolutionSettings,
-    lake: &Lake,
-    span: Span,
+    source: EvidenceSource<'_>,
     dry_run: bool,
 ) -> Result<(RunReport, SensitiveLayers), RunError> {
     let checkout = if s.git.remote.is_empty() {
@@ -168,11 +227,8 @@ async fn run_inner(
         .thresholds
         .request_kl_limit
         .unwrap_or(s.request_kl_limit);
-    tracing::info!(target: "quantmesh::evolution", model = %s.model, lake = %lake.location(), since_ms = span.since_ms, until_ms = span.until_ms, "analysing");
-    let t = Instant::now();
-    let ctx = analysis::session(lake).await?;
-    let evidence = analysis::analyse(&ctx, &s.model, span, limit).await?;
-    let analysis_ms = t.elapsed().as_millis();
+    let (tables, evidence_from, analysis_ms) = evidence_tables(s, source, limit).await?;
+    let evidence = Evidence::from_tables(&s.model, tables.span(), &tables.tables);
     tracing::info!(target: "quantmesh::evolution", groups = evidence.groups.len(), windows = evidence.windows, kl_samples = evidence.kl.samples, ms = analysis_ms, "evidence gathered");
     let proposal = proposal::propose(
         &current,
@@ -186,6 +242,8 @@ async fn run_inner(
     validate(s, &proposal)?;
     let mut report = RunReport {
         evidence,
+        tables,
+        evidence_from,
         proposal,
         outcome: None,
         analysis_ms,

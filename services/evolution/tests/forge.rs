@@ -12,7 +12,7 @@ use quantmesh_evolution::analysis::Span;
 use quantmesh_evolution::forge::{ForgeKind, PrOutcome};
 use quantmesh_evolution::ingest::{Consumed, Writer};
 use quantmesh_evolution::lake::Lake;
-use quantmesh_evolution::run::run_once;
+use quantmesh_evolution::run::{run_once, EvidenceSource};
 use quantmesh_evolution::EvolutionSettings;
 use quantmesh_kafka::KafkaSettings;
 use quantmesh_types::{WindowEvent, WindowGroup};
@@ -142,7 +142,9 @@ async fn evidence_becomes_one_pull_request_and_newer_evidence_updates_it() {
     };
 
     // Dry run: a proposal, nothing pushed, nothing asked of the forge.
-    let (report, _) = run_once(&s, &lake, span, true, None).await.unwrap();
+    let (report, _) = run_once(&s, EvidenceSource::Lake { lake: &lake, span }, true, None)
+        .await
+        .unwrap();
     assert!(report.outcome.is_none());
     let fields: Vec<_> = report
         .proposal
@@ -159,7 +161,9 @@ async fn evidence_becomes_one_pull_request_and_newer_evidence_updates_it() {
     assert!(stub.lock().unwrap().requests.is_empty());
 
     // First real run: branch pushed, PR opened and labelled.
-    let (report, _) = run_once(&s, &lake, span, false, None).await.unwrap();
+    let (report, _) = run_once(&s, EvidenceSource::Lake { lake: &lake, span }, false, None)
+        .await
+        .unwrap();
     let Some(PrOutcome::Opened { branch, number, .. }) = report.outcome.clone() else {
         panic!("{:?}", report.outcome)
     };
@@ -216,7 +220,9 @@ async fn evidence_becomes_one_pull_request_and_newer_evidence_updates_it() {
 
     // Same evidence again: nothing pushed, no second PR.
     let head = git(Path::new(&remote), &["rev-parse", "quantmesh/evolve/tiny"]);
-    let (report, _) = run_once(&s, &lake, span, false, None).await.unwrap();
+    let (report, _) = run_once(&s, EvidenceSource::Lake { lake: &lake, span }, false, None)
+        .await
+        .unwrap();
     assert!(
         matches!(report.outcome, Some(PrOutcome::Unchanged { .. })),
         "{:?}",
@@ -238,7 +244,9 @@ async fn evidence_becomes_one_pull_request_and_newer_evidence_updates_it() {
 
     // Newer evidence (a heavier KL tail): the branch moves, the open PR is updated.
     fill_lake(&lake, 40, 0.008).await;
-    let (report, _) = run_once(&s, &lake, span, false, None).await.unwrap();
+    let (report, _) = run_once(&s, EvidenceSource::Lake { lake: &lake, span }, false, None)
+        .await
+        .unwrap();
     assert!(
         matches!(report.outcome, Some(PrOutcome::Updated { number: 1, .. })),
         "{:?}",
@@ -279,7 +287,9 @@ async fn evidence_becomes_one_pull_request_and_newer_evidence_updates_it() {
             .count()
     };
     let before = posts(&stub);
-    let (report, _) = run_once(&s, &lake, span, false, None).await.unwrap();
+    let (report, _) = run_once(&s, EvidenceSource::Lake { lake: &lake, span }, false, None)
+        .await
+        .unwrap();
     assert!(
         matches!(report.outcome, Some(PrOutcome::Declined { number: 1, .. })),
         "{:?}",
@@ -288,7 +298,9 @@ async fn evidence_becomes_one_pull_request_and_newer_evidence_updates_it() {
     assert_eq!(posts(&stub), before, "a declined proposal was reopened");
     // …while changed evidence is: a new pull request.
     fill_lake(&lake, 80, 0.02).await;
-    let (report, _) = run_once(&s, &lake, span, false, None).await.unwrap();
+    let (report, _) = run_once(&s, EvidenceSource::Lake { lake: &lake, span }, false, None)
+        .await
+        .unwrap();
     assert!(
         matches!(report.outcome, Some(PrOutcome::Opened { number: 132, .. })),
         "{:?}",

@@ -268,3 +268,39 @@ async fn an_empty_lake_gives_empty_evidence() {
     assert!(ev.groups.is_empty());
     let _ = fallback("x", 0);
 }
+
+/// The Spark job (`infra/spark/evidence.py`) stands an empty table of the right schema in for
+/// a table with no file yet; it reads the schemas from `infra/spark/lake-tables.json`, which
+/// must be these (`QUANTMESH_UPDATE_DOCS=1` rewrites it).
+#[test]
+fn the_spark_job_reads_the_lake_schemas_of_this_build() {
+    use quantmesh_evolution::lake::tables::Table;
+    let entries: Vec<String> = Table::ALL
+        .iter()
+        .map(|t| {
+            format!(
+                "  {}: {}",
+                serde_json::to_string(t.name()).unwrap(),
+                serde_json::to_string(&t.ddl()).unwrap()
+            )
+        })
+        .collect();
+    let want = format!("{{\n{}\n}}\n", entries.join(",\n"));
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../infra/spark/lake-tables.json");
+    if std::env::var_os("QUANTMESH_UPDATE_DOCS").is_some() {
+        std::fs::write(&path, &want).unwrap();
+    }
+    let have = std::fs::read_to_string(&path).unwrap_or_default();
+    assert_eq!(
+        have,
+        want,
+        "{} is not this build's lake schema: run this test with QUANTMESH_UPDATE_DOCS=1",
+        path.display()
+    );
+    let parsed: serde_json::Value = serde_json::from_str(&have).unwrap();
+    assert!(parsed["window_groups"]
+        .as_str()
+        .unwrap()
+        .contains("`group` STRING NOT NULL"));
+}

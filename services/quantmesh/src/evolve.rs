@@ -1,11 +1,11 @@
 //! `quantmesh evolve`: the evolution service (lake ingest + weekly analysis + pull request).
 
 use anyhow::Context as _;
-use quantmesh_evolution::analysis::Span;
+use quantmesh_evolution::analysis::{EvidenceFile, Span};
 use quantmesh_evolution::ingest::{self, IngestOptions};
 use quantmesh_evolution::lake::Lake;
 use quantmesh_evolution::metrics::EvolutionMetrics;
-use quantmesh_evolution::run::{next_run, run_once};
+use quantmesh_evolution::run::{next_run, run_once, EvidenceSource};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,7 +16,8 @@ sensitive_layers.json by documented rules, and commits it on a branch of the pla
 (GitHub or Gitea REST API). Merged and published where the engines poll, it is hot-reloaded.\n\n\
 Modes:\n  quantmesh evolve                    # service: ingest continuously, run on --schedule, /metrics on evolution.listen\n  \
 quantmesh evolve --once             # catch up the lake, one run over the last evolution.window, exit\n  \
-quantmesh evolve --once --dry-run   # print the evidence and the proposed changes, push nothing\n\n\
+quantmesh evolve --once --dry-run   # print the evidence and the proposed changes, push nothing\n  \
+quantmesh evolve --once --evidence spark.json   # propose from evidence tables Spark computed (infra/spark/evidence.py)\n\n\
 Config: the [evolution] and [kafka] sections of --config (see infra/quantmesh.example.toml); the forge token is read \
 from the variable named by evolution.forge.token_env (default QUANTMESH_FORGE_TOKEN), never from a file.";
 
@@ -58,6 +59,18 @@ pub struct EvolveArgs {
     /// Write the run's evidence and changes (Markdown) to this file too.
     #[arg(long)]
     report: Option<PathBuf>,
+    /// With --once: propose from evidence tables another engine computed over the lake (the
+    /// JSON infra/spark/evidence.py writes; shared/schemas/EVIDENCE.md) instead of analysing
+    /// the lake here. No ingest; the span is the file's; its model and request_kl_limit must
+    /// be this run's.
+    #[arg(long, requires = "once", conflicts_with_all = ["since", "until", "lake", "brokers"])]
+    evidence: Option<PathBuf>,
+    /// With --once: write the run's evidence tables (the JSON --evidence reads) to this file.
+    #[arg(long, requires = "once")]
+    evidence_out: Option<PathBuf>,
+    /// With --once: write the proposed sensitive_layers.json to this file (also on a dry run).
+    #[arg(long, requires = "once")]
+    plan_out: Option<PathBuf>,
 }
 
 fn parse_time(s: &str) -> anyhow::Result<i64> {
@@ -98,12 +111,20 @@ pub fn run(args: EvolveArgs) -> anyhow::Result<()> {
         Some(t) => Some(parse_time(t)?),
         None => None,
     };
+    let evidence_file = match &args.evidence {
+        Some(path) => {
+            let name = path.display().to_string();
+            let bytes =
+                std::fs::read(path).with_context(|| format!("reading the evidence file {name}"))?;
+            Some((name.clone(), EvidenceFile::parse(&name, &bytes)?))
+        }
+        None => None,
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
     rt.block_on(async move {
-        let lake = Arc::new(Lake::open(&s.lake)?);
         let registry = prometheus::Registry::new();
         let metrics = EvolutionMetrics::register(&registry)?;
         let opts = IngestOptions {
@@ -117,32 +138,53 @@ pub fn run(args: EvolveArgs) -> anyhow::Result<()> {
             until_ms: until.unwrap_or(now),
             since_ms: since.unwrap_or(until.unwrap_or(now) - s.window.as_millis() as i64),
         };
+        // With --evidence the lake is not read (nor created).
+        let lake = match evidence_file {
+            Some(_) => None,
+            None => Some(Arc::new(Lake::open(&s.lake)?)),
+        };
         if args.once {
-            if kafka.enabled() && !args.no_ingest {
-                let r = ingest::run(
-                    &kafka,
-                    &opts,
-                    lake.clone(),
-                    Some(metrics.clone()),
-                    stop_rx,
-                    Some(args.ingest_idle),
-                )
-                .await?;
-                tracing::info!(records = r.records, files = r.files, bytes = r.bytes, "lake caught up");
-            }
-            let span = span_for(quantmesh_types::now_ms() as i64);
-            let (report, current) = run_once(&s, &lake, span, args.dry_run, Some(&metrics)).await?;
+            let source = match (evidence_file, &lake) {
+                (Some((path, file)), _) => EvidenceSource::File { path, file },
+                (None, None) => anyhow::bail!("neither a lake nor an evidence file to analyse"),
+                (None, Some(lake)) => {
+                    if kafka.enabled() && !args.no_ingest {
+                        let r = ingest::run(
+                            &kafka,
+                            &opts,
+                            lake.clone(),
+                            Some(metrics.clone()),
+                            stop_rx,
+                            Some(args.ingest_idle),
+                        )
+                        .await?;
+                        tracing::info!(records = r.records, files = r.files, bytes = r.bytes, "lake caught up");
+                    }
+                    EvidenceSource::Lake { lake, span: span_for(quantmesh_types::now_ms() as i64) }
+                }
+            };
+            let (report, current) = run_once(&s, source, args.dry_run, Some(&metrics)).await?;
             let md = report.markdown(&current);
             println!("{md}");
             if let Some(o) = &report.outcome {
                 println!("pull request: {}", serde_json::to_string(o).unwrap_or_default());
             }
-            if let Some(path) = &args.report {
-                std::fs::write(path, &md).with_context(|| format!("writing {}", path.display()))?;
+            let outputs = [
+                (&args.report, md.into_bytes()),
+                (&args.evidence_out, report.tables.to_bytes()),
+                (&args.plan_out, report.proposal.bytes()),
+            ];
+            for (path, bytes) in outputs {
+                if let Some(path) = path {
+                    std::fs::write(path, bytes).with_context(|| format!("writing {}", path.display()))?;
+                }
             }
             return anyhow::Ok(());
         }
         // Service mode: metrics/health, continuous ingest, scheduled runs.
+        let Some(lake) = lake else {
+            anyhow::bail!("--evidence needs --once");
+        };
         let listener = tokio::net::TcpListener::bind(&s.listen)
             .await
             .with_context(|| format!("binding evolution.listen {}", s.listen))?;
@@ -193,7 +235,7 @@ pub fn run(args: EvolveArgs) -> anyhow::Result<()> {
                 _ = &mut shutdown => break,
             }
             let span = span_for(quantmesh_types::now_ms() as i64);
-            let run = run_once(&s, &lake, span, args.dry_run, Some(&metrics));
+            let run = run_once(&s, EvidenceSource::Lake { lake: &lake, span }, args.dry_run, Some(&metrics));
             tokio::pin!(run);
             let (done, stopping) = tokio::select! {
                 done = &mut run => (done, false),

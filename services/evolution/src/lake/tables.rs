@@ -134,6 +134,31 @@ impl Table {
     }
 }
 
+impl Table {
+    /// The stored columns as an SQL column list (`` `name` TYPE [NOT NULL], … ``), the form
+    /// Spark takes for a schema: the Spark job reads `infra/spark/lake-tables.json`, made
+    /// from this, to stand in an empty table for one with no file yet.
+    pub fn ddl(self) -> String {
+        self.schema()
+            .fields()
+            .iter()
+            .map(|f| {
+                let ty = match f.data_type() {
+                    DataType::Utf8 => "STRING",
+                    DataType::Int64 => "BIGINT",
+                    DataType::Float64 => "DOUBLE",
+                    DataType::Boolean => "BOOLEAN",
+                    DataType::Timestamp(_, _) => "TIMESTAMP",
+                    other => unreachable!("no lake column is {other:?}"),
+                };
+                let null = if f.is_nullable() { "" } else { " NOT NULL" };
+                format!("`{}` {ty}{null}", f.name())
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
 /// Rows bound for one table of one partition, serialised as the JSON the Arrow decoder
 /// reads (field names = column names).
 #[derive(Debug, Default, Clone)]
