@@ -78,7 +78,6 @@ if [ "$(python3 -c 'import importlib.metadata as m; print(m.version("schemathesi
   pip_install "$SCHEMATHESIS"
 fi
 
-# The evolution tests read the Parquet lake with a second query engine (DuckDB).
 # The Kubernetes manifests (infra/k8s) are validated against the API schemas of a stated
 # Kubernetes version by kubernetes-validate, which bundles them (tests/tests/kubernetes.rs).
 KUBERNETES_VALIDATE="kubernetes-validate==1.34.1"
@@ -87,10 +86,25 @@ if [ "$(python3 -c 'import importlib.metadata as m; print(m.version("kubernetes-
   pip_install "$KUBERNETES_VALIDATE"
 fi
 
+# The evolution tests read the Parquet lake with a second query engine (DuckDB).
 DUCKDB="duckdb==1.4.2"
 if [ "$(python3 -c 'import importlib.metadata as m; print(m.version("duckdb"))' 2>/dev/null)" != "1.4.2" ]; then
   log "installing $DUCKDB"
   pip_install "$DUCKDB"
+fi
+
+# The weekly analysis also runs on Spark (infra/spark/evidence.py); the evolution test runs
+# it with PySpark in local mode (PyPI; ~430 MB, builds a wheel once), which needs a Java 17+
+# runtime (Debian package openjdk-17-jre-headless).
+PYSPARK="pyspark==4.0.1"
+if ! java -version 2>&1 | grep -q -E 'version "(1[7-9]|2[0-9])'; then
+  log "installing a Java runtime for Spark (Debian package openjdk-17-jre-headless)"
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends openjdk-17-jre-headless
+fi
+if [ "$(python3 -c 'import importlib.metadata as m; print(m.version("pyspark"))' 2>/dev/null)" != "4.0.1" ]; then
+  log "installing $PYSPARK"
+  pip_install "$PYSPARK"
 fi
 
 # The container tests (services/quantmesh/tests/compose.rs) build their images on

@@ -1,16 +1,9 @@
 //! What the proposal rules see: a week's evidence per group, for the shadow KL, and the
 //! decision counts, assembled from the evidence tables whichever engine computed them.
 
-use super::tables::EvidenceTables;
-use serde::{Deserialize, Serialize};
+use super::tables::{EvidenceTables, Span};
+use serde::Serialize;
 use std::collections::BTreeMap;
-
-/// The time range analysed, `[since, until)` in Unix milliseconds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Span {
-    pub since_ms: i64,
-    pub until_ms: i64,
-}
 
 /// One group's week.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]

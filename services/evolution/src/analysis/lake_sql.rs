@@ -2,9 +2,9 @@
 //! run into [`EvidenceTables`].
 
 use super::error::AnalysisError;
-use super::evidence::{Evidence, Span};
+use super::evidence::Evidence;
 use super::queries::{self, Params};
-use super::tables::{EvidenceFile, EvidenceTables, EVIDENCE_FORMAT};
+use super::tables::{EvidenceFile, EvidenceTables, Span, EVIDENCE_FORMAT};
 use crate::lake::tables::{model_partition, Table};
 use crate::lake::Lake;
 use datafusion::arrow::array::{Array, ArrayRef, Int64Array, RecordBatch};

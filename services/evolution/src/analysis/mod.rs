@@ -19,6 +19,6 @@ pub mod queries;
 pub mod tables;
 
 pub use error::AnalysisError;
-pub use evidence::{DecisionRow, Evidence, GroupEvidence, KlEvidence, Span};
+pub use evidence::{DecisionRow, Evidence, GroupEvidence, KlEvidence};
 pub use lake_sql::{analyse, evidence_tables, query, rows, session, u64s};
-pub use tables::{EvidenceFile, EvidenceTables, EVIDENCE_FORMAT};
+pub use tables::{EvidenceFile, EvidenceTables, Span, EVIDENCE_FORMAT};

@@ -6,7 +6,7 @@
 //! milliseconds, differs between engines.
 
 use super::error::AnalysisError;
-use super::evidence::Span;
+use super::tables::Span;
 
 /// The queries' text, as shipped.
 pub const SQL: &str = include_str!("../../sql/evidence.sql");

@@ -13,8 +13,14 @@
 //! Column names are the queries' aliases; a NULL may be written as `null` or left out.
 
 use super::error::AnalysisError;
-use super::evidence::Span;
 use serde::{Deserialize, Serialize};
+
+/// The time range analysed, `[since, until)` in Unix milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Span {
+    pub since_ms: i64,
+    pub until_ms: i64,
+}
 
 /// The `format` an evidence file declares.
 pub const EVIDENCE_FORMAT: &str = "quantmesh.evidence-tables.v1";
