@@ -33,7 +33,10 @@ pub enum EvidenceSource<'a> {
     Lake { lake: &'a Lake, span: Span },
     /// Evidence tables another engine computed over the same lake (Spark's job writes
     /// them), read from `path`; the span is the file's.
-    File { path: String, file: EvidenceFile },
+    File {
+        path: String,
+        file: Box<EvidenceFile>,
+    },
 }
 
 /// What a run did.
@@ -200,7 +203,7 @@ async fn evidence_tables(
                 ));
             }
             let from = format!("{} (evidence file {path})", file.engine);
-            Ok((file, from, 0))
+            Ok((*file, from, 0))
         }
     }
 }

@@ -145,7 +145,7 @@ pub fn run(args: EvolveArgs) -> anyhow::Result<()> {
         };
         if args.once {
             let source = match (evidence_file, &lake) {
-                (Some((path, file)), _) => EvidenceSource::File { path, file },
+                (Some((path, file)), _) => EvidenceSource::File { path, file: Box::new(file) },
                 (None, None) => anyhow::bail!("neither a lake nor an evidence file to analyse"),
                 (None, Some(lake)) => {
                     if kafka.enabled() && !args.no_ingest {
