@@ -9,7 +9,9 @@
 --   * percentiles are nearest-rank (exact: the smallest value with at least p of the values
 --     at or below it; ROW_NUMBER against CEIL(p * n) in double precision), so every engine
 --     gives the same number; no engine's approximate percentile;
---   * NULL ordering, ties and the newest row are spelled out (engines' defaults differ);
+--   * NULL ordering is spelled out (engines' defaults differ); rows tied in a percentile's
+--     order have the same value, so their order cannot change the result; the newest
+--     window's residency is the greatest among the windows at the newest ts;
 --   * rows are deduplicated on the event's columns (SELECT DISTINCT), since the lake is
 --     at-least-once at the source and a redelivered event must not count twice.
 --
@@ -31,10 +33,9 @@ WITH w AS (
     WHERE model = {model} AND {ts_ms} >= {since_ms} AND {ts_ms} < {until_ms}
 ), ranked AS (
     SELECT "group", tokens, outliers, outlier_rate, in_float, wanted_unavailable, residency,
-           ROW_NUMBER() OVER (PARTITION BY "group"
-                              ORDER BY outlier_rate ASC NULLS LAST, event_id ASC) AS rate_rank,
+           ROW_NUMBER() OVER (PARTITION BY "group" ORDER BY outlier_rate ASC NULLS LAST) AS rate_rank,
            COUNT(outlier_rate) OVER (PARTITION BY "group") AS rated,
-           ROW_NUMBER() OVER (PARTITION BY "group" ORDER BY ts DESC, event_id DESC) AS newest
+           ts = MAX(ts) OVER (PARTITION BY "group") AS newest
     FROM w
 )
 SELECT "group",
@@ -46,7 +47,7 @@ SELECT "group",
        MAX(outlier_rate) AS rate_max,
        SUM(CASE WHEN in_float THEN 1 ELSE 0 END) AS float_windows,
        SUM(CASE WHEN wanted_unavailable THEN 1 ELSE 0 END) AS unavailable_windows,
-       MAX(CASE WHEN newest = 1 THEN residency END) AS residency
+       MAX(CASE WHEN newest THEN residency END) AS residency
 FROM ranked
 GROUP BY "group"
 ORDER BY "group" ASC
@@ -66,7 +67,7 @@ WITH s AS (
     WHERE model = {model} AND {ts_ms} >= {since_ms} AND {ts_ms} < {until_ms}
 ), ranked AS (
     SELECT kl, kl_reference,
-           ROW_NUMBER() OVER (ORDER BY kl ASC, event_id ASC, sample ASC) AS k,
+           ROW_NUMBER() OVER (ORDER BY kl ASC) AS k,
            COUNT(*) OVER () AS n
     FROM s
 )
@@ -87,7 +88,7 @@ WITH s AS (
       AND kl <= CAST({request_kl_limit} AS DOUBLE)
 ), ranked AS (
     SELECT kl,
-           ROW_NUMBER() OVER (ORDER BY kl ASC, event_id ASC, sample ASC) AS k,
+           ROW_NUMBER() OVER (ORDER BY kl ASC) AS k,
            COUNT(*) OVER () AS n
     FROM s
 )

@@ -146,9 +146,11 @@ pub async fn evidence_tables(
     };
     let mut t = EvidenceTables::default();
     for (name, sql) in queries::filled(&params)? {
+        let t0 = std::time::Instant::now();
         let b = query(ctx, &sql)
             .await
             .map_err(|e| AnalysisError::Query(format!("query {name}: {e}")))?;
+        tracing::info!(target: "quantmesh::evolution", query = %name, ms = t0.elapsed().as_millis() as u64, "evidence query");
         match name.as_str() {
             "groups" => t.groups = rows(&b)?,
             "decisions" => t.decisions = rows(&b)?,
