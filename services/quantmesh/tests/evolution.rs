@@ -574,8 +574,9 @@ fn same_evidence_and_proposal_on_spark(
         "the Spark job failed:\n{}",
         String::from_utf8_lossy(&spark.stderr)
     );
-    let (ok, out) = quantmesh(
-        &[
+    // `quantmesh evolve --once --dry-run` proposing from an evidence file.
+    let from_file = |file: &str, more: &[&str]| {
+        let mut args = vec![
             "evolve",
             "--once",
             "--dry-run",
@@ -584,12 +585,12 @@ fn same_evidence_and_proposal_on_spark(
             "--model",
             served,
             "--evidence",
-            &spark_ev,
-            "--plan-out",
-            &spark_plan,
-        ],
-        &[],
-    );
+            file,
+        ];
+        args.extend_from_slice(more);
+        quantmesh(&args, &[])
+    };
+    let (ok, out) = from_file(&spark_ev, &["--plan-out", &spark_plan]);
     assert!(ok, "{out}");
     assert!(out.contains("Evidence from spark "), "{out}");
 
@@ -635,20 +636,7 @@ fn same_evidence_and_proposal_on_spark(
     other["request_kl_limit"] = 0.5.into();
     let other_ev = path("other-limit.json");
     std::fs::write(&other_ev, other.to_string()).unwrap();
-    let (ok, out) = quantmesh(
-        &[
-            "evolve",
-            "--once",
-            "--dry-run",
-            "--config",
-            cfg,
-            "--model",
-            served,
-            "--evidence",
-            &other_ev,
-        ],
-        &[],
-    );
+    let (ok, out) = from_file(&other_ev, &[]);
     assert!(!ok, "{out}");
     assert!(
         out.contains("other-limit.json")
