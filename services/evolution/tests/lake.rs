@@ -105,9 +105,13 @@ fn records(settings: &KafkaSettings, from: i64, n: i64) -> Vec<Consumed> {
 }
 
 async fn count(lake: &Lake, sql: &str) -> u64 {
+    #[derive(serde::Deserialize)]
+    struct Count {
+        n: u64,
+    }
     let ctx = analysis::session(lake).await.unwrap();
     let b = analysis::query(&ctx, sql).await.unwrap();
-    analysis::u64s(&b, "n")[0]
+    analysis::rows::<Count>(&b).unwrap()[0].n
 }
 
 fn files(dir: &std::path::Path) -> Vec<String> {

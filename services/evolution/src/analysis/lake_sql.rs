@@ -7,8 +7,7 @@ use super::queries::{self, Params};
 use super::tables::{EvidenceFile, EvidenceTables, Span, EVIDENCE_FORMAT};
 use crate::lake::tables::{model_partition, Table};
 use crate::lake::Lake;
-use datafusion::arrow::array::{Array, ArrayRef, Int64Array, RecordBatch};
-use datafusion::arrow::compute::cast;
+use datafusion::arrow::array::RecordBatch;
 use datafusion::arrow::datatypes::DataType;
 use datafusion::datasource::file_format::parquet::ParquetFormat;
 use datafusion::datasource::listing::{
@@ -85,30 +84,6 @@ pub async fn session(lake: &Lake) -> Result<SessionContext, AnalysisError> {
 /// Run one query and collect its batches.
 pub async fn query(ctx: &SessionContext, sql: &str) -> Result<Vec<RecordBatch>, AnalysisError> {
     Ok(ctx.sql(sql).await?.collect().await?)
-}
-
-fn column(batch: &RecordBatch, name: &str, to: &DataType) -> Option<ArrayRef> {
-    let idx = batch.schema().index_of(name).ok()?;
-    cast(batch.column(idx), to).ok()
-}
-
-/// Column `name` of every row, as u64 (nulls and negatives as 0).
-pub fn u64s(batches: &[RecordBatch], name: &str) -> Vec<u64> {
-    let mut out = Vec::new();
-    for b in batches {
-        if let Some(a) = column(b, name, &DataType::Int64) {
-            if let Some(a) = a.as_any().downcast_ref::<Int64Array>() {
-                out.extend((0..a.len()).map(|i| {
-                    if a.is_null(i) {
-                        0
-                    } else {
-                        a.value(i).max(0) as u64
-                    }
-                }));
-            }
-        }
-    }
-    out
 }
 
 /// The rows of `batches` as `T` (through Arrow's JSON writer: column name = field name, a

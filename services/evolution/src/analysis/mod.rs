@@ -20,5 +20,5 @@ pub mod tables;
 
 pub use error::AnalysisError;
 pub use evidence::{DecisionRow, Evidence, GroupEvidence, KlEvidence};
-pub use lake_sql::{analyse, evidence_tables, query, rows, session, u64s};
+pub use lake_sql::{analyse, evidence_tables, query, rows, session};
 pub use tables::{EvidenceFile, EvidenceTables, Span, EVIDENCE_FORMAT};
