@@ -9,6 +9,13 @@
 
 use crate::kv::blocks::{PageId, Slot};
 use half::f16;
+use std::cell::RefCell;
+
+thread_local! {
+    /// [`KvCache::attend`]'s K/V gather buffers, one pair per thread (the pool's workers
+    /// each attend sequences of a decode step), grown to the longest sequence seen.
+    static ATTEND_SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
 pub use quantmesh_config::{KvFloatDtype, KvScale};
 
 const EMPTY: u8 = 0;
@@ -306,9 +313,40 @@ impl KvCache {
         let hd = head_dim;
         let nkv = self.kv_dim / hd;
         let total = start + m;
-        // The sequence's keys and values, dequantized once per kv head ([kv head][pos][hd]).
-        let mut kb = vec![0f32; nkv * total * hd];
-        let mut vb = vec![0f32; nkv * total * hd];
+        // The sequence's keys and values, dequantized once per kv head ([kv head][pos][hd])
+        // into this thread's scratch buffers: `read_head` writes every value, so they are
+        // neither allocated nor zeroed per call.
+        ATTEND_SCRATCH.with(|scratch| {
+            let (kb, vb) = &mut *scratch.borrow_mut();
+            let len = nkv * total * hd;
+            kb.resize(len, 0.0);
+            vb.resize(len, 0.0);
+            self.attend_in(
+                layer,
+                table,
+                (start, m),
+                q,
+                (num_heads, hd),
+                out,
+                (&mut kb[..len], &mut vb[..len]),
+            )
+        })
+    }
+
+    /// [`KvCache::attend`] with the sequence's K/V gathered into `kb` and `vb`.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_in(
+        &self,
+        layer: usize,
+        table: &[PageId],
+        (start, m): (usize, usize),
+        q: &[f32],
+        (num_heads, hd): (usize, usize),
+        out: &mut [f32],
+        (kb, vb): (&mut [f32], &mut [f32]),
+    ) -> Result<(), quantmesh_kernels::KernelError> {
+        let nkv = self.kv_dim / hd;
+        let total = start + m;
         let isa = quantmesh_kernels::Isa::current();
         for g in 0..nkv {
             for j in 0..total {
@@ -326,8 +364,8 @@ impl KvCache {
         };
         quantmesh_kernels::attention(
             q,
-            &kb,
-            &vb,
+            kb,
+            vb,
             shape,
             out,
             isa,
@@ -461,6 +499,52 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The gather buffers are a thread's scratch, reused across calls: attending a short
+    /// sequence after a longer one (INT8 and float pages, other values) gives the same bits
+    /// as on a thread that attended nothing before.
+    #[test]
+    fn attention_after_a_longer_sequence_matches_a_fresh_thread() {
+        let (nkv, nh, hd) = (2, 4, 8);
+        let cache = move |n: usize, salt: f32, int8: bool| {
+            let mut kv = KvCache::new(1, 8, 4, nkv * hd, KvFloatDtype::F32);
+            let table: Vec<PageId> = (0..n.div_ceil(4) as PageId).collect();
+            for t in 0..n {
+                let row = move |s: f32| -> Vec<f32> {
+                    (0..nkv * hd)
+                        .map(|c| ((t * 11 + c * 5) as f32 * 0.29 + s + salt).sin())
+                        .collect()
+                };
+                let slot = Slot {
+                    page: table[t / 4],
+                    offset: t % 4,
+                };
+                kv.write(0, slot, &row(0.3), &row(1.7), int8 && t % 3 != 0);
+            }
+            (kv, table)
+        };
+        let short = move || {
+            let (kv, table) = cache(5, 0.0, true);
+            let q: Vec<f32> = (0..2 * nh * hd).map(|i| (i as f32 * 0.17).cos()).collect();
+            let mut out = vec![0f32; 2 * nh * hd];
+            kv.attend(0, &table, 3, &q, 2, nh, hd, &mut out).unwrap();
+            out
+        };
+        let fresh = std::thread::spawn(short).join().unwrap();
+        let after_long = std::thread::spawn(move || {
+            let (kv, table) = cache(29, 5.0, false);
+            let q: Vec<f32> = (0..nh * hd).map(|i| (i as f32 * 0.41).sin()).collect();
+            let mut out = vec![0f32; nh * hd];
+            kv.attend(0, &table, 28, &q, 1, nh, hd, &mut out).unwrap();
+            short()
+        })
+        .join()
+        .unwrap();
+        assert_eq!(
+            fresh.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            after_long.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
     }
 
     /// Per-head C8 scales: a head of small values next to a head with a large channel keeps

@@ -13,7 +13,7 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
 /// What the executor needs to compute the monitor's statistics and the per-token bound.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default)]
 pub struct GroupDetector {
     /// Input channels left out of the statistic (massive fixed channels).
     pub excluded_channels: Vec<usize>,
@@ -29,6 +29,23 @@ pub struct GroupDetector {
     /// output noise-to-signal ratio on the quantized path is measured too (the harm
     /// statistic).
     pub column_error: Option<Arc<ColumnError>>,
+}
+
+/// Equal fields; the column errors (two floats per input column, compared each time the
+/// monitor publishes) are taken as equal without reading them when both sides share one
+/// table, as they do while the group's weights stay the same.
+impl PartialEq for GroupDetector {
+    fn eq(&self, other: &Self) -> bool {
+        let same_columns = match (&self.column_error, &other.column_error) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b) || a == b,
+            (a, b) => a.is_none() && b.is_none(),
+        };
+        same_columns
+            && self.excluded_channels == other.excluded_channels
+            && self.token_bound == other.token_bound
+            && self.learn_channels == other.learn_channels
+            && self.massive_ratio == other.massive_ratio
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -107,5 +124,41 @@ impl MaskHandle {
             next
         });
         published.unwrap_or_else(|| self.load())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Detectors are equal when their fields are, whether or not they share one column-error
+    /// table; a different table, a missing one or another field makes them differ.
+    #[test]
+    fn detectors_compare_by_value_and_shared_tables_by_pointer() {
+        let table = |e: f32| {
+            Arc::new(ColumnError {
+                error: vec![e, 0.5],
+                energy: vec![1.0, 2.0],
+            })
+        };
+        let det = |c: Option<Arc<ColumnError>>| GroupDetector {
+            excluded_channels: vec![3],
+            token_bound: 2.5,
+            learn_channels: false,
+            massive_ratio: 20.0,
+            column_error: c,
+        };
+        let shared = table(0.25);
+        assert_eq!(det(Some(shared.clone())), det(Some(shared.clone())));
+        assert_eq!(det(Some(shared.clone())), det(Some(table(0.25))));
+        assert_ne!(det(Some(shared.clone())), det(Some(table(0.75))));
+        assert_ne!(det(Some(shared.clone())), det(None));
+        assert_eq!(det(None), det(None));
+        let mut other = det(Some(shared.clone()));
+        other.token_bound = 3.0;
+        assert_ne!(det(Some(shared.clone())), other);
+        let mut other = det(Some(shared.clone()));
+        other.excluded_channels.push(4);
+        assert_ne!(det(Some(shared)), other);
     }
 }
