@@ -313,48 +313,7 @@ impl KvCache {
         let hd = head_dim;
         let nkv = self.kv_dim / hd;
         let total = start + m;
-        // The sequence's keys and values, dequantized once per kv head ([kv head][pos][hd])
-        // into this thread's scratch buffers: `read_head` writes every value, so they are
-        // neither allocated nor zeroed per call.
-        ATTEND_SCRATCH.with(|scratch| {
-            let (kb, vb) = &mut *scratch.borrow_mut();
-            let len = nkv * total * hd;
-            kb.resize(len, 0.0);
-            vb.resize(len, 0.0);
-            self.attend_in(
-                layer,
-                table,
-                (start, m),
-                q,
-                (num_heads, hd),
-                out,
-                (&mut kb[..len], &mut vb[..len]),
-            )
-        })
-    }
-
-    /// [`KvCache::attend`] with the sequence's K/V gathered into `kb` and `vb`.
-    #[allow(clippy::too_many_arguments)]
-    fn attend_in(
-        &self,
-        layer: usize,
-        table: &[PageId],
-        (start, m): (usize, usize),
-        q: &[f32],
-        (num_heads, hd): (usize, usize),
-        out: &mut [f32],
-        (kb, vb): (&mut [f32], &mut [f32]),
-    ) -> Result<(), quantmesh_kernels::KernelError> {
-        let nkv = self.kv_dim / hd;
-        let total = start + m;
         let isa = quantmesh_kernels::Isa::current();
-        for g in 0..nkv {
-            for j in 0..total {
-                let at = (g * total + j) * hd;
-                let (k, v) = (&mut kb[at..at + hd], &mut vb[at..at + hd]);
-                self.read_head(layer, table, j, g, k, v, isa);
-            }
-        }
         let shape = quantmesh_kernels::AttentionShape {
             rows: m,
             start,
@@ -362,15 +321,30 @@ impl KvCache {
             kv_heads: nkv,
             head_dim: hd,
         };
-        quantmesh_kernels::attention(
-            q,
-            kb,
-            vb,
-            shape,
-            out,
-            isa,
-            quantmesh_kernels::Pool::global(),
-        )
+        // The sequence's keys and values, dequantized once per kv head ([kv head][pos][hd])
+        // into this thread's scratch buffers: `read_head` writes every value, so they are
+        // neither allocated nor zeroed per call.
+        ATTEND_SCRATCH.with(|scratch| {
+            let (kb, vb) = &mut *scratch.borrow_mut();
+            kb.resize(nkv * total * hd, 0.0);
+            vb.resize(nkv * total * hd, 0.0);
+            for g in 0..nkv {
+                for j in 0..total {
+                    let at = (g * total + j) * hd;
+                    let (k, v) = (&mut kb[at..at + hd], &mut vb[at..at + hd]);
+                    self.read_head(layer, table, j, g, k, v, isa);
+                }
+            }
+            quantmesh_kernels::attention(
+                q,
+                kb,
+                vb,
+                shape,
+                out,
+                isa,
+                quantmesh_kernels::Pool::global(),
+            )
+        })
     }
 
     /// Precision tags of the first `len` tokens (`Some(true)` = INT8), for tests and metrics.

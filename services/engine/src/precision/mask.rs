@@ -36,15 +36,24 @@ pub struct GroupDetector {
 /// table, as they do while the group's weights stay the same.
 impl PartialEq for GroupDetector {
     fn eq(&self, other: &Self) -> bool {
-        let same_columns = match (&self.column_error, &other.column_error) {
+        // Destructured so that a new field cannot be left out of the comparison.
+        let GroupDetector {
+            excluded_channels,
+            token_bound,
+            learn_channels,
+            massive_ratio,
+            column_error,
+        } = self;
+        let same_columns = match (column_error, &other.column_error) {
             (Some(a), Some(b)) => Arc::ptr_eq(a, b) || a == b,
-            (a, b) => a.is_none() && b.is_none(),
+            (None, None) => true,
+            _ => false,
         };
         same_columns
-            && self.excluded_channels == other.excluded_channels
-            && self.token_bound == other.token_bound
-            && self.learn_channels == other.learn_channels
-            && self.massive_ratio == other.massive_ratio
+            && *excluded_channels == other.excluded_channels
+            && *token_bound == other.token_bound
+            && *learn_channels == other.learn_channels
+            && *massive_ratio == other.massive_ratio
     }
 }
 
