@@ -120,9 +120,10 @@ fn every_instruction_set_gives_the_same_logits() {
             float: FloatDtype::F16,
             ..Forms::EXACT
         };
-        let model = LlamaModel::load_from(&ck, &cfg, &|_| Residency::Dual, forms).unwrap();
-        let mut rig = Rig::with_model(model, &cfg, KvFloatDtype::F32);
+        // Loaded inside the scope: the weights are packed in the order `isa`'s kernel reads.
         isa.scoped(|| {
+            let model = LlamaModel::load_from(&ck, &cfg, &|_| Residency::Dual, forms).unwrap();
+            let mut rig = Rig::with_model(model, &cfg, KvFloatDtype::F32);
             let mut out = rig.feed(1, &p[..p.len() - 2], &mask, true);
             for t in &p[p.len() - 2..] {
                 out.extend(rig.feed(1, &[*t], &mask, true));

@@ -6,7 +6,7 @@
 //! cargo run --release -p quantmesh-kernels --example kernel-bench -- [--shape 576x576,...] [--rows 1,8,32,128]
 //! ```
 
-use quantmesh_kernels::{f16_matmul, ActBits, Activations, Isa, PackedQ8, Pool};
+use quantmesh_kernels::{f16_matmul, ActBits, Activations, Isa, PackedQ8, Pool, Q8Layout};
 use std::time::Instant;
 
 fn main() {
@@ -67,7 +67,6 @@ fn main() {
         let w: Vec<f32> = (0..o * i)
             .map(|k| ((k * 7919) % 1000) as f32 / 1000.0 - 0.5)
             .collect();
-        let p = PackedQ8::quantize(&w, o, i).unwrap_or_else(|e| panic!("{e}"));
         let wh: Vec<half::f16> = w.iter().map(|&v| half::f16::from_f32(v)).collect();
         for &m in &rows_list {
             let x: Vec<f32> = (0..m * i)
@@ -75,6 +74,9 @@ fn main() {
                 .collect();
             let mut out = vec![0f32; m * o];
             for isa in Isa::all_available() {
+                // The weights in the order this instruction set's kernel reads.
+                let p = PackedQ8::quantize_in(&w, o, i, Q8Layout::for_isa(isa))
+                    .unwrap_or_else(|e| panic!("{e}"));
                 for bits in [ActBits::Eight, ActBits::Sixteen] {
                     let mut a = Activations::new();
                     let mut run = || {

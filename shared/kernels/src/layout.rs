@@ -2,24 +2,62 @@
 //! block, the f16 product's operands, and the output the threads share. The products
 //! themselves (which kernel runs, on which threads) are in `q8.rs` and `f16.rs`.
 //!
-//! Layout of [`PackedQ8`] (`rows × cols` weights, `cols` a multiple of [`BLOCK`]): the
-//! rows are cut into tiles of [`TILE_ROWS`]; inside a tile the 32-value blocks of its rows
-//! are interleaved (`[tile][block][row][32]` values), and the f16 scales are kept in the
-//! same order (`[tile][block][row]`). A tile's weights sit in one contiguous run, so a call
-//! streams each weight once from memory however many activation rows it has: the kernel
-//! keeps the tile in L1 while it walks the rows (register tiles of 4 weight rows × 2
-//! activation rows). The bytes are Q8_0's own (34 per 32 weights); a row count that
-//! [`TILE_ROWS`] does not divide is padded with zero rows that are never written out.
+//! [`PackedQ8`] (`rows × cols` weights, `cols` a multiple of [`BLOCK`]) cuts the rows into
+//! tiles and keeps each tile's weights in one contiguous run, so a call streams each weight
+//! once from memory however many activation rows it has (the kernel keeps the tile in L1
+//! while it walks the rows). Inside a tile the order is the one its kernel reads without
+//! shuffling ([`Q8Layout`]):
+//! - [`Q8Layout::RowTiles`] (AVX-512 VNNI, AMX): tiles of [`TILE_ROWS`] rows, the 32-value
+//!   blocks of the tile's rows interleaved (`[tile][block][row in tile][32]`); a row's
+//!   block is one run of 32 bytes, what `vpdpbusd` and the AMX tiles take.
+//! - [`Q8Layout::PairColumns`] (AVX2): tiles of 8 rows, each block stored by pairs of
+//!   columns (`[tile][block][pair][row in tile][2]`): one 16-byte load widened to 16 bits
+//!   is the pair for all 8 rows, and `vpmaddwd` against an activation pair broadcast to
+//!   every lane gives each row's partial sum in its own lane, with no horizontal sums.
+//!
+//! The f16 scales are kept in the tiles' order (`[tile][block][row in tile]`). The bytes are
+//! Q8_0's own (34 per 32 weights); a row count the tile height does not divide is padded
+//! with zero rows that are never written out.
 
-use crate::{KernelError, Result};
+use crate::{Isa, KernelError, Result};
 use half::f16;
 
 /// Values per quantization block (Q8_0's).
 pub const BLOCK: usize = 32;
-/// Output rows per tile.
+/// Output rows per tile of [`Q8Layout::RowTiles`].
 pub const TILE_ROWS: usize = 4;
+/// Output rows per tile of [`Q8Layout::PairColumns`].
+pub(crate) const PAIR_TILE_ROWS: usize = 8;
 /// Activation rows a thread walks per pass over its tiles (they stay in L2 meanwhile).
 pub(crate) const ROW_BLOCK: usize = 64;
+
+/// The order of a [`PackedQ8`]'s weights inside a tile: the one its kernel reads without
+/// shuffling (see the module's notes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Q8Layout {
+    /// `[tile of 4 rows][block][row][32]`: the AVX-512 VNNI and AMX kernels' order.
+    RowTiles,
+    /// `[tile of 8 rows][block][column pair][row][2]`: the AVX2 kernel's order.
+    PairColumns,
+}
+
+impl Q8Layout {
+    /// The order `isa`'s Q8_0 kernel reads (the scalar reference reads either).
+    pub fn for_isa(isa: Isa) -> Self {
+        match isa {
+            Isa::Avx2 => Q8Layout::PairColumns,
+            Isa::Scalar | Isa::Avx512 | Isa::Amx => Q8Layout::RowTiles,
+        }
+    }
+
+    /// Output rows per tile.
+    pub fn tile_rows(self) -> usize {
+        match self {
+            Q8Layout::RowTiles => TILE_ROWS,
+            Q8Layout::PairColumns => PAIR_TILE_ROWS,
+        }
+    }
+}
 
 /// Q8_0 weights repacked for the kernels.
 #[derive(Clone)]
@@ -27,8 +65,10 @@ pub struct PackedQ8 {
     pub(crate) rows: usize,
     pub(crate) cols: usize,
     pub(crate) blocks: usize,
+    pub(crate) layout: Q8Layout,
+    /// Tiles of `layout.tile_rows()` rows.
     pub(crate) tiles: usize,
-    /// `[tile][block][row in tile][BLOCK]`.
+    /// `[tile][block][…]` in the layout's order.
     pub(crate) qs: Vec<i8>,
     /// `[tile][block][row in tile]`.
     pub(crate) d: Vec<f16>,
@@ -53,7 +93,7 @@ fn quantize_block(x: &[f32], q: &mut [i8]) -> f16 {
 }
 
 impl PackedQ8 {
-    pub(crate) fn empty(rows: usize, cols: usize) -> Result<Self> {
+    pub(crate) fn empty(rows: usize, cols: usize, layout: Q8Layout) -> Result<Self> {
         if !cols.is_multiple_of(BLOCK) || cols == 0 {
             return Err(KernelError::Width {
                 width: cols,
@@ -61,62 +101,105 @@ impl PackedQ8 {
             });
         }
         let blocks = cols / BLOCK;
-        let tiles = rows.div_ceil(TILE_ROWS);
+        let tile_rows = layout.tile_rows();
+        let tiles = rows.div_ceil(tile_rows);
         Ok(Self {
             rows,
             cols,
             blocks,
+            layout,
             tiles,
-            qs: vec![0; tiles * TILE_ROWS * cols],
-            d: vec![f16::ZERO; tiles * TILE_ROWS * blocks],
+            qs: vec![0; tiles * tile_rows * cols],
+            d: vec![f16::ZERO; tiles * tile_rows * blocks],
         })
     }
 
-    /// Where row `r`'s block `b` lives: (offset in `qs`, offset in `d`).
+    /// Where row `r`'s block `b` lives: (offset of its first value in `qs`, the distance
+    /// between its values' pairs, offset of its scale in `d`). Value `j` of the block is at
+    /// `first + (j / 2) · pair_stride + j % 2`.
     #[inline]
-    pub(crate) fn at(&self, r: usize, b: usize) -> (usize, usize) {
-        let (t, i) = (r / TILE_ROWS, r % TILE_ROWS);
-        let s = (t * self.blocks + b) * TILE_ROWS + i;
-        (s * BLOCK, s)
+    fn at(&self, r: usize, b: usize) -> (usize, usize, usize) {
+        let th = self.layout.tile_rows();
+        let (t, i) = (r / th, r % th);
+        let first_row = (t * self.blocks + b) * th;
+        match self.layout {
+            Q8Layout::RowTiles => ((first_row + i) * BLOCK, 2, first_row + i),
+            Q8Layout::PairColumns => (first_row * BLOCK + 2 * i, 2 * th, first_row + i),
+        }
     }
 
-    /// Quantize the f32 weight `w` (`rows × cols`, row-major) to Q8_0.
+    /// Row `r`'s block `b`: its 32 values and its scale.
+    pub(crate) fn block(&self, r: usize, b: usize) -> ([i8; BLOCK], f16) {
+        let (first, stride, s) = self.at(r, b);
+        let mut q = [0i8; BLOCK];
+        for (p, pair) in q.chunks_exact_mut(2).enumerate() {
+            pair.copy_from_slice(&self.qs[first + p * stride..][..2]);
+        }
+        (q, self.d[s])
+    }
+
+    fn set_block(&mut self, r: usize, b: usize, q: &[i8], d: f16) {
+        let (first, stride, s) = self.at(r, b);
+        for (p, pair) in q.chunks_exact(2).enumerate() {
+            self.qs[first + p * stride..][..2].copy_from_slice(pair);
+        }
+        self.d[s] = d;
+    }
+
+    /// Quantize the f32 weight `w` (`rows × cols`, row-major) to Q8_0, in the order this
+    /// thread's kernel reads ([`Isa::current`]).
     pub fn quantize(w: &[f32], rows: usize, cols: usize) -> Result<Self> {
-        let mut p = Self::empty(rows, cols)?;
+        Self::quantize_in(w, rows, cols, Q8Layout::for_isa(Isa::current()))
+    }
+
+    /// As [`PackedQ8::quantize`], in `layout`.
+    pub fn quantize_in(w: &[f32], rows: usize, cols: usize, layout: Q8Layout) -> Result<Self> {
+        let mut p = Self::empty(rows, cols, layout)?;
         if w.len() != rows * cols {
             return Err(KernelError::Shape(format!(
                 "{} weights for [{rows}, {cols}]",
                 w.len()
             )));
         }
-        for r in 0..rows {
-            for b in 0..p.blocks {
-                let (q, s) = p.at(r, b);
-                let x = &w[r * cols + b * BLOCK..][..BLOCK];
-                p.d[s] = quantize_block(x, &mut p.qs[q..q + BLOCK]);
+        let mut q = [0i8; BLOCK];
+        for (r, row) in w.chunks_exact(cols).enumerate() {
+            for (b, x) in row.chunks_exact(BLOCK).enumerate() {
+                let d = quantize_block(x, &mut q);
+                p.set_block(r, b, &q, d);
             }
         }
         Ok(p)
     }
 
     /// From Q8_0 blocks as GGUF stores them (per block: f16 scale, 32 signed bytes; rows
-    /// one after another).
+    /// one after another), in the order this thread's kernel reads ([`Isa::current`]).
     pub fn from_q8_0(data: &[u8], rows: usize, cols: usize) -> Result<Self> {
-        let mut p = Self::empty(rows, cols)?;
+        Self::from_q8_0_in(data, rows, cols, Q8Layout::for_isa(Isa::current()))
+    }
+
+    /// As [`PackedQ8::from_q8_0`], in `layout`.
+    pub fn from_q8_0_in(data: &[u8], rows: usize, cols: usize, layout: Q8Layout) -> Result<Self> {
+        let mut p = Self::empty(rows, cols, layout)?;
         if data.len() != rows * p.blocks * (BLOCK + 2) {
             return Err(KernelError::Shape(format!(
                 "{} bytes of Q8_0 for [{rows}, {cols}]",
                 data.len()
             )));
         }
+        let mut q = [0i8; BLOCK];
         for (i, block) in data.chunks_exact(BLOCK + 2).enumerate() {
-            let (q, s) = p.at(i / p.blocks, i % p.blocks);
-            p.d[s] = f16::from_le_bytes([block[0], block[1]]);
-            for (dst, &src) in p.qs[q..q + BLOCK].iter_mut().zip(&block[2..]) {
+            for (dst, &src) in q.iter_mut().zip(&block[2..]) {
                 *dst = src as i8;
             }
+            let d = f16::from_le_bytes([block[0], block[1]]);
+            p.set_block(i / p.blocks, i % p.blocks, &q, d);
         }
         Ok(p)
+    }
+
+    /// The order of the weights (which kernels read them without a repack).
+    pub fn layout(&self) -> Q8Layout {
+        self.layout
     }
 
     pub fn rows(&self) -> usize {
@@ -136,12 +219,9 @@ impl PackedQ8 {
     /// Row `r` dequantized into `out` (`cols` values).
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         for b in 0..self.blocks {
-            let (q, s) = self.at(r, b);
-            let d = self.d[s].to_f32();
-            for (o, &v) in out[b * BLOCK..(b + 1) * BLOCK]
-                .iter_mut()
-                .zip(&self.qs[q..q + BLOCK])
-            {
+            let (q, d) = self.block(r, b);
+            let d = d.to_f32();
+            for (o, &v) in out[b * BLOCK..(b + 1) * BLOCK].iter_mut().zip(&q) {
                 *o = d * v as f32;
             }
         }

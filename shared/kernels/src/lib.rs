@@ -3,9 +3,11 @@
 //! One job: multiply activation rows by quantized weights as fast as this CPU allows,
 //! reading the weights once per call for all rows.
 //!
-//! - [`PackedQ8`]: Q8_0 weights (8-bit values, one scale per 32) repacked at load into row
-//!   tiles of [`TILE_ROWS`] output rows whose blocks are interleaved, the tile's scales
-//!   beside them, so one pass streams every weight once whatever the number of rows.
+//! - [`PackedQ8`]: Q8_0 weights (8-bit values, one scale per 32) repacked at load into tiles
+//!   of output rows, each tile one contiguous run with its scales, in the order the
+//!   instruction set's kernel reads ([`Q8Layout`]: whole blocks per row for AVX-512 VNNI and
+//!   AMX, column pairs across 8 rows for AVX2), so one pass streams every weight once
+//!   whatever the number of rows.
 //! - [`Activations`]: the rows quantized once per call, per block of 32, to 8 bits (W8A8,
 //!   llama.cpp's Q8_0 activations) or to 16 bits (W8A16: the weights' error alone). Both
 //!   are stored as `i16`, so one AVX2 kernel serves both at one cost; with AVX-512 VNNI
@@ -45,7 +47,7 @@ pub use attention::{attention, exp_nonpositive, AttentionShape};
 pub use error::{KernelError, Result};
 pub use f16::f16_matmul;
 pub use isa::Isa;
-pub use layout::{ActBits, Activations, PackedQ8, BLOCK, TILE_ROWS};
+pub use layout::{ActBits, Activations, PackedQ8, Q8Layout, BLOCK, TILE_ROWS};
 pub use pool::Pool;
 pub use rows::{dequantize_i8, rms_norm, rope, softmax_weights};
 pub use swiglu::swiglu;

@@ -1,10 +1,10 @@
 //! The Q8_0 product: activations quantized once per call with this CPU's kernel, and the
 //! weights' row tiles handed out to the pool's threads, each running the best kernel the
-//! instruction set allows (layout in `layout.rs`).
+//! instruction set and the weights' layout allow (layouts in `layout.rs`).
 
 use crate::layout::{quantize_act_block, Out};
 use crate::pool::Pool;
-use crate::{scalar, ActBits, Activations, Isa, KernelError, PackedQ8, Result, BLOCK};
+use crate::{scalar, ActBits, Activations, Isa, KernelError, PackedQ8, Q8Layout, Result, BLOCK};
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -59,10 +59,11 @@ impl PackedQ8 {
         }
         let dst = Out(out);
         let isa = if isa.available() { isa } else { Isa::Scalar };
+        let rows_order = self.layout == Q8Layout::RowTiles;
         // AMX threads take whole groups of row tiles (16 output rows).
         #[cfg(target_arch = "x86_64")]
         let (units, unit) = match isa {
-            Isa::Amx => (
+            Isa::Amx if rows_order => (
                 self.tiles.div_ceil(crate::amx::GROUP_TILES),
                 crate::amx::GROUP_TILES,
             ),
@@ -74,6 +75,9 @@ impl PackedQ8 {
         // one counter, in order: a thread that starts late or runs slower (a busy core, a
         // cold cache) no longer holds the others at the barrier.
         let next = AtomicUsize::new(0);
+        // Each kernel reads one layout; weights packed for another instruction set than the
+        // caller's (a test's `Isa::scoped` around a model loaded outside it) run on the
+        // scalar reference, which reads both.
         let one = |tiles: Range<usize>| {
             // SAFETY: every unit of tiles is claimed by exactly one thread, which writes
             // only the output columns of those tiles.
@@ -82,18 +86,20 @@ impl PackedQ8 {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `isa.available()` checked AMX (granted), AVX-512 F/BW/VNNI and
                 // AVX2, FMA, F16C; the activations hold their AMX byte form.
-                Isa::Amx if a.s8.len() == a.q.len() && a.bytes.is_some() => unsafe {
+                Isa::Amx if rows_order && a.s8.len() == a.q.len() && a.bytes.is_some() => unsafe {
                     crate::amx::q8_tiles(self, a, tiles, dst.0)
                 },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `isa.available()` checked AVX-512 F/BW/VNNI and AVX2, FMA, F16C;
                 // the activations hold their byte form.
-                Isa::Avx512 | Isa::Amx if a.bytes.is_some() => unsafe {
+                Isa::Avx512 | Isa::Amx if rows_order && a.bytes.is_some() => unsafe {
                     crate::avx512::q8_tiles(self, a, tiles, 0..a.rows, dst.0)
                 },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `isa.available()` checked AVX2, FMA and F16C (AVX-512 implies them).
-                isa if isa.x86_simd() => unsafe { crate::x86::q8_tiles(self, a, tiles, dst.0) },
+                isa if isa.x86_simd() && !rows_order => unsafe {
+                    crate::x86::q8_tiles(self, a, tiles, dst.0)
+                },
                 _ => scalar::q8_tiles(self, a, tiles, dst.0),
             }
         };

@@ -1,28 +1,35 @@
 //! The portable reference kernels: plain loops, integer dot products per block, one f32
 //! multiply-add per block and row. Every SIMD kernel is tested against these.
 
-use crate::layout::{Activations, PackedQ8, BLOCK, TILE_ROWS};
+use crate::layout::{Activations, PackedQ8, BLOCK};
 use std::ops::Range;
 
 /// Output columns of `tiles` for every activation row, written through `out`
-/// (`a.rows × w.rows`, row-major).
+/// (`a.rows × w.rows`, row-major). Reads either layout, block by block.
 pub(crate) fn q8_tiles(w: &PackedQ8, a: &Activations, tiles: Range<usize>, out: *mut f32) {
     let n = w.rows;
+    let th = w.layout.tile_rows();
+    let mut acc = vec![0f32; a.rows * th];
+    let mut blocks = vec![([0i8; BLOCK], 0f32); th];
     for t in tiles {
-        for m in 0..a.rows {
-            let mut acc = [0f32; TILE_ROWS];
-            for b in 0..w.blocks {
-                let s = (t * w.blocks + b) * TILE_ROWS;
+        acc.fill(0.0);
+        for b in 0..w.blocks {
+            for (r, block) in blocks.iter_mut().enumerate() {
+                let (q, d) = w.block(t * th + r, b);
+                *block = (q, d.to_f32());
+            }
+            for (m, acc) in acc.chunks_exact_mut(th).enumerate() {
                 let aq = &a.q[m * a.cols + b * BLOCK..][..BLOCK];
                 let da = a.d[m * a.blocks + b];
-                for (r, acc) in acc.iter_mut().enumerate() {
-                    let wq = &w.qs[(s + r) * BLOCK..][..BLOCK];
+                for (acc, (wq, dw)) in acc.iter_mut().zip(&blocks) {
                     let dot: i32 = wq.iter().zip(aq).map(|(&x, &y)| x as i32 * y as i32).sum();
-                    *acc += dot as f32 * (w.d[s + r].to_f32() * da);
+                    *acc += dot as f32 * (dw * da);
                 }
             }
+        }
+        for (m, acc) in acc.chunks_exact(th).enumerate() {
             for (r, &v) in acc.iter().enumerate() {
-                let col = t * TILE_ROWS + r;
+                let col = t * th + r;
                 if col < n {
                     // SAFETY: `col < n` and `m < a.rows`: inside the output the caller
                     // checked; this thread owns the columns of its tiles.

@@ -1,20 +1,23 @@
 //! AVX2 + FMA + F16C kernels (x86-64). Each public function is `#[target_feature]` and
 //! `unsafe`: the caller checks [`crate::Isa::Avx2`] is available.
 //!
-//! The Q8_0 product widens each weight block to 16 bits once (`vpmovsxbw`) and multiplies
-//! it by every activation row of the register tile with `vpmaddwd` (pairs of 16-bit
-//! products summed into 32 bits: exact for 8- and 16-bit activations alike), converts the
-//! block's integer sums to f32 and adds them with the two scales' product (`vfmadd`). A
-//! register tile is 4 weight rows × 2 activation rows: 8 accumulators, 4 activation
-//! vectors, 2 weight vectors.
+//! The Q8_0 product reads [`crate::Q8Layout::PairColumns`]: for each pair of columns, one
+//! 16-byte load holds the pair for the tile's 8 rows; widened to 16 bits (`vpmovsxbw`) it
+//! is multiplied with `vpmaddwd` by the activation row's pair broadcast to every lane
+//! (`vpbroadcastd`, a load, not a shuffle), which leaves row `i`'s partial sum in lane `i`:
+//! no horizontal sums, so the loop is bound by the multiply port rather than the shuffle
+//! port. Exact for 8- and 16-bit activations alike (a block's 16 pair sums stay below
+//! 2³¹). Per block the 8 integer sums are converted to f32 and added with the scales'
+//! products (`vfmadd`). A register tile is 8 weight rows × up to 4 activation rows: 4
+//! integer and 4 float accumulators, the widened weights and the broadcast pair.
 
 #![allow(clippy::needless_range_loop)] // lane- and row-indexed loops mirror the register tiles
 
-use crate::layout::{Activations, PackedQ8, BLOCK, ROW_BLOCK, TILE_ROWS};
+use crate::layout::{Activations, PackedQ8, BLOCK, PAIR_TILE_ROWS, ROW_BLOCK, TILE_ROWS};
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-/// As [`crate::scalar::q8_tiles`].
+/// As [`crate::scalar::q8_tiles`], for weights in [`crate::Q8Layout::PairColumns`].
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn q8_tiles(w: &PackedQ8, a: &Activations, tiles: Range<usize>, out: *mut f32) {
     let mut m0 = 0;
@@ -22,12 +25,15 @@ pub(crate) unsafe fn q8_tiles(w: &PackedQ8, a: &Activations, tiles: Range<usize>
         let m1 = (m0 + ROW_BLOCK).min(a.rows);
         for t in tiles.clone() {
             let mut m = m0;
-            while m + 2 <= m1 {
-                q8_tile2(w, a, t, m, out);
-                m += 2;
+            while m + 4 <= m1 {
+                q8_tile::<4>(w, a, t, m, out);
+                m += 4;
             }
-            if m < m1 {
-                q8_tile1(w, a, t, m, out);
+            match m1 - m {
+                3 => q8_tile::<3>(w, a, t, m, out),
+                2 => q8_tile::<2>(w, a, t, m, out),
+                1 => q8_tile::<1>(w, a, t, m, out),
+                _ => {}
             }
         }
         m0 = m1;
@@ -44,116 +50,55 @@ pub(crate) unsafe fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
-/// One weight block (32 values at `w`) widened to 16 bits: two vectors of 16.
+/// Tile `t` (8 output columns) for activation rows `m .. m + M`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn widen(w: *const i8) -> (__m256i, __m256i) {
-    (
-        _mm256_cvtepi8_epi16(_mm_loadu_si128(w as *const __m128i)),
-        _mm256_cvtepi8_epi16(_mm_loadu_si128(w.add(16) as *const __m128i)),
-    )
-}
-
-/// The 8 lane sums of one row pair's block product (`vpmaddwd` of both halves).
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn dot(w: (__m256i, __m256i), a: (__m256i, __m256i)) -> __m256i {
-    _mm256_add_epi32(_mm256_madd_epi16(w.0, a.0), _mm256_madd_epi16(w.1, a.1))
-}
-
-/// The 4 weight rows' lane sums `p[r]` reduced to one vector per half:
-/// `[Σ p0, Σ p1, Σ p2, Σ p3]` in each 128-bit half (low half: lanes 0–3, high: 4–7).
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn reduce4(p: [__m256i; 4]) -> __m256i {
-    _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]))
-}
-
-/// Activation row `m`'s block `b` (32 values as two vectors of 16).
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn act(a: &Activations, m: usize, b: usize) -> (__m256i, __m256i) {
-    let p = a.q.as_ptr().add(m * a.cols + b * BLOCK);
-    (
-        _mm256_loadu_si256(p as *const __m256i),
-        _mm256_loadu_si256(p.add(16) as *const __m256i),
-    )
-}
-
-/// Tile `t` (4 output columns) for activation rows `m`, `m + 1`. Per block: 8 integer
-/// dot products reduced to one vector `[r0..r3 of row m | r0..r3 of row m+1]`, converted
-/// once and added with the scales' products `[dw_r · da_m | dw_r · da_m+1]`: one
-/// accumulator for the whole register tile.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn q8_tile2(w: &PackedQ8, a: &Activations, t: usize, m: usize, out: *mut f32) {
+unsafe fn q8_tile<const M: usize>(
+    w: &PackedQ8,
+    a: &Activations,
+    t: usize,
+    m: usize,
+    out: *mut f32,
+) {
+    const G: usize = PAIR_TILE_ROWS;
     let n = w.rows;
-    let mut acc = _mm256_setzero_ps();
-    let wq = w.qs.as_ptr().add(t * w.blocks * TILE_ROWS * BLOCK);
-    let wd = w.d.as_ptr().add(t * w.blocks * TILE_ROWS) as *const u8;
-    let (d0, d1) = (
-        a.d.as_ptr().add(m * a.blocks),
-        a.d.as_ptr().add((m + 1) * a.blocks),
-    );
+    let wq = w.qs.as_ptr().add(t * w.blocks * G * BLOCK);
+    // 8 f16 scales per block: one 16-byte load.
+    let wd = w.d.as_ptr().add(t * w.blocks * G) as *const __m128i;
+    let mut aq = [a.q.as_ptr(); M];
+    let mut ad = [a.d.as_ptr(); M];
+    for j in 0..M {
+        aq[j] = a.q.as_ptr().add((m + j) * a.cols);
+        ad[j] = a.d.as_ptr().add((m + j) * a.blocks);
+    }
+    let mut acc = [_mm256_setzero_ps(); M];
     for b in 0..w.blocks {
-        let dw = _mm_cvtph_ps(_mm_loadl_epi64(wd.add(b * TILE_ROWS * 2) as *const __m128i));
-        let da = _mm256_set_m128(_mm_set1_ps(*d1.add(b)), _mm_set1_ps(*d0.add(b)));
-        let s = _mm256_mul_ps(_mm256_set_m128(dw, dw), da);
-        let (a0, a1) = (act(a, m, b), act(a, m + 1, b));
-        let wb = wq.add(b * TILE_ROWS * BLOCK);
-        let mut p0 = [_mm256_setzero_si256(); 4];
-        let mut p1 = [_mm256_setzero_si256(); 4];
-        for r in 0..TILE_ROWS {
-            let wr = widen(wb.add(r * BLOCK));
-            p0[r] = dot(wr, a0);
-            p1[r] = dot(wr, a1);
+        let wb = wq.add(b * G * BLOCK);
+        let mut sum = [_mm256_setzero_si256(); M];
+        for p in 0..BLOCK / 2 {
+            let wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(wb.add(p * 2 * G) as *const __m128i));
+            for j in 0..M {
+                let pair = (aq[j].add(b * BLOCK + 2 * p) as *const i32).read_unaligned();
+                sum[j] = _mm256_add_epi32(sum[j], _mm256_madd_epi16(wv, _mm256_set1_epi32(pair)));
+            }
         }
-        let (x0, x1) = (reduce4(p0), reduce4(p1));
-        let sum = _mm256_add_epi32(
-            _mm256_permute2x128_si256(x0, x1, 0x20),
-            _mm256_permute2x128_si256(x0, x1, 0x31),
-        );
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), s, acc);
-    }
-    let mut v = [0f32; 8];
-    _mm256_storeu_ps(v.as_mut_ptr(), acc);
-    for r in 0..TILE_ROWS {
-        let col = t * TILE_ROWS + r;
-        if col < n {
-            *out.add(m * n + col) = v[r];
-            *out.add((m + 1) * n + col) = v[4 + r];
+        let dw = _mm256_cvtph_ps(_mm_loadu_si128(wd.add(b)));
+        for j in 0..M {
+            let s = _mm256_mul_ps(dw, _mm256_set1_ps(*ad[j].add(b)));
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[j]), s, acc[j]);
         }
     }
-}
-
-/// Tile `t` for activation row `m` alone (decode, and the odd row of a step).
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn q8_tile1(w: &PackedQ8, a: &Activations, t: usize, m: usize, out: *mut f32) {
-    let n = w.rows;
-    let mut acc = _mm_setzero_ps();
-    let wq = w.qs.as_ptr().add(t * w.blocks * TILE_ROWS * BLOCK);
-    let wd = w.d.as_ptr().add(t * w.blocks * TILE_ROWS) as *const u8;
-    let d0 = a.d.as_ptr().add(m * a.blocks);
-    for b in 0..w.blocks {
-        let dw = _mm_cvtph_ps(_mm_loadl_epi64(wd.add(b * TILE_ROWS * 2) as *const __m128i));
-        let s = _mm_mul_ps(dw, _mm_set1_ps(*d0.add(b)));
-        let a0 = act(a, m, b);
-        let wb = wq.add(b * TILE_ROWS * BLOCK);
-        let mut p = [_mm256_setzero_si256(); 4];
-        for (r, p) in p.iter_mut().enumerate() {
-            *p = dot(widen(wb.add(r * BLOCK)), a0);
-        }
-        let x = reduce4(p);
-        let sum = _mm_add_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
-        acc = _mm_fmadd_ps(_mm_cvtepi32_ps(sum), s, acc);
-    }
-    let mut v = [0f32; 4];
-    _mm_storeu_ps(v.as_mut_ptr(), acc);
-    for (r, &v) in v.iter().enumerate() {
-        let col = t * TILE_ROWS + r;
-        if col < n {
-            *out.add(m * n + col) = v;
+    let c0 = t * G;
+    for j in 0..M {
+        let o = out.add((m + j) * n + c0);
+        if c0 + G <= n {
+            _mm256_storeu_ps(o, acc[j]);
+        } else {
+            let mut v = [0f32; G];
+            _mm256_storeu_ps(v.as_mut_ptr(), acc[j]);
+            for (r, &v) in v.iter().enumerate().take(n - c0) {
+                *o.add(r) = v;
+            }
         }
     }
 }

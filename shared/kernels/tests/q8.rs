@@ -4,7 +4,7 @@
 #![allow(clippy::unwrap_used)]
 
 use proptest::prelude::*;
-use quantmesh_kernels::{ActBits, Activations, Isa, PackedQ8, Pool, BLOCK};
+use quantmesh_kernels::{ActBits, Activations, Isa, PackedQ8, Pool, Q8Layout, BLOCK};
 use rand::{Rng, SeedableRng};
 
 fn rand_vec(n: usize, seed: u64, scale: f32) -> Vec<f32> {
@@ -54,21 +54,37 @@ fn exact(w: &PackedQ8, a: &Activations) -> (Vec<f64>, Vec<f64>) {
     (sum, magnitude)
 }
 
+/// Every instruction set on the weights in either layout: its own, and the other one (a
+/// model loaded outside a test's `Isa::scoped`), which a kernel for it or the scalar
+/// reference reads.
+fn runs() -> Vec<(Isa, Q8Layout)> {
+    Isa::all_available()
+        .into_iter()
+        .flat_map(|isa| [(isa, Q8Layout::RowTiles), (isa, Q8Layout::PairColumns)])
+        .collect()
+}
+
 fn check(rows: usize, cols: usize, m: usize, bits: ActBits, seed: u64, threads: usize) {
-    let w = PackedQ8::quantize(&rand_vec(rows * cols, seed, 0.1), rows, cols).unwrap();
-    let mut a = Activations::new();
-    a.quantize(&rand_vec(m * cols, seed + 1, 1.0), m, cols, bits)
-        .unwrap();
+    let wf = rand_vec(rows * cols, seed, 0.1);
+    let w = PackedQ8::quantize_in(&wf, rows, cols, Q8Layout::RowTiles).unwrap();
+    let xf = rand_vec(m * cols, seed + 1, 1.0);
     let pool = Pool::new(threads);
-    let (want, mag) = exact(&w, &a);
-    for isa in Isa::all_available() {
+    let (want, mag) = {
+        let mut a = Activations::new();
+        a.quantize_with(&xf, m, cols, bits, Isa::Scalar).unwrap();
+        exact(&w, &a)
+    };
+    for (isa, layout) in runs() {
+        let w = PackedQ8::quantize_in(&wf, rows, cols, layout).unwrap();
+        let mut a = Activations::new();
+        a.quantize_with(&xf, m, cols, bits, isa).unwrap();
         let got = product(&w, &a, isa, &pool);
         for (i, (&g, &e)) in got.iter().zip(&want).enumerate() {
             // f32 accumulation over `cols` terms: a few ulps of the terms' magnitude.
             let tol = 1e-6 * mag[i] + 1e-30;
             assert!(
                 (g as f64 - e).abs() <= tol,
-                "{isa:?} [{rows}x{cols}] m={m} {bits:?} threads={threads} out {i}: {g} vs {e} (tol {tol})"
+                "{isa:?} {layout:?} [{rows}x{cols}] m={m} {bits:?} threads={threads} out {i}: {g} vs {e} (tol {tol})"
             );
         }
     }
@@ -141,21 +157,44 @@ fn integer_parts_are_exact_for(rows: usize, cols: usize, m: usize) {
             })
             .collect()
     };
-    let w = PackedQ8::quantize(&int_vec(rows * cols), rows, cols).unwrap();
+    let (wf, xf) = (int_vec(rows * cols), int_vec(m * cols));
+    let w = PackedQ8::quantize_in(&wf, rows, cols, Q8Layout::RowTiles).unwrap();
     let mut a = Activations::new();
-    a.quantize(&int_vec(m * cols), m, cols, ActBits::Eight)
+    a.quantize_with(&xf, m, cols, ActBits::Eight, Isa::Scalar)
         .unwrap();
     let pool = Pool::new(2);
     let reference = product(&w, &a, Isa::Scalar, &pool);
     let want: Vec<f32> = exact(&w, &a).0.iter().map(|&v| v as f32).collect();
     assert_eq!(reference, want);
-    for isa in Isa::all_available() {
+    for (isa, layout) in runs() {
+        let w = PackedQ8::quantize_in(&wf, rows, cols, layout).unwrap();
+        a.quantize_with(&xf, m, cols, ActBits::Eight, isa).unwrap();
         assert_eq!(
             product(&w, &a, isa, &pool),
             want,
-            "{isa:?} [{rows}x{cols}] m={m}"
+            "{isa:?} {layout:?} [{rows}x{cols}] m={m}"
         );
     }
+}
+
+/// Both layouts hold the same weights, and each instruction set packs in its kernel's.
+#[test]
+fn both_layouts_hold_the_same_weights() {
+    let (rows, cols) = (21, 5 * BLOCK);
+    let wf = rand_vec(rows * cols, 5, 0.1);
+    let tiles = PackedQ8::quantize_in(&wf, rows, cols, Q8Layout::RowTiles).unwrap();
+    let pairs = PackedQ8::quantize_in(&wf, rows, cols, Q8Layout::PairColumns).unwrap();
+    assert_eq!(tiles.layout(), Q8Layout::RowTiles);
+    assert_eq!(pairs.layout(), Q8Layout::PairColumns);
+    assert_eq!(tiles.dequantize(), pairs.dequantize());
+    assert_eq!(tiles.bytes(), 24 * 5 * 34);
+    assert_eq!(pairs.bytes(), 24 * 5 * 34);
+    for isa in Isa::all_available() {
+        let packed = isa.scoped(|| PackedQ8::quantize(&wf, rows, cols).unwrap());
+        assert_eq!(packed.layout(), Q8Layout::for_isa(isa), "{isa:?}");
+    }
+    assert_eq!(Q8Layout::for_isa(Isa::Avx2), Q8Layout::PairColumns);
+    assert_eq!(Q8Layout::for_isa(Isa::Avx512), Q8Layout::RowTiles);
 }
 
 /// 16-bit activations leave the weights' error alone: against the product with the f32
@@ -219,6 +258,11 @@ fn q8_0_blocks_round_trip() {
         8 * cols / BLOCK * 34,
         "two padding rows in the last tile"
     );
+    for layout in [Q8Layout::RowTiles, Q8Layout::PairColumns] {
+        let loaded = PackedQ8::from_q8_0_in(&gguf, rows, cols, layout).unwrap();
+        assert_eq!(loaded.dequantize(), deq, "{layout:?}");
+        assert_eq!(loaded.layout(), layout);
+    }
     assert!(PackedQ8::from_q8_0(&gguf[1..], rows, cols).is_err());
     assert!(PackedQ8::quantize(&[0.0; 40], 1, 40).is_err());
 }
