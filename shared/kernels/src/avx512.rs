@@ -1,8 +1,18 @@
 //! The Q8_0 product with AVX-512 VNNI (x86-64). Each function is `#[target_feature]` and
-//! `unsafe`: the caller checks [`crate::Isa::Avx512`] is available and that the
-//! activations hold their byte form.
+//! `unsafe`: the caller checks [`crate::Isa::Avx512`] is available.
 //!
-//! `vpdpbusd` multiplies 64 unsigned bytes by 64 signed bytes and adds each group of four
+//! Two kernels, one per weight order:
+//!
+//! [`q8_pair_tiles`] ([`crate::Q8Layout::WidePairColumns`], what [`crate::Isa::Avx512`]
+//! packs): per column pair, one 32-byte load widened to 16 bits holds the pair for 16
+//! weight rows; `vpdpwssd` against an activation row's pair broadcast to every lane (a
+//! load, no shuffle) adds row `i`'s two products into lane `i`. 8- and 16-bit activations
+//! cost the same (their 16-bit values; a block's sums stay below 2³¹), there is no
+//! horizontal sum, and per block one conversion and one multiply-add per 16 rows and
+//! activation row. A register tile is 16 weight rows × up to 8 activation rows.
+//!
+//! [`q8_tiles`] ([`crate::Q8Layout::RowTiles`], the AMX kernel's order, for the rows its
+//! 16 × 16 tiles leave over; the activations hold their byte form): `vpdpbusd` multiplies 64 unsigned bytes by 64 signed bytes and adds each group of four
 //! products into a 32-bit lane. One 512-bit register holds one block of two weight rows
 //! (the packed tile keeps a block's rows adjacent), and an activation block (32 bytes) is
 //! broadcast to both halves, so one instruction makes 64 products: lanes 0–7 are the first
@@ -23,7 +33,9 @@
 //! tile, at the end. A register tile is one weight tile (4 rows: two registers) × `J`
 //! activation rows.
 
-use crate::layout::{ActBits, Activations, PackedQ8, BLOCK, ROW_BLOCK, TILE_ROWS};
+use crate::layout::{
+    ActBits, Activations, PackedQ8, BLOCK, ROW_BLOCK, TILE_ROWS, WIDE_PAIR_TILE_ROWS,
+};
 use std::arch::x86_64::*;
 use std::ops::Range;
 
@@ -162,5 +174,89 @@ unsafe fn tile<const J: usize, const SIXTEEN: bool>(
         let (r0, r1) = pair_sums(acc[0]);
         let (r2, r3) = pair_sums(acc[1]);
         store(w, t, m + j, [r0, r1, r2, r3], out);
+    }
+}
+
+/// As [`crate::scalar::q8_tiles`], for weights in [`crate::Q8Layout::WidePairColumns`] and
+/// activations of either width (their 16-bit values; no byte form needed): per column
+/// pair, the 16 rows' pairs (one 32-byte load widened to 16 bits) times the activation
+/// row's pair broadcast to every lane, `vpdpwssd`, leave row `i`'s sum in lane `i`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn q8_pair_tiles(
+    w: &PackedQ8,
+    a: &Activations,
+    tiles: Range<usize>,
+    out: *mut f32,
+) {
+    let mut m0 = 0;
+    while m0 < a.rows {
+        let m1 = (m0 + ROW_BLOCK).min(a.rows);
+        for t in tiles.clone() {
+            let mut m = m0;
+            while m + 8 <= m1 {
+                pair_tile::<8>(w, a, t, m, out);
+                m += 8;
+            }
+            match m1 - m {
+                7 => pair_tile::<7>(w, a, t, m, out),
+                6 => pair_tile::<6>(w, a, t, m, out),
+                5 => pair_tile::<5>(w, a, t, m, out),
+                4 => pair_tile::<4>(w, a, t, m, out),
+                3 => pair_tile::<3>(w, a, t, m, out),
+                2 => pair_tile::<2>(w, a, t, m, out),
+                1 => pair_tile::<1>(w, a, t, m, out),
+                _ => {}
+            }
+        }
+        m0 = m1;
+    }
+}
+
+/// Tile `t` (16 output columns) for activation rows `m .. m + M`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn pair_tile<const M: usize>(
+    w: &PackedQ8,
+    a: &Activations,
+    t: usize,
+    m: usize,
+    out: *mut f32,
+) {
+    const G: usize = WIDE_PAIR_TILE_ROWS;
+    let n = w.rows;
+    let wq = w.qs.as_ptr().add(t * w.blocks * G * BLOCK);
+    // 16 f16 scales per block: one 32-byte load.
+    let wd = w.d.as_ptr().add(t * w.blocks * G) as *const __m256i;
+    let mut aq = [a.q.as_ptr(); M];
+    let mut ad = [a.d.as_ptr(); M];
+    for j in 0..M {
+        aq[j] = a.q.as_ptr().add((m + j) * a.cols);
+        ad[j] = a.d.as_ptr().add((m + j) * a.blocks);
+    }
+    let mut acc = [_mm512_setzero_ps(); M];
+    for b in 0..w.blocks {
+        let wb = wq.add(b * G * BLOCK);
+        let mut sum = [_mm512_setzero_si512(); M];
+        for p in 0..BLOCK / 2 {
+            let wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(wb.add(p * 2 * G) as *const __m256i));
+            for j in 0..M {
+                let pair = (aq[j].add(b * BLOCK + 2 * p) as *const i32).read_unaligned();
+                sum[j] = _mm512_dpwssd_epi32(sum[j], wv, _mm512_set1_epi32(pair));
+            }
+        }
+        let dw = _mm512_cvtph_ps(_mm256_loadu_si256(wd.add(b)));
+        for j in 0..M {
+            let s = _mm512_mul_ps(dw, _mm512_set1_ps(*ad[j].add(b)));
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[j]), s, acc[j]);
+        }
+    }
+    let c0 = t * G;
+    let keep: __mmask16 = if c0 + G <= n {
+        0xffff
+    } else {
+        (1u16 << (n - c0)) - 1
+    };
+    for j in 0..M {
+        _mm512_mask_storeu_ps(out.add((m + j) * n + c0), keep, acc[j]);
     }
 }

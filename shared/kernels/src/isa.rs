@@ -14,7 +14,7 @@ pub enum Isa {
     Scalar,
     /// x86-64 AVX2 + FMA + F16C (every x86 server since 2013, AVX-512 machines included).
     Avx2,
-    /// x86-64 AVX-512 F/BW with VNNI (`vpdpbusd`), on top of [`Isa::Avx2`]: Intel since
+    /// x86-64 AVX-512 F/BW with VNNI (`vpdpwssd`), on top of [`Isa::Avx2`]: Intel since
     /// Cascade Lake, AMD since Zen 4. The Q8_0 product uses it; the other kernels run their
     /// AVX2 form.
     Avx512,
@@ -80,9 +80,10 @@ impl Isa {
         matches!(self, Isa::Avx2 | Isa::Avx512 | Isa::Amx)
     }
 
-    /// Whether the Q8_0 product takes its activations as bytes (`vpdpbusd`, AMX tiles).
+    /// Whether the Q8_0 product takes its activations as bytes as well (the AMX tiles, and
+    /// `vpdpbusd` for the rows they leave over).
     pub(crate) fn byte_activations(self) -> bool {
-        matches!(self, Isa::Avx512 | Isa::Amx)
+        matches!(self, Isa::Amx)
     }
 
     /// The best this CPU runs, unless `QUANTMESH_KERNEL` names another (`scalar`, `avx2`,

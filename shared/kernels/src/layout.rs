@@ -7,13 +7,16 @@
 //! once from memory however many activation rows it has (the kernel keeps the tile in L1
 //! while it walks the rows). Inside a tile the order is the one its kernel reads without
 //! shuffling ([`Q8Layout`]):
-//! - [`Q8Layout::RowTiles`] (AVX-512 VNNI, AMX): tiles of [`TILE_ROWS`] rows, the 32-value
-//!   blocks of the tile's rows interleaved (`[tile][block][row in tile][32]`); a row's
-//!   block is one run of 32 bytes, what `vpdpbusd` and the AMX tiles take.
-//! - [`Q8Layout::PairColumns`] (AVX2): tiles of 8 rows, each block stored by pairs of
-//!   columns (`[tile][block][pair][row in tile][2]`): one 16-byte load widened to 16 bits
-//!   is the pair for all 8 rows, and `vpmaddwd` against an activation pair broadcast to
-//!   every lane gives each row's partial sum in its own lane, with no horizontal sums.
+//! - [`Q8Layout::RowTiles`] (AMX, and the scalar reference): tiles of [`TILE_ROWS`] rows,
+//!   the 32-value blocks of the tile's rows interleaved (`[tile][block][row in tile][32]`);
+//!   a row's block is one run of 32 bytes, what the AMX tiles (and `vpdpbusd` for the rows
+//!   they leave over) take.
+//! - [`Q8Layout::PairColumns`] (AVX2) and [`Q8Layout::WidePairColumns`] (AVX-512 VNNI):
+//!   tiles of 8 or 16 rows, each block stored by pairs of columns
+//!   (`[tile][block][pair][row in tile][2]`): one 16- or 32-byte load widened to 16 bits is
+//!   the pair for all the tile's rows, and `vpmaddwd` / `vpdpwssd` against an activation
+//!   pair broadcast to every lane leaves each row's partial sum in its own lane, with no
+//!   horizontal sums, for 8- and 16-bit activations at one cost.
 //!
 //! The f16 scales are kept in the tiles' order (`[tile][block][row in tile]`). The bytes are
 //! Q8_0's own (34 per 32 weights); a row count the tile height does not divide is padded
@@ -28,6 +31,8 @@ pub const BLOCK: usize = 32;
 pub const TILE_ROWS: usize = 4;
 /// Output rows per tile of [`Q8Layout::PairColumns`].
 pub(crate) const PAIR_TILE_ROWS: usize = 8;
+/// Output rows per tile of [`Q8Layout::WidePairColumns`].
+pub(crate) const WIDE_PAIR_TILE_ROWS: usize = 16;
 /// Activation rows a thread walks per pass over its tiles (they stay in L2 meanwhile).
 pub(crate) const ROW_BLOCK: usize = 64;
 
@@ -35,10 +40,12 @@ pub(crate) const ROW_BLOCK: usize = 64;
 /// shuffling (see the module's notes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Q8Layout {
-    /// `[tile of 4 rows][block][row][32]`: the AVX-512 VNNI and AMX kernels' order.
+    /// `[tile of 4 rows][block][row][32]`: the AMX kernel's order.
     RowTiles,
     /// `[tile of 8 rows][block][column pair][row][2]`: the AVX2 kernel's order.
     PairColumns,
+    /// `[tile of 16 rows][block][column pair][row][2]`: the AVX-512 kernel's order.
+    WidePairColumns,
 }
 
 impl Q8Layout {
@@ -46,7 +53,8 @@ impl Q8Layout {
     pub fn for_isa(isa: Isa) -> Self {
         match isa {
             Isa::Avx2 => Q8Layout::PairColumns,
-            Isa::Scalar | Isa::Avx512 | Isa::Amx => Q8Layout::RowTiles,
+            Isa::Avx512 => Q8Layout::WidePairColumns,
+            Isa::Scalar | Isa::Amx => Q8Layout::RowTiles,
         }
     }
 
@@ -55,6 +63,7 @@ impl Q8Layout {
         match self {
             Q8Layout::RowTiles => TILE_ROWS,
             Q8Layout::PairColumns => PAIR_TILE_ROWS,
+            Q8Layout::WidePairColumns => WIDE_PAIR_TILE_ROWS,
         }
     }
 }
@@ -124,7 +133,9 @@ impl PackedQ8 {
         let first_row = (t * self.blocks + b) * th;
         match self.layout {
             Q8Layout::RowTiles => ((first_row + i) * BLOCK, 2, first_row + i),
-            Q8Layout::PairColumns => (first_row * BLOCK + 2 * i, 2 * th, first_row + i),
+            Q8Layout::PairColumns | Q8Layout::WidePairColumns => {
+                (first_row * BLOCK + 2 * i, 2 * th, first_row + i)
+            }
         }
     }
 
@@ -263,10 +274,10 @@ impl ActBits {
 }
 
 /// Activation rows quantized per block of 32, values stored as `i16` whatever the bits (the
-/// AVX2 and scalar kernels widen the weights to 16 bits and multiply pairs), one f32 scale
-/// per block. Quantized for [`crate::Isa::Avx512`] or [`crate::Isa::Amx`], they also hold the values as
-/// bytes for `vpdpbusd` (the `bytes`, `hi` and `lo` fields), and for AMX as signed bytes
-/// (`s8`). Reused across calls: quantizing into it allocates only when it grows.
+/// AVX2, AVX-512 and scalar kernels widen the weights to 16 bits and multiply pairs), one
+/// f32 scale per block. Quantized for [`crate::Isa::Amx`], they also hold the values as
+/// bytes for `vpdpbusd` (the `bytes`, `hi` and `lo` fields) and as the signed bytes of the
+/// AMX tiles (`s8`). Reused across calls: quantizing into it allocates only when it grows.
 #[derive(Debug, Clone, Default)]
 pub struct Activations {
     pub(crate) rows: usize,
@@ -276,7 +287,7 @@ pub struct Activations {
     pub(crate) q: Vec<i16>,
     /// `[row][block]`.
     pub(crate) d: Vec<f32>,
-    /// The byte form, when quantized for [`crate::Isa::Avx512`] or [`crate::Isa::Amx`]: `Some(bits)`.
+    /// The byte form, when quantized for [`crate::Isa::Amx`]: `Some(bits)`.
     pub(crate) bytes: Option<ActBits>,
     /// `[row][cols]`: `h + 128` as an unsigned byte, `h` the value (8-bit) or its high
     /// byte `v >> 8` (16-bit). `vpdpbusd` multiplies unsigned by signed bytes; the kernel

@@ -96,8 +96,13 @@ impl PackedQ8 {
                     crate::avx512::q8_tiles(self, a, tiles, 0..a.rows, dst.0)
                 },
                 #[cfg(target_arch = "x86_64")]
+                // SAFETY: `isa.available()` checked AVX-512 F/BW/VNNI and AVX2, FMA, F16C.
+                Isa::Avx512 | Isa::Amx if self.layout == Q8Layout::WidePairColumns => unsafe {
+                    crate::avx512::q8_pair_tiles(self, a, tiles, dst.0)
+                },
+                #[cfg(target_arch = "x86_64")]
                 // SAFETY: `isa.available()` checked AVX2, FMA and F16C (AVX-512 implies them).
-                isa if isa.x86_simd() && !rows_order => unsafe {
+                isa if isa.x86_simd() && self.layout == Q8Layout::PairColumns => unsafe {
                     crate::x86::q8_tiles(self, a, tiles, dst.0)
                 },
                 _ => scalar::q8_tiles(self, a, tiles, dst.0),

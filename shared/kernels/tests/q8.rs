@@ -54,13 +54,19 @@ fn exact(w: &PackedQ8, a: &Activations) -> (Vec<f64>, Vec<f64>) {
     (sum, magnitude)
 }
 
-/// Every instruction set on the weights in either layout: its own, and the other one (a
-/// model loaded outside a test's `Isa::scoped`), which a kernel for it or the scalar
-/// reference reads.
+const LAYOUTS: [Q8Layout; 3] = [
+    Q8Layout::RowTiles,
+    Q8Layout::PairColumns,
+    Q8Layout::WidePairColumns,
+];
+
+/// Every instruction set on the weights in every layout: its own, and the others (a model
+/// loaded outside a test's `Isa::scoped`), which a kernel for them or the scalar reference
+/// reads.
 fn runs() -> Vec<(Isa, Q8Layout)> {
     Isa::all_available()
         .into_iter()
-        .flat_map(|isa| [(isa, Q8Layout::RowTiles), (isa, Q8Layout::PairColumns)])
+        .flat_map(|isa| LAYOUTS.map(|layout| (isa, layout)))
         .collect()
 }
 
@@ -183,18 +189,20 @@ fn both_layouts_hold_the_same_weights() {
     let (rows, cols) = (21, 5 * BLOCK);
     let wf = rand_vec(rows * cols, 5, 0.1);
     let tiles = PackedQ8::quantize_in(&wf, rows, cols, Q8Layout::RowTiles).unwrap();
-    let pairs = PackedQ8::quantize_in(&wf, rows, cols, Q8Layout::PairColumns).unwrap();
-    assert_eq!(tiles.layout(), Q8Layout::RowTiles);
-    assert_eq!(pairs.layout(), Q8Layout::PairColumns);
-    assert_eq!(tiles.dequantize(), pairs.dequantize());
-    assert_eq!(tiles.bytes(), 24 * 5 * 34);
-    assert_eq!(pairs.bytes(), 24 * 5 * 34);
+    assert_eq!(tiles.bytes(), 24 * 5 * 34, "tiles of 4 rows");
+    for (layout, padded) in [(Q8Layout::PairColumns, 24), (Q8Layout::WidePairColumns, 32)] {
+        let pairs = PackedQ8::quantize_in(&wf, rows, cols, layout).unwrap();
+        assert_eq!(pairs.layout(), layout);
+        assert_eq!(tiles.dequantize(), pairs.dequantize(), "{layout:?}");
+        assert_eq!(pairs.bytes(), padded * 5 * 34, "{layout:?}");
+    }
     for isa in Isa::all_available() {
         let packed = isa.scoped(|| PackedQ8::quantize(&wf, rows, cols).unwrap());
         assert_eq!(packed.layout(), Q8Layout::for_isa(isa), "{isa:?}");
     }
     assert_eq!(Q8Layout::for_isa(Isa::Avx2), Q8Layout::PairColumns);
-    assert_eq!(Q8Layout::for_isa(Isa::Avx512), Q8Layout::RowTiles);
+    assert_eq!(Q8Layout::for_isa(Isa::Avx512), Q8Layout::WidePairColumns);
+    assert_eq!(Q8Layout::for_isa(Isa::Amx), Q8Layout::RowTiles);
 }
 
 /// 16-bit activations leave the weights' error alone: against the product with the f32
@@ -253,12 +261,13 @@ fn q8_0_blocks_round_trip() {
     }
     let loaded = PackedQ8::from_q8_0(&gguf, rows, cols).unwrap();
     assert_eq!(loaded.dequantize(), deq);
+    let loaded = PackedQ8::from_q8_0_in(&gguf, rows, cols, Q8Layout::RowTiles).unwrap();
     assert_eq!(
         loaded.bytes(),
         8 * cols / BLOCK * 34,
         "two padding rows in the last tile"
     );
-    for layout in [Q8Layout::RowTiles, Q8Layout::PairColumns] {
+    for layout in LAYOUTS {
         let loaded = PackedQ8::from_q8_0_in(&gguf, rows, cols, layout).unwrap();
         assert_eq!(loaded.dequantize(), deq, "{layout:?}");
         assert_eq!(loaded.layout(), layout);
