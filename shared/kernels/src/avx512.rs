@@ -33,6 +33,8 @@
 //! tile, at the end. A register tile is one weight tile (4 rows: two registers) × `J`
 //! activation rows.
 
+#![allow(clippy::needless_range_loop)] // lane- and row-indexed loops mirror the register tiles
+
 use crate::layout::{
     ActBits, Activations, PackedQ8, BLOCK, ROW_BLOCK, TILE_ROWS, WIDE_PAIR_TILE_ROWS,
 };
