@@ -150,9 +150,10 @@ thread_local! {
 
 /// A linear group's quantized weight and the kernel that multiplies by it.
 ///
-/// Q8_0 weights run on quantmesh's own kernels (`quantmesh-kernels`: row tiles streamed
-/// once per call for all rows, the activations quantized once to 8 or 16 bits, AVX2 or the
-/// scalar reference picked at run time, one persistent thread pool). The 4-bit forms
+/// Q8_0 weights run on quantmesh's own kernels (`quantmesh-kernels`: tiles packed in the
+/// order this CPU's kernel reads, streamed once per call for all rows, the activations
+/// quantized once to 8 or 16 bits, the instruction set picked at run time, one persistent
+/// thread pool). The 4-bit forms
 /// (Q4_0, Q4_K) still run on candle's kernels.
 pub enum QuantKernel {
     Q8(PackedQ8),
