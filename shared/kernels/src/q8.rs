@@ -75,9 +75,10 @@ impl PackedQ8 {
         // one counter, in order: a thread that starts late or runs slower (a busy core, a
         // cold cache) no longer holds the others at the barrier.
         let next = AtomicUsize::new(0);
-        // Each kernel reads one layout; weights packed for another instruction set than the
+        // Each kernel reads one layout. Weights packed for another instruction set than the
         // caller's (a test's `Isa::scoped` around a model loaded outside it) run on the
-        // scalar reference, which reads both.
+        // kernel for their order where the caller's set includes it (the AVX2 one under
+        // AVX-512 or AMX), else on the scalar reference, which reads every order.
         let one = |tiles: Range<usize>| {
             // SAFETY: every unit of tiles is claimed by exactly one thread, which writes
             // only the output columns of those tiles.
