@@ -49,7 +49,7 @@ pub enum Q8Layout {
 }
 
 impl Q8Layout {
-    /// The order `isa`'s Q8_0 kernel reads (the scalar reference reads either).
+    /// The order `isa`'s Q8_0 kernel reads (the scalar reference reads every order).
     pub fn for_isa(isa: Isa) -> Self {
         match isa {
             Isa::Avx2 => Q8Layout::PairColumns,
