@@ -22,7 +22,7 @@
 //! Q8_0's own (34 per 32 weights); a row count the tile height does not divide is padded
 //! with zero rows that are never written out.
 
-use crate::{Isa, KernelError, Result};
+use crate::{KernelError, Result};
 use half::f16;
 
 /// Values per quantization block (Q8_0's).
@@ -49,15 +49,6 @@ pub enum Q8Layout {
 }
 
 impl Q8Layout {
-    /// The order `isa`'s Q8_0 kernel reads (the scalar reference reads every order).
-    pub fn for_isa(isa: Isa) -> Self {
-        match isa {
-            Isa::Avx2 => Q8Layout::PairColumns,
-            Isa::Avx512 => Q8Layout::WidePairColumns,
-            Isa::Scalar | Isa::Amx => Q8Layout::RowTiles,
-        }
-    }
-
     /// Output rows per tile.
     pub fn tile_rows(self) -> usize {
         match self {
@@ -157,13 +148,8 @@ impl PackedQ8 {
         self.d[s] = d;
     }
 
-    /// Quantize the f32 weight `w` (`rows × cols`, row-major) to Q8_0, in the order this
-    /// thread's kernel reads ([`Isa::current`]).
-    pub fn quantize(w: &[f32], rows: usize, cols: usize) -> Result<Self> {
-        Self::quantize_in(w, rows, cols, Q8Layout::for_isa(Isa::current()))
-    }
-
-    /// As [`PackedQ8::quantize`], in `layout`.
+    /// Quantize the f32 weight `w` (`rows × cols`, row-major) to Q8_0, in `layout`
+    /// ([`PackedQ8::quantize`]: in the order this thread's kernel reads).
     pub fn quantize_in(w: &[f32], rows: usize, cols: usize, layout: Q8Layout) -> Result<Self> {
         let mut p = Self::empty(rows, cols, layout)?;
         if w.len() != rows * cols {
@@ -183,12 +169,8 @@ impl PackedQ8 {
     }
 
     /// From Q8_0 blocks as GGUF stores them (per block: f16 scale, 32 signed bytes; rows
-    /// one after another), in the order this thread's kernel reads ([`Isa::current`]).
-    pub fn from_q8_0(data: &[u8], rows: usize, cols: usize) -> Result<Self> {
-        Self::from_q8_0_in(data, rows, cols, Q8Layout::for_isa(Isa::current()))
-    }
-
-    /// As [`PackedQ8::from_q8_0`], in `layout`.
+    /// one after another), in `layout` ([`PackedQ8::from_q8_0`]: in the order this thread's
+    /// kernel reads).
     pub fn from_q8_0_in(data: &[u8], rows: usize, cols: usize, layout: Q8Layout) -> Result<Self> {
         let mut p = Self::empty(rows, cols, layout)?;
         if data.len() != rows * p.blocks * (BLOCK + 2) {

@@ -8,7 +8,30 @@ use crate::{scalar, ActBits, Activations, Isa, KernelError, PackedQ8, Q8Layout, 
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+impl Q8Layout {
+    /// The order `isa`'s Q8_0 kernel reads (the scalar reference reads every order).
+    pub fn for_isa(isa: Isa) -> Self {
+        match isa {
+            Isa::Avx2 => Q8Layout::PairColumns,
+            Isa::Avx512 => Q8Layout::WidePairColumns,
+            Isa::Scalar | Isa::Amx => Q8Layout::RowTiles,
+        }
+    }
+}
+
 impl PackedQ8 {
+    /// Quantize the f32 weight `w` (`rows × cols`, row-major) to Q8_0, in the order this
+    /// thread's kernel reads ([`Isa::current`]).
+    pub fn quantize(w: &[f32], rows: usize, cols: usize) -> Result<Self> {
+        Self::quantize_in(w, rows, cols, Q8Layout::for_isa(Isa::current()))
+    }
+
+    /// From Q8_0 blocks as GGUF stores them (per block: f16 scale, 32 signed bytes; rows
+    /// one after another), in the order this thread's kernel reads ([`Isa::current`]).
+    pub fn from_q8_0(data: &[u8], rows: usize, cols: usize) -> Result<Self> {
+        Self::from_q8_0_in(data, rows, cols, Q8Layout::for_isa(Isa::current()))
+    }
+
     /// `out = a · deq(self)ᵀ` (`a.rows() × self.rows()`, row-major), on `pool`'s threads,
     /// each taking contiguous chunks of tiles from one counter.
     pub fn matmul(&self, a: &Activations, out: &mut [f32], isa: Isa, pool: &Pool) -> Result<()> {
