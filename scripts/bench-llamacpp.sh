@@ -74,7 +74,7 @@ if [[ " $FILES " == *" W2048 "* ]] && [ ! -f "${FILE[W2048]}" ]; then
   log "writing the random-weight hidden-2048 llama (scripts/wide-gguf.py) and quantizing it to Q8_0"
   mkdir -p "$(dirname "${FILE[W2048]}")"
   f16="$(dirname "${FILE[W2048]}")/random-llama-2048x4.f16.gguf"
-  PYTHONPATH="$LLAMA_DIR/gguf-py" python3 scripts/wide-gguf.py "${FILE[Q8_0]}" "$f16" 2>/dev/null
+  PYTHONPATH="$LLAMA_DIR/gguf-py" python3 scripts/wide-gguf.py "${FILE[Q8_0]}" "$f16"
   "$LLAMA_QUANTIZE" "$f16" "${FILE[W2048]}.partial" Q8_0 "$THREADS" >/dev/null 2>&1
   mv "${FILE[W2048]}.partial" "${FILE[W2048]}"
   rm -f "$f16"

@@ -82,11 +82,10 @@ impl PackedQ8 {
         }
         let dst = Out(out);
         let isa = if isa.available() { isa } else { Isa::Scalar };
-        let rows_order = self.layout == Q8Layout::RowTiles;
         // AMX threads take whole groups of row tiles (16 output rows).
         #[cfg(target_arch = "x86_64")]
-        let (units, unit) = match isa {
-            Isa::Amx if rows_order => (
+        let (units, unit) = match (isa, self.layout) {
+            (Isa::Amx, Q8Layout::RowTiles) => (
                 self.tiles.div_ceil(crate::amx::GROUP_TILES),
                 crate::amx::GROUP_TILES,
             ),
@@ -106,27 +105,27 @@ impl PackedQ8 {
             // SAFETY: every unit of tiles is claimed by exactly one thread, which writes
             // only the output columns of those tiles.
             let dst = &dst;
-            match isa {
+            match (isa, self.layout) {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `isa.available()` checked AMX (granted), AVX-512 F/BW/VNNI and
                 // AVX2, FMA, F16C; the activations hold their AMX byte form.
-                Isa::Amx if rows_order && a.s8.len() == a.q.len() && a.bytes.is_some() => unsafe {
+                (Isa::Amx, Q8Layout::RowTiles) if a.s8.len() == a.q.len() && a.bytes.is_some() => unsafe {
                     crate::amx::q8_tiles(self, a, tiles, dst.0)
                 },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `isa.available()` checked AVX-512 F/BW/VNNI and AVX2, FMA, F16C;
                 // the activations hold their byte form.
-                Isa::Avx512 | Isa::Amx if rows_order && a.bytes.is_some() => unsafe {
+                (Isa::Avx512 | Isa::Amx, Q8Layout::RowTiles) if a.bytes.is_some() => unsafe {
                     crate::avx512::q8_tiles(self, a, tiles, 0..a.rows, dst.0)
                 },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `isa.available()` checked AVX-512 F/BW/VNNI and AVX2, FMA, F16C.
-                Isa::Avx512 | Isa::Amx if self.layout == Q8Layout::WidePairColumns => unsafe {
+                (Isa::Avx512 | Isa::Amx, Q8Layout::WidePairColumns) => unsafe {
                     crate::avx512::q8_pair_tiles(self, a, tiles, dst.0)
                 },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `isa.available()` checked AVX2, FMA and F16C (AVX-512 implies them).
-                isa if isa.x86_simd() && self.layout == Q8Layout::PairColumns => unsafe {
+                (isa, Q8Layout::PairColumns) if isa.x86_simd() => unsafe {
                     crate::x86::q8_tiles(self, a, tiles, dst.0)
                 },
                 _ => scalar::q8_tiles(self, a, tiles, dst.0),
