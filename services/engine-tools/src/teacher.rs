@@ -87,12 +87,9 @@ impl Reference {
     pub fn load_class(dir: &Path, class: PrecisionClass, split: SplitActivations) -> Result<Self> {
         let cfg = ModelConfig::load(dir)?;
         let ck = quantmesh_model::Checkpoint::open(dir)?;
-        let form = |g: GroupId| GroupForm {
+        let form = |_: GroupId| GroupForm {
             residency: Residency::Dual,
-            quant: QuantFormat::for_class(
-                class,
-                quantmesh_engine::plan::group_in_dim(&cfg, g.kind),
-            ),
+            quant: QuantFormat::for_class(class),
         };
         let forms = Forms {
             float: FloatDtype::F32,

@@ -63,11 +63,6 @@ pub fn group_params(cfg: &ModelConfig, kind: GroupKind) -> usize {
     member_shapes(cfg, kind).iter().map(|s| s[0] * s[1]).sum()
 }
 
-/// Input width of a group of `kind` (what decides its 4-bit format).
-pub fn group_in_dim(cfg: &ModelConfig, kind: GroupKind) -> usize {
-    member_shapes(cfg, kind).first().map_or(0, |s| s[1])
-}
-
 /// Overlay `file` on `base`. Precedence, lowest first: `engine.default_residency`,
 /// `engine.group_residency`, the file's groups (class → residency, or the explicit
 /// `residency`); monitor thresholds: `engine.monitor`, the file's `thresholds`, the file's
@@ -116,10 +111,7 @@ pub fn resolve(
         }
         for (g, entry) in &plan.groups {
             residency.insert(*g, entry.effective_residency());
-            quant.insert(
-                *g,
-                QuantFormat::for_class(entry.class, group_in_dim(cfg, g.kind)),
-            );
+            quant.insert(*g, QuantFormat::for_class(entry.class));
             let has_override = entry.monitor.is_some() || !entry.massive_channels.is_empty();
             if has_override {
                 let o: &mut GroupOverride = monitor.overrides.entry(g.to_string()).or_default();
@@ -137,7 +129,7 @@ pub fn resolve(
     }
     let int8_bytes: usize = (0..num_layers)
         .flat_map(|_| GroupKind::ALL)
-        .map(|k| QuantFormat::Q8_0.bytes(group_params(cfg, k)))
+        .map(|k| QuantFormat::Q8_0.bytes(1, group_params(cfg, k)))
         .sum();
     let float_size = base.float_dtype.bytes();
     let wanted = residency.clone();

@@ -6,7 +6,9 @@
 //! cargo run --release -p quantmesh-kernels --example kernel-bench -- [--shape 576x576,...] [--rows 1,8,32,128]
 //! ```
 
-use quantmesh_kernels::{f16_matmul, ActBits, Activations, Isa, PackedQ8, Pool, Q8Layout};
+use quantmesh_kernels::{
+    f16_matmul, ActBits, Activations, Isa, PackedQ4, PackedQ8, Pool, Q8Layout,
+};
 use std::time::Instant;
 
 fn main() {
@@ -77,13 +79,22 @@ fn main() {
                 // The weights in the order this instruction set's kernel reads.
                 let p = PackedQ8::quantize_in(&w, o, i, Q8Layout::for_isa(isa))
                     .unwrap_or_else(|e| panic!("{e}"));
-                for bits in [ActBits::Eight, ActBits::Sixteen] {
+                let p4 = PackedQ4::quantize(&w, o, i).unwrap_or_else(|e| panic!("{e}"));
+                for (bits, four) in [
+                    (ActBits::Eight, false),
+                    (ActBits::Sixteen, false),
+                    (ActBits::Sixteen, true),
+                ] {
                     let mut a = Activations::new();
                     let mut run = || {
                         a.quantize_with(&x, m, i, bits, isa)
                             .unwrap_or_else(|e| panic!("{e}"));
-                        p.matmul(&a, &mut out, isa, pool)
-                            .unwrap_or_else(|e| panic!("{e}"));
+                        if four {
+                            p4.matmul(&a, &mut out, isa, pool)
+                        } else {
+                            p.matmul(&a, &mut out, isa, pool)
+                        }
+                        .unwrap_or_else(|e| panic!("{e}"));
                     };
                     run();
                     let iters = (2e8 / (o * i * m) as f64).clamp(3.0, 2000.0) as usize;
@@ -93,11 +104,12 @@ fn main() {
                     }
                     let s = t.elapsed().as_secs_f64() / iters as f64;
                     println!(
-                        "| q8 {} {:?} | {o}x{i} | {m} | {:.1} | {:.1} | {:.1} |",
+                        "| {} {} {:?} | {o}x{i} | {m} | {:.1} | {:.1} | {:.1} |",
+                        if four { "q4" } else { "q8" },
                         isa.as_str(),
                         bits,
                         s * 1e6,
-                        p.bytes() as f64 / s / 1e9,
+                        if four { p4.bytes() } else { p.bytes() } as f64 / s / 1e9,
                         (o * i * m) as f64 / s / 1e9
                     );
                 }

@@ -269,6 +269,9 @@ pub struct Activations {
     pub(crate) q: Vec<i16>,
     /// `[row][block]`.
     pub(crate) d: Vec<f32>,
+    /// `[row][block]`: the block's sum, `d · Σ q` (what a weight block's offset multiplies:
+    /// the 4-bit weights' `m`).
+    pub(crate) sums: Vec<f32>,
     /// The byte form, when quantized for [`crate::Isa::Amx`]: `Some(bits)`.
     pub(crate) bytes: Option<ActBits>,
     /// `[row][cols]`: `h + 128` as an unsigned byte, `h` the value (8-bit) or its high

@@ -8,6 +8,9 @@
 //!   instruction set's kernel reads ([`Q8Layout`]: whole blocks per row for AVX-512 VNNI and
 //!   AMX, column pairs across 8 rows for AVX2), so one pass streams every weight once
 //!   whatever the number of rows.
+//! - [`PackedQ4`]: 4-bit weights (16 levels `d · q + m` per block of 32, `d` and `m` as
+//!   8-bit fractions of f16 values shared by up to 8 blocks), in the AVX2 kernel's
+//!   column-pair order, multiplied with the same 8- or 16-bit activations.
 //! - [`Activations`]: the rows quantized once per call, per block of 32, to 8 bits (W8A8,
 //!   llama.cpp's Q8_0 activations) or to 16 bits (W8A16: the weights' error alone). Both
 //!   are stored as `i16`, so one AVX2 kernel serves both at one cost; with AVX-512 VNNI
@@ -36,6 +39,7 @@ mod f16;
 mod isa;
 mod layout;
 mod pool;
+mod q4;
 mod q8;
 mod rows;
 mod scalar;
@@ -49,5 +53,6 @@ pub use f16::f16_matmul;
 pub use isa::Isa;
 pub use layout::{ActBits, Activations, PackedQ8, Q8Layout, BLOCK, TILE_ROWS};
 pub use pool::Pool;
+pub use q4::{PackedQ4, SUPER_BLOCKS};
 pub use rows::{dequantize_i8, rms_norm, rope, softmax_weights};
 pub use swiglu::swiglu;

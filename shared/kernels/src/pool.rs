@@ -8,6 +8,7 @@
 //! One caller at a time: a call made while the pool is busy (another thread's, or a call
 //! from inside a job) runs every share itself, serially, and gets the same result.
 
+use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, TryLockError};
@@ -94,6 +95,29 @@ impl Pool {
 
     pub fn threads(&self) -> usize {
         self.shared.threads
+    }
+
+    /// Run `one` over `0..units` in contiguous chunks (a quarter of an even share each),
+    /// which the threads take in order from one counter: a thread that starts late or runs
+    /// slower (a busy core, a cold cache) does not hold the others at the barrier. With
+    /// `serial`, the caller runs them all.
+    pub(crate) fn chunks(&self, units: usize, serial: bool, one: &(dyn Fn(Range<usize>) + Sync)) {
+        let next = AtomicUsize::new(0);
+        let work = |_: usize, n: usize| {
+            let chunk = units.div_ceil(4 * n).max(1);
+            loop {
+                let start = next.fetch_add(1, Ordering::Relaxed) * chunk;
+                if start >= units {
+                    return;
+                }
+                one(start..(start + chunk).min(units));
+            }
+        };
+        if serial {
+            work(0, 1);
+        } else {
+            self.run(&work);
+        }
     }
 
     /// Run `f(index, threads)` for every `index < threads`, each on its own thread (the

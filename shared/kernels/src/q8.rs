@@ -6,7 +6,10 @@ use crate::layout::{quantize_act_block, Out};
 use crate::pool::Pool;
 use crate::{scalar, ActBits, Activations, Isa, KernelError, PackedQ8, Q8Layout, Result, BLOCK};
 use std::ops::Range;
-use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Products with fewer multiply-adds than this run on the caller alone (not worth waking a
+/// second thread for).
+pub(crate) const SERIAL_BELOW: usize = 64 * 1024;
 
 impl Q8Layout {
     /// The order `isa`'s Q8_0 kernel reads (the scalar reference reads every order).
@@ -93,10 +96,6 @@ impl PackedQ8 {
         };
         #[cfg(not(target_arch = "x86_64"))]
         let (units, unit) = (self.tiles, 1);
-        // The threads take contiguous chunks of tiles (a quarter of an even share each) from
-        // one counter, in order: a thread that starts late or runs slower (a busy core, a
-        // cold cache) no longer holds the others at the barrier.
-        let next = AtomicUsize::new(0);
         // Each kernel reads one layout. Weights packed for another instruction set than the
         // caller's (a test's `Isa::scoped` around a model loaded outside it) run on the
         // kernel for their order where the caller's set includes it (the AVX2 one under
@@ -131,24 +130,11 @@ impl PackedQ8 {
                 _ => scalar::q8_tiles(self, a, tiles, dst.0),
             }
         };
-        let work = |_: usize, n: usize| {
-            let chunk = units.div_ceil(4 * n).max(1);
-            loop {
-                let c = next.fetch_add(1, Ordering::Relaxed);
-                let start = c * chunk;
-                if start >= units {
-                    return;
-                }
-                let end = (start + chunk).min(units);
-                one(start * unit..(end * unit).min(self.tiles));
-            }
-        };
-        // Small products are not worth waking a second thread for.
-        if self.rows * self.cols * a.rows < 64 * 1024 {
-            work(0, 1);
-        } else {
-            pool.run(&work);
-        }
+        pool.chunks(
+            units,
+            self.rows * self.cols * a.rows < SERIAL_BELOW,
+            &|u: Range<usize>| one(u.start * unit..(u.end * unit).min(self.tiles)),
+        );
     }
 }
 
@@ -205,6 +191,13 @@ impl Activations {
                 }
             }
         }
+        self.sums.clear();
+        self.sums.extend(
+            self.q
+                .chunks_exact(BLOCK)
+                .zip(&self.d)
+                .map(|(q, &d)| d * q.iter().map(|&v| i32::from(v)).sum::<i32>() as f32),
+        );
         self.bytes = None;
         self.s8.clear();
         if isa.byte_activations() && isa.available() {

@@ -14,6 +14,7 @@
 #![allow(clippy::needless_range_loop)] // lane- and row-indexed loops mirror the register tiles
 
 use crate::layout::{Activations, PackedQ8, BLOCK, PAIR_TILE_ROWS, ROW_BLOCK, TILE_ROWS};
+use crate::q4::{PackedQ4, Q4_TILE_BLOCK_BYTES, Q4_TILE_ROWS, SUPER_BLOCKS};
 use std::arch::x86_64::*;
 use std::ops::Range;
 
@@ -86,6 +87,112 @@ unsafe fn q8_tile<const M: usize>(
         for j in 0..M {
             let s = _mm256_mul_ps(dw, _mm256_set1_ps(*ad[j].add(b)));
             acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[j]), s, acc[j]);
+        }
+    }
+    let c0 = t * G;
+    for j in 0..M {
+        let o = out.add((m + j) * n + c0);
+        if c0 + G <= n {
+            _mm256_storeu_ps(o, acc[j]);
+        } else {
+            let mut v = [0f32; G];
+            _mm256_storeu_ps(v.as_mut_ptr(), acc[j]);
+            for (r, &v) in v.iter().enumerate().take(n - c0) {
+                *o.add(r) = v;
+            }
+        }
+    }
+}
+
+/// As [`crate::scalar::q4_tiles`]: 4-bit weights in tiles of 8 rows, register tiles of 8
+/// weight rows × up to 4 activation rows.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn q4_tiles(w: &PackedQ4, a: &Activations, tiles: Range<usize>, out: *mut f32) {
+    let mut m0 = 0;
+    while m0 < a.rows {
+        let m1 = (m0 + ROW_BLOCK).min(a.rows);
+        for t in tiles.clone() {
+            let mut m = m0;
+            while m + 4 <= m1 {
+                q4_tile::<4>(w, a, t, m, out);
+                m += 4;
+            }
+            match m1 - m {
+                3 => q4_tile::<3>(w, a, t, m, out),
+                2 => q4_tile::<2>(w, a, t, m, out),
+                1 => q4_tile::<1>(w, a, t, m, out),
+                _ => {}
+            }
+        }
+        m0 = m1;
+    }
+}
+
+/// Tile `t` (8 output columns) of 4-bit weights for activation rows `m .. m + M`. Per quad
+/// of columns, one 16-byte load holds two column pairs for the 8 rows, a nibble each: the
+/// mask gives the first pair's bytes in the 8-bit kernel's order, the shift the second's.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn q4_tile<const M: usize>(
+    w: &PackedQ4,
+    a: &Activations,
+    t: usize,
+    m: usize,
+    out: *mut f32,
+) {
+    const G: usize = Q4_TILE_ROWS;
+    let n = w.rows;
+    let wq = w.qs.as_ptr().add(t * w.blocks * Q4_TILE_BLOCK_BYTES);
+    let sc = w.sc.as_ptr().add(t * w.blocks * G);
+    let mn = w.mn.as_ptr().add(t * w.blocks * G);
+    let ds = w.ds.as_ptr().add(t * w.supers * G) as *const __m128i;
+    let ms = w.ms.as_ptr().add(t * w.supers * G) as *const __m128i;
+    let mut aq = [a.q.as_ptr(); M];
+    let mut ad = [a.d.as_ptr(); M];
+    let mut asum = [a.sums.as_ptr(); M];
+    for j in 0..M {
+        aq[j] = a.q.as_ptr().add((m + j) * a.cols);
+        ad[j] = a.d.as_ptr().add((m + j) * a.blocks);
+        asum[j] = a.sums.as_ptr().add((m + j) * a.blocks);
+    }
+    let nibble = _mm_set1_epi8(0x0f);
+    let mut acc = [_mm256_setzero_ps(); M];
+    let (mut dmax, mut mmax) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    for b in 0..w.blocks {
+        if b % SUPER_BLOCKS == 0 {
+            let s = b / SUPER_BLOCKS;
+            dmax = _mm256_cvtph_ps(_mm_loadu_si128(ds.add(s)));
+            mmax = _mm256_cvtph_ps(_mm_loadu_si128(ms.add(s)));
+        }
+        let wb = wq.add(b * Q4_TILE_BLOCK_BYTES);
+        let mut sum = [_mm256_setzero_si256(); M];
+        for k in 0..BLOCK / 4 {
+            let x = _mm_loadu_si128(wb.add(k * 2 * G) as *const __m128i);
+            let w0 = _mm256_cvtepu8_epi16(_mm_and_si128(x, nibble));
+            let w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(x, 4), nibble));
+            for j in 0..M {
+                let p = aq[j].add(b * BLOCK + 4 * k) as *const i32;
+                let p0 = _mm256_set1_epi32(p.read_unaligned());
+                let p1 = _mm256_set1_epi32(p.add(1).read_unaligned());
+                sum[j] = _mm256_add_epi32(
+                    sum[j],
+                    _mm256_add_epi32(_mm256_madd_epi16(w0, p0), _mm256_madd_epi16(w1, p1)),
+                );
+            }
+        }
+        let steps = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+            sc.add(b * G) as *const __m128i
+        )));
+        let offsets = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+            mn.add(b * G) as *const __m128i
+        )));
+        // As `q4::step` and `q4::offset`: an exact product, one rounding in the quotient.
+        let dw = _mm256_div_ps(_mm256_mul_ps(dmax, steps), _mm256_set1_ps(255.0));
+        let mw = _mm256_div_ps(_mm256_mul_ps(mmax, offsets), _mm256_set1_ps(127.0));
+        for j in 0..M {
+            let s = _mm256_mul_ps(dw, _mm256_set1_ps(*ad[j].add(b)));
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[j]), s, acc[j]);
+            acc[j] = _mm256_fmadd_ps(mw, _mm256_set1_ps(*asum[j].add(b)), acc[j]);
         }
     }
     let c0 = t * G;

@@ -125,22 +125,6 @@ pub fn kl_logits(p_logits: &[f32], q_logits: &[f32]) -> f64 {
         .sum()
 }
 
-/// The 4-bit form `w4a16` is served with, by input width: candle's Q4_K (super-blocks of
-/// 256 with 6-bit sub-block scales and mins, 0.5625 bytes/weight) when 256 divides the width,
-/// else Q4_0 (blocks of 32, one scale, the same 0.5625 bytes/weight). Measured by
-/// `quantmesh-engine-bench --quant-formats` on SmolLM2 and the bundled model: Q4_K has 0.25–0.9×
-/// Q4_0's output error and runs at 0.8–1.0× the time of Q8_0, while Q4_0 and Q4_1 run at
-/// 1–13× and 4–50× (candle's fast x86 paths); SmolLM2's 576-wide inputs only fit Q4_0.
-/// Shared by the engine (what it stores) and the pre-screen (what its `w4a16` KL measures).
-pub fn w4_dtype(in_dim: usize) -> candle_core::quantized::GgmlDType {
-    use candle_core::quantized::GgmlDType;
-    if in_dim.is_multiple_of(256) {
-        GgmlDType::Q4K
-    } else {
-        GgmlDType::Q4_0
-    }
-}
-
 /// The checkpoint shapes `[out, in]` of a group's members, in [`names::members`] order.
 pub fn member_shapes(cfg: &ModelConfig, kind: GroupKind) -> Vec<[usize; 2]> {
     let (h, i) = (cfg.hidden_size, cfg.intermediate_size);

@@ -173,7 +173,7 @@ pub use quantmesh_config::{EmbeddingDtype, FloatDtype, Forms, SplitActivations};
 /// `None` for `Auto`, which is not a form).
 pub fn table_bytes(d: EmbeddingDtype, values: usize) -> Option<usize> {
     match d {
-        EmbeddingDtype::Q8_0 => Some(QuantFormat::Q8_0.bytes(values)),
+        EmbeddingDtype::Q8_0 => Some(QuantFormat::Q8_0.bytes(1, values)),
         EmbeddingDtype::F16 => Some(2 * values),
         EmbeddingDtype::F32 => Some(4 * values),
         EmbeddingDtype::Auto => None,
@@ -213,7 +213,7 @@ pub struct PassOutput {
 /// How a linear group's quantized form stores its weights — the form the plan and the
 /// monitor call "INT8" (the path a group leaves when it falls back to float). The kernels
 /// quantize the activations to 8-bit blocks on the fly (16-bit under split activations), so
-/// `Q8_0` computes W8A8 and the 4-bit forms W4A8.
+/// `Q8_0` computes W8A8 and the 4-bit forms W4A8 (W4A16 under split activations).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 pub enum QuantFormat {
     /// 8-bit weights, an f16 scale per 32 (34 bytes per 32 weights): `w8a8`,
@@ -221,36 +221,41 @@ pub enum QuantFormat {
     #[default]
     #[serde(rename = "q8_0")]
     Q8_0,
-    /// 4-bit weights, an f16 scale per 32 (18 bytes per 32 weights): `w4a16` groups whose
-    /// input width 256 does not divide.
+    /// 4-bit weights, 16 levels `d · q + m` per 32 with `d` and `m` as 8-bit fractions of
+    /// two f16 values per super-block of up to 256 (`quantmesh_kernels::PackedQ4`: 18 bytes
+    /// per 32 weights and 4 per super-block, 4.625 bits per weight), on quantmesh's own
+    /// kernels: what `w4a16` groups are served with, at any width 32 divides.
+    #[serde(rename = "q4_s8")]
+    Q4S8,
+    /// llama.cpp's Q4_0 (an f16 scale per 32, 18 bytes per 32 weights), on candle's
+    /// kernels: a comparison form for the benchmarks.
     #[serde(rename = "q4_0")]
     Q4_0,
-    /// 4-bit weights in super-blocks of 256 (144 bytes per 256 weights): `w4a16` groups
-    /// whose input width 256 divides (`quantmesh_model::ops::w4_dtype` says why).
+    /// llama.cpp's Q4_K (super-blocks of 256, 144 bytes per 256 weights; widths 256
+    /// divides), on candle's kernels: a comparison form for the benchmarks.
     #[serde(rename = "q4_k")]
     Q4K,
 }
 
 impl QuantFormat {
-    /// The form a pre-screen class is served with, for a group of input width `in_dim`.
-    pub fn for_class(class: PrecisionClass, in_dim: usize) -> Self {
+    /// The form a pre-screen class is served with (the same at every input width: every
+    /// form takes widths 32 divides, and the engine loads no others).
+    pub fn for_class(class: PrecisionClass) -> Self {
         match class {
-            PrecisionClass::W4a16 => match quantmesh_model::ops::w4_dtype(in_dim) {
-                candle_core::quantized::GgmlDType::Q4K => QuantFormat::Q4K,
-                _ => QuantFormat::Q4_0,
-            },
+            PrecisionClass::W4a16 => QuantFormat::Q4S8,
             PrecisionClass::Fp16 | PrecisionClass::W8a8 | PrecisionClass::W8a8PerChannel => {
                 QuantFormat::Q8_0
             }
         }
     }
 
-    pub fn ggml(self) -> candle_core::quantized::GgmlDType {
+    /// candle's type for the forms that run on candle's kernels.
+    pub fn ggml(self) -> Option<candle_core::quantized::GgmlDType> {
         use candle_core::quantized::GgmlDType;
         match self {
-            QuantFormat::Q8_0 => GgmlDType::Q8_0,
-            QuantFormat::Q4_0 => GgmlDType::Q4_0,
-            QuantFormat::Q4K => GgmlDType::Q4K,
+            QuantFormat::Q8_0 | QuantFormat::Q4S8 => None,
+            QuantFormat::Q4_0 => Some(GgmlDType::Q4_0),
+            QuantFormat::Q4K => Some(GgmlDType::Q4K),
         }
     }
 
@@ -258,26 +263,30 @@ impl QuantFormat {
         !matches!(self, QuantFormat::Q8_0)
     }
 
-    /// Bytes of `params` weights in this form (whole blocks: every width we load is a
-    /// multiple of the block), from candle's own block layout.
-    pub fn bytes(self, params: usize) -> usize {
-        let d = self.ggml();
-        params / d.block_size() * d.type_size()
+    /// Bytes of a `rows × cols` weight in this form (whole blocks: every width we load is
+    /// a multiple of the block).
+    pub fn bytes(self, rows: usize, cols: usize) -> usize {
+        let params = rows * cols;
+        match self {
+            QuantFormat::Q8_0 | QuantFormat::Q4_0 => params / 32 * (2 + 32 * self.bits() / 8),
+            QuantFormat::Q4K => params / 256 * 144,
+            QuantFormat::Q4S8 => quantmesh_kernels::PackedQ4::bytes_for(rows, cols),
+        }
     }
 
-    /// The form candle's kernel quantizes the activations to for these weights (its
-    /// `VecDotType`): 8-bit blocks of 32 for Q8_0 and Q4_0, of 256 (f32 scale) for Q4_K.
-    pub fn activation_ggml(self) -> candle_core::quantized::GgmlDType {
-        use candle_core::quantized::GgmlDType;
-        match self {
-            QuantFormat::Q8_0 | QuantFormat::Q4_0 => GgmlDType::Q8_0,
-            QuantFormat::Q4K => GgmlDType::Q8K,
+    /// Bits per stored weight value (before scales).
+    pub fn bits(self) -> usize {
+        if self.is_four_bit() {
+            4
+        } else {
+            8
         }
     }
 
     pub fn as_str(self) -> &'static str {
         match self {
             QuantFormat::Q8_0 => "q8_0",
+            QuantFormat::Q4S8 => "q4_s8",
             QuantFormat::Q4_0 => "q4_0",
             QuantFormat::Q4K => "q4_k",
         }

@@ -92,14 +92,30 @@ pub(crate) fn quant_format_section(
     println!();
     println!("Quantized forms on the checkpoint's weights (layer {}): matmul µs per call (median of 15), × Q8_0, relative output error:", cfg.num_hidden_layers / 2);
     println!();
-    println!("| group [out × in] | batch | Q8_0 µs | Q4_0 µs | × Q8_0 | Q4_1 µs | × Q8_0 | Q4_K µs | × Q8_0 | err Q8_0 | err Q4_0 | err Q4_1 | err Q4_K |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
-    let time = |q: &QMatMul, x: &Tensor| -> Result<(f64, Tensor), candle_core::Error> {
+    use quantmesh_engine::backend::cpu::linear::QuantKernel;
+    // Q8_0 and q4_s8 on quantmesh's kernels (activations to 8 bits: W8A8, W4A8), llama.cpp's
+    // Q4_0, Q4_1 and Q4_K on candle's.
+    const FORMS: [&str; 5] = ["Q8_0", "q4_s8", "Q4_0", "Q4_1", "Q4_K"];
+    print!("| group [out × in] | batch | Q8_0 µs |");
+    for f in &FORMS[1..] {
+        print!(" {f} µs | × Q8_0 |");
+    }
+    for f in FORMS {
+        print!(" err {f} |");
+    }
+    println!();
+    println!(
+        "|---|---|---|{}{}",
+        "---|---|".repeat(FORMS.len() - 1),
+        "---|".repeat(FORMS.len())
+    );
+    type Product = Box<dyn Fn(&Tensor) -> Result<Tensor, Box<dyn std::error::Error>>>;
+    let time = |f: &Product, x: &Tensor| -> Result<(f64, Tensor), Box<dyn std::error::Error>> {
         let mut v = Vec::new();
-        let mut last = q.forward(x)?;
+        let mut last = f(x)?;
         for _ in 0..15 {
             let t = Instant::now();
-            last = q.forward(x)?;
+            last = f(x)?;
             v.push(t.elapsed().as_secs_f64() * 1e6);
         }
         v.sort_by(|a, b| a.total_cmp(b));
@@ -109,20 +125,25 @@ pub(crate) fn quant_format_section(
         let g = GroupId::new(cfg.num_hidden_layers / 2, kind);
         let w = quantmesh_model::ops::GroupWeights::load(&ck, cfg, g)?.weight;
         let (out, inp) = w.dims2()?;
-        let mut forms = vec![
-            ("Q8_0", Some(GgmlDType::Q8_0)),
-            ("Q4_0", Some(GgmlDType::Q4_0)),
-            ("Q4_1", Some(GgmlDType::Q4_1)),
+        let ours = |f: QuantFormat| -> Result<Option<Product>, Box<dyn std::error::Error>> {
+            let k = QuantKernel::quantize(&w, f)?;
+            Ok(Some(Box::new(move |x: &Tensor| Ok(k.forward(x)?))))
+        };
+        let candle = |d: GgmlDType| -> Result<Option<Product>, Box<dyn std::error::Error>> {
+            // Q4_K packs 256 weights per super-block: only rows that 256 divides.
+            if !inp.is_multiple_of(d.block_size()) {
+                return Ok(None);
+            }
+            let q = QMatMul::from_qtensor(QTensor::quantize(&w, d)?)?;
+            Ok(Some(Box::new(move |x: &Tensor| Ok(q.forward(x)?))))
+        };
+        let qs: Vec<Option<Product>> = vec![
+            ours(QuantFormat::Q8_0)?,
+            ours(QuantFormat::Q4S8)?,
+            candle(GgmlDType::Q4_0)?,
+            candle(GgmlDType::Q4_1)?,
+            candle(GgmlDType::Q4K)?,
         ];
-        // Q4_K packs 256 weights per super-block: only rows that 256 divides.
-        forms.push(("Q4_K", inp.is_multiple_of(256).then_some(GgmlDType::Q4K)));
-        let qs: Vec<Option<QMatMul>> = forms
-            .iter()
-            .map(|(_, d)| {
-                d.map(|d| QTensor::quantize(&w, d).and_then(QMatMul::from_qtensor))
-                    .transpose()
-            })
-            .collect::<Result<_, _>>()?;
         for b in [1usize, 8, 32] {
             let x = Tensor::randn(0f32, 1.0, (b, inp), &Device::Cpu)?;
             let y32 = x.matmul(&w.t()?)?;
@@ -145,26 +166,21 @@ pub(crate) fn quant_format_section(
                 }
             }
             let t8 = times[0].unwrap_or(f64::NAN);
-            let cell = |t: Option<f64>| match t {
+            let cell = |t: &Option<f64>| match t {
                 Some(t) => format!("{t:.0} | {:.2}", t / t8),
                 None => "— | —".into(),
             };
-            let e = |e: Option<f32>| e.map_or("—".into(), |e| format!("{e:.4}"));
+            let e = |e: &Option<f32>| e.map_or("—".into(), |e| format!("{e:.4}"));
             println!(
-                "| {} [{out} × {inp}] | {b} | {t8:.0} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {} [{out} × {inp}] | {b} | {t8:.0} | {} | {} |",
                 kind.name(),
-                cell(times[1]),
-                cell(times[2]),
-                cell(times[3]),
-                e(errs[0]),
-                e(errs[1]),
-                e(errs[2]),
-                e(errs[3]),
+                times[1..].iter().map(cell).collect::<Vec<_>>().join(" | "),
+                errs.iter().map(e).collect::<Vec<_>>().join(" | "),
             );
         }
     }
     println!();
-    println!("Bytes per weight: Q8_0 1.0625, Q4_0 0.5625, Q4_1 0.625, Q4_K 0.5625; f16 2.");
+    println!("Bytes per weight: Q8_0 1.0625, q4_s8 0.578 (widths 256 divides; 576: 0.583), Q4_0 0.5625, Q4_1 0.625, Q4_K 0.5625; f16 2.");
     let Some(text) = text else {
         return Ok(());
     };
@@ -178,16 +194,17 @@ pub(crate) fn quant_format_section(
     println!("| form | linear MiB | perplexity | mean KL | × Q8_0 KL |");
     println!("|---|---|---|---|---|");
     let mut kl8 = None;
-    let served_w4 = |g: GroupId| {
+    let q4k_or_0 = |g: GroupId| {
         let in_dim = quantmesh_model::ops::member_shapes(cfg, g.kind)[0][1];
-        QuantFormat::for_class(quantmesh_types::PrecisionClass::W4a16, in_dim)
+        match in_dim.is_multiple_of(256) {
+            true => QuantFormat::Q4K,
+            false => QuantFormat::Q4_0,
+        }
     };
-    let rows: [(&str, &dyn Fn(GroupId) -> QuantFormat); 3] = [
+    let rows: [(&str, &dyn Fn(GroupId) -> QuantFormat); 4] = [
         ("q8_0 (w8a8)", &|_| QuantFormat::Q8_0),
-        (
-            "w4a16 as served (q4_k where 256 divides, else q4_0)",
-            &served_w4,
-        ),
+        ("q4_s8 everywhere (w4a16 as served)", &|_| QuantFormat::Q4S8),
+        ("q4_k where 256 divides, else q4_0", &q4k_or_0),
         ("q4_0 everywhere", &|_| QuantFormat::Q4_0),
     ];
     for (label, quant) in rows {

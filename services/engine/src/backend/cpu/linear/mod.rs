@@ -4,10 +4,11 @@
 //! Quantized ("INT8") form: Q8_0 weights (blocks of 32 sharing one scale) on quantmesh's own
 //! kernels (`quantmesh-kernels`: repacked row tiles read once per step for all rows; the
 //! activations quantized once per call to 8 bits — W8A8 with per-block scales, finer than
-//! per-channel — or to 16 bits under split activations, at the same cost), or for `w4a16`
-//! groups 4-bit weights (Q4_K, or Q4_0 where 256 does not divide the input width) on
-//! candle's kernels, which quantize activations to 8 bits (W4A8). See docs/design/kernels.md, "CPU
-//! kernels and the thread runtime".
+//! per-channel — or to 16 bits under split activations, at the same cost); for `w4a16`
+//! groups 4-bit weights (`q4_s8`: 16 levels `d · q + m` per block of 32) on the same kernels
+//! and activations (W4A8, W4A16 split). llama.cpp's Q4_0 and Q4_K, kept for comparison,
+//! run on candle's kernels. See docs/design/kernels.md, "CPU kernels and the thread
+//! runtime".
 //!
 //! Float form: the checkpoint's values (never dequantized INT8), stored in the engine's
 //! `float_dtype` (f16 by default: half the bytes of f32); f16 copies run on the kernels'
@@ -19,7 +20,7 @@ use crate::backend::{
 use crate::error::Result;
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
-use quantmesh_kernels::{ActBits, Activations, Isa, PackedQ8, Pool};
+use quantmesh_kernels::{ActBits, Activations, Isa, PackedQ4, PackedQ8, Pool};
 use quantmesh_types::Residency;
 use std::sync::{Arc, OnceLock};
 
@@ -150,13 +151,13 @@ thread_local! {
 
 /// A linear group's quantized weight and the kernel that multiplies by it.
 ///
-/// Q8_0 weights run on quantmesh's own kernels (`quantmesh-kernels`: tiles packed in the
-/// order this CPU's kernel reads, streamed once per call for all rows, the activations
-/// quantized once to 8 or 16 bits, the instruction set picked at run time, one persistent
-/// thread pool). The 4-bit forms
-/// (Q4_0, Q4_K) still run on candle's kernels.
+/// Q8_0 and `q4_s8` weights run on quantmesh's own kernels (`quantmesh-kernels`: tiles
+/// packed in the order this CPU's kernel reads, streamed once per call for all rows, the
+/// activations quantized once to 8 or 16 bits, the instruction set picked at run time, one
+/// persistent thread pool). llama.cpp's Q4_0 and Q4_K (comparison forms) run on candle's.
 pub enum QuantKernel {
     Q8(PackedQ8),
+    Q4(PackedQ4),
     Candle {
         mm: QMatMul,
         q: Arc<QTensor>,
@@ -168,14 +169,20 @@ pub enum QuantKernel {
 }
 
 impl QuantKernel {
-    /// Quantize the f32 weight `[out, in]` to `dtype`.
-    pub fn quantize(weight: &Tensor, dtype: GgmlDType) -> Result<Self> {
+    /// Quantize the f32 weight `[out, in]` to `format`.
+    pub fn quantize(weight: &Tensor, format: QuantFormat) -> Result<Self> {
         let (rows, cols) = weight.dims2()?;
-        if dtype == GgmlDType::Q8_0 {
-            return with_f32_rows(weight, |w| {
-                Ok(QuantKernel::Q8(PackedQ8::quantize(w, rows, cols)?))
-            });
-        }
+        let dtype = match format.ggml() {
+            Some(dtype) => dtype,
+            None => {
+                return with_f32_rows(weight, |w| {
+                    Ok(match format {
+                        QuantFormat::Q4S8 => QuantKernel::Q4(PackedQ4::quantize(w, rows, cols)?),
+                        _ => QuantKernel::Q8(PackedQ8::quantize(w, rows, cols)?),
+                    })
+                })
+            }
+        };
         let q = Arc::new(QTensor::quantize(weight, dtype)?);
         Ok(QuantKernel::Candle {
             mm: QMatMul::from_arc(q.clone())?,
@@ -190,6 +197,9 @@ impl QuantKernel {
             QuantKernel::Q8(p) => {
                 Tensor::from_vec(p.dequantize(), (p.rows(), p.cols()), &Device::Cpu)?
             }
+            QuantKernel::Q4(p) => {
+                Tensor::from_vec(p.dequantize(), (p.rows(), p.cols()), &Device::Cpu)?
+            }
             QuantKernel::Candle { q, .. } => q.dequantize(&Device::Cpu)?,
         })
     }
@@ -201,6 +211,7 @@ impl QuantKernel {
         let w = weight.flatten_all()?.to_vec1::<f32>()?;
         let q = match self {
             QuantKernel::Q8(p) => p.dequantize(),
+            QuantKernel::Q4(p) => p.dequantize(),
             QuantKernel::Candle { q, .. } => q
                 .dequantize(&Device::Cpu)?
                 .flatten_all()?
@@ -213,13 +224,14 @@ impl QuantKernel {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             QuantKernel::Q8(p) => q8_product(p, x, ActBits::Eight),
+            QuantKernel::Q4(p) => q4_product(p, x, ActBits::Eight),
             QuantKernel::Candle { mm, .. } => Ok(mm.forward(x)?),
         }
     }
 
     /// The same product with the activations carried to ≈ 16 bits, so only the weights'
-    /// quantization error is left (`engine.split_activations`). On Q8_0 weights this is one
-    /// pass with 16-bit activations, at the cost of the 8-bit one. On candle's 4-bit kernels
+    /// quantization error is left (`engine.split_activations`). On quantmesh's kernels this
+    /// is one pass with 16-bit activations, at the cost of the 8-bit one. On candle's kernels
     /// `x` is cut into the kernel's own quantization of it, `x̂ = deq(q(x))`, and the
     /// remainder `x − x̂`; both go through the kernel as one matmul of twice the rows and
     /// the halves are summed (`x̂` lies on the kernel's grid, so the kernel reproduces it
@@ -228,6 +240,7 @@ impl QuantKernel {
     pub fn split_forward(&self, x: &Tensor) -> Result<Tensor> {
         let (mm, q, split_grid) = match self {
             QuantKernel::Q8(p) => return q8_product(p, x, ActBits::Sixteen),
+            QuantKernel::Q4(p) => return q4_product(p, x, ActBits::Sixteen),
             QuantKernel::Candle { mm, q, split_grid } => (mm, q, split_grid),
         };
         let (out_dim, in_dim) = q.shape().dims2()?;
@@ -260,6 +273,18 @@ impl QuantKernel {
 
 /// `x · deq(p)ᵀ` on quantmesh's kernels, `x` `[rows, in]`, activations quantized to `bits`.
 pub(crate) fn q8_product(p: &PackedQ8, x: &Tensor, bits: ActBits) -> Result<Tensor> {
+    let (rows, cols) = x.dims2()?;
+    let out = with_f32_rows(x, |x| {
+        ACTIVATIONS.with_borrow_mut(|a| -> Result<Vec<f32>> {
+            a.quantize(x, rows, cols, bits)?;
+            Ok(p.matmul_vec(a, Isa::current(), Pool::global())?)
+        })
+    })?;
+    Ok(Tensor::from_vec(out, (rows, p.rows()), &Device::Cpu)?)
+}
+
+/// `x · deq(p)ᵀ` for 4-bit weights, as [`q8_product`].
+pub(crate) fn q4_product(p: &PackedQ4, x: &Tensor, bits: ActBits) -> Result<Tensor> {
     let (rows, cols) = x.dims2()?;
     let out = with_f32_rows(x, |x| {
         ACTIVATIONS.with_borrow_mut(|a| -> Result<Vec<f32>> {
@@ -305,7 +330,7 @@ impl DualLinear {
         let residency = form.residency;
         let (out_dim, in_dim) = weight.dims2()?;
         let int8 = if residency.has_int8() {
-            Some(QuantKernel::quantize(&weight, form.quant.ggml())?)
+            Some(QuantKernel::quantize(&weight, form.quant)?)
         } else {
             None
         };
@@ -364,7 +389,7 @@ impl DualLinear {
     pub fn bytes_by_form(&self) -> (usize, usize, usize) {
         let n = self.out_dim * self.in_dim;
         let q = if self.int8.is_some() {
-            self.quant.bytes(n)
+            self.quant.bytes(self.out_dim, self.in_dim)
         } else {
             0
         };

@@ -1,0 +1,258 @@
+//! The 4-bit product against the scalar reference and the exact product of the dequantized
+//! operands, over shapes that are not multiples of the tile, the super-block or the
+//! register tile; and the quantization's error against simpler 4-bit grids.
+#![allow(clippy::unwrap_used)]
+
+use proptest::prelude::*;
+use quantmesh_kernels::{ActBits, Activations, Isa, PackedQ4, Pool, BLOCK, SUPER_BLOCKS};
+use rand::{Rng, SeedableRng};
+
+fn rand_vec(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    (0..n)
+        .map(|i| {
+            let v: f32 = rng.gen_range(-1.0..1.0) * scale;
+            if i % 97 == 3 {
+                v * 20.0
+            } else {
+                v
+            }
+        })
+        .collect()
+}
+
+fn product(w: &PackedQ4, a: &Activations, isa: Isa, pool: &Pool) -> Vec<f32> {
+    let mut out = vec![f32::NAN; a.rows() * w.rows()];
+    w.matmul(a, &mut out, isa, pool).unwrap();
+    assert_eq!(w.matmul_vec(a, isa, pool).unwrap(), out);
+    out
+}
+
+/// The f64 product of the dequantized operands, and each output's sum of |terms|.
+fn exact(w: &PackedQ4, a: &Activations) -> (Vec<f64>, Vec<f64>) {
+    let (wd, ad) = (w.dequantize(), a.dequantize());
+    let k = w.cols();
+    let mut sum = vec![0f64; a.rows() * w.rows()];
+    let mut magnitude = sum.clone();
+    for m in 0..a.rows() {
+        for r in 0..w.rows() {
+            for i in 0..k {
+                let t = ad[m * k + i] as f64 * wd[r * k + i] as f64;
+                sum[m * w.rows() + r] += t;
+                magnitude[m * w.rows() + r] += t.abs();
+            }
+        }
+    }
+    (sum, magnitude)
+}
+
+fn check(rows: usize, cols: usize, m: usize, bits: ActBits, seed: u64, threads: usize) {
+    // Offsets away from zero in some rows: the blocks' `m` takes both signs.
+    let mut wf = rand_vec(rows * cols, seed, 0.1);
+    for (r, row) in wf.chunks_exact_mut(cols).enumerate() {
+        let shift = (r % 3) as f32 * 0.05 - 0.05;
+        row.iter_mut().for_each(|v| *v += shift);
+    }
+    let w = PackedQ4::quantize(&wf, rows, cols).unwrap();
+    let xf = rand_vec(m * cols, seed + 1, 1.0);
+    let pool = Pool::new(threads);
+    for isa in Isa::all_available() {
+        let mut a = Activations::new();
+        a.quantize_with(&xf, m, cols, bits, isa).unwrap();
+        let (want, mag) = exact(&w, &a);
+        let got = product(&w, &a, isa, &pool);
+        for (i, (&g, &e)) in got.iter().zip(&want).enumerate() {
+            // f32 accumulation of `d · Σ q·a` and `m · Σ a`, each up to ≈ 8× the terms'
+            // magnitude when a block's offset cancels most of its levels.
+            let tol = 1e-5 * mag[i] + 1e-30;
+            assert!(
+                (g as f64 - e).abs() <= tol,
+                "{isa:?} [{rows}x{cols}] m={m} {bits:?} threads={threads} out {i}: {g} vs {e} (tol {tol})"
+            );
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+    #[test]
+    fn simd_equals_the_reference(
+        rows in 1usize..40,
+        blocks in 1usize..20,
+        m in 1usize..11,
+        sixteen in any::<bool>(),
+        seed in 0u64..1000,
+        threads in 1usize..4,
+    ) {
+        let bits = if sixteen { ActBits::Sixteen } else { ActBits::Eight };
+        check(rows, blocks * BLOCK, m, bits, seed, threads);
+    }
+}
+
+#[test]
+fn model_shapes_and_more_rows_than_a_row_block() {
+    for &(rows, cols, m) in &[
+        (960, 576, 1),
+        (576, 1536, 3),
+        (200, 576, 67),
+        (130, 64, 129),
+    ] {
+        for bits in [ActBits::Eight, ActBits::Sixteen] {
+            check(rows, cols, m, bits, rows as u64, 2);
+        }
+    }
+}
+
+/// Integer levels, activations and unit scales: every kernel gives the reference's
+/// integers bit for bit (weights with steps 1 and offsets −8 or 0 per block, so each
+/// super-block's largest step and offset store them exactly).
+#[test]
+fn integer_parts_are_exact() {
+    let (rows, cols, m) = (13, 11 * BLOCK, 6);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+    let wf: Vec<f32> = (0..rows * cols)
+        .map(|i| {
+            let offset = if (i / BLOCK).is_multiple_of(2) {
+                -8.0
+            } else {
+                0.0
+            };
+            match i % BLOCK {
+                0 => offset,
+                1 => offset + 15.0,
+                _ => offset + rng.gen_range(0..16) as f32,
+            }
+        })
+        .collect();
+    let w = PackedQ4::quantize(&wf, rows, cols).unwrap();
+    assert_eq!(w.dequantize(), wf, "integer levels are stored exactly");
+    let xf: Vec<f32> = (0..m * cols)
+        .map(|i| {
+            if i % BLOCK == 0 {
+                127.0
+            } else {
+                rng.gen_range(-127i32..=127) as f32
+            }
+        })
+        .collect();
+    let pool = Pool::new(2);
+    let mut a = Activations::new();
+    a.quantize_with(&xf, m, cols, ActBits::Eight, Isa::Scalar)
+        .unwrap();
+    let want: Vec<f32> = exact(&w, &a).0.iter().map(|&v| v as f32).collect();
+    for isa in Isa::all_available() {
+        a.quantize_with(&xf, m, cols, ActBits::Eight, isa).unwrap();
+        assert_eq!(product(&w, &a, isa, &pool), want, "{isa:?}");
+    }
+}
+
+/// Relative RMS error of `deq` against `w`.
+fn rel_err(w: &[f32], deq: &[f32]) -> f64 {
+    let (mut e, mut s) = (0f64, 0f64);
+    for (&a, &b) in w.iter().zip(deq) {
+        e += (a as f64 - b as f64).powi(2);
+        s += (a as f64).powi(2);
+    }
+    (e / s).sqrt()
+}
+
+/// Q4_0's grid (llama.cpp's `quantize_row_q4_0_ref`: `d = max / −8`, the value of largest
+/// magnitude, levels `q − 8`), dequantized.
+fn q4_0(w: &[f32]) -> Vec<f32> {
+    w.chunks_exact(BLOCK)
+        .flat_map(|x| {
+            let max = x
+                .iter()
+                .fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+            let d = half::f16::from_f32(max / -8.0).to_f32();
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            x.iter()
+                .map(move |&v| ((v * id + 8.5).floor().clamp(0.0, 15.0) - 8.0) * d)
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// The per-block min/max grid with exact f32 scales (Q4_1's, before its f16 rounding).
+fn min_max(w: &[f32]) -> Vec<f32> {
+    w.chunks_exact(BLOCK)
+        .flat_map(|x| {
+            let lo = x.iter().copied().fold(f32::INFINITY, f32::min);
+            let hi = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let d = (hi - lo) / 15.0;
+            x.iter()
+                .map(move |&v| {
+                    if d > 0.0 {
+                        ((v - lo) / d).round() * d + lo
+                    } else {
+                        lo
+                    }
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// On weights of several distributions, scales and seeds (Gaussian, heavy-tailed, shifted
+/// per row, rows of very different magnitudes inside one super-block's reach), the error is
+/// below Q4_0's and at most that of the exact-scale min/max grid.
+#[test]
+fn quantization_error_is_below_simpler_grids() {
+    let (rows, cols) = (24, 9 * BLOCK);
+    for seed in 0..6u64 {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|i| {
+                // Box–Muller: a Gaussian of deviation 0.02.
+                let (u, t): (f32, f32) = (rng.gen_range(1e-7..1.0), rng.gen_range(0.0..1.0));
+                let v = 0.02 * (-2.0 * u.ln()).sqrt() * (std::f32::consts::TAU * t).cos();
+                let block_scale = if (i / BLOCK).is_multiple_of(5) {
+                    0.05
+                } else {
+                    1.0
+                };
+                match seed % 3 {
+                    0 => v,
+                    1 => v * v.abs() * 50.0, // heavy tails
+                    _ => v * block_scale + (i / cols) as f32 * 0.004, // quiet blocks, shifted rows
+                }
+            })
+            .collect();
+        let ours = rel_err(
+            &w,
+            &PackedQ4::quantize(&w, rows, cols).unwrap().dequantize(),
+        );
+        let (zero, mm) = (rel_err(&w, &q4_0(&w)), rel_err(&w, &min_max(&w)));
+        assert!(ours < zero, "seed {seed}: {ours} vs Q4_0 {zero}");
+        assert!(ours <= mm * 1.02, "seed {seed}: {ours} vs min/max {mm}");
+    }
+}
+
+#[test]
+fn bytes_and_bad_shapes() {
+    let (rows, cols) = (16, 9 * BLOCK);
+    let w = PackedQ4::quantize(&rand_vec(rows * cols, 1, 0.1), rows, cols).unwrap();
+    let supers = 9usize.div_ceil(SUPER_BLOCKS);
+    assert_eq!(w.bytes(), rows * (9 * 18 + 4 * supers));
+    assert_eq!(PackedQ4::bytes_for(rows, cols), w.bytes());
+    assert_eq!(
+        PackedQ4::bytes_for(1, 256),
+        8 * 18 + 4,
+        "4.625 bits per weight"
+    );
+    let padded = PackedQ4::quantize(&rand_vec(3 * cols, 1, 0.1), 3, cols).unwrap();
+    assert_eq!(
+        padded.bytes(),
+        PackedQ4::bytes_for(8, cols),
+        "one tile of 8 rows"
+    );
+    assert!(PackedQ4::quantize(&[0.0; 40], 1, 40).is_err());
+    assert!(PackedQ4::quantize(&[0.0; 64], 3, 32).is_err());
+    let mut a = Activations::new();
+    a.quantize(&[1.0; 64], 1, 64, ActBits::Eight).unwrap();
+    let mut out = vec![0.0; rows];
+    assert!(w.matmul(&a, &mut out, Isa::Scalar, Pool::global()).is_err());
+    // A constant block is its offset.
+    let c = PackedQ4::quantize(&[0.25; 64], 2, 32).unwrap();
+    assert_eq!(c.dequantize(), vec![0.25; 64]);
+}
