@@ -422,7 +422,7 @@ async fn the_plan_float_budget_applies_by_reload() {
     assert_eq!(st["float_bytes"].as_u64().unwrap(), float_before);
 }
 
-/// A `w4a16` group is served with 4-bit weights (Q4_K or Q4_0): counted as `int4`, named in
+/// A `w4a16` group is served with 4-bit weights (`q4_s8`): counted as `int4`, named in
 /// `quant_format`, and a reload that changes the class rebuilds it in the other form.
 #[actix_rt::test]
 async fn a_w4a16_group_is_served_in_four_bits_and_switches_by_reload() {
@@ -444,19 +444,19 @@ async fn a_w4a16_group_is_served_in_four_bits_and_switches_by_reload() {
         "{body}"
     );
     let st = status(&s).await;
-    // `down` reads the intermediate width: Q4_K when 256 divides it, else Q4_0.
-    let want = if fx.model.dims.2.is_multiple_of(256) {
-        "q4_k"
-    } else {
-        "q4_0"
-    };
-    assert_eq!(st["quant_format"], json!({DOWN: want}), "{st}");
+    assert_eq!(st["quant_format"], json!({DOWN: "q4_s8"}), "{st}");
     assert_eq!(st["residency"][DOWN], "int8");
-    // The down group's weights moved from 34 to 18 bytes per 32 (Q4_K: 144 per 256, the same).
+    // The down group's weights moved from 34 bytes per 32 to 18 per 32 and 4 per row and
+    // super-block of up to 256.
     let int4 = st["weights"]["int4"].as_u64().unwrap();
     let int8 = st["weights"]["int8"].as_u64().unwrap();
-    assert!(int4 > 0, "{st}");
-    assert_eq!(int4 / 18 * 34, int8_before - int8, "{st}");
+    let (rows, cols) = (fx.model.dims.1 as u64, fx.model.dims.2 as u64); // down: [hidden, intermediate]
+    assert_eq!(
+        int4,
+        rows * (cols / 32 * 18 + 4 * cols.div_ceil(256)),
+        "{st}"
+    );
+    assert_eq!(int8_before - int8, rows * cols / 32 * 34, "{st}");
     // It serves.
     let r = reqwest::Client::new()
         .post(format!("{}/v1/completions", s.base))

@@ -178,7 +178,7 @@ impl EngineMetrics {
             weight_bytes: must(IntGaugeVec::new(
                 o(
                     "quantmesh_weight_bytes",
-                    "Resident weight bytes by form: int8 (linear groups' Q8_0), int4 (w4a16 groups' Q4_0), float (their float copies), other (embeddings, norms, lm_head, biases).",
+                    "Resident weight bytes by form: int8 (linear groups' Q8_0), int4 (w4a16 groups' 4-bit q4_s8), float (their float copies), other (embeddings, norms, lm_head, biases).",
                 ),
                 &["form"],
             )),

@@ -18,8 +18,7 @@ pub struct LivePlan {
     pub md5: Option<String>,
     pub monitor: MonitorConfig,
     pub residency: BTreeMap<GroupId, Residency>,
-    /// How each group's quantized form is stored: the class's format (`w4a16` → Q4_K, or
-    /// Q4_0 where 256 does not divide the group's input width),
+    /// How each group's quantized form is stored: the class's format (`w4a16` → `q4_s8`),
     /// Q8_0 for every group the file does not class.
     pub quant: BTreeMap<GroupId, QuantFormat>,
     /// What `engine.float_budget` did to the residencies (and the tables).
@@ -332,7 +331,7 @@ mod tests {
         }
     }
 
-    /// Classes choose the quantized form: `w4a16` → Q4_0, the rest (and unlisted groups)
+    /// Classes choose the quantized form: `w4a16` → `q4_s8`, the rest (and unlisted groups)
     /// Q8_0; an explicit residency keeps the class's form.
     #[test]
     fn w4a16_groups_are_planned_in_four_bits() {
@@ -344,13 +343,13 @@ mod tests {
         let live = resolve(&EngineConfig::default(), &model(), Some((&plan, "m")));
         let g = |s: &str| s.parse::<GroupId>().unwrap();
         let form = |s: &str| live.form(g(s), Residency::Dual);
-        assert_eq!(form("layers.0.down").quant, QuantFormat::Q4_0);
+        assert_eq!(form("layers.0.down").quant, QuantFormat::Q4S8);
         assert_eq!(form("layers.0.down").residency, Residency::Int8);
         assert_eq!(
             form("layers.1.down"),
             GroupForm {
                 residency: Residency::Dual,
-                quant: QuantFormat::Q4_0
+                quant: QuantFormat::Q4S8
             }
         );
         assert_eq!(form("layers.0.o").quant, QuantFormat::Q8_0);

@@ -189,7 +189,7 @@ pub fn run(opts: &Options, progress: &dyn scan::Progress) -> Result<Outcome, Pre
             served += match class.default_residency() {
                 Residency::Float => 2.0 * p,
                 Residency::Dual => (2.0 + scan::bytes_per_param(class)) * p,
-                // w8a8 → Q8_0, w4a16 → Q4_0: what the engine serves them with.
+                // w8a8 → Q8_0, w4a16 → q4_s8: what the engine serves them with.
                 Residency::Int8 => scan::bytes_per_param(class) * p,
             };
             linear_stored += s.stored_bytes as u64;

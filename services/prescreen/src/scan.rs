@@ -400,16 +400,13 @@ pub fn rope_for(cfg: &ModelConfig, batch: &Batch) -> Result<(Tensor, Tensor), Pr
     Ok(rope_tables(cfg, longest.max(1))?)
 }
 
-/// Bytes a class keeps per parameter when served (`fp16` → 2; 8-bit → Q8_0; 4-bit → the
-/// engine's 4-bit form, Q4_K or Q4_0, both 0.5625), from candle's block layout, for the
-/// summary.
+/// Bytes a class keeps per parameter when served (`fp16` → 2; 8-bit → Q8_0, 1.0625; 4-bit →
+/// the engine's `q4_s8` at a width 256 divides, 0.578), for the summary.
 pub fn bytes_per_param(class: PrecisionClass) -> f64 {
-    use candle_core::quantized::GgmlDType;
-    let per = |d: GgmlDType| d.type_size() as f64 / d.block_size() as f64;
     match class {
         PrecisionClass::Fp16 => 2.0,
-        PrecisionClass::W8a8 | PrecisionClass::W8a8PerChannel => per(GgmlDType::Q8_0),
-        PrecisionClass::W4a16 => per(GgmlDType::Q4_0),
+        PrecisionClass::W8a8 | PrecisionClass::W8a8PerChannel => 34.0 / 32.0,
+        PrecisionClass::W4a16 => quantmesh_kernels::PackedQ4::bytes_for(1, 256) as f64 / 256.0,
     }
 }
 

@@ -40,6 +40,7 @@ mod isa;
 mod layout;
 mod pool;
 mod q4;
+mod q4_product;
 mod q8;
 mod rows;
 mod scalar;

@@ -21,12 +21,9 @@
 //! values' levels, the lowest squared error kept; then the 8-bit scales are chosen per
 //! super-block and each block takes the neighbouring 8-bit values with the lowest error.
 
-use crate::layout::{Activations, Out, BLOCK};
-use crate::pool::Pool;
-use crate::q8::SERIAL_BELOW;
-use crate::{scalar, Isa, KernelError, Result};
+use crate::layout::BLOCK;
+use crate::{KernelError, Result};
 use half::f16;
-use std::ops::Range;
 
 /// Output rows per tile.
 pub(crate) const Q4_TILE_ROWS: usize = 8;
@@ -93,44 +90,64 @@ fn fit_block(x: &[f32]) -> (f32, f32) {
     best
 }
 
-/// The level of `v` on the grid `d · q + m`.
-#[inline]
-fn level(v: f32, d: f32, m: f32) -> u8 {
+/// The level of `v` on the grid `d · q + m` (the nearest, ties to even) as an f32, for
+/// `id = 1 / d` (0 for a zero step: every value at level 0). Float operations only, rounded
+/// by adding and subtracting 2²³, so the loops over a block vectorize (`round` is a library
+/// call on baseline x86-64, and the search below takes about 1 500 levels per block).
+#[inline(always)]
+fn level(v: f32, m: f32, id: f32) -> f32 {
+    const ROUND: f32 = 8_388_608.0;
+    (((v - m) * id).clamp(0.0, 15.0) + ROUND) - ROUND
+}
+
+/// `1 / d`, or 0 for a step that is not positive.
+#[inline(always)]
+fn inverse(d: f32) -> f32 {
     if d > 0.0 {
-        ((v - m) / d).round().clamp(0.0, 15.0) as u8
+        1.0 / d
     } else {
-        0
+        0.0
     }
 }
 
+/// The squared error of `x` (a block of 32) on the grid `(d, m)`. Summed in 8 lanes, then
+/// the lanes, so the loop vectorizes.
 fn block_error(x: &[f32], d: f32, m: f32) -> f32 {
-    x.iter()
-        .map(|&v| {
-            let e = v - (d * level(v, d, m) as f32 + m);
-            e * e
-        })
-        .sum()
+    let id = inverse(d);
+    let mut lanes = [0f32; 8];
+    for c in x.chunks_exact(8) {
+        for (l, &v) in lanes.iter_mut().zip(c) {
+            let e = v - (d * level(v, m, id) + m);
+            *l += e * e;
+        }
+    }
+    lanes.iter().sum()
 }
 
-/// `(d, m)` minimising `Σ (x − d·q − m)²` for the levels `q` of `x` on the grid `(d, m)`;
-/// `None` where the levels do not determine a positive step.
+/// `(d, m)` minimising `Σ (x − d·q − m)²` for the levels `q` of `x` (a block of 32) on the
+/// grid `(d, m)`; `None` where the levels do not determine a positive step. Sums in 8 lanes.
 fn least_squares(x: &[f32], d: f32, m: f32) -> Option<(f32, f32)> {
-    let (mut sq, mut sqq, mut sx, mut sxq) = (0f64, 0f64, 0f64, 0f64);
-    for &v in x {
-        let q = level(v, d, m) as f64;
-        sq += q;
-        sqq += q * q;
-        sx += v as f64;
-        sxq += v as f64 * q;
+    let id = inverse(d);
+    let (mut sq, mut sqq, mut sx, mut sxq) = ([0f32; 8], [0f32; 8], [0f32; 8], [0f32; 8]);
+    for c in x.chunks_exact(8) {
+        for (l, &v) in c.iter().enumerate() {
+            let q = level(v, m, id);
+            sq[l] += q;
+            sqq[l] += q * q;
+            sx[l] += v;
+            sxq[l] += v * q;
+        }
     }
-    let n = x.len() as f64;
+    let sum = |a: [f32; 8]| a.iter().sum::<f32>();
+    let (sq, sqq, sx, sxq) = (sum(sq), sum(sqq), sum(sx), sum(sxq));
+    let n = x.len() as f32;
     let det = n * sqq - sq * sq;
     if det <= 0.0 {
         return None;
     }
     let d = (n * sxq - sq * sx) / det;
     let m = (sx - d * sq) / n;
-    (d > 0.0).then_some((d as f32, m as f32))
+    (d > 0.0).then_some((d, m))
 }
 
 impl PackedQ4 {
@@ -191,8 +208,9 @@ impl PackedQ4 {
                     p.sc[at] = sc;
                     p.mn[at] = mn;
                     let (d, m) = (step(ds, sc), offset(ms, mn));
+                    let id = inverse(d);
                     for (q, &v) in q.iter_mut().zip(x) {
-                        *q = level(v, d, m);
+                        *q = level(v, m, id) as u8;
                     }
                     p.set_levels(r, b, &q);
                 }
@@ -275,53 +293,6 @@ impl PackedQ4 {
             self.dequantize_row(r, row);
         }
         out
-    }
-
-    /// `out = a · deq(self)ᵀ` (`a.rows() × self.rows()`, row-major), on `pool`'s threads.
-    /// AVX2 and the sets above it run the AVX2 kernel; the others the scalar reference.
-    pub fn matmul(&self, a: &Activations, out: &mut [f32], isa: Isa, pool: &Pool) -> Result<()> {
-        if a.cols != self.cols {
-            return Err(KernelError::Shape(format!(
-                "activations of width {} for weights [{}, {}]",
-                a.cols, self.rows, self.cols
-            )));
-        }
-        if out.len() != a.rows * self.rows {
-            return Err(KernelError::Shape(format!(
-                "output of {} values for [{}, {}]",
-                out.len(),
-                a.rows,
-                self.rows
-            )));
-        }
-        if a.rows == 0 || self.rows == 0 {
-            return Ok(());
-        }
-        let dst = Out(out.as_mut_ptr());
-        let isa = if isa.available() { isa } else { Isa::Scalar };
-        let one = |tiles: Range<usize>| {
-            let dst = &dst;
-            match isa {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: `isa.available()` checked AVX2, FMA and F16C; each range of tiles
-                // is claimed by one thread, which writes only those tiles' output columns.
-                isa if isa.x86_simd() => unsafe { crate::x86::q4_tiles(self, a, tiles, dst.0) },
-                _ => scalar::q4_tiles(self, a, tiles, dst.0),
-            }
-        };
-        pool.chunks(
-            self.tiles,
-            self.rows * self.cols * a.rows < SERIAL_BELOW,
-            &one,
-        );
-        Ok(())
-    }
-
-    /// As [`PackedQ4::matmul`], into a new vector.
-    pub fn matmul_vec(&self, a: &Activations, isa: Isa, pool: &Pool) -> Result<Vec<f32>> {
-        let mut out = vec![0f32; a.rows * self.rows];
-        self.matmul(a, &mut out, isa, pool)?;
-        Ok(out)
     }
 }
 

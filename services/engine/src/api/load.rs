@@ -118,7 +118,7 @@ pub(super) fn log_plan(live: &LivePlan, cfg: &EngineConfig, w: &crate::backend::
     let table = format!(
         "\n| form | groups | MiB |\n|---|---|---|\n\
          | int8 only | {} | |\n| dual (int8 + {} copy) | {} | |\n| float only | {} | |\n\
-         | int8 weights (Q8_0) | | {:.1} |\n| int4 weights (Q4_K/Q4_0, w4a16: {} groups) | | {:.1} |\n\
+         | int8 weights (Q8_0) | | {:.1} |\n| int4 weights (q4_s8, w4a16: {} groups) | | {:.1} |\n\
          | float copies | | {:.1} |\n\
          | embeddings, norms, lm_head (tables {}) | | {:.1} |\n\
          | total | | {:.1} = {:.2}× all-f16 ({:.1}) |\n\

@@ -316,7 +316,8 @@ impl GroupForm {
 pub struct WeightBytes {
     /// 8-bit (Q8_0) quantized forms of linear groups.
     pub int8: usize,
-    /// 4-bit (Q4_K or Q4_0) quantized forms of linear groups (`w4a16` groups).
+    /// 4-bit (`q4_s8`; Q4_K or Q4_0 in the benchmarks) quantized forms of linear groups
+    /// (`w4a16` groups).
     pub int4: usize,
     /// Float copies of linear groups.
     pub float: usize,

@@ -113,7 +113,7 @@ pub struct ConfigStatus {
     pub trigger_rate: f64,
     pub window_requests: usize,
     pub residency: BTreeMap<String, Residency>,
-    /// Groups whose quantized form is not Q8_0 (`w4a16` → `q4_0`).
+    /// Groups whose quantized form is not Q8_0 (`w4a16` → `q4_s8`).
     pub quant_format: BTreeMap<String, QuantFormat>,
     /// How float copies are stored and what the float budget allows.
     pub float_dtype: Option<FloatDtype>,

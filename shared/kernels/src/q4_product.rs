@@ -1,0 +1,58 @@
+//! The 4-bit product: [`PackedQ4`]'s tiles handed out to the pool's threads, each running
+//! the AVX2 kernel where the instruction set includes it, else the scalar reference (the
+//! weights and their quantization are in `q4.rs`).
+
+use crate::layout::{Activations, Out};
+use crate::pool::Pool;
+use crate::q8::SERIAL_BELOW;
+use crate::{scalar, Isa, KernelError, PackedQ4, Result};
+use std::ops::Range;
+
+impl PackedQ4 {
+    /// `out = a · deq(self)ᵀ` (`a.rows() × self.rows()`, row-major), on `pool`'s threads.
+    /// AVX2 and the sets above it run the AVX2 kernel; the others the scalar reference.
+    pub fn matmul(&self, a: &Activations, out: &mut [f32], isa: Isa, pool: &Pool) -> Result<()> {
+        if a.cols != self.cols {
+            return Err(KernelError::Shape(format!(
+                "activations of width {} for weights [{}, {}]",
+                a.cols, self.rows, self.cols
+            )));
+        }
+        if out.len() != a.rows * self.rows {
+            return Err(KernelError::Shape(format!(
+                "output of {} values for [{}, {}]",
+                out.len(),
+                a.rows,
+                self.rows
+            )));
+        }
+        if a.rows == 0 || self.rows == 0 {
+            return Ok(());
+        }
+        let dst = Out(out.as_mut_ptr());
+        let isa = if isa.available() { isa } else { Isa::Scalar };
+        let one = |tiles: Range<usize>| {
+            let dst = &dst;
+            match isa {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `isa.available()` checked AVX2, FMA and F16C; each range of tiles
+                // is claimed by one thread, which writes only those tiles' output columns.
+                isa if isa.x86_simd() => unsafe { crate::x86::q4_tiles(self, a, tiles, dst.0) },
+                _ => scalar::q4_tiles(self, a, tiles, dst.0),
+            }
+        };
+        pool.chunks(
+            self.tiles,
+            self.rows * self.cols * a.rows < SERIAL_BELOW,
+            &one,
+        );
+        Ok(())
+    }
+
+    /// As [`PackedQ4::matmul`], into a new vector.
+    pub fn matmul_vec(&self, a: &Activations, isa: Isa, pool: &Pool) -> Result<Vec<f32>> {
+        let mut out = vec![0f32; a.rows * self.rows];
+        self.matmul(a, &mut out, isa, pool)?;
+        Ok(out)
+    }
+}
