@@ -230,6 +230,29 @@ impl PackedQ8 {
     }
 }
 
+/// Whether activations `a` fit weights of `rows × cols` and an output of `out` values
+/// (`None`: not checked, the caller allocates it).
+pub(crate) fn check_product(
+    a: &Activations,
+    rows: usize,
+    cols: usize,
+    out: Option<usize>,
+) -> Result<()> {
+    if a.cols != cols {
+        return Err(KernelError::Shape(format!(
+            "activations of width {} for weights [{rows}, {cols}]",
+            a.cols
+        )));
+    }
+    match out {
+        Some(len) if len != a.rows * rows => Err(KernelError::Shape(format!(
+            "output of {len} values for [{}, {rows}]",
+            a.rows
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// The output pointer the threads share (each writes disjoint elements).
 pub(crate) struct Out(pub(crate) *mut f32);
 // SAFETY: threads write disjoint elements, and `matmul` outlives them (`Pool::run` waits).

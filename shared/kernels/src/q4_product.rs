@@ -2,30 +2,17 @@
 //! the AVX2 kernel where the instruction set includes it, else the scalar reference (the
 //! weights and their quantization are in `q4.rs`).
 
-use crate::layout::{Activations, Out};
+use crate::layout::{check_product, Activations, Out};
 use crate::pool::Pool;
 use crate::q8::SERIAL_BELOW;
-use crate::{scalar, Isa, KernelError, PackedQ4, Result};
+use crate::{scalar, Isa, PackedQ4, Result};
 use std::ops::Range;
 
 impl PackedQ4 {
     /// `out = a · deq(self)ᵀ` (`a.rows() × self.rows()`, row-major), on `pool`'s threads.
     /// AVX2 and the sets above it run the AVX2 kernel; the others the scalar reference.
     pub fn matmul(&self, a: &Activations, out: &mut [f32], isa: Isa, pool: &Pool) -> Result<()> {
-        if a.cols != self.cols {
-            return Err(KernelError::Shape(format!(
-                "activations of width {} for weights [{}, {}]",
-                a.cols, self.rows, self.cols
-            )));
-        }
-        if out.len() != a.rows * self.rows {
-            return Err(KernelError::Shape(format!(
-                "output of {} values for [{}, {}]",
-                out.len(),
-                a.rows,
-                self.rows
-            )));
-        }
+        check_product(a, self.rows, self.cols, Some(out.len()))?;
         if a.rows == 0 || self.rows == 0 {
             return Ok(());
         }

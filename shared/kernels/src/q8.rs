@@ -2,7 +2,7 @@
 //! weights' row tiles handed out to the pool's threads, each running the best kernel the
 //! instruction set and the weights' layout allow (layouts in `layout.rs`).
 
-use crate::layout::{quantize_act_block, Out};
+use crate::layout::{check_product, quantize_act_block, Out};
 use crate::pool::Pool;
 use crate::{scalar, ActBits, Activations, Isa, KernelError, PackedQ8, Q8Layout, Result, BLOCK};
 use std::ops::Range;
@@ -38,15 +38,7 @@ impl PackedQ8 {
     /// `out = a · deq(self)ᵀ` (`a.rows() × self.rows()`, row-major), on `pool`'s threads,
     /// each taking contiguous chunks of tiles from one counter.
     pub fn matmul(&self, a: &Activations, out: &mut [f32], isa: Isa, pool: &Pool) -> Result<()> {
-        self.check_width(a)?;
-        if out.len() != a.rows * self.rows {
-            return Err(KernelError::Shape(format!(
-                "output of {} values for [{}, {}]",
-                out.len(),
-                a.rows,
-                self.rows
-            )));
-        }
+        check_product(a, self.rows, self.cols, Some(out.len()))?;
         // SAFETY: `out` holds exactly `a.rows × self.rows` values.
         unsafe { self.matmul_to(a, out.as_mut_ptr(), isa, pool) };
         Ok(())
@@ -55,7 +47,7 @@ impl PackedQ8 {
     /// As [`PackedQ8::matmul`], into a new vector (never zeroed first: the kernels write
     /// every output).
     pub fn matmul_vec(&self, a: &Activations, isa: Isa, pool: &Pool) -> Result<Vec<f32>> {
-        self.check_width(a)?;
+        check_product(a, self.rows, self.cols, None)?;
         let len = a.rows * self.rows;
         let mut out = Vec::with_capacity(len);
         // SAFETY: the capacity holds `len` values; every kernel writes each output (row `m`
@@ -66,16 +58,6 @@ impl PackedQ8 {
             out.set_len(len);
         }
         Ok(out)
-    }
-
-    fn check_width(&self, a: &Activations) -> Result<()> {
-        if a.cols != self.cols {
-            return Err(KernelError::Shape(format!(
-                "activations of width {} for weights [{}, {}]",
-                a.cols, self.rows, self.cols
-            )));
-        }
-        Ok(())
     }
 
     /// The product into `out`, which has room for `a.rows × self.rows` values.

@@ -28,16 +28,7 @@ pub(crate) fn q8_tiles(w: &PackedQ8, a: &Activations, tiles: Range<usize>, out: 
                 }
             }
         }
-        for (m, acc) in acc.chunks_exact(th).enumerate() {
-            for (r, &v) in acc.iter().enumerate() {
-                let col = t * th + r;
-                if col < n {
-                    // SAFETY: `col < n` and `m < a.rows`: inside the output the caller
-                    // checked; this thread owns the columns of its tiles.
-                    unsafe { *out.add(m * n + col) = v };
-                }
-            }
-        }
+        store(&acc, t, th, n, out);
     }
 }
 
@@ -62,13 +53,20 @@ pub(crate) fn q4_tiles(w: &PackedQ4, a: &Activations, tiles: Range<usize>, out: 
                 }
             }
         }
-        for (m, acc) in acc.chunks_exact(th).enumerate() {
-            for (r, &v) in acc.iter().enumerate() {
-                let col = t * th + r;
-                if col < n {
-                    // SAFETY: as in `q8_tiles`.
-                    unsafe { *out.add(m * n + col) = v };
-                }
+        store(&acc, t, th, n, out);
+    }
+}
+
+/// Write tile `t`'s accumulators (`[activation row][row in tile]`, `th` rows per tile) to
+/// the output columns it owns (`n` columns in all; padding rows dropped).
+fn store(acc: &[f32], t: usize, th: usize, n: usize, out: *mut f32) {
+    for (m, acc) in acc.chunks_exact(th).enumerate() {
+        for (r, &v) in acc.iter().enumerate() {
+            let col = t * th + r;
+            if col < n {
+                // SAFETY: `col < n` and `m` is below the activations' rows: inside the
+                // output the caller checked; this thread owns the columns of its tiles.
+                unsafe { *out.add(m * n + col) = v };
             }
         }
     }

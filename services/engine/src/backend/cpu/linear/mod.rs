@@ -273,26 +273,34 @@ impl QuantKernel {
 
 /// `x · deq(p)ᵀ` on quantmesh's kernels, `x` `[rows, in]`, activations quantized to `bits`.
 pub(crate) fn q8_product(p: &PackedQ8, x: &Tensor, bits: ActBits) -> Result<Tensor> {
-    let (rows, cols) = x.dims2()?;
-    let out = with_f32_rows(x, |x| {
-        ACTIVATIONS.with_borrow_mut(|a| -> Result<Vec<f32>> {
-            a.quantize(x, rows, cols, bits)?;
-            Ok(p.matmul_vec(a, Isa::current(), Pool::global())?)
-        })
-    })?;
-    Ok(Tensor::from_vec(out, (rows, p.rows()), &Device::Cpu)?)
+    kernel_product(x, bits, p.rows(), |a| {
+        p.matmul_vec(a, Isa::current(), Pool::global())
+    })
 }
 
-/// `x · deq(p)ᵀ` for 4-bit weights, as [`q8_product`].
+/// As [`q8_product`], for 4-bit weights.
 pub(crate) fn q4_product(p: &PackedQ4, x: &Tensor, bits: ActBits) -> Result<Tensor> {
+    kernel_product(x, bits, p.rows(), |a| {
+        p.matmul_vec(a, Isa::current(), Pool::global())
+    })
+}
+
+/// `x` quantized to `bits` into this thread's activations buffer, multiplied by `product`
+/// (`[rows, out]`).
+fn kernel_product(
+    x: &Tensor,
+    bits: ActBits,
+    out: usize,
+    product: impl FnOnce(&Activations) -> quantmesh_kernels::Result<Vec<f32>>,
+) -> Result<Tensor> {
     let (rows, cols) = x.dims2()?;
-    let out = with_f32_rows(x, |x| {
+    let y = with_f32_rows(x, |x| {
         ACTIVATIONS.with_borrow_mut(|a| -> Result<Vec<f32>> {
             a.quantize(x, rows, cols, bits)?;
-            Ok(p.matmul_vec(a, Isa::current(), Pool::global())?)
+            Ok(product(a)?)
         })
     })?;
-    Ok(Tensor::from_vec(out, (rows, p.rows()), &Device::Cpu)?)
+    Ok(Tensor::from_vec(y, (rows, out), &Device::Cpu)?)
 }
 
 pub struct DualLinear {
