@@ -1,4 +1,4 @@
-//! The Q8_0 product with AVX-512 VNNI (x86-64). Each function is `#[target_feature]` and
+//! The Q8_0 and 4-bit products with AVX-512 VNNI (x86-64). Each function is `#[target_feature]` and
 //! `unsafe`: the caller checks [`crate::Isa::Avx512`] is available.
 //!
 //! Two kernels, one per weight order:
@@ -38,6 +38,7 @@
 use crate::layout::{
     ActBits, Activations, PackedQ8, BLOCK, ROW_BLOCK, TILE_ROWS, WIDE_PAIR_TILE_ROWS,
 };
+use crate::q4::{PackedQ4, Q4_TILE_BLOCK_BYTES, Q4_TILE_ROWS, SUPER_BLOCKS};
 use std::arch::x86_64::*;
 use std::ops::Range;
 
@@ -258,6 +259,146 @@ unsafe fn pair_tile<const M: usize>(
     } else {
         (1u16 << (n - c0)) - 1
     };
+    for j in 0..M {
+        _mm512_mask_storeu_ps(out.add((m + j) * n + c0), keep, acc[j]);
+    }
+}
+
+/// As [`crate::scalar::q4_tiles`], for [`PackedQ4`]: two of its 8-row tiles side by side
+/// fill a register (16 output columns), a register tile is those 16 rows × up to 8
+/// activation rows. Per quad of columns, the two tiles' 16-byte runs make one 32-byte
+/// register; a mask and a shift give the two column pairs for the 16 rows, widened to 16
+/// bits (`vpmovzxbw`), and `vpdpwssd` against each activation row's pair broadcast to every
+/// lane leaves row `i`'s sum in lane `i`, as the 8-bit kernel does. A range with an odd
+/// number of tiles computes its last tile twice over in one register and keeps one half.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn q4_tiles(w: &PackedQ4, a: &Activations, tiles: Range<usize>, out: *mut f32) {
+    let mut m0 = 0;
+    while m0 < a.rows {
+        let m1 = (m0 + ROW_BLOCK).min(a.rows);
+        let mut t = tiles.start;
+        while t < tiles.end {
+            let pair = (t, (t + 1).min(tiles.end - 1));
+            let mut m = m0;
+            while m + 8 <= m1 {
+                q4_tile::<8>(w, a, pair, m, out);
+                m += 8;
+            }
+            match m1 - m {
+                7 => q4_tile::<7>(w, a, pair, m, out),
+                6 => q4_tile::<6>(w, a, pair, m, out),
+                5 => q4_tile::<5>(w, a, pair, m, out),
+                4 => q4_tile::<4>(w, a, pair, m, out),
+                3 => q4_tile::<3>(w, a, pair, m, out),
+                2 => q4_tile::<2>(w, a, pair, m, out),
+                1 => q4_tile::<1>(w, a, pair, m, out),
+                _ => {}
+            }
+            t += 2;
+        }
+        m0 = m1;
+    }
+}
+
+/// 16 bytes at `p0` in the low half of a register, 16 at `p1` in the high one.
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn two_halves(p0: *const u8, p1: *const u8) -> __m256i {
+    _mm256_set_m128i(
+        _mm_loadu_si128(p1 as *const __m128i),
+        _mm_loadu_si128(p0 as *const __m128i),
+    )
+}
+
+/// 8 bytes at `p0`, then 8 at `p1`.
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn two_eighths(p0: *const u8, p1: *const u8) -> __m128i {
+    _mm_unpacklo_epi64(
+        _mm_loadl_epi64(p0 as *const __m128i),
+        _mm_loadl_epi64(p1 as *const __m128i),
+    )
+}
+
+/// Tiles `t0` and `t1` (output columns `8·t0 ..`, then `8·t1 ..`; `t1` is `t0 + 1`, or
+/// `t0` itself for a last lone tile) for activation rows `m .. m + M`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn q4_tile<const M: usize>(
+    w: &PackedQ4,
+    a: &Activations,
+    (t0, t1): (usize, usize),
+    m: usize,
+    out: *mut f32,
+) {
+    const G: usize = Q4_TILE_ROWS;
+    let n = w.rows;
+    let wq = |t: usize| w.qs.as_ptr().add(t * w.blocks * Q4_TILE_BLOCK_BYTES);
+    let (wq0, wq1) = (wq(t0), wq(t1));
+    let (sc0, sc1) = (
+        w.sc.as_ptr().add(t0 * w.blocks * G),
+        w.sc.as_ptr().add(t1 * w.blocks * G),
+    );
+    let mn = |t: usize| w.mn.as_ptr().add(t * w.blocks * G) as *const u8;
+    let (mn0, mn1) = (mn(t0), mn(t1));
+    let super_start = |v: &[half::f16], t: usize| v.as_ptr().add(t * w.supers * G) as *const u8;
+    let (ds0, ds1) = (super_start(&w.ds, t0), super_start(&w.ds, t1));
+    let (ms0, ms1) = (super_start(&w.ms, t0), super_start(&w.ms, t1));
+    let sums = a.block_sums().as_ptr();
+    let mut aq = [a.q.as_ptr(); M];
+    let mut ad = [a.d.as_ptr(); M];
+    let mut asum = [sums; M];
+    for j in 0..M {
+        aq[j] = a.q.as_ptr().add((m + j) * a.cols);
+        ad[j] = a.d.as_ptr().add((m + j) * a.blocks);
+        asum[j] = sums.add((m + j) * a.blocks);
+    }
+    let nibble = _mm256_set1_epi8(0x0f);
+    let mut acc = [_mm512_setzero_ps(); M];
+    let (mut dmax, mut mmax) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+    for b in 0..w.blocks {
+        if b % SUPER_BLOCKS == 0 {
+            // 8 f16 values (16 bytes) per tile and super-block.
+            let s = b / SUPER_BLOCKS * G * 2;
+            dmax = _mm512_cvtph_ps(two_halves(ds0.add(s), ds1.add(s)));
+            mmax = _mm512_cvtph_ps(two_halves(ms0.add(s), ms1.add(s)));
+        }
+        let (wb0, wb1) = (
+            wq0.add(b * Q4_TILE_BLOCK_BYTES),
+            wq1.add(b * Q4_TILE_BLOCK_BYTES),
+        );
+        let mut sum = [_mm512_setzero_si512(); M];
+        for k in 0..BLOCK / 4 {
+            let x = two_halves(wb0.add(k * 2 * G), wb1.add(k * 2 * G));
+            let w0 = _mm512_cvtepu8_epi16(_mm256_and_si256(x, nibble));
+            let w1 = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16::<4>(x), nibble));
+            for j in 0..M {
+                let p = aq[j].add(b * BLOCK + 4 * k) as *const i32;
+                sum[j] = _mm512_dpwssd_epi32(sum[j], w0, _mm512_set1_epi32(p.read_unaligned()));
+                sum[j] =
+                    _mm512_dpwssd_epi32(sum[j], w1, _mm512_set1_epi32(p.add(1).read_unaligned()));
+            }
+        }
+        let steps = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(two_eighths(
+            sc0.add(b * G),
+            sc1.add(b * G),
+        )));
+        let offsets = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(two_eighths(
+            mn0.add(b * G),
+            mn1.add(b * G),
+        )));
+        // As `q4::step` and `q4::offset`: an exact product, one rounding in the quotient.
+        let dw = _mm512_div_ps(_mm512_mul_ps(dmax, steps), _mm512_set1_ps(255.0));
+        let mw = _mm512_div_ps(_mm512_mul_ps(mmax, offsets), _mm512_set1_ps(127.0));
+        for j in 0..M {
+            let s = _mm512_mul_ps(dw, _mm512_set1_ps(*ad[j].add(b)));
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[j]), s, acc[j]);
+            acc[j] = _mm512_fmadd_ps(mw, _mm512_set1_ps(*asum[j].add(b)), acc[j]);
+        }
+    }
+    let c0 = t0 * G;
+    let width = if t1 == t0 { G } else { 2 * G };
+    let keep: __mmask16 = ((1u32 << width.min(n - c0)) - 1) as u16;
     for j in 0..M {
         _mm512_mask_storeu_ps(out.add((m + j) * n + c0), keep, acc[j]);
     }

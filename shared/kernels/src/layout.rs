@@ -293,8 +293,9 @@ pub struct Activations {
     /// `[row][block]`.
     pub(crate) d: Vec<f32>,
     /// `[row][block]`: the block's sum, `d · Σ q` (what a weight block's offset multiplies:
-    /// the 4-bit weights' `m`).
-    pub(crate) sums: Vec<f32>,
+    /// the 4-bit weights' `m`), computed by the first 4-bit product that reads them
+    /// ([`Activations::block_sums`]), once per quantization; 8-bit products never pay for it.
+    pub(crate) sums: std::sync::OnceLock<Vec<f32>>,
     /// The byte form, when quantized for [`crate::Isa::Amx`]: `Some(bits)`.
     pub(crate) bytes: Option<ActBits>,
     /// `[row][cols]`: `h + 128` as an unsigned byte, `h` the value (8-bit) or its high
@@ -336,6 +337,18 @@ impl Activations {
             *l = v as u8;
         }
         self.bytes = Some(bits);
+    }
+
+    /// Every block's sum `d · Σ q` (`[row][block]`), computed on the first call after a
+    /// quantization.
+    pub(crate) fn block_sums(&self) -> &[f32] {
+        self.sums.get_or_init(|| {
+            self.q
+                .chunks_exact(BLOCK)
+                .zip(&self.d)
+                .map(|(q, &d)| d * q.iter().map(|&v| i32::from(v)).sum::<i32>() as f32)
+                .collect()
+        })
     }
 
     /// The quantized rows as f32 (`rows × cols`).

@@ -1,5 +1,6 @@
 //! The 4-bit product: [`PackedQ4`]'s tiles handed out to the pool's threads, each running
-//! the AVX2 kernel where the instruction set includes it, else the scalar reference (the
+//! the AVX-512 kernel (tiles two at a time) or the AVX2 one where the instruction set
+//! includes it, else the scalar reference (the
 //! weights and their quantization are in `q4.rs`).
 
 use crate::layout::{check_product, Activations, Out};
@@ -10,7 +11,7 @@ use std::ops::Range;
 
 impl PackedQ4 {
     /// `out = a · deq(self)ᵀ` (`a.rows() × self.rows()`, row-major), on `pool`'s threads.
-    /// AVX2 and the sets above it run the AVX2 kernel; the others the scalar reference.
+    /// AVX-512 and AMX run the AVX-512 kernel, AVX2 its own; the others the scalar reference.
     pub fn matmul(&self, a: &Activations, out: &mut [f32], isa: Isa, pool: &Pool) -> Result<()> {
         check_product(a, self.rows, self.cols, Some(out.len()))?;
         if a.rows == 0 || self.rows == 0 {
@@ -18,9 +19,23 @@ impl PackedQ4 {
         }
         let dst = Out(out.as_mut_ptr());
         let isa = if isa.available() { isa } else { Isa::Scalar };
-        let one = |tiles: Range<usize>| {
+        // Once per quantization, before the threads read them.
+        a.block_sums();
+        // The AVX-512 kernel takes tiles two at a time (16 output rows).
+        let unit = if matches!(isa, Isa::Avx512 | Isa::Amx) {
+            2
+        } else {
+            1
+        };
+        let one = |units: Range<usize>| {
             let dst = &dst;
+            let tiles = units.start * unit..(units.end * unit).min(self.tiles);
             match isa {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `isa.available()` checked AVX-512 F/BW/VNNI and AVX2, FMA, F16C;
+                // each range of tiles is claimed by one thread, which writes only those
+                // tiles' output columns.
+                Isa::Avx512 | Isa::Amx => unsafe { crate::avx512::q4_tiles(self, a, tiles, dst.0) },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `isa.available()` checked AVX2, FMA and F16C; each range of tiles
                 // is claimed by one thread, which writes only those tiles' output columns.
@@ -29,7 +44,7 @@ impl PackedQ4 {
             }
         };
         pool.chunks(
-            self.tiles,
+            self.tiles.div_ceil(unit),
             self.rows * self.cols * a.rows < SERIAL_BELOW,
             &one,
         );

@@ -173,13 +173,7 @@ impl Activations {
                 }
             }
         }
-        self.sums.clear();
-        self.sums.extend(
-            self.q
-                .chunks_exact(BLOCK)
-                .zip(&self.d)
-                .map(|(q, &d)| d * q.iter().map(|&v| i32::from(v)).sum::<i32>() as f32),
-        );
+        self.sums.take();
         self.bytes = None;
         self.s8.clear();
         if isa.byte_activations() && isa.available() {

@@ -38,6 +38,7 @@ pub(crate) fn q4_tiles(w: &PackedQ4, a: &Activations, tiles: Range<usize>, out: 
     let th = Q4_TILE_ROWS;
     let mut acc = vec![0f32; a.rows * th];
     let mut blocks = [([0u8; BLOCK], 0f32, 0f32); Q4_TILE_ROWS];
+    let sums = a.block_sums();
     for t in tiles {
         acc.fill(0.0);
         for b in 0..w.blocks {
@@ -46,7 +47,7 @@ pub(crate) fn q4_tiles(w: &PackedQ4, a: &Activations, tiles: Range<usize>, out: 
             }
             for (m, acc) in acc.chunks_exact_mut(th).enumerate() {
                 let aq = &a.q[m * a.cols + b * BLOCK..][..BLOCK];
-                let (da, sa) = (a.d[m * a.blocks + b], a.sums[m * a.blocks + b]);
+                let (da, sa) = (a.d[m * a.blocks + b], sums[m * a.blocks + b]);
                 for (acc, (wq, dw, mw)) in acc.iter_mut().zip(&blocks) {
                     let dot: i32 = wq.iter().zip(aq).map(|(&x, &y)| x as i32 * y as i32).sum();
                     *acc += dot as f32 * (dw * da) + mw * sa;

@@ -149,11 +149,12 @@ unsafe fn q4_tile<const M: usize>(
     let ms = w.ms.as_ptr().add(t * w.supers * G) as *const __m128i;
     let mut aq = [a.q.as_ptr(); M];
     let mut ad = [a.d.as_ptr(); M];
-    let mut asum = [a.sums.as_ptr(); M];
+    let sums = a.block_sums().as_ptr();
+    let mut asum = [sums; M];
     for j in 0..M {
         aq[j] = a.q.as_ptr().add((m + j) * a.cols);
         ad[j] = a.d.as_ptr().add((m + j) * a.blocks);
-        asum[j] = a.sums.as_ptr().add((m + j) * a.blocks);
+        asum[j] = sums.add((m + j) * a.blocks);
     }
     let nibble = _mm_set1_epi8(0x0f);
     let mut acc = [_mm256_setzero_ps(); M];

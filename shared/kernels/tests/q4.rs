@@ -7,44 +7,8 @@ use proptest::prelude::*;
 use quantmesh_kernels::{ActBits, Activations, Isa, PackedQ4, Pool, BLOCK, SUPER_BLOCKS};
 use rand::{Rng, SeedableRng};
 
-fn rand_vec(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    (0..n)
-        .map(|i| {
-            let v: f32 = rng.gen_range(-1.0..1.0) * scale;
-            if i % 97 == 3 {
-                v * 20.0
-            } else {
-                v
-            }
-        })
-        .collect()
-}
-
-fn product(w: &PackedQ4, a: &Activations, isa: Isa, pool: &Pool) -> Vec<f32> {
-    let mut out = vec![f32::NAN; a.rows() * w.rows()];
-    w.matmul(a, &mut out, isa, pool).unwrap();
-    assert_eq!(w.matmul_vec(a, isa, pool).unwrap(), out);
-    out
-}
-
-/// The f64 product of the dequantized operands, and each output's sum of |terms|.
-fn exact(w: &PackedQ4, a: &Activations) -> (Vec<f64>, Vec<f64>) {
-    let (wd, ad) = (w.dequantize(), a.dequantize());
-    let k = w.cols();
-    let mut sum = vec![0f64; a.rows() * w.rows()];
-    let mut magnitude = sum.clone();
-    for m in 0..a.rows() {
-        for r in 0..w.rows() {
-            for i in 0..k {
-                let t = ad[m * k + i] as f64 * wd[r * k + i] as f64;
-                sum[m * w.rows() + r] += t;
-                magnitude[m * w.rows() + r] += t.abs();
-            }
-        }
-    }
-    (sum, magnitude)
-}
+mod common;
+use common::{exact, product, rand_vec};
 
 fn check(rows: usize, cols: usize, m: usize, bits: ActBits, seed: u64, threads: usize) {
     // Offsets away from zero in some rows: the blocks' `m` takes both signs.
