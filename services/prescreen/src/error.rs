@@ -8,6 +8,9 @@ pub enum PrescreenError {
     /// Checkpoint problems: the message names the file and the tensor.
     #[error(transparent)]
     Model(#[from] ModelError),
+    /// The weight budget holds no plan.
+    #[error("{0}")]
+    Budget(String),
     #[error("calibration: {0}")]
     Calibration(String),
     #[error("tensor computation: {0}")]

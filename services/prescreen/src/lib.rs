@@ -6,6 +6,7 @@
 //! See `metrics` for the exact definitions, `rules` for the classification, `scan` for how
 //! the checkpoint is walked in bounded memory.
 
+pub mod bits;
 mod error;
 pub mod metrics;
 pub mod quant;
@@ -17,7 +18,8 @@ pub use error::PrescreenError;
 use quantmesh_model::{model_shape, Checkpoint, ModelConfig, TextTokenizer};
 use quantmesh_types::sensitive::{CalibrationInfo, Generator, HookThresholds, ModelFingerprint};
 use quantmesh_types::{
-    GroupEntry, PrecisionClass, Residency, SensitiveLayers, SENSITIVE_LAYERS_SCHEMA_VERSION,
+    FloatBudget, GroupEntry, PrecisionClass, Residency, SensitiveLayers, WeightBudget,
+    SENSITIVE_LAYERS_SCHEMA_VERSION,
 };
 use rules::Rules;
 use std::collections::BTreeMap;
@@ -38,6 +40,33 @@ pub struct Options {
     pub kl_tokens: usize,
     /// RFC 3339 timestamp to record (pin it for reproducible output).
     pub timestamp: String,
+    /// Fit every group's bits (4 or 8) to this many bytes of resident weights (see
+    /// [`bits`]); `None`: the rules' classes as they are.
+    pub weight_budget: Option<WeightBudget>,
+}
+
+/// Under a weight budget, the share of the model's linear weights in 8 bits reserved for
+/// float copies (and 16-bit vocabulary tables), written into the plan as its `float_budget`
+/// so the engine keeps within it: the first-load plan's float budget.
+pub const FLOAT_RESERVE_PERCENT: f64 = 10.0;
+
+/// What the weight budget chose.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BitsOutcome {
+    pub setting: WeightBudget,
+    pub budget_bytes: u64,
+    /// The smallest plan: every group that can be in 4 bits, with the fixed bytes.
+    pub minimum_bytes: u64,
+    /// Resident weight bytes of the chosen plan (fixed + groups).
+    pub planned_bytes: u64,
+    /// The model with every weight in 16 bits.
+    pub all_f16_bytes: u64,
+    /// Groups in 4 and in 8 bits.
+    pub four: usize,
+    pub eight: usize,
+    /// Σ of the chosen forms' pre-screen KLs, and with every group in 8 bits.
+    pub predicted_loss: f64,
+    pub predicted_loss_all8: f64,
 }
 
 /// Per-class totals for the summary table.
@@ -61,6 +90,8 @@ pub struct Outcome {
     /// Bytes of tensors read (every pass counted) and the calibration tokens used.
     pub bytes_scanned: u64,
     pub calibration_tokens: usize,
+    /// Set when a weight budget chose the bits.
+    pub bits: Option<BitsOutcome>,
 }
 
 /// The calibration set bundled with quantmesh (`services/prescreen/calibration/prompts.jsonl`).
@@ -162,9 +193,7 @@ pub fn run(opts: &Options, progress: &dyn scan::Progress) -> Result<Outcome, Pre
     tracing::debug!(rss_kib = ?rss_kib(), "after content hash");
     let rope = scan::rope_for(&mcfg, &batch)?;
     let mut h = scan::embed(&ck, &mcfg, &batch)?;
-    let mut groups: BTreeMap<String, GroupEntry> = BTreeMap::new();
-    let mut per_class: BTreeMap<String, ClassTotals> = BTreeMap::new();
-    let (mut all_fp16, mut formats, mut served) = (0.0, 0.0, 0.0);
+    let mut scored_all = Vec::new();
     let mut linear_stored = 0u64;
     let ctx = scan::Ctx {
         ck: &ck,
@@ -179,23 +208,37 @@ pub fn run(opts: &Options, progress: &dyn scan::Progress) -> Result<Outcome, Pre
         h = next;
         tracing::debug!(layer = l, rss_kib = ?rss_kib(), "layer scored");
         for (g, s) in scored {
-            let class = s.entry.class;
-            let t = per_class.entry(class_name(class).to_string()).or_default();
-            t.groups += 1;
-            t.params += s.params;
-            let p = s.params as f64;
-            all_fp16 += 2.0 * p;
-            formats += scan::bytes_per_param(class) * p;
-            served += match class.default_residency() {
-                Residency::Float => 2.0 * p,
-                Residency::Dual => (2.0 + scan::bytes_per_param(class)) * p,
-                // w8a8 → Q8_0, w4a16 → q4_s8: what the engine serves them with.
-                Residency::Int8 => scan::bytes_per_param(class) * p,
-            };
             linear_stored += s.stored_bytes as u64;
-            tracing::debug!(group = %g, ?class, rule = ?s.entry.rule, "group scored");
-            groups.insert(g.to_string(), s.entry);
+            tracing::debug!(group = %g, class = ?s.entry.class, rule = ?s.entry.rule, "group scored");
+            scored_all.push((g, s));
         }
+    }
+    let (bits, float_budget) = match opts.weight_budget {
+        Some(b) => {
+            let (outcome, reserve) = fit_bits(&mcfg, b, &mut scored_all)?;
+            (Some(outcome), Some(FloatBudget::Bytes(reserve)))
+        }
+        None => (None, None),
+    };
+    let mut groups: BTreeMap<String, GroupEntry> = BTreeMap::new();
+    let mut per_class: BTreeMap<String, ClassTotals> = BTreeMap::new();
+    let (mut all_fp16, mut formats, mut served) = (0.0, 0.0, 0.0);
+    for (g, s) in scored_all {
+        let class = s.entry.class;
+        let t = per_class.entry(class_name(class).to_string()).or_default();
+        t.groups += 1;
+        t.params += s.params;
+        let p = s.params as f64;
+        let bytes = scan::format_bytes(class, s.rows, s.cols) as f64;
+        all_fp16 += 2.0 * p;
+        formats += bytes;
+        served += match s.entry.effective_residency() {
+            Residency::Float => 2.0 * p,
+            Residency::Dual => 2.0 * p + bytes,
+            // w8a8 → Q8_0, w4a16 → q4_s8: what the engine serves them with.
+            Residency::Int8 => bytes,
+        };
+        groups.insert(g.to_string(), s.entry);
     }
     let hook = &opts.rules.hook;
     let file = SensitiveLayers {
@@ -231,9 +274,10 @@ pub fn run(opts: &Options, progress: &dyn scan::Progress) -> Result<Outcome, Pre
             request_kl_limit: Some(hook.request_kl_limit),
         },
         groups,
-        // The server's own budget applies (the first-load plan sets 10 %); an operator or the
-        // evolution job writes one here to change it by reload.
-        float_budget: None,
+        // The server's own budget applies (the first-load plan sets 10 %) unless a weight
+        // budget reserved the float copies' share; an operator or the evolution job writes
+        // one here to change it by reload.
+        float_budget,
     };
     // What we write must be what the engine accepts.
     let mut bytes = serde_json::to_vec_pretty(&file)
@@ -252,7 +296,85 @@ pub fn run(opts: &Options, progress: &dyn scan::Progress) -> Result<Outcome, Pre
         // Content hash pass + three passes over every linear tensor, as stored in the files.
         bytes_scanned: hashed_bytes + 3 * linear_stored,
         calibration_tokens,
+        bits,
     })
+}
+
+/// Choose each group's bits under `budget` (see [`bits`]): `fp16` groups stay float, the
+/// others take `w4a16` or keep their 8-bit class; a group whose class wanted a float copy
+/// keeps wanting one (`dual`) in 4 bits too. Returns what was chosen and the plan's float
+/// budget (bytes): the `fp16` groups' weights and the float copies' reserve.
+fn fit_bits(
+    cfg: &ModelConfig,
+    budget: WeightBudget,
+    scored: &mut [(quantmesh_types::GroupId, scan::Scored)],
+) -> Result<(BitsOutcome, u64), PrescreenError> {
+    let table_params =
+        cfg.vocab_size * cfg.hidden_size * if cfg.tie_word_embeddings { 1 } else { 2 };
+    let norm_params = cfg.hidden_size * (2 * cfg.num_hidden_layers + 1);
+    let linear_params: usize = scored.iter().map(|(_, s)| s.params).sum();
+    let all_f16 = 2 * (table_params + norm_params + linear_params) as u64;
+    let eight = |s: &scan::Scored| scan::format_bytes(PrecisionClass::W8a8, s.rows, s.cols);
+    let reserve = (FLOAT_RESERVE_PERCENT / 100.0
+        * scored.iter().map(|(_, s)| eight(s)).sum::<u64>() as f64) as u64;
+    // The float budget covers the fp16 groups' weights too (the engine charges every float
+    // copy to it, theirs first).
+    let mut float = reserve;
+    let mut candidates = Vec::new();
+    let mut index = Vec::new();
+    for (i, (_, s)) in scored.iter().enumerate() {
+        if s.entry.class == PrecisionClass::Fp16 {
+            float += 2 * s.params as u64;
+            continue;
+        }
+        let kl = s
+            .entry
+            .metrics
+            .as_ref()
+            .map(|m| (m.kl.w4a16, m.kl.w8a8_per_channel));
+        let (loss4, loss8) = kl.unwrap_or((f64::INFINITY, 0.0));
+        candidates.push(bits::Candidate {
+            bytes4: scan::format_bytes(PrecisionClass::W4a16, s.rows, s.cols),
+            bytes8: eight(s),
+            loss4,
+            loss8,
+        });
+        index.push(i);
+    }
+    let fixed = (table_params / 32 * 34) as u64 + 4 * norm_params as u64 + float;
+    let budget_bytes = budget.bytes(all_f16);
+    let choice = bits::choose(&candidates, fixed, budget_bytes).map_err(|e| {
+        PrescreenError::Budget(format!(
+            "{e} ({:.3}x of the all-16-bit model's {all_f16} bytes; tables, norms, fp16 groups \
+             and the float copies' reserve of {FLOAT_RESERVE_PERCENT} % of the 8-bit linear \
+             weights take {fixed} bytes)",
+            e.minimum as f64 / all_f16 as f64
+        ))
+    })?;
+    let mut four = 0;
+    for (&i, &b) in index.iter().zip(&choice.bits) {
+        let entry = &mut scored[i].1.entry;
+        if b == bits::Bits::Four {
+            four += 1;
+            let wanted_copy = entry.effective_residency() == Residency::Dual;
+            entry.class = PrecisionClass::W4a16;
+            entry.residency = wanted_copy.then_some(Residency::Dual);
+            entry.rule = Some(format!("weight_budget {budget}: 4 bits"));
+        }
+    }
+    let outcome = BitsOutcome {
+        setting: budget,
+        budget_bytes,
+        minimum_bytes: fixed + candidates.iter().map(|c| c.bytes4).sum::<u64>(),
+        planned_bytes: fixed + choice.bytes,
+        all_f16_bytes: all_f16,
+        four,
+        eight: candidates.len() - four,
+        predicted_loss: choice.loss,
+        predicted_loss_all8: candidates.iter().map(|c| c.loss8).sum(),
+    };
+    tracing::info!(?outcome, "pre-screen: bits fitted to the weight budget");
+    Ok((outcome, float))
 }
 
 /// This process's resident set (Linux), for the debug log.
@@ -269,6 +391,25 @@ pub fn class_name(c: PrecisionClass) -> &'static str {
         PrecisionClass::W8a8PerChannel => "w8a8_per_channel",
         PrecisionClass::Fp16 => "fp16",
     }
+}
+
+/// What a weight budget chose, in one line.
+pub fn bits_line(b: &BitsOutcome) -> String {
+    let mib = |v: u64| v as f64 / (1u64 << 20) as f64;
+    format!(
+        "weight budget {} = {:.2} MiB: planned {:.2} MiB ({:.3}x all-16-bit, smallest possible \
+         {:.2} MiB); {} groups in 4 bits, {} in 8; predicted loss (summed group KL) {:.4} vs \
+         {:.4} all-8-bit\n",
+        b.setting,
+        mib(b.budget_bytes),
+        mib(b.planned_bytes),
+        b.planned_bytes as f64 / b.all_f16_bytes.max(1) as f64,
+        mib(b.minimum_bytes),
+        b.four,
+        b.eight,
+        b.predicted_loss,
+        b.predicted_loss_all8,
+    )
 }
 
 /// The summary table printed at the end.

@@ -91,6 +91,9 @@ pub struct Scored {
     pub entry: GroupEntry,
     /// Parameters of the group (for the memory summary).
     pub params: usize,
+    /// Output rows (all members) and input width.
+    pub rows: usize,
+    pub cols: usize,
     /// Bytes of its weights as stored in the checkpoint.
     pub stored_bytes: usize,
 }
@@ -314,6 +317,8 @@ pub fn score_group(
         Scored {
             entry,
             params: total_out * in_dim,
+            rows: total_out,
+            cols: in_dim,
             stored_bytes,
         },
     ))
@@ -402,6 +407,15 @@ pub fn rope_for(cfg: &ModelConfig, batch: &Batch) -> Result<(Tensor, Tensor), Pr
 
 /// Bytes a class keeps per parameter when served (`fp16` → 2; 8-bit → Q8_0, 1.0625; 4-bit →
 /// the engine's `q4_s8` at a width 256 divides, 0.578), for the summary.
+/// Bytes of a `rows × cols` weight in `class`'s format, exactly as the engine holds it.
+pub fn format_bytes(class: PrecisionClass, rows: usize, cols: usize) -> u64 {
+    match class {
+        PrecisionClass::Fp16 => 2 * (rows * cols) as u64,
+        PrecisionClass::W8a8 | PrecisionClass::W8a8PerChannel => (rows * cols / 32 * 34) as u64,
+        PrecisionClass::W4a16 => quantmesh_kernels::PackedQ4::bytes_for(rows, cols) as u64,
+    }
+}
+
 pub fn bytes_per_param(class: PrecisionClass) -> f64 {
     match class {
         PrecisionClass::Fp16 => 2.0,

@@ -25,6 +25,7 @@ fn opts(model: &Path) -> Options {
         max_tokens_per_prompt: 48,
         kl_tokens: 2048,
         timestamp: "2026-11-22T00:00:00Z".into(),
+        weight_budget: None,
     }
 }
 
@@ -190,4 +191,71 @@ async fn the_engine_serves_with_the_resulting_plan() {
     let (_, finish, usage, _) = engine.generate(ids, params).await.unwrap().collect().await;
     assert_eq!(finish, quantmesh_types::FinishReason::Length);
     assert_eq!(usage.completion_tokens, 8);
+}
+
+/// A weight budget between every-group-in-4-bits and every-group-in-8 mixes both, and the
+/// engine serving the plan holds no more than the budget; one below the smallest plan is
+/// refused, naming the setting and the smallest size.
+#[actix_rt::test]
+async fn a_weight_budget_plan_mixes_bits_and_fits_when_served() {
+    let (dir, _) = model(1);
+    let with = |b: &str| Options {
+        weight_budget: Some(b.parse().unwrap()),
+        ..opts(dir.path())
+    };
+    let count = Count(AtomicUsize::new(0));
+    let roomy = run(&with("2x"), &count).unwrap().bits.unwrap();
+    assert_eq!(roomy.four, 0, "{roomy:?}");
+    let (min, max) = (roomy.minimum_bytes, roomy.planned_bytes);
+    assert!(min < max, "{roomy:?}");
+    let budget = (min + max) / 2;
+    let out = run(&with(&budget.to_string()), &count).unwrap();
+    let bits = out.bits.clone().unwrap();
+    assert!(bits.four > 0 && bits.eight > 0, "{bits:?}");
+    assert!(bits.planned_bytes <= budget, "{bits:?}");
+    assert!(
+        bits.predicted_loss >= roomy.predicted_loss,
+        "{bits:?} vs {roomy:?}"
+    );
+    let four = out
+        .file
+        .groups
+        .values()
+        .filter(|e| e.class == PrecisionClass::W4a16)
+        .count();
+    assert_eq!(four, bits.four);
+    assert!(out.file.float_budget.is_some());
+
+    let file = dir.path().join("sensitive_layers.json");
+    std::fs::write(&file, &out.bytes).unwrap();
+    let cfg = quantmesh_engine::EngineConfig {
+        sensitive_layers: Some(file.display().to_string()),
+        num_pages: 128,
+        ..Default::default()
+    };
+    let engine = quantmesh_engine::Engine::start(dir.path(), cfg, "t")
+        .await
+        .unwrap();
+    let resident = engine.stats().resident_weight_bytes as u64;
+    assert!(
+        resident <= budget,
+        "served {resident} bytes > budget {budget}"
+    );
+    let ids = engine.encode("Hello, world.".into(), true).await.unwrap();
+    let params = quantmesh_types::SamplingParams {
+        max_tokens: 4,
+        ..Default::default()
+    };
+    let (_, _, usage, _) = engine.generate(ids, params).await.unwrap().collect().await;
+    assert_eq!(usage.completion_tokens, 4);
+
+    match run(&with(&(min - 1).to_string()), &count) {
+        Err(PrescreenError::Budget(m)) => {
+            assert!(
+                m.contains("weight_budget") && m.contains(&min.to_string()),
+                "{m}"
+            )
+        }
+        other => panic!("{:?}", other.map(|o| o.bits)),
+    }
 }

@@ -14,6 +14,13 @@ and input activation statistics (abs-max, kurtosis, quantile score, massive chan
 classifies it: energy > 0.42 -> fp16; R < 10 and KL < 0.015 -> w8a8 (or w4a16);
 R < 50 and KL(per-channel) < 0.05 -> w8a8_per_channel; otherwise fp16 (thresholds in --rules).
 
+With --weight-budget (bytes like 100MiB, or a share of the all-16-bit model like 0.38x) it
+then chooses each non-fp16 group's bits, 4 (w4a16) or 8, so that the resident weights fit:
+the mix with the least summed KL, found exactly by a knapsack over the measured costs. The
+vocabulary tables (8-bit), norms, fp16 groups and a reserve of 10 % of the 8-bit linear
+weights for float copies count against it (the plan's float_budget is set to that reserve).
+A budget below every-group-in-4-bits is rejected with the smallest that fits.
+
 The checkpoint is memory-mapped and read in blocks of rows, one tensor at a time. Same inputs
 and --timestamp give a byte-identical file. With --upload the file is stored under
 versions/<md5>.json at the URL (never overwritten) and the `latest` pointer is moved to it;
@@ -53,6 +60,11 @@ pub struct PrescreenArgs {
     /// RFC 3339 timestamp to record instead of now (for reproducible output).
     #[arg(long)]
     timestamp: Option<String>,
+    /// Fit each group's bits (4 or 8) to this many bytes of resident weights: bytes
+    /// ("100MiB") or a share of the all-16-bit model ("0.38x") [default: the rules'
+    /// classes as they are].
+    #[arg(long)]
+    weight_budget: Option<quantmesh_types::WeightBudget>,
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
@@ -117,6 +129,7 @@ pub fn run(args: PrescreenArgs) -> anyhow::Result<()> {
         timestamp: args.timestamp.clone().unwrap_or_else(|| {
             humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()
         }),
+        weight_budget: args.weight_budget,
     };
     let t0 = std::time::Instant::now();
     let outcome = quantmesh_prescreen::run(&opts, &Bar(bar.clone()))?;
@@ -125,6 +138,9 @@ pub fn run(args: PrescreenArgs) -> anyhow::Result<()> {
     std::fs::write(&args.out, &outcome.bytes)
         .with_context(|| format!("writing {}", args.out.display()))?;
     println!("{}", quantmesh_prescreen::summary_table(&outcome));
+    if let Some(b) = &outcome.bits {
+        println!("{}", quantmesh_prescreen::bits_line(b));
+    }
     println!(
         "scanned {:.1} MiB in {secs:.2}s ({:.1} MiB/s) with {} calibration tokens; wrote {}",
         outcome.bytes_scanned as f64 / (1u64 << 20) as f64,

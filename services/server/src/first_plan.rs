@@ -139,13 +139,21 @@ impl quantmesh_prescreen::scan::Progress for LogProgress {
 }
 
 /// The cached plan for `model`, computing it first when there is none for these bytes.
-/// `prompts`: calibration prompts the pre-screen uses (0 = the whole bundled set).
-pub fn ensure(model: &Path, prompts: usize) -> anyhow::Result<FirstPlan> {
+/// `prompts`: calibration prompts the pre-screen uses (0 = the whole bundled set);
+/// `weight_budget`: fit each group's bits to it (a plan per budget, cached apart).
+pub fn ensure(
+    model: &Path,
+    prompts: usize,
+    weight_budget: Option<quantmesh_types::WeightBudget>,
+) -> anyhow::Result<FirstPlan> {
     let t0 = Instant::now();
     let files = weight_files(model)?;
     let dir = cache_dir(model);
     let md5 = stamped_md5(&files, &dir)?;
-    let path = dir.join(format!("sensitive_layers.{md5}.json"));
+    let path = match weight_budget {
+        None => dir.join(format!("sensitive_layers.{md5}.json")),
+        Some(b) => dir.join(format!("sensitive_layers.{md5}.budget-{b}.json")),
+    };
     if path.is_file() {
         let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
         match quantmesh_types::SensitiveLayers::parse(&bytes) {
@@ -181,6 +189,7 @@ pub fn ensure(model: &Path, prompts: usize) -> anyhow::Result<FirstPlan> {
         max_tokens_per_prompt: 64,
         kl_tokens: 1024,
         timestamp: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
+        weight_budget,
     };
     let outcome = quantmesh_prescreen::run(&opts, &progress)?;
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -193,8 +202,9 @@ pub fn ensure(model: &Path, prompts: usize) -> anyhow::Result<FirstPlan> {
     tracing::info!(
         plan = %path.display(),
         seconds = t0.elapsed().as_secs_f64(),
-        "first-load plan computed:\n{}",
-        quantmesh_prescreen::summary_table(&outcome)
+        "first-load plan computed:\n{}{}",
+        quantmesh_prescreen::summary_table(&outcome),
+        outcome.bits.as_ref().map(quantmesh_prescreen::bits_line).unwrap_or_default()
     );
     Ok(FirstPlan {
         path,
@@ -215,7 +225,7 @@ mod tests {
     fn cached_plan_follows_the_model_bytes() {
         let dir = tempfile::tempdir().unwrap();
         init_model(dir.path(), &InitOptions::default()).unwrap();
-        let first = ensure(dir.path(), 8).unwrap();
+        let first = ensure(dir.path(), 8, None).unwrap();
         assert!(first.computed);
         assert!(first.path.starts_with(dir.path().join(".quantmesh")));
         let bytes = std::fs::read(&first.path).unwrap();
@@ -223,7 +233,7 @@ mod tests {
         let files = weight_files(dir.path()).unwrap();
         assert_eq!(first.model_md5, model_md5(&files).unwrap());
         assert!(dir.path().join(".quantmesh/weights.md5.json").is_file());
-        let again = ensure(dir.path(), 8).unwrap();
+        let again = ensure(dir.path(), 8, None).unwrap();
         assert!(!again.computed, "same bytes: the cached plan is reused");
         assert_eq!(again.path, first.path);
         assert_eq!(std::fs::read(&again.path).unwrap(), bytes);
@@ -236,7 +246,7 @@ mod tests {
             },
         )
         .unwrap();
-        let other = ensure(dir.path(), 8).unwrap();
+        let other = ensure(dir.path(), 8, None).unwrap();
         assert!(other.computed);
         assert_ne!(other.model_md5, first.model_md5);
         assert_eq!(
@@ -247,6 +257,6 @@ mod tests {
         assert_ne!(other.path, first.path);
         // A damaged cache file is recomputed, not trusted.
         std::fs::write(&other.path, b"{").unwrap();
-        assert!(ensure(dir.path(), 8).unwrap().computed);
+        assert!(ensure(dir.path(), 8, None).unwrap().computed);
     }
 }

@@ -2,7 +2,7 @@
 
 use crate::forms::{EmbeddingDtype, FloatDtype, Forms, SplitActivations};
 use crate::kv::{KvFloatDtype, KvScale};
-use quantmesh_types::{FloatBudget, Residency};
+use quantmesh_types::{FloatBudget, Residency, WeightBudget};
 use serde::{Deserialize, Serialize};
 
 /// How the engine runs: cache geometry, batching limits and the default precision plan.
@@ -29,13 +29,17 @@ pub struct EngineConfig {
     /// INT8 linear weights (`"10%"`), or bytes (`"64MiB"`). Groups over budget become
     /// INT8-only, weakest pre-screen evidence first.
     pub float_budget: FloatBudget,
+    /// Most bytes of resident weights for the first-load plan (bytes like `"100MiB"` or a
+    /// share of the all-16-bit model like `"0.38x"`): the pre-screen puts each group in 4 or
+    /// 8 bits to fit, least predicted loss first. Unset (the default): every group the rules
+    /// put in 8 bits stays there (SmolLM2: 0.56x).
+    pub weight_budget: Option<WeightBudget>,
     /// How the token embedding and `lm_head` are stored: `auto` (default: f16 when their
     /// bytes beyond Q8_0 fit in `float_budget`, which serves them first; else `q8_0`),
     /// `q8_0`, `f16` or `f32`. 16-bit tables are charged to the float budget either way.
     pub embeddings: EmbeddingDtype,
-    /// Which rows on the quantized path carry ≈ 16-bit activations (no extra memory; on
-    /// Q8_0 weights one pass at the cost of 8-bit ones, on 4-bit weights two 8-bit parts,
-    /// twice the rows): `all` (default; the Q8_0 `lm_head` too), `copyless` (rows that want
+    /// Which rows on the quantized path carry ≈ 16-bit activations (no extra memory; one
+    /// pass at the cost of 8-bit ones, on Q8_0 and 4-bit weights alike): `all` (default; the Q8_0 `lm_head` too), `copyless` (rows that want
     /// float in a group without a float copy, e.g. over the float budget) or `off` (the
     /// plain W8A8 product).
     pub split_activations: SplitActivations,
@@ -78,6 +82,7 @@ impl Default for EngineConfig {
             group_residency: Default::default(),
             float_dtype: FloatDtype::default(),
             float_budget: FloatBudget::default(),
+            weight_budget: None,
             embeddings: EmbeddingDtype::Auto,
             split_activations: SplitActivations::default(),
             kv_int8: true,

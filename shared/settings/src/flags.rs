@@ -36,9 +36,13 @@ pub struct ServeFlags {
     /// (`10%`) or bytes (`64MiB`) [default: 10% with the first-load plan, else unlimited].
     #[arg(long, env = "QUANTMESH_FLOAT_BUDGET")]
     pub float_budget: Option<quantmesh_types::FloatBudget>,
+    /// Resident weight bytes for the first-load plan: bytes (`100MiB`) or a share of the
+    /// all-16-bit model (`0.38x`); the pre-screen puts each group in 4 or 8 bits to fit,
+    /// least predicted quality loss first [default: unset, the rules' 8-bit classes].
+    #[arg(long, env = "QUANTMESH_WEIGHT_BUDGET")]
+    pub weight_budget: Option<quantmesh_types::WeightBudget>,
     /// Quantized-path rows whose activations carry ≈ 16 bits (no extra memory; on Q8_0
-    /// weights at the speed of 8-bit ones, on 4-bit weights as two 8-bit parts, twice the
-    /// rows): `all` [default] (INT8 weights and the Q8_0 lm_head served W8A16: on SmolLM2 the
+    /// weights at the speed of 8-bit ones, 4-bit ones in one pass too): `all` [default] (INT8 weights and the Q8_0 lm_head served W8A16: on SmolLM2 the
     /// first-load plan's median KL to float falls to 0.4x of `off`'s), `copyless` (rows that
     /// want float in a group without a float copy) or `off` (plain W8A8).
     #[arg(long, env = "QUANTMESH_SPLIT_ACTIVATIONS")]
@@ -175,6 +179,9 @@ impl ServeFlags {
         }
         if let Some(b) = self.float_budget {
             s.engine.float_budget = b;
+        }
+        if let Some(b) = self.weight_budget {
+            s.engine.weight_budget = Some(b);
         }
         if let Some(e) = self.embeddings {
             s.engine.embeddings = e;

@@ -327,6 +327,9 @@ impl Settings {
         if let Some(v) = get("QUANTMESH_FLOAT_BUDGET") {
             self.engine.float_budget = parse("QUANTMESH_FLOAT_BUDGET", v)?;
         }
+        if let Some(v) = get("QUANTMESH_WEIGHT_BUDGET") {
+            self.engine.weight_budget = Some(parse("QUANTMESH_WEIGHT_BUDGET", v)?);
+        }
         if let Some(v) = get("QUANTMESH_EMBEDDINGS") {
             self.engine.embeddings = parse("QUANTMESH_EMBEDDINGS", v)?;
         }
@@ -565,6 +568,23 @@ mod tests {
             .to_string();
         assert!(err.contains("QUANTMESH_EMBEDDINGS"), "{err}");
         assert_eq!(Settings::default().engine.embeddings, EmbeddingDtype::Auto);
+        // The weight budget: file, env, unset by default, bad values refused by name.
+        use quantmesh_types::WeightBudget;
+        let mut s: Settings = toml::from_str("[engine]\nweight_budget = \"0.38x\"\n").unwrap();
+        assert_eq!(s.engine.weight_budget, Some(WeightBudget::Ratio(0.38)));
+        s.apply_env(|k| (k == "QUANTMESH_WEIGHT_BUDGET").then(|| "100MiB".to_string()))
+            .unwrap();
+        assert_eq!(s.engine.weight_budget, Some(WeightBudget::Bytes(100 << 20)));
+        let err = s
+            .apply_env(|k| (k == "QUANTMESH_WEIGHT_BUDGET").then(|| "half".to_string()))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("QUANTMESH_WEIGHT_BUDGET"), "{err}");
+        let err = toml::from_str::<Settings>("[engine]\nweight_budget = \"5x\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("weight_budget"), "{err}");
+        assert_eq!(Settings::default().engine.weight_budget, None);
     }
 
     #[test]

@@ -10,7 +10,7 @@ pub mod precision;
 pub mod sensitive;
 pub mod trace;
 
-pub use budget::FloatBudget;
+pub use budget::{FloatBudget, WeightBudget};
 pub use events::{now_ms, wire_name};
 pub use events::{
     ConfigAction, ConfigEvent, EventSink, FallbackAction, FallbackEvent, FallbackReason,
