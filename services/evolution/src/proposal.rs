@@ -29,6 +29,15 @@
 //!    its median window rate sits below the trigger → its `trigger_rate` override becomes its
 //!    95th-percentile window rate (capped at `max_trigger`), so it falls back on real
 //!    excursions and not on its own normal tail.
+//! 7. **Move bits where traffic says so.** A 4-bit (`w4a16`) INT8-only group that wanted
+//!    float without a copy in more than `promote_share` of its windows is raised to 8 bits
+//!    (`w8a8`) before it is given a float copy (rule 3 does that next time if 8 bits are not
+//!    enough): the cheaper fix first. To keep the plan's bytes (a plan fitted to
+//!    `engine.weight_budget`), the quiet 8-bit INT8-only group of the same kind — the same
+//!    shape, so exactly the same bytes — with the lowest pre-screen 4-bit KL is lowered to
+//!    `w4a16` in the same proposal. Quiet: never in float, never wanting it, window outlier
+//!    rate p95 below half its trigger. Without such a partner the raise is still made and the
+//!    reason says the plan grows by one group's 4 → 8-bit difference.
 
 use crate::analysis::{Evidence, GroupEvidence};
 use quantmesh_types::sensitive::{GroupEntry, MonitorOverride, ObservedUse};
@@ -156,6 +165,43 @@ pub fn propose(
         .thresholds
         .trigger_rate
         .unwrap_or(defaults.trigger_rate);
+    let trigger_of = |name: &str| {
+        current
+            .groups
+            .get(name)
+            .and_then(|e| e.monitor.as_ref())
+            .and_then(|m| m.trigger_rate)
+            .unwrap_or(global_trigger)
+    };
+    // Rule 7's partners: quiet 8-bit INT8-only groups with the pre-screen's 4-bit KL, by
+    // kind, the lowest KL first.
+    let mut partners: BTreeMap<String, Vec<(f64, String)>> = BTreeMap::new();
+    for g in &ev.groups {
+        let Some(e) = current.groups.get(&g.group) else {
+            continue;
+        };
+        let eight = matches!(
+            e.class,
+            PrecisionClass::W8a8 | PrecisionClass::W8a8PerChannel
+        );
+        let quiet = g.windows >= rules.min_windows
+            && g.tokens >= rules.min_tokens
+            && g.enters == 0
+            && g.float_windows == 0
+            && g.unavailable_windows == 0
+            && g.rate_p95.is_some_and(|r| r < trigger_of(&g.group) / 2.0);
+        if let (true, true, Residency::Int8, Some(m)) =
+            (eight, quiet, e.effective_residency(), e.metrics.as_ref())
+        {
+            partners
+                .entry(group_kind(&g.group).to_string())
+                .or_default()
+                .push((m.kl.w4a16, g.group.clone()));
+        }
+    }
+    for p in partners.values_mut() {
+        p.sort_by(|a, b| b.0.total_cmp(&a.0).then_with(|| b.1.cmp(&a.1)));
+    }
     for g in &ev.groups {
         if g.windows < rules.min_windows || g.tokens < rules.min_tokens {
             too_little.push(format!(
@@ -176,6 +222,45 @@ pub fn propose(
             _ => Residency::Dual,
         };
         let unavailable_share = g.unavailable_windows as f64 / g.windows.max(1) as f64;
+        // Rule 7: 4 → 8 bits first, a quiet 8-bit group of the same shape 8 → 4.
+        let four = entry
+            .as_ref()
+            .is_some_and(|e| e.class == PrecisionClass::W4a16);
+        if served == Residency::Int8 && four && unavailable_share > rules.promote_share {
+            let partner = partners.get_mut(group_kind(&g.group)).and_then(Vec::pop);
+            let why = format!(
+                "wanted float in {:.0} % of {} windows without a float copy (> {:.0} %): 8 bits \
+                 before a float copy",
+                unavailable_share * 100.0,
+                g.windows,
+                rules.promote_share * 100.0
+            );
+            let reason = match &partner {
+                Some((_, p)) => format!("{why}; {p} goes to 4 bits for the same bytes"),
+                None => format!(
+                    "{why}; no quiet 8-bit {} group to trade, so the plan grows by one group's \
+                     4 → 8-bit bytes",
+                    group_kind(&g.group)
+                ),
+            };
+            set_class(
+                &mut plan,
+                &mut changes,
+                &g.group,
+                PrecisionClass::W8a8,
+                reason,
+            );
+            if let Some((kl4, p)) = partner {
+                let reason = format!(
+                    "quiet in 8 bits (never in float, window outlier rate p95 below half its \
+                     trigger), lowest pre-screen 4-bit KL of its kind ({kl4:.2e}): 4 bits for \
+                     {}'s raise, the same bytes",
+                    g.group
+                );
+                set_class(&mut plan, &mut changes, &p, PrecisionClass::W4a16, reason);
+            }
+            continue;
+        }
         let target = if served == Residency::Int8 && unavailable_share > rules.promote_share {
             Some((
                 Residency::Dual,
@@ -302,6 +387,34 @@ pub fn propose(
         changes,
         too_little_evidence: too_little,
     }
+}
+
+/// `layers.3.down` → `down`: groups of one kind have one shape in every layer.
+fn group_kind(name: &str) -> &str {
+    name.rsplit('.').next().unwrap_or(name)
+}
+
+/// Rule 7's change of a listed group's class (bits), recorded with its reason.
+fn set_class(
+    plan: &mut SensitiveLayers,
+    changes: &mut Vec<Change>,
+    group: &str,
+    to: PrecisionClass,
+    reason: String,
+) {
+    let Some(e) = plan.groups.get_mut(group) else {
+        return;
+    };
+    let from = e.class;
+    e.class = to;
+    e.rule = Some(format!("evolve: {reason}"));
+    changes.push(Change {
+        group: Some(group.to_string()),
+        field: "class".into(),
+        from: quantmesh_types::wire_name(&from),
+        to: quantmesh_types::wire_name(&to),
+        reason,
+    });
 }
 
 fn e_class(e: Option<&GroupEntry>) -> PrecisionClass {
@@ -450,6 +563,111 @@ mod tests {
             p.changes[0].reason
         );
         assert!(p.plan.generator.is_some());
+    }
+
+    /// A plan entry in `class`, INT8-only, with the pre-screen's 4-bit KL `kl4`.
+    fn entry(class: &str, kl4: f64) -> serde_json::Value {
+        serde_json::json!({
+            "class": class,
+            "residency": "int8",
+            "metrics": {"r": 5.0, "energy": 0.1,
+                        "kl": {"w8a8": 0.001, "w8a8_per_channel": 0.0005, "w4a16": kl4}}
+        })
+    }
+
+    #[test]
+    fn a_four_bit_group_that_wanted_float_trades_bits_with_the_quietest_of_its_kind() {
+        let plan = SensitiveLayers::parse(
+            serde_json::json!({
+                "schema_version": 1,
+                "groups": {
+                    "layers.0.down": entry("w4a16", 0.3),
+                    "layers.1.down": entry("w8a8", 0.02),
+                    "layers.2.down": entry("w8a8", 0.01),
+                    "layers.3.down": entry("w8a8", 0.005),
+                    "layers.0.o": entry("w8a8", 0.0001),
+                }
+            })
+            .to_string()
+            .as_bytes(),
+        )
+        .unwrap();
+        let mut hurt = group("layers.0.down", "int8");
+        hurt.unavailable_windows = 40;
+        // layers.3.down has the lowest 4-bit KL but is not quiet (it wanted float once);
+        // layers.0.o is quiet with a lower KL but another kind (another shape).
+        let mut busy = group("layers.3.down", "int8");
+        busy.unavailable_windows = 1;
+        let ev = evidence(vec![
+            hurt,
+            group("layers.1.down", "int8"),
+            group("layers.2.down", "int8"),
+            busy,
+            group("layers.0.o", "int8"),
+        ]);
+        let p = propose(&plan, &ev, &Rules::default(), EngineDefaults::default());
+        let class = |g: &str| p.plan.groups[g].class;
+        assert_eq!(
+            class("layers.0.down"),
+            PrecisionClass::W8a8,
+            "{:?}",
+            p.changes
+        );
+        assert_eq!(
+            class("layers.2.down"),
+            PrecisionClass::W4a16,
+            "{:?}",
+            p.changes
+        );
+        assert_eq!(class("layers.1.down"), PrecisionClass::W8a8);
+        assert_eq!(class("layers.3.down"), PrecisionClass::W8a8);
+        assert_eq!(class("layers.0.o"), PrecisionClass::W8a8);
+        // Still INT8-only: 8 bits before a float copy.
+        assert_eq!(
+            p.plan.groups["layers.0.down"].residency,
+            Some(Residency::Int8)
+        );
+        let fours = |pl: &SensitiveLayers| {
+            pl.groups
+                .values()
+                .filter(|e| e.class == PrecisionClass::W4a16)
+                .count()
+        };
+        assert_eq!(
+            fours(&p.plan),
+            fours(&plan),
+            "the same bytes: one down in 4 bits"
+        );
+        assert_eq!(p.changes.len(), 2, "{:?}", p.changes);
+        assert!(
+            p.changes[0].reason.contains("layers.2.down goes to 4 bits"),
+            "{:?}",
+            p.changes[0]
+        );
+        assert!(
+            p.changes[1].reason.contains("layers.0.down"),
+            "{:?}",
+            p.changes[1]
+        );
+        assert_eq!(
+            (p.changes[0].field.as_str(), p.changes[0].to.as_str()),
+            ("class", "w8a8")
+        );
+
+        // No quiet partner of its kind: raised all the same, and the reason says the plan grows.
+        let ev = evidence(vec![{
+            let mut g = group("layers.0.down", "int8");
+            g.unavailable_windows = 40;
+            g
+        }]);
+        let p = propose(&plan, &ev, &Rules::default(), EngineDefaults::default());
+        assert_eq!(p.plan.groups["layers.0.down"].class, PrecisionClass::W8a8);
+        assert_eq!(p.changes.len(), 1);
+        assert!(
+            p.changes[0].reason.contains("plan grows"),
+            "{:?}",
+            p.changes[0]
+        );
     }
 
     #[test]
