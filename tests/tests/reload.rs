@@ -423,7 +423,8 @@ async fn the_plan_float_budget_applies_by_reload() {
 }
 
 /// A `w4a16` group is served with 4-bit weights (`q4_s8`): counted as `int4`, named in
-/// `quant_format`, and a reload that changes the class rebuilds it in the other form.
+/// `quant_format`, and a reload that changes the class rebuilds it in the other form, with
+/// streaming requests running throughout and none failing.
 #[actix_rt::test]
 async fn a_w4a16_group_is_served_in_four_bits_and_switches_by_reload() {
     let fx = fixture();
@@ -434,6 +435,12 @@ async fn a_w4a16_group_is_served_in_four_bits_and_switches_by_reload() {
     assert_eq!(st["weights"]["int4"], 0, "{st}");
     assert_eq!(st["quant_format"], json!({}), "{st}");
     let int8_before = st["weights"]["int8"].as_u64().unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let ok = Arc::new(AtomicU64::new(0));
+    let failed = Arc::new(AtomicU64::new(0));
+    let load: Vec<_> = (0..3)
+        .map(|_| spawn_load(s.base.clone(), stop.clone(), ok.clone(), failed.clone()))
+        .collect();
 
     let w4 = fx.version(4.0, "w4a16");
     std::fs::write(&fx.file, &w4).unwrap();
@@ -472,4 +479,14 @@ async fn a_w4a16_group_is_served_in_four_bits_and_switches_by_reload() {
     let st = status(&s).await;
     assert_eq!(st["weights"]["int4"], 0, "{st}");
     assert_eq!(st["weights"]["int8"].as_u64().unwrap(), int8_before);
+    stop.store(true, Ordering::Relaxed);
+    for h in load {
+        h.await.unwrap();
+    }
+    let (ok, failed) = (ok.load(Ordering::Relaxed), failed.load(Ordering::Relaxed));
+    assert_eq!(
+        failed, 0,
+        "zero failed requests while the bits changed ({ok} ok)"
+    );
+    assert!(ok > 0);
 }

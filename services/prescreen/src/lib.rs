@@ -45,9 +45,10 @@ pub struct Options {
     pub weight_budget: Option<WeightBudget>,
 }
 
-/// Under a weight budget, the share of the model's linear weights in 8 bits reserved for
-/// float copies (and 16-bit vocabulary tables), written into the plan as its `float_budget`
-/// so the engine keeps within it: the first-load plan's float budget.
+/// Under a weight budget, the most the float copies (and 16-bit vocabulary tables) may take,
+/// as a share of the model's linear weights in 8 bits: what the chosen bits leave of the
+/// budget, up to this share (the first-load plan's float budget), written into the plan as
+/// its `float_budget` (with the `fp16` groups' bytes) so the engine keeps within it.
 pub const FLOAT_RESERVE_PERCENT: f64 = 10.0;
 
 /// What the weight budget chose.
@@ -55,9 +56,11 @@ pub const FLOAT_RESERVE_PERCENT: f64 = 10.0;
 pub struct BitsOutcome {
     pub setting: WeightBudget,
     pub budget_bytes: u64,
-    /// The smallest plan: every group that can be in 4 bits, with the fixed bytes.
+    /// The smallest plan: every group that can be in 4 bits, with the fixed bytes (no float
+    /// copies beyond the `fp16` groups).
     pub minimum_bytes: u64,
-    /// Resident weight bytes of the chosen plan (fixed + groups).
+    /// Resident weight bytes of the chosen plan (fixed + groups + the float copies'
+    /// reserve).
     pub planned_bytes: u64,
     /// The model with every weight in 16 bits.
     pub all_f16_bytes: u64,
@@ -319,7 +322,7 @@ fn fit_bits(
         * scored.iter().map(|(_, s)| eight(s)).sum::<u64>() as f64) as u64;
     // The float budget covers the fp16 groups' weights too (the engine charges every float
     // copy to it, theirs first).
-    let mut float = reserve;
+    let mut float = 0;
     let mut candidates = Vec::new();
     let mut index = Vec::new();
     for (i, (_, s)) in scored.iter().enumerate() {
@@ -341,16 +344,20 @@ fn fit_bits(
         });
         index.push(i);
     }
+    // The bits come first: the pre-screen measures what each group loses in 4 and 8 bits,
+    // not what its float copy would win back. The float copies' reserve takes what the bits
+    // leave, up to its share.
     let fixed = (table_params / 32 * 34) as u64 + 4 * norm_params as u64 + float;
     let budget_bytes = budget.bytes(all_f16);
     let choice = bits::choose(&candidates, fixed, budget_bytes).map_err(|e| {
         PrescreenError::Budget(format!(
             "{e} ({:.3}x of the all-16-bit model's {all_f16} bytes; tables, norms, fp16 groups \
-             and the float copies' reserve of {FLOAT_RESERVE_PERCENT} % of the 8-bit linear \
-             weights take {fixed} bytes)",
+             take {fixed} bytes)",
             e.minimum as f64 / all_f16 as f64
         ))
     })?;
+    let copies = reserve.min(budget_bytes - fixed - choice.bytes);
+    float += copies;
     let mut four = 0;
     for (&i, &b) in index.iter().zip(&choice.bits) {
         let entry = &mut scored[i].1.entry;
@@ -366,7 +373,7 @@ fn fit_bits(
         setting: budget,
         budget_bytes,
         minimum_bytes: fixed + candidates.iter().map(|c| c.bytes4).sum::<u64>(),
-        planned_bytes: fixed + choice.bytes,
+        planned_bytes: fixed + choice.bytes + copies,
         all_f16_bytes: all_f16,
         four,
         eight: candidates.len() - four,

@@ -38,7 +38,9 @@
 use crate::layout::{
     ActBits, Activations, PackedQ8, BLOCK, ROW_BLOCK, TILE_ROWS, WIDE_PAIR_TILE_ROWS,
 };
-use crate::q4::{PackedQ4, Q4_TILE_BLOCK_BYTES, Q4_TILE_ROWS, SUPER_BLOCKS};
+use crate::q4::{
+    PackedQ4, OFFSET_UNIT, Q4_TILE_BLOCK_BYTES, Q4_TILE_ROWS, STEP_UNIT, SUPER_BLOCKS,
+};
 use std::arch::x86_64::*;
 use std::ops::Range;
 
@@ -360,8 +362,15 @@ unsafe fn q4_tile<const M: usize>(
         if b % SUPER_BLOCKS == 0 {
             // 8 f16 values (16 bytes) per tile and super-block.
             let s = b / SUPER_BLOCKS * G * 2;
-            dmax = _mm512_cvtph_ps(two_halves(ds0.add(s), ds1.add(s)));
-            mmax = _mm512_cvtph_ps(two_halves(ms0.add(s), ms1.add(s)));
+            // In the units of the 8-bit step and offset, as `q4::step` and `q4::offset`.
+            dmax = _mm512_mul_ps(
+                _mm512_cvtph_ps(two_halves(ds0.add(s), ds1.add(s))),
+                _mm512_set1_ps(STEP_UNIT),
+            );
+            mmax = _mm512_mul_ps(
+                _mm512_cvtph_ps(two_halves(ms0.add(s), ms1.add(s))),
+                _mm512_set1_ps(OFFSET_UNIT),
+            );
         }
         let (wb0, wb1) = (
             wq0.add(b * Q4_TILE_BLOCK_BYTES),
@@ -387,9 +396,7 @@ unsafe fn q4_tile<const M: usize>(
             mn0.add(b * G),
             mn1.add(b * G),
         )));
-        // As `q4::step` and `q4::offset`: an exact product, one rounding in the quotient.
-        let dw = _mm512_div_ps(_mm512_mul_ps(dmax, steps), _mm512_set1_ps(255.0));
-        let mw = _mm512_div_ps(_mm512_mul_ps(mmax, offsets), _mm512_set1_ps(127.0));
+        let (dw, mw) = (_mm512_mul_ps(dmax, steps), _mm512_mul_ps(mmax, offsets));
         for j in 0..M {
             let s = _mm512_mul_ps(dw, _mm512_set1_ps(*ad[j].add(b)));
             acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[j]), s, acc[j]);

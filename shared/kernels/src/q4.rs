@@ -297,18 +297,23 @@ impl PackedQ4 {
 }
 
 /// A block's step: its 8-bit `sc` as a fraction of the super-block's largest step `ds`
-/// (stored whole, so that it stays a normal f16 however small the weights), `ds · sc / 255`
-/// (the product is exact in f32, the quotient correctly rounded).
+/// (stored whole, so that it stays a normal f16 however small the weights), `(ds · ¹⁄₂₅₅) · sc`
+/// in f32, in that order: the kernels scale `ds` once per super-block and multiply per
+/// block (no division on the hot path), and every kernel rounds exactly as this does.
 #[inline]
 pub(crate) fn step(ds: f16, sc: u8) -> f32 {
-    ds.to_f32() * sc as f32 / 255.0
+    ds.to_f32() * STEP_UNIT * sc as f32
 }
 
+/// `1 / 255` and `1 / 127` as f32: the units of the stored 8-bit step and offset.
+pub(crate) const STEP_UNIT: f32 = 1.0 / 255.0;
+pub(crate) const OFFSET_UNIT: f32 = 1.0 / 127.0;
+
 /// A block's offset: its 8-bit `mn` as a fraction of the super-block's largest |offset|,
-/// `ms · mn / 127`.
+/// `(ms · ¹⁄₁₂₇) · mn`, rounded as [`step`] is.
 #[inline]
 pub(crate) fn offset(ms: f16, mn: i8) -> f32 {
-    ms.to_f32() * mn as f32 / 127.0
+    ms.to_f32() * OFFSET_UNIT * mn as f32
 }
 
 /// The 8-bit multiples `(sc, mn)` of the super-block's `ds` and `ms` for a block fitted as

@@ -14,7 +14,9 @@
 #![allow(clippy::needless_range_loop)] // lane- and row-indexed loops mirror the register tiles
 
 use crate::layout::{Activations, PackedQ8, BLOCK, PAIR_TILE_ROWS, ROW_BLOCK, TILE_ROWS};
-use crate::q4::{PackedQ4, Q4_TILE_BLOCK_BYTES, Q4_TILE_ROWS, SUPER_BLOCKS};
+use crate::q4::{
+    PackedQ4, OFFSET_UNIT, Q4_TILE_BLOCK_BYTES, Q4_TILE_ROWS, STEP_UNIT, SUPER_BLOCKS,
+};
 use std::arch::x86_64::*;
 use std::ops::Range;
 
@@ -162,8 +164,15 @@ unsafe fn q4_tile<const M: usize>(
     for b in 0..w.blocks {
         if b % SUPER_BLOCKS == 0 {
             let s = b / SUPER_BLOCKS;
-            dmax = _mm256_cvtph_ps(_mm_loadu_si128(ds.add(s)));
-            mmax = _mm256_cvtph_ps(_mm_loadu_si128(ms.add(s)));
+            // In the units of the 8-bit step and offset, as `q4::step` and `q4::offset`.
+            dmax = _mm256_mul_ps(
+                _mm256_cvtph_ps(_mm_loadu_si128(ds.add(s))),
+                _mm256_set1_ps(STEP_UNIT),
+            );
+            mmax = _mm256_mul_ps(
+                _mm256_cvtph_ps(_mm_loadu_si128(ms.add(s))),
+                _mm256_set1_ps(OFFSET_UNIT),
+            );
         }
         let wb = wq.add(b * Q4_TILE_BLOCK_BYTES);
         let mut sum = [_mm256_setzero_si256(); M];
@@ -187,9 +196,7 @@ unsafe fn q4_tile<const M: usize>(
         let offsets = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
             mn.add(b * G) as *const __m128i
         )));
-        // As `q4::step` and `q4::offset`: an exact product, one rounding in the quotient.
-        let dw = _mm256_div_ps(_mm256_mul_ps(dmax, steps), _mm256_set1_ps(255.0));
-        let mw = _mm256_div_ps(_mm256_mul_ps(mmax, offsets), _mm256_set1_ps(127.0));
+        let (dw, mw) = (_mm256_mul_ps(dmax, steps), _mm256_mul_ps(mmax, offsets));
         for j in 0..M {
             let s = _mm256_mul_ps(dw, _mm256_set1_ps(*ad[j].add(b)));
             acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[j]), s, acc[j]);

@@ -66,19 +66,30 @@ pub(crate) fn memory_table(
         embeddings: live.embeddings,
         ..q
     };
-    type Resid = Box<dyn Fn(GroupId) -> Residency>;
+    use quantmesh_engine::backend::{GroupForm, QuantFormat};
+    // Each group's residency and quantized form: the plan's (its classes: 4- or 8-bit), or
+    // one residency for every group in Q8_0.
+    type Resid = Box<dyn Fn(GroupId) -> GroupForm>;
+    let every = |r: Residency| -> Resid { Box::new(move |_| GroupForm::q8(r)) };
+    let plan_resid = || -> Resid {
+        let (r, q) = (live.residency.clone(), live.quant.clone());
+        Box::new(move |g| GroupForm {
+            residency: r[&g],
+            quant: q.get(&g).copied().unwrap_or(QuantFormat::Q8_0),
+        })
+    };
     // (name, residency, forms, which mask, kv_int8)
     let configs: Vec<(String, Resid, Forms, Watch, bool)> = vec![
         (
             "all-f16 float".into(),
-            Box::new(|_| Residency::Float),
+            every(Residency::Float),
             f16,
             Watch::AllFloat,
             false,
         ),
         (
             "all-dual f32 (previous default), monitor-driven".into(),
-            Box::new(|_| Residency::Dual),
+            every(Residency::Dual),
             Forms::EXACT,
             Watch::Monitor,
             true,
@@ -90,17 +101,14 @@ pub(crate) fn memory_table(
                 live.budget.demoted.len(),
                 live.embeddings.as_str()
             ),
-            Box::new({
-                let r = live.residency.clone();
-                move |g| r[&g]
-            }),
+            plan_resid(),
             p,
             Watch::Monitor,
             true,
         ),
         (
             "INT8 only".into(),
-            Box::new(|_| Residency::Int8),
+            every(Residency::Int8),
             q,
             Watch::Nothing,
             true,
@@ -108,10 +116,6 @@ pub(crate) fn memory_table(
     ];
     // What each difference between the rows above costs, one change at a time: the float
     // copies' dtype and the vocabulary tables' form under the same plan, and the tables alone.
-    let plan_resid = || -> Resid {
-        let r = live.residency.clone();
-        Box::new(move |g| r[&g])
-    };
     let variants: Vec<(String, Resid, Forms, Watch, bool)> = vec![
         (
             "first-load plan, f32 float copies".into(),
@@ -159,7 +163,7 @@ pub(crate) fn memory_table(
         ),
         (
             "INT8 only, split activations everywhere".into(),
-            Box::new(|_| Residency::Int8),
+            every(Residency::Int8),
             Forms {
                 split: SplitActivations::All,
                 ..q
@@ -169,14 +173,14 @@ pub(crate) fn memory_table(
         ),
         (
             "INT8 only, f16 KV cache".into(),
-            Box::new(|_| Residency::Int8),
+            every(Residency::Int8),
             q,
             Watch::Nothing,
             false,
         ),
         (
             "all-f16 float, C8 KV cache".into(),
-            Box::new(|_| Residency::Float),
+            every(Residency::Float),
             f16,
             Watch::AllFloat,
             true,
@@ -203,7 +207,7 @@ pub(crate) fn memory_table(
         ),
         (
             "INT8 only, f32 vocabulary tables".into(),
-            Box::new(|_| Residency::Int8),
+            every(Residency::Int8),
             Forms {
                 embeddings: EmbeddingDtype::F32,
                 ..q
@@ -230,11 +234,11 @@ pub(crate) fn memory_table(
         text.display()
     );
     println!();
-    println!("| configuration | int8 / float / other MiB | total MiB | × all-f16 | RSS at load MiB | prefill tok/s (b1, 128) | decode tok/s (b1) | perplexity | mean KL | median KL | p99 KL | worst 1 % share |");
+    println!("| configuration | int8 / int4 / float / other MiB | total MiB | × all-f16 | RSS at load MiB | prefill tok/s (b1, 128) | decode tok/s (b1) | perplexity | mean KL | median KL | p99 KL | worst 1 % share |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     for (name, resid, forms, mask_from, kv_int8) in configs {
         let rss0 = rss_mib("VmRSS:").unwrap_or(f64::NAN);
-        let model = LlamaModel::load_from(&ck, cfg, &*resid, forms)?;
+        let model = LlamaModel::load_planned(&ck, cfg, &*resid, forms)?;
         let rss = rss_mib("VmRSS:").unwrap_or(f64::NAN) - rss0;
         let w = model.weight_bytes();
         let mask = if mask_from == Watch::Monitor {
@@ -276,8 +280,9 @@ pub(crate) fn memory_table(
         } = KlSummary::of(&kls);
         let mib = |b: usize| b as f64 / (1 << 20) as f64;
         println!(
-            "| {name} | {:.1} / {:.1} / {:.1} | {:.1} | {:.2} | {rss:.0} | {prefill:.0} | {decode:.1} | {:.3} | {:.5} | {p50:.5} | {p99:.4} | {:.0} % |",
+            "| {name} | {:.1} / {:.1} / {:.1} / {:.1} | {:.1} | {:.2} | {rss:.0} | {prefill:.0} | {decode:.1} | {:.3} | {:.5} | {p50:.5} | {p99:.4} | {:.0} % |",
             mib(w.int8),
+            mib(w.int4),
             mib(w.float),
             mib(w.other),
             mib(w.total()),
