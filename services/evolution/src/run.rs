@@ -77,7 +77,7 @@ impl RunReport {
         s.push_str("\n### Evidence\n\n");
         s.push_str(&proposal::evidence_table(&self.evidence, current));
         s.push_str(&format!(
-            "\nEvidence from {}. Queries: `services/evolution/sql/evidence.sql`; rules: `services/evolution/src/proposal.rs`.\n",
+            "\nEvidence from {}. Queries: `services/evolution/sql/evidence.sql`; rules: `services/evolution/src/proposal/mod.rs`.\n",
             self.evidence_from
         ));
         s

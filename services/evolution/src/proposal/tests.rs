@@ -1,0 +1,296 @@
+//! The proposal rules, one case each.
+
+#![allow(clippy::unwrap_used)]
+use super::*;
+use crate::analysis::KlEvidence;
+
+fn plan() -> SensitiveLayers {
+    SensitiveLayers::parse(br#"{"schema_version": 1}"#).unwrap()
+}
+
+fn group(name: &str, residency: &str) -> GroupEvidence {
+    GroupEvidence {
+        group: name.into(),
+        windows: 100,
+        tokens: 100_000,
+        outliers: 100,
+        rate_p50: Some(0.001),
+        rate_p95: Some(0.002),
+        rate_max: Some(0.004),
+        residency: residency.into(),
+        ..Default::default()
+    }
+}
+
+fn evidence(groups: Vec<GroupEvidence>) -> Evidence {
+    Evidence {
+        model: "m".into(),
+        since_ms: 0,
+        until_ms: 604_800_000,
+        groups,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn an_int8_group_that_wanted_float_is_promoted_to_dual() {
+    let mut g = group("layers.3.down", "int8");
+    g.unavailable_windows = 40;
+    let p = propose(
+        &plan(),
+        &evidence(vec![g]),
+        &Rules::default(),
+        EngineDefaults::default(),
+    );
+    assert_eq!(p.changes.len(), 1, "{:?}", p.changes);
+    let e = &p.plan.groups["layers.3.down"];
+    assert_eq!(e.residency, Some(Residency::Dual));
+    assert_eq!(e.class, PrecisionClass::W8a8PerChannel);
+    // The evidence travels with the promotion, for the engines' float budget.
+    let o = e.observed.as_ref().expect("observed evidence");
+    assert_eq!((o.windows, o.wanted_float_share), (100, 0.4));
+    assert!(
+        p.changes[0].reason.contains("40 %"),
+        "{}",
+        p.changes[0].reason
+    );
+    assert!(p.plan.generator.is_some());
+}
+
+/// A plan entry in `class`, INT8-only, with the pre-screen's 4-bit KL `kl4`.
+fn entry(class: &str, kl4: f64) -> serde_json::Value {
+    serde_json::json!({
+        "class": class,
+        "residency": "int8",
+        "metrics": {"r": 5.0, "energy": 0.1,
+                    "kl": {"w8a8": 0.001, "w8a8_per_channel": 0.0005, "w4a16": kl4}}
+    })
+}
+
+#[test]
+fn a_four_bit_group_that_wanted_float_trades_bits_with_the_quietest_of_its_kind() {
+    let plan = SensitiveLayers::parse(
+        serde_json::json!({
+            "schema_version": 1,
+            "groups": {
+                "layers.0.down": entry("w4a16", 0.3),
+                "layers.1.down": entry("w8a8", 0.02),
+                "layers.2.down": entry("w8a8", 0.01),
+                "layers.3.down": entry("w8a8", 0.005),
+                "layers.0.o": entry("w8a8", 0.0001),
+            }
+        })
+        .to_string()
+        .as_bytes(),
+    )
+    .unwrap();
+    let mut hurt = group("layers.0.down", "int8");
+    hurt.unavailable_windows = 40;
+    // layers.3.down has the lowest 4-bit KL but is not quiet (it wanted float once);
+    // layers.0.o is quiet with a lower KL but another kind (another shape).
+    let mut busy = group("layers.3.down", "int8");
+    busy.unavailable_windows = 1;
+    let ev = evidence(vec![
+        hurt,
+        group("layers.1.down", "int8"),
+        group("layers.2.down", "int8"),
+        busy,
+        group("layers.0.o", "int8"),
+    ]);
+    let p = propose(&plan, &ev, &Rules::default(), EngineDefaults::default());
+    let class = |g: &str| p.plan.groups[g].class;
+    assert_eq!(
+        class("layers.0.down"),
+        PrecisionClass::W8a8,
+        "{:?}",
+        p.changes
+    );
+    assert_eq!(
+        class("layers.2.down"),
+        PrecisionClass::W4a16,
+        "{:?}",
+        p.changes
+    );
+    assert_eq!(class("layers.1.down"), PrecisionClass::W8a8);
+    assert_eq!(class("layers.3.down"), PrecisionClass::W8a8);
+    assert_eq!(class("layers.0.o"), PrecisionClass::W8a8);
+    // Still INT8-only: 8 bits before a float copy.
+    assert_eq!(
+        p.plan.groups["layers.0.down"].residency,
+        Some(Residency::Int8)
+    );
+    let fours = |pl: &SensitiveLayers| {
+        pl.groups
+            .values()
+            .filter(|e| e.class == PrecisionClass::W4a16)
+            .count()
+    };
+    assert_eq!(
+        fours(&p.plan),
+        fours(&plan),
+        "the same bytes: one down in 4 bits"
+    );
+    assert_eq!(p.changes.len(), 2, "{:?}", p.changes);
+    assert!(
+        p.changes[0].reason.contains("layers.2.down goes to 4 bits"),
+        "{:?}",
+        p.changes[0]
+    );
+    assert!(
+        p.changes[1].reason.contains("layers.0.down"),
+        "{:?}",
+        p.changes[1]
+    );
+    assert_eq!(
+        (p.changes[0].field.as_str(), p.changes[0].to.as_str()),
+        ("class", "w8a8")
+    );
+
+    // No quiet partner of its kind: raised all the same, and the reason says the plan grows.
+    let ev = evidence(vec![{
+        let mut g = group("layers.0.down", "int8");
+        g.unavailable_windows = 40;
+        g
+    }]);
+    let p = propose(&plan, &ev, &Rules::default(), EngineDefaults::default());
+    assert_eq!(p.plan.groups["layers.0.down"].class, PrecisionClass::W8a8);
+    assert_eq!(p.changes.len(), 1);
+    assert!(
+        p.changes[0].reason.contains("plan grows"),
+        "{:?}",
+        p.changes[0]
+    );
+}
+
+#[test]
+fn a_dual_group_always_in_float_becomes_float() {
+    let mut g = group("layers.1.down", "dual");
+    g.float_windows = 95;
+    g.float_share = 0.95;
+    g.enters = 1;
+    let p = propose(
+        &plan(),
+        &evidence(vec![g]),
+        &Rules::default(),
+        EngineDefaults::default(),
+    );
+    assert_eq!(
+        p.plan.groups["layers.1.down"].residency,
+        Some(Residency::Float)
+    );
+}
+
+#[test]
+fn a_quiet_dual_group_is_demoted_unless_its_kl_says_otherwise() {
+    let g = group("layers.0.o", "dual");
+    let p = propose(
+        &plan(),
+        &evidence(vec![g.clone()]),
+        &Rules::default(),
+        EngineDefaults::default(),
+    );
+    assert_eq!(p.plan.groups["layers.0.o"].residency, Some(Residency::Int8));
+    // The pre-screen measured a large INT8 error: keep the float copy.
+    let mut with_kl = plan();
+    with_kl.groups.insert(
+        "layers.0.o".into(),
+        serde_json::from_value(serde_json::json!({
+            "class": "w8a8_per_channel",
+            "metrics": {"r": 1.0, "energy": 0.1,
+                        "kl": {"w8a8": 0.01, "w8a8_per_channel": 0.01, "w4a16": 0.1}}
+        }))
+        .unwrap(),
+    );
+    let p = propose(
+        &with_kl,
+        &evidence(vec![g.clone()]),
+        &Rules::default(),
+        EngineDefaults::default(),
+    );
+    assert!(p.changes.is_empty(), "{:?}", p.changes);
+    // A group that fell back once is not demoted.
+    let mut busy = g;
+    busy.enters = 1;
+    let p = propose(
+        &plan(),
+        &evidence(vec![busy]),
+        &Rules::default(),
+        EngineDefaults::default(),
+    );
+    assert!(p.changes.is_empty());
+}
+
+#[test]
+fn the_request_limit_follows_healthy_traffic_with_a_margin_and_hysteresis() {
+    let mut ev = evidence(vec![]);
+    ev.kl = KlEvidence {
+        samples: 1000,
+        healthy_samples: 990,
+        healthy_p99: Some(0.004),
+        ..Default::default()
+    };
+    let p = propose(&plan(), &ev, &Rules::default(), EngineDefaults::default());
+    assert_eq!(p.plan.thresholds.request_kl_limit, Some(0.006));
+    // Within 10 % of the limit in force: no change.
+    ev.kl.healthy_p99 = Some(0.0135);
+    let p = propose(&plan(), &ev, &Rules::default(), EngineDefaults::default());
+    assert!(p.changes.is_empty(), "{:?}", p.changes);
+    // Clamped to the bounds.
+    ev.kl.healthy_p99 = Some(1.0);
+    let p = propose(&plan(), &ev, &Rules::default(), EngineDefaults::default());
+    assert_eq!(p.plan.thresholds.request_kl_limit, Some(0.2));
+}
+
+#[test]
+fn too_little_evidence_changes_nothing() {
+    let mut g = group("layers.3.down", "int8");
+    g.unavailable_windows = 9;
+    g.windows = 10;
+    let mut ev = evidence(vec![g]);
+    ev.kl = KlEvidence {
+        samples: 50,
+        healthy_samples: 50,
+        healthy_p99: Some(0.5),
+        ..Default::default()
+    };
+    let p = propose(&plan(), &ev, &Rules::default(), EngineDefaults::default());
+    assert!(p.changes.is_empty());
+    assert_eq!(p.plan, plan());
+    assert_eq!(
+        p.too_little_evidence.len(),
+        2,
+        "{:?}",
+        p.too_little_evidence
+    );
+}
+
+#[test]
+fn a_flapping_group_gets_its_own_trigger() {
+    let mut g = group("layers.2.down", "dual");
+    g.enters = 6;
+    g.exits = 6;
+    g.float_windows = 30;
+    g.float_share = 0.3;
+    g.rate_p50 = Some(0.006);
+    g.rate_p95 = Some(0.03);
+    let p = propose(
+        &plan(),
+        &evidence(vec![g]),
+        &Rules::default(),
+        EngineDefaults::default(),
+    );
+    let m = p.plan.groups["layers.2.down"].monitor.clone().unwrap();
+    assert_eq!(m.trigger_rate, Some(0.03));
+}
+
+#[test]
+fn the_same_evidence_gives_the_same_bytes() {
+    let mut g = group("layers.3.down", "int8");
+    g.unavailable_windows = 40;
+    let ev = evidence(vec![g]);
+    let a = propose(&plan(), &ev, &Rules::default(), EngineDefaults::default());
+    let b = propose(&plan(), &ev, &Rules::default(), EngineDefaults::default());
+    assert_eq!(a.bytes(), b.bytes());
+    let back = SensitiveLayers::parse(&a.bytes()).unwrap();
+    assert_eq!(back, a.plan);
+}
