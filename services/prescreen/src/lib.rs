@@ -312,8 +312,8 @@ fn fit_bits(
     budget: WeightBudget,
     scored: &mut [(quantmesh_types::GroupId, scan::Scored)],
 ) -> Result<(BitsOutcome, u64), PrescreenError> {
-    let table_params =
-        cfg.vocab_size * cfg.hidden_size * if cfg.tie_word_embeddings { 1 } else { 2 };
+    let tables = if cfg.tie_word_embeddings { 1 } else { 2 };
+    let table_params = tables * cfg.vocab_size * cfg.hidden_size;
     let norm_params = cfg.hidden_size * (2 * cfg.num_hidden_layers + 1);
     let linear_params: usize = scored.iter().map(|(_, s)| s.params).sum();
     let all_f16 = 2 * (table_params + norm_params + linear_params) as u64;
@@ -347,7 +347,9 @@ fn fit_bits(
     // The bits come first: the pre-screen measures what each group loses in 4 and 8 bits,
     // not what its float copy would win back. The float copies' reserve takes what the bits
     // leave, up to its share.
-    let fixed = (table_params / 32 * 34) as u64 + 4 * norm_params as u64 + float;
+    let table_bytes =
+        tables as u64 * scan::format_bytes(PrecisionClass::W8a8, cfg.vocab_size, cfg.hidden_size);
+    let fixed = table_bytes + 4 * norm_params as u64 + float;
     let budget_bytes = budget.bytes(all_f16);
     let choice = bits::choose(&candidates, fixed, budget_bytes).map_err(|e| {
         PrescreenError::Budget(format!(

@@ -416,14 +416,6 @@ pub fn format_bytes(class: PrecisionClass, rows: usize, cols: usize) -> u64 {
     }
 }
 
-pub fn bytes_per_param(class: PrecisionClass) -> f64 {
-    match class {
-        PrecisionClass::Fp16 => 2.0,
-        PrecisionClass::W8a8 | PrecisionClass::W8a8PerChannel => 34.0 / 32.0,
-        PrecisionClass::W4a16 => quantmesh_kernels::PackedQ4::bytes_for(1, 256) as f64 / 256.0,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]

@@ -155,20 +155,25 @@ fn corrupt_and_truncated_shards_name_file_and_tensor() {
     );
 }
 
-#[actix_rt::test]
-async fn the_engine_serves_with_the_resulting_plan() {
-    let (dir, planted) = model(1);
-    let out = run(&opts(dir.path()), &Count(AtomicUsize::new(0))).unwrap();
-    let file = dir.path().join("sensitive_layers.json");
-    std::fs::write(&file, &out.bytes).unwrap();
+/// The engine on the model in `dir`, serving the plan `bytes` (written beside it).
+async fn serve(dir: &Path, bytes: &[u8]) -> quantmesh_engine::Engine {
+    let file = dir.join("sensitive_layers.json");
+    std::fs::write(&file, bytes).unwrap();
     let cfg = quantmesh_engine::EngineConfig {
         sensitive_layers: Some(file.display().to_string()),
         num_pages: 128,
         ..Default::default()
     };
-    let engine = quantmesh_engine::Engine::start(dir.path(), cfg, "t")
+    quantmesh_engine::Engine::start(dir, cfg, "t")
         .await
-        .unwrap();
+        .unwrap()
+}
+
+#[actix_rt::test]
+async fn the_engine_serves_with_the_resulting_plan() {
+    let (dir, planted) = model(1);
+    let out = run(&opts(dir.path()), &Count(AtomicUsize::new(0))).unwrap();
+    let engine = serve(dir.path(), &out.bytes).await;
     let status = engine.config_status();
     assert_eq!(
         status.md5.as_deref(),
@@ -226,16 +231,7 @@ async fn a_weight_budget_plan_mixes_bits_and_fits_when_served() {
     assert_eq!(four, bits.four);
     assert!(out.file.float_budget.is_some());
 
-    let file = dir.path().join("sensitive_layers.json");
-    std::fs::write(&file, &out.bytes).unwrap();
-    let cfg = quantmesh_engine::EngineConfig {
-        sensitive_layers: Some(file.display().to_string()),
-        num_pages: 128,
-        ..Default::default()
-    };
-    let engine = quantmesh_engine::Engine::start(dir.path(), cfg, "t")
-        .await
-        .unwrap();
+    let engine = serve(dir.path(), &out.bytes).await;
     let resident = engine.stats().resident_weight_bytes as u64;
     assert!(
         resident <= budget,

@@ -9,6 +9,34 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
 
+/// Serde and JSON Schema for a budget written as a string: its `Display` form out, its
+/// `FromStr` in (the parse error is the deserializer's), a string schema with `$desc`.
+macro_rules! string_form {
+    ($t:ident, $desc:literal) => {
+        impl Serialize for $t {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.collect_str(self)
+            }
+        }
+
+        impl<'de> Deserialize<'de> for $t {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                let s = String::deserialize(d)?;
+                s.parse().map_err(serde::de::Error::custom)
+            }
+        }
+
+        impl JsonSchema for $t {
+            fn schema_name() -> std::borrow::Cow<'static, str> {
+                stringify!($t).into()
+            }
+            fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+                schemars::json_schema!({"type": "string", "description": $desc})
+            }
+        }
+    };
+}
+
 /// How many bytes float copies of linear groups may take.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub enum FloatBudget {
@@ -75,6 +103,11 @@ fn bad(s: &str) -> String {
     )
 }
 
+string_form!(
+    FloatBudget,
+    "\"unlimited\", a share of the INT8 linear weights like \"10%\", or bytes like \"64MiB\""
+);
+
 impl fmt::Display for FloatBudget {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -82,31 +115,6 @@ impl fmt::Display for FloatBudget {
             FloatBudget::Percent(p) => write!(f, "{p}%"),
             FloatBudget::Bytes(b) => write!(f, "{b}"),
         }
-    }
-}
-
-impl Serialize for FloatBudget {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(self)
-    }
-}
-
-impl<'de> Deserialize<'de> for FloatBudget {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        s.parse().map_err(serde::de::Error::custom)
-    }
-}
-
-impl JsonSchema for FloatBudget {
-    fn schema_name() -> std::borrow::Cow<'static, str> {
-        "FloatBudget".into()
-    }
-    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
-        schemars::json_schema!({
-            "type": "string",
-            "description": "\"unlimited\", a share of the INT8 linear weights like \"10%\", or bytes like \"64MiB\""
-        })
     }
 }
 
@@ -155,37 +163,17 @@ impl FromStr for WeightBudget {
     }
 }
 
+string_form!(
+    WeightBudget,
+    "a share of the all-16-bit model like \"0.38x\", or bytes like \"100MiB\""
+);
+
 impl fmt::Display for WeightBudget {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             WeightBudget::Ratio(r) => write!(f, "{r}x"),
             WeightBudget::Bytes(b) => write!(f, "{b}"),
         }
-    }
-}
-
-impl Serialize for WeightBudget {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(self)
-    }
-}
-
-impl<'de> Deserialize<'de> for WeightBudget {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        s.parse().map_err(serde::de::Error::custom)
-    }
-}
-
-impl JsonSchema for WeightBudget {
-    fn schema_name() -> std::borrow::Cow<'static, str> {
-        "WeightBudget".into()
-    }
-    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
-        schemars::json_schema!({
-            "type": "string",
-            "description": "a share of the all-16-bit model like \"0.38x\", or bytes like \"100MiB\""
-        })
     }
 }
 

@@ -66,18 +66,12 @@ pub(crate) fn memory_table(
         embeddings: live.embeddings,
         ..q
     };
-    use quantmesh_engine::backend::{GroupForm, QuantFormat};
+    use quantmesh_engine::backend::GroupForm;
     // Each group's residency and quantized form: the plan's (its classes: 4- or 8-bit), or
     // one residency for every group in Q8_0.
-    type Resid = Box<dyn Fn(GroupId) -> GroupForm>;
+    type Resid<'a> = Box<dyn Fn(GroupId) -> GroupForm + 'a>;
     let every = |r: Residency| -> Resid { Box::new(move |_| GroupForm::q8(r)) };
-    let plan_resid = || -> Resid {
-        let (r, q) = (live.residency.clone(), live.quant.clone());
-        Box::new(move |g| GroupForm {
-            residency: r[&g],
-            quant: q.get(&g).copied().unwrap_or(QuantFormat::Q8_0),
-        })
-    };
+    let plan_resid = || -> Resid { Box::new(|g| live.form(g, base.default_residency)) };
     // (name, residency, forms, which mask, kv_int8)
     let configs: Vec<(String, Resid, Forms, Watch, bool)> = vec![
         (
