@@ -9,7 +9,11 @@
 # on both sides), and the Q4_1 file itself (quantmesh serves it as Q8_0 groups). `W2048` (not
 # run unless named in BENCH_FILES): another shape on the same terms, a llama of hidden width
 # 2048, 4 layers, 32 heads (8 for K/V), feed-forward 5632, random weights and SmolLM2's
-# tokenizer (scripts/wide-gguf.py), quantized to Q8_0 by llama-quantize.
+# tokenizer (scripts/wide-gguf.py), quantized to Q8_0 by llama-quantize. `Q4_K_M` (not run
+# unless named): llama-server on the Q4_1 file requantized to Q4_K_M by llama-quantize, against
+# quantmesh serving the Q4_1 checkpoint at the same bytes (`--weight-budget` = that file's size:
+# the pre-screen's mix of 4- and 8-bit groups; the first round includes its one-off pre-screen
+# in the start-up wait). scripts/bench-q4km.sh compares their quality.
 # Rows: decode tok/s at batch 1 (one stream of 128 tokens); prefill tok/s of unique 128- and
 # 512-token prompts (`max_tokens` 1, prompt tokens ÷ request time); total output tok/s with 8
 # and 32 concurrent streams of 64 tokens. Ratio = quantmesh ÷ llama.cpp.
@@ -17,7 +21,7 @@
 # llama-server is built once from the llama.cpp that the llama-cpp-python 0.3.36 source
 # package (PyPI) vendors, with scripts/llama-cpp-cmake-args.sh's flags, into $LLAMA_DIR.
 # Settings: BENCH_THREADS (default: all cores), BENCH_ROUNDS (3), QUANTMESH_BENCH_MODELS (models),
-# BENCH_FILES ("Q8_0 Q4_1"; also W2048), BENCH_OUT (target/bench-llamacpp), LLAMA_DIR.
+# BENCH_FILES ("Q8_0 Q4_1"; also W2048, Q4_K_M), BENCH_OUT (target/bench-llamacpp), LLAMA_DIR.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 log() { printf '\033[1m[bench]\033[0m %s\n' "$*" >&2; }
@@ -61,14 +65,27 @@ fi
 "$BIN/quantmesh" model fetch smollm2-135m-instruct --dir "$MODELS" --quiet >/dev/null
 DIR="$MODELS/smollm2-135m-instruct"
 declare -A FILE=([Q4_1]="$DIR/SmolLM2-135M-Instruct.Q4_1.gguf" [Q8_0]="$DIR/SmolLM2-135M-Instruct.Q8_0.gguf"
-  [W2048]="$MODELS/random-llama-2048/random-llama-2048x4.Q8_0.gguf")
+  [W2048]="$MODELS/random-llama-2048/random-llama-2048x4.Q8_0.gguf"
+  [Q4_K_M]="$DIR/SmolLM2-135M-Instruct.Q4_K_M.gguf")
 for tag in $FILES; do
-  [ -n "${FILE[$tag]:-}" ] || { log "BENCH_FILES: unknown file $tag (Q8_0, Q4_1, W2048)"; exit 2; }
+  [ -n "${FILE[$tag]:-}" ] || { log "BENCH_FILES: unknown file $tag (Q8_0, Q4_1, W2048, Q4_K_M)"; exit 2; }
 done
 if [ ! -f "${FILE[Q8_0]}" ]; then
   log "requantizing to Q8_0 with llama-quantize"
   "$LLAMA_QUANTIZE" --allow-requantize "${FILE[Q4_1]}" "${FILE[Q8_0]}.partial" Q8_0 "$THREADS" >/dev/null 2>&1
   mv "${FILE[Q8_0]}.partial" "${FILE[Q8_0]}"
+fi
+if [[ " $FILES " == *" Q4_K_M "* ]] && [ ! -f "${FILE[Q4_K_M]}" ]; then
+  log "requantizing to Q4_K_M with llama-quantize"
+  "$LLAMA_QUANTIZE" --allow-requantize "${FILE[Q4_1]}" "${FILE[Q4_K_M]}.partial" Q4_K_M "$THREADS" >/dev/null 2>&1
+  mv "${FILE[Q4_K_M]}.partial" "${FILE[Q4_K_M]}"
+fi
+# What quantmesh serves for each file: the file itself, except for Q4_K_M (the checkpoint at
+# that file's bytes).
+declare -A SERVE_ARGS=()
+for tag in $FILES; do SERVE_ARGS[$tag]="--model ${FILE[$tag]}"; done
+if [[ " $FILES " == *" Q4_K_M "* ]]; then
+  SERVE_ARGS[Q4_K_M]="--model ${FILE[Q4_1]} --weight-budget $(stat -c %s "${FILE[Q4_K_M]}")"
 fi
 if [[ " $FILES " == *" W2048 "* ]] && [ ! -f "${FILE[W2048]}" ]; then
   log "writing the random-weight hidden-2048 llama (scripts/wide-gguf.py) and quantizing it to Q8_0"
@@ -124,10 +141,11 @@ for round in $(seq 1 "$ROUNDS"); do
     file="${FILE[$tag]}"
     log "round $round/$ROUNDS, $tag: quantmesh serve"
     port="$(free_port)"
-    QUANTMESH_THREADS="$THREADS" "$BIN/quantmesh" serve --model "$file" --port "$port" --log-format json \
+    # shellcheck disable=SC2086
+    QUANTMESH_THREADS="$THREADS" "$BIN/quantmesh" serve ${SERVE_ARGS[$tag]} --port "$port" --log-format json \
       >"$OUT/serve-$tag-$round.log" 2>&1 &
     pid=$!
-    wait_ready "http://127.0.0.1:$port/ready" 180 || { tail -20 "$OUT/serve-$tag-$round.log"; exit 1; }
+    wait_ready "http://127.0.0.1:$port/ready" 600 || { tail -20 "$OUT/serve-$tag-$round.log"; exit 1; }
     measure quantmesh "$tag" "http://127.0.0.1:$port" >>"$OUT/results.txt"
     kill -TERM "$pid"; wait "$pid" || true
     log "round $round/$ROUNDS, $tag: llama-server"
@@ -153,7 +171,8 @@ for line in open(path):
         v[who, tag, metric].append(float("nan"))
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.processor())
 about = {"Q8_0": "SmolLM2-135M-Instruct Q8_0", "Q4_1": "SmolLM2-135M-Instruct Q4_1",
-         "W2048": "W2048 = random-weight llama, hidden 2048, 4 layers, Q8_0"}
+         "W2048": "W2048 = random-weight llama, hidden 2048, 4 layers, Q8_0",
+         "Q4_K_M": "Q4_K_M = llama-server on SmolLM2's Q4_K_M file, quantmesh on the checkpoint at that file's bytes"}
 print(f"{'; '.join(about[t] for t in files)} on {cpu}, {threads} threads each, median of {rounds} interleaved rounds; ratio = quantmesh ÷ llama-server\n")
 print("| file | metric | quantmesh | llama-server | ratio |\n|---|---|---|---|---|")
 names = {"decode_b1": "decode tok/s, batch 1 (128 tokens)", "prefill_128": "prefill tok/s, 128-token prompt",

@@ -10,8 +10,16 @@ and benchmarks. One JSON request on stdin, one JSON answer on stdout.
                                           little-endian f32, prompt-major, [prompts, n, vocab]
     {"op": "perplexity", "model": PATH, "ids": [...], "ctx": 256}
         -> {"ppl": float, "tokens": int}  non-overlapping windows of ctx tokens
+    {"op": "logits", "model": PATH, "ids": [...], "ctx": 256, "out": PATH}
+        -> {"positions": int, "vocab": int}
+                                          teacher-forced next-token logits in non-overlapping
+                                          windows of ctx tokens (each from an empty context):
+                                          for each window, positions 0..len-2 (the ones that
+                                          have a next token), written to out as little-endian
+                                          f32 [positions, vocab]
     {"op": "quantize", "model": PATH, "out": PATH, "type": "q8_0"}
-        -> {"out": PATH}                  llama_model_quantize (requantize the file)
+        -> {"out": PATH}                  llama_model_quantize (requantize the file; q8_0,
+                                          q4_k_m or f16)
     {"op": "bench", "model": PATH, "prompt_lens": [128, 512], "decode": 64, "batch": [8, 32]}
         -> prefill / decode tok/s in-process (see scripts/bench-llamacpp.sh)
 
@@ -90,11 +98,30 @@ def op_perplexity(req):
     return {"ppl": float(np.exp(nll / count)), "tokens": count}
 
 
+def op_logits(req):
+    import numpy as np
+
+    ids, ctx = req["ids"], int(req.get("ctx", 256))
+    llm = load(req["model"], n_ctx=ctx, logits_all=True, n_batch=ctx)
+    positions = 0
+    with open(req["out"], "wb") as sink:
+        for start in range(0, len(ids), ctx):
+            window = ids[start : start + ctx]
+            if len(window) < 2:
+                break
+            llm.reset()
+            llm.eval(window)
+            sink.write(np.asarray(llm.scores[: len(window) - 1], dtype="<f4").tobytes())
+            positions += len(window) - 1
+    return {"positions": positions, "vocab": llm.n_vocab()}
+
+
 def op_quantize(req):
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = {"q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, "f16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16}[req.get("type", "q8_0")]
+    params.ftype = {"q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, "q4_k_m": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M,
+                    "f16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16}[req.get("type", "q8_0")]
     params.allow_requantize = True
     rc = llama_cpp.llama_model_quantize(req["model"].encode(), req["out"].encode(), params)
     if rc != 0:
@@ -136,7 +163,7 @@ def op_bench(req):
 def main():
     req = json.load(sys.stdin)
     ops = {"tokenize": op_tokenize, "greedy": op_greedy, "perplexity": op_perplexity,
-           "quantize": op_quantize, "bench": op_bench}
+           "logits": op_logits, "quantize": op_quantize, "bench": op_bench}
     if req.get("op") not in ops:
         raise SystemExit(f"unknown op {req.get('op')!r}; one of {sorted(ops)}")
     json.dump(ops[req["op"]](req), sys.stdout)

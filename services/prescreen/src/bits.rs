@@ -2,13 +2,15 @@
 //! resident weights fit a budget with the least predicted quality loss.
 //!
 //! Each group has two forms with measured costs: its bytes in 4 bits (`q4_s8`) and in 8
-//! (Q8_0), and the pre-screen's KL of its output in each form. Everything else resident
+//! (Q8_0), and the error each form adds to the residual stream, measured by the pre-screen
+//! after the rest of the group's layer half (so a group whose error the next group amplifies
+//! pays for it). Everything else resident
 //! (vocabulary tables, norms, `fp16` groups, the float copies' reserve) is fixed and comes
 //! off the top. Starting from every group in 4 bits, raising a group to 8 costs its extra
 //! bytes and gains its KL difference; which raises to make is a 0/1 knapsack over the slack,
 //! solved exactly by dynamic programming over byte units (each raise's bytes rounded *up* to
 //! a unit, so the chosen plan never exceeds the budget; at most 4 096 units, so a unit is a
-//! small fraction of the slack). The sum of per-group KLs is the predicted loss: the
+//! small fraction of the slack). The sum of per-group errors is the predicted loss: the
 //! pre-screen measures each group alone, and the plan's real effect is measured on held-out
 //! text by `quantmesh-engine-bench --memory-table`.
 
@@ -17,7 +19,7 @@
 pub struct Candidate {
     pub bytes4: u64,
     pub bytes8: u64,
-    /// Predicted loss (the group's output KL) in 4 and in 8 bits.
+    /// Predicted loss (the error the group adds to the residual stream) in 4 and in 8 bits.
     pub loss4: f64,
     pub loss8: f64,
 }

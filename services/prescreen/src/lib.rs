@@ -330,12 +330,13 @@ fn fit_bits(
             float += 2 * s.params as u64;
             continue;
         }
-        let kl = s
-            .entry
-            .metrics
-            .as_ref()
-            .map(|m| (m.kl.w4a16, m.kl.w8a8_per_channel));
-        let (loss4, loss8) = kl.unwrap_or((f64::INFINITY, 0.0));
+        // The error each width adds to the residual stream (the scan measures it for every
+        // group); a group's own output KL where that is missing.
+        let loss = s.entry.metrics.as_ref().map(|m| match &m.residual {
+            Some(r) => (r.w4a16, r.w8a8_per_channel),
+            None => (m.kl.w4a16, m.kl.w8a8_per_channel),
+        });
+        let (loss4, loss8) = loss.unwrap_or((f64::INFINITY, 0.0));
         candidates.push(bits::Candidate {
             bytes4: scan::format_bytes(PrecisionClass::W4a16, s.rows, s.cols),
             bytes8: eight(s),
@@ -407,8 +408,8 @@ pub fn bits_line(b: &BitsOutcome) -> String {
     let mib = |v: u64| v as f64 / (1u64 << 20) as f64;
     format!(
         "weight budget {} = {:.2} MiB: planned {:.2} MiB ({:.3}x all-16-bit, smallest possible \
-         {:.2} MiB); {} groups in 4 bits, {} in 8; predicted loss (summed group KL) {:.4} vs \
-         {:.4} all-8-bit\n",
+         {:.2} MiB); {} groups in 4 bits, {} in 8; predicted loss (summed residual error) \
+         {:.4} vs {:.4} all-8-bit\n",
         b.setting,
         mib(b.budget_bytes),
         mib(b.planned_bytes),

@@ -12,7 +12,7 @@ use crate::PrescreenError;
 use candle_core::{Device, Tensor};
 use quantmesh_model::ops::{causal_attention, member_shapes, rms_norm, rope, rope_tables, swiglu};
 use quantmesh_model::{names, Checkpoint, ModelConfig, ModelError};
-use quantmesh_types::sensitive::{ActivationStats, GroupMetrics, KlByFormat};
+use quantmesh_types::sensitive::{ActivationStats, GroupMetrics, KlByFormat, ResidualByBits};
 use quantmesh_types::{GroupEntry, GroupId, GroupKind, PrecisionClass};
 
 /// Output rows computed per block when projecting pseudo-quantized weights (bounds the
@@ -84,6 +84,41 @@ pub struct Ctx<'a> {
     pub rope: &'a (Tensor, Tensor),
     pub rules: &'a Rules,
     pub progress: &'a dyn Progress,
+}
+
+/// The formats a weight budget chooses between (8 bits, 4 bits), as indices into
+/// [`Format::ALL`]: the formats whose error is followed into the residual stream.
+const BITS_FORMATS: [usize; 2] = [1, 2];
+
+/// A group's outputs on the KL rows, kept so the layer can follow its quantization error
+/// into the residual stream: per member, the float output, and per [`BITS_FORMATS`] entry
+/// the pseudo-quantized output and the float weights applied to the incoming error
+/// (`carry`). For `qkv`, the pseudo-quantized outputs on every row too (attention mixes
+/// positions).
+struct Probe {
+    float: Vec<Tensor>,
+    quant: [Vec<Tensor>; 2],
+    carried: [Vec<Tensor>; 2],
+    quant_all_rows: Option<[Vec<Tensor>; 2]>,
+}
+
+impl Probe {
+    /// Per bits format: the quantized output minus the float one, members side by side.
+    fn own_error(&self) -> Result<[Tensor; 2], PrescreenError> {
+        let p = Tensor::cat(&self.float, 1)?;
+        let e = |f: usize| -> Result<Tensor, PrescreenError> {
+            Ok((Tensor::cat(&self.quant[f], 1)? - &p)?)
+        };
+        Ok([e(0)?, e(1)?])
+    }
+
+    /// Per bits format: the incoming error through this group's float weights.
+    fn carried_error(&self) -> Result<[Tensor; 2], PrescreenError> {
+        Ok([
+            Tensor::cat(&self.carried[0], 1)?,
+            Tensor::cat(&self.carried[1], 1)?,
+        ])
+    }
 }
 
 /// A scored group.
@@ -169,11 +204,12 @@ fn kept_values(t: &Tensor, keep: &Tensor) -> Result<Vec<f32>, PrescreenError> {
 
 /// Score one fused group on input `x` (`[tokens, in]`). Returns the group's outputs
 /// (one tensor per member, float weights, bias added) and its entry.
-pub fn score_group(
+fn score_group(
     ctx: &Ctx<'_>,
     g: GroupId,
     x: &Tensor,
-) -> Result<(Vec<Tensor>, Scored), PrescreenError> {
+    carry: Option<&[Tensor; 2]>,
+) -> Result<(Vec<Tensor>, Scored, Probe), PrescreenError> {
     let (ck, cfg, batch, rules) = (ctx.ck, ctx.cfg, ctx.batch, ctx.rules);
     let ms = members(ck, cfg, g);
     let in_dim = ms[0].shape[1];
@@ -194,12 +230,19 @@ pub fn score_group(
         total_out
     });
     let mut outputs = Vec::with_capacity(ms.len());
+    let mut probe = Probe {
+        float: Vec::with_capacity(ms.len()),
+        quant: [Vec::new(), Vec::new()],
+        carried: [Vec::new(), Vec::new()],
+        quant_all_rows: (g.kind == GroupKind::Qkv).then(|| [Vec::new(), Vec::new()]),
+    };
     let mut stored_bytes = 0;
     for (m, b) in ms.iter().zip(&biases) {
         stored_bytes += check_shape(ck, m)?;
         let (out, _) = (m.shape[0], m.shape[1]);
         let mut y_parts = Vec::new();
         let mut p_parts = Vec::new();
+        let mut c_parts = [Vec::new(), Vec::new()];
         for blk in blocks(out) {
             let w = rows(ck, m, blk.0, blk.1)?;
             range.add(&w);
@@ -208,9 +251,21 @@ pub fn score_group(
             }
             y_parts.push(project_block(x, &w, blk, b.as_ref())?);
             p_parts.push(project_block(&x_kl, &w, blk, b.as_ref())?);
+            if let Some(carry) = carry {
+                for (part, c) in c_parts.iter_mut().zip(carry) {
+                    part.push(project_block(c, &w, blk, None)?);
+                }
+            }
         }
         outputs.push(Tensor::cat(&y_parts, 1)?);
-        p_outputs.push(Tensor::cat(&p_parts, 1)?.flatten_all()?.to_vec1::<f32>()?);
+        let p = Tensor::cat(&p_parts, 1)?;
+        p_outputs.push(p.flatten_all()?.to_vec1::<f32>()?);
+        probe.float.push(p);
+        if carry.is_some() {
+            for (to, part) in probe.carried.iter_mut().zip(&c_parts) {
+                to.push(Tensor::cat(part, 1)?);
+            }
+        }
         if in_dim > total_out {
             // Only single-member groups are wider than tall (e.g. down): G = W·Wᵀ, tile by
             // tile, each tile decoded from the mapped bytes when needed.
@@ -241,17 +296,32 @@ pub fn score_group(
     let absmax = range.absmax();
     for (m, b) in ms.iter().zip(&biases) {
         let mut parts: Vec<Vec<Tensor>> = vec![Vec::new(); Format::ALL.len()];
+        let mut all_rows: [Vec<Tensor>; 2] = [Vec::new(), Vec::new()];
         for blk in blocks(m.shape[0]) {
             let w = rows(ck, m, blk.0, blk.1)?;
             quant.count(&w);
-            for (f, part) in Format::ALL.iter().zip(parts.iter_mut()) {
+            for (i, (f, part)) in Format::ALL.iter().zip(parts.iter_mut()).enumerate() {
                 let mut q = w.clone();
                 fake_quant(&mut q, m.shape[1], *f, absmax);
                 part.push(project_block(&x_kl, &q, blk, b.as_ref())?);
+                if let (Some(k), true) = (
+                    BITS_FORMATS.iter().position(|&j| j == i),
+                    probe.quant_all_rows.is_some(),
+                ) {
+                    all_rows[k].push(project_block(x, &q, blk, b.as_ref())?);
+                }
             }
         }
         for (part, h) in parts.iter().zip(q_hists.iter_mut()) {
             h.add(&Tensor::cat(part, 1)?.flatten_all()?.to_vec1::<f32>()?);
+        }
+        for (k, &i) in BITS_FORMATS.iter().enumerate() {
+            probe.quant[k].push(Tensor::cat(&parts[i], 1)?);
+        }
+        if let Some(to) = probe.quant_all_rows.as_mut() {
+            for (to, part) in to.iter_mut().zip(&all_rows) {
+                to.push(Tensor::cat(part, 1)?);
+            }
         }
         ck.release(&m.weight);
     }
@@ -293,6 +363,8 @@ pub fn score_group(
                 w4a16: round9(kl[2]),
             },
             energy: round6(energy),
+            // Filled in by `layer` once the error has reached the residual stream.
+            residual: None,
         }),
         activations: Some(ActivationStats {
             absmax: round6(act.absmax),
@@ -321,6 +393,7 @@ pub fn score_group(
             cols: in_dim,
             stored_bytes,
         },
+        probe,
     ))
 }
 
@@ -339,17 +412,80 @@ pub fn layer(
     l: usize,
     h: Tensor,
 ) -> Result<(Tensor, Vec<(GroupId, Scored)>), PrescreenError> {
-    let (ck, cfg, batch, rope_cs) = (ctx.ck, ctx.cfg, ctx.batch, ctx.rope);
+    let (ck, cfg, batch) = (ctx.ck, ctx.cfg, ctx.batch);
     let hsz = cfg.hidden_size;
     let eps = cfg.rms_norm_eps;
-    let (hd, nh, nkv) = (cfg.head_dim(), cfg.num_attention_heads, cfg.num_kv_heads());
     let mut scored = Vec::with_capacity(4);
     let norm_in = ck.load_f32_shaped(&names::input_norm(l), &[hsz])?;
     let x = rms_norm(&h, &norm_in, eps)?;
     let g = GroupId::new(l, GroupKind::Qkv);
-    let (qkv, s) = score_group(ctx, g, &x)?;
+    let (qkv, s, qkv_probe) = score_group(ctx, g, &x, None)?;
     scored.push((g, s));
     drop(x);
+    let a = attend(ctx, &qkv)?;
+    drop(qkv);
+    // qkv's error through attention, on the KL rows, for `o` to carry on.
+    let a_kl = a.index_select(&batch.kl_rows, 0)?;
+    let mut qkv_out = Vec::with_capacity(2);
+    for quant in qkv_probe.quant_all_rows.iter().flatten() {
+        qkv_out.push((attend(ctx, quant)?.index_select(&batch.kl_rows, 0)? - &a_kl)?);
+    }
+    let qkv_err: [Tensor; 2] = qkv_out
+        .try_into()
+        .map_err(|_| PrescreenError::Calibration("qkv probe without its rows".into()))?;
+    drop(qkv_probe);
+    let g = GroupId::new(l, GroupKind::O);
+    let (o, s, o_probe) = score_group(ctx, g, &a, Some(&qkv_err))?;
+    scored.push((g, s));
+    let h = (h + &o[0])?;
+    let norm_post = ck.load_f32_shaped(&names::post_norm(l), &[hsz])?;
+    let x = rms_norm(&h, &norm_post, eps)?;
+    let g = GroupId::new(l, GroupKind::GateUp);
+    let (gu, s, gu_probe) = score_group(ctx, g, &x, None)?;
+    scored.push((g, s));
+    let m = swiglu(&gu[0], &gu[1])?;
+    drop(gu);
+    // gate_up's error through SwiGLU, for `down` to carry on.
+    let m_kl = swiglu(&gu_probe.float[0], &gu_probe.float[1])?;
+    let gu_err = [
+        (swiglu(&gu_probe.quant[0][0], &gu_probe.quant[0][1])? - &m_kl)?,
+        (swiglu(&gu_probe.quant[1][0], &gu_probe.quant[1][1])? - &m_kl)?,
+    ];
+    let g = GroupId::new(l, GroupKind::Down);
+    let (d, s, d_probe) = score_group(ctx, g, &m, Some(&gu_err))?;
+    scored.push((g, s));
+    let h = (h + &d[0])?;
+    // Each group's error as it reaches the residual stream, against the stream's energy
+    // after the layer.
+    let energy = h
+        .index_select(&batch.kl_rows, 0)?
+        .sqr()?
+        .sum_all()?
+        .to_scalar::<f32>()? as f64;
+    let errors = [
+        o_probe.carried_error()?,
+        o_probe.own_error()?,
+        d_probe.carried_error()?,
+        d_probe.own_error()?,
+    ];
+    for ((_, s), [e8, e4]) in scored.iter_mut().zip(errors) {
+        let rel = |e: Tensor| -> Result<f64, PrescreenError> {
+            Ok(e.sqr()?.sum_all()?.to_scalar::<f32>()? as f64 / energy.max(f64::MIN_POSITIVE))
+        };
+        if let Some(m) = s.entry.metrics.as_mut() {
+            m.residual = Some(ResidualByBits {
+                w8a8_per_channel: round9(rel(e8)?),
+                w4a16: round9(rel(e4)?),
+            });
+        }
+    }
+    Ok((h, scored))
+}
+
+/// Causal attention over the calibration sequences of a `qkv` group's outputs (q, k, v).
+fn attend(ctx: &Ctx<'_>, qkv: &[Tensor]) -> Result<Tensor, PrescreenError> {
+    let (cfg, batch, rope_cs) = (ctx.cfg, ctx.batch, ctx.rope);
+    let (hd, nh, nkv) = (cfg.head_dim(), cfg.num_attention_heads, cfg.num_kv_heads());
     let pos = Tensor::from_slice(&batch.positions, batch.positions.len(), &Device::Cpu)?;
     let cos = rope_cs.0.index_select(&pos, 0)?;
     let sin = rope_cs.1.index_select(&pos, 0)?;
@@ -357,7 +493,6 @@ pub fn layer(
     let q = rope(&qkv[0].reshape((n, nh, hd))?, &cos, &sin)?;
     let k = rope(&qkv[1].reshape((n, nkv, hd))?, &cos, &sin)?;
     let v = qkv[2].reshape((n, nkv, hd))?;
-    drop(qkv);
     let mut outs = Vec::with_capacity(batch.seqs.len());
     for &(start, len) in &batch.seqs {
         outs.push(causal_attention(
@@ -368,24 +503,7 @@ pub fn layer(
             nkv,
         )?);
     }
-    let a = Tensor::cat(&outs, 0)?;
-    drop(outs);
-    let g = GroupId::new(l, GroupKind::O);
-    let (o, s) = score_group(ctx, g, &a)?;
-    scored.push((g, s));
-    let h = (h + &o[0])?;
-    let norm_post = ck.load_f32_shaped(&names::post_norm(l), &[hsz])?;
-    let x = rms_norm(&h, &norm_post, eps)?;
-    let g = GroupId::new(l, GroupKind::GateUp);
-    let (gu, s) = score_group(ctx, g, &x)?;
-    scored.push((g, s));
-    let m = swiglu(&gu[0], &gu[1])?;
-    drop(gu);
-    let g = GroupId::new(l, GroupKind::Down);
-    let (d, s) = score_group(ctx, g, &m)?;
-    scored.push((g, s));
-    let h = (h + &d[0])?;
-    Ok((h, scored))
+    Ok(Tensor::cat(&outs, 0)?)
 }
 
 /// Embed the calibration tokens (one read of the embedding table).

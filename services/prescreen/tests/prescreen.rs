@@ -203,7 +203,7 @@ async fn the_engine_serves_with_the_resulting_plan() {
 /// refused, naming the setting and the smallest size.
 #[actix_rt::test]
 async fn a_weight_budget_plan_mixes_bits_and_fits_when_served() {
-    let (dir, _) = model(1);
+    let (dir, planted) = model(1);
     let with = |b: &str| Options {
         weight_budget: Some(b.parse().unwrap()),
         ..opts(dir.path())
@@ -230,6 +230,31 @@ async fn a_weight_budget_plan_mixes_bits_and_fits_when_served() {
         .count();
     assert_eq!(four, bits.four);
     assert!(out.file.float_budget.is_some());
+    // The cost is the error where it lands: the planted sensitive `down` amplifies its
+    // `gate_up`'s error, which its own output KL cannot show (it is among the lowest), so
+    // that `gate_up` costs the most in 4 bits and is the raise the knapsack makes first.
+    let residual = |name: &str| {
+        let m = out.file.groups[name].metrics.as_ref().unwrap();
+        m.residual
+            .as_ref()
+            .expect("every scored group has one")
+            .w4a16
+    };
+    assert!(!planted.sensitive_groups.is_empty());
+    for down in &planted.sensitive_groups {
+        let feeder = down.replace(".down", ".gate_up");
+        for (name, e) in &out.file.groups {
+            if name != &feeder && e.class != PrecisionClass::Fp16 {
+                assert!(
+                    residual(&feeder) > 10.0 * residual(name),
+                    "{feeder} {} vs {name} {}",
+                    residual(&feeder),
+                    residual(name)
+                );
+            }
+        }
+        assert_ne!(out.file.groups[&feeder].class, PrecisionClass::W4a16);
+    }
 
     let engine = serve(dir.path(), &out.bytes).await;
     let resident = engine.stats().resident_weight_bytes as u64;

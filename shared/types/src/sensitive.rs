@@ -198,6 +198,21 @@ pub struct GroupMetrics {
     pub kl: KlByFormat,
     /// Energy ratio σ1² / Σσᵢ² = σ1² / ‖W‖²_F (1 for a rank-1 matrix).
     pub energy: f64,
+    /// The error each bit width adds to the residual stream, where the group's output lands
+    /// after the rest of its layer's half (through attention and `o` for `qkv`, through
+    /// SwiGLU and `down` for `gate_up`): ‖δ‖² over the calibration rows relative to the
+    /// stream's ‖h‖² after the layer. What a weight budget's knapsack weighs (a group's own
+    /// output KL cannot see that the next group amplifies its error).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub residual: Option<ResidualByBits>,
+}
+
+/// [`GroupMetrics::residual`]: per bit width a weight budget chooses between.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ResidualByBits {
+    pub w8a8_per_channel: f64,
+    pub w4a16: f64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]

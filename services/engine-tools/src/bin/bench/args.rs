@@ -71,6 +71,11 @@ pub(crate) struct Args {
     /// Rows of the memory table to run (1-based, comma-separated; all when absent).
     #[arg(long, value_delimiter = ',')]
     pub(crate) memory_rows: Vec<usize>,
+    /// Another runtime's run on the memory table's text, scored as one more row against the
+    /// same float model (a JSON file: name, bytes, ids, window, logits; see
+    /// scripts/bench-q4km.sh). Repeatable.
+    #[arg(long, requires = "memory_table")]
+    pub(crate) peer: Vec<PathBuf>,
     /// The memory table's float budget (bytes, or a share of the INT8 weights like 10%).
     #[arg(long, default_value = "10%")]
     pub(crate) float_budget: FloatBudget,

@@ -229,6 +229,43 @@ pub(crate) fn quant_format_section(
 /// Tokens per window of the teacher-forced KL/perplexity runs.
 pub(crate) const KL_WINDOW: usize = 256;
 
+/// One teacher-forced run: `model` under `mask`, its KV cache in C8 when `kv_int8`.
+pub(crate) type Run<'a> = (&'a LlamaModel, &'a PathMask, bool);
+
+/// `ids` in windows of `KL_WINDOW` tokens, each from an empty cache, one token per step
+/// through every run: `each(next, logits)` gets the token that follows and each run's
+/// next-token logits, for every position of a window that has a next token.
+pub(crate) fn walk_windows(
+    cfg: &ModelConfig,
+    ids: &[u32],
+    runs: &[Run<'_>],
+    mut each: impl FnMut(u32, &[Vec<f32>]) -> Result<(), Box<dyn std::error::Error>>,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let page = 16;
+    let mut runners: Vec<StepRunner> = runs.iter().map(|_| StepRunner::default()).collect();
+    for (wi, window) in ids.chunks(KL_WINDOW).enumerate() {
+        let id = 1_000_000 + wi as u64;
+        let mut caches = Vec::with_capacity(runs.len());
+        for _ in runs {
+            let (kv, mut bm) = cache(cfg, KL_WINDOW.div_ceil(page) + 2, page);
+            bm.admit(id, &[], KL_WINDOW).map_err(|e| e.to_string())?;
+            caches.push((kv, bm));
+        }
+        for pair in window.windows(2) {
+            let mut logits = Vec::with_capacity(runs.len());
+            for (((model, mask, kv_int8), runner), (kv, bm)) in
+                runs.iter().zip(&mut runners).zip(&mut caches)
+            {
+                let step = step_for(bm, &[(id, vec![pair[0]])]);
+                let mut out = runner.run(*model, &step, mask, kv, *kv_int8)?.logits;
+                logits.push(out.remove(0).1);
+            }
+            each(pair[1], &logits)?;
+        }
+    }
+    Ok(())
+}
+
 /// Teacher-forced perplexity of `ids` on `model` under `mask`, and every token's next-token
 /// KL to `reference` (run all-float, float KV), in windows of `KL_WINDOW` tokens, one token
 /// per step. [`KlSummary`] reduces the KLs: the mean is carried by a few tokens, so
@@ -241,33 +278,14 @@ pub(crate) fn teacher_forced(
     mask: &PathMask,
     kv_int8: bool,
 ) -> Result<(f64, Vec<f64>), Box<dyn std::error::Error>> {
-    let page = 16;
     let all_float = PathMask::all_groups_float(cfg.num_hidden_layers);
-    let (mut runner, mut ref_runner) = (StepRunner::default(), StepRunner::default());
     let (mut nll, mut kls) = (0f64, Vec::with_capacity(ids.len()));
-    for (wi, window) in ids.chunks(KL_WINDOW).enumerate() {
-        let (mut kv, mut bm) = cache(cfg, KL_WINDOW.div_ceil(page) + 2, page);
-        let (mut rkv, mut rbm) = cache(cfg, KL_WINDOW.div_ceil(page) + 2, page);
-        let id = 1_000_000 + wi as u64;
-        bm.admit(id, &[], KL_WINDOW).map_err(|e| e.to_string())?;
-        rbm.admit(id, &[], KL_WINDOW).map_err(|e| e.to_string())?;
-        for pair in window.windows(2) {
-            let step = step_for(&mut bm, &[(id, vec![pair[0]])]);
-            let logits = runner
-                .run(model, &step, mask, &mut kv, kv_int8)?
-                .logits
-                .remove(0)
-                .1;
-            let rstep = step_for(&mut rbm, &[(id, vec![pair[0]])]);
-            let want = ref_runner
-                .run(reference, &rstep, &all_float, &mut rkv, false)?
-                .logits
-                .remove(0)
-                .1;
-            nll += quantmesh_model::ops::nll_logits(&logits, pair[1]);
-            kls.push(quantmesh_model::ops::kl_logits(&want, &logits));
-        }
-    }
+    let runs = [(model, mask, kv_int8), (reference, &all_float, false)];
+    walk_windows(cfg, ids, &runs, |next, logits| {
+        nll += quantmesh_model::ops::nll_logits(&logits[0], next);
+        kls.push(quantmesh_model::ops::kl_logits(&logits[1], &logits[0]));
+        Ok(())
+    })?;
     let n = kls.len().max(1) as f64;
     Ok(((nll / n).exp(), kls))
 }

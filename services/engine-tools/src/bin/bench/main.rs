@@ -16,6 +16,7 @@ mod args;
 mod formats;
 mod memory;
 mod monitor;
+mod peer;
 mod steps;
 
 use args::*;
