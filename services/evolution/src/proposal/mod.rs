@@ -34,7 +34,9 @@
 //!    (`w8a8`) before it is given a float copy (rule 3 does that next time if 8 bits are not
 //!    enough): the cheaper fix first. To keep the plan's bytes (a plan fitted to
 //!    `engine.weight_budget`), the quiet 8-bit INT8-only group of the same kind — the same
-//!    shape, so exactly the same bytes — with the lowest pre-screen 4-bit KL is lowered to
+//!    shape, so exactly the same bytes — with the lowest pre-screen 4-bit cost (the error it
+//!    adds to the residual stream in 4 bits, as the weight budget's knapsack weighs it; its
+//!    own output KL in plans without that measurement) is lowered to
 //!    `w4a16` in the same proposal. Quiet: never in float, never wanting it, window outlier
 //!    rate p95 below half its trigger. Without such a partner the raise is still made and the
 //!    reason says the plan grows by one group's 4 → 8-bit difference.
@@ -44,6 +46,12 @@ use quantmesh_types::sensitive::{GroupEntry, MonitorOverride, ObservedUse};
 use quantmesh_types::{PrecisionClass, Residency, SensitiveLayers};
 use serde::Serialize;
 use std::collections::BTreeMap;
+
+/// What putting a group in 4 bits costs by the pre-screen's measurement: the error it adds to
+/// the residual stream (what the weight budget's knapsack weighs), else its output KL.
+fn four_bit_cost(m: &quantmesh_types::sensitive::GroupMetrics) -> f64 {
+    m.residual.as_ref().map_or(m.kl.w4a16, |r| r.w4a16)
+}
 
 pub use quantmesh_settings::evolution::Rules;
 
@@ -196,7 +204,7 @@ pub fn propose(
             partners
                 .entry(group_kind(&g.group).to_string())
                 .or_default()
-                .push((m.kl.w4a16, g.group.clone()));
+                .push((four_bit_cost(m), g.group.clone()));
         }
     }
     for p in partners.values_mut() {

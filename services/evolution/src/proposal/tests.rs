@@ -68,6 +68,51 @@ fn entry(class: &str, kl4: f64) -> serde_json::Value {
 }
 
 #[test]
+fn the_partner_is_the_cheapest_in_the_residual_stream_when_the_plan_measured_it() {
+    // layers.1.down has the lower output KL, but its 4-bit error lands amplified in the
+    // residual stream; layers.2.down costs less there, so it takes the 4 bits.
+    let with_residual = |kl4: f64, res4: f64| {
+        let mut e = entry("w8a8", kl4);
+        e["metrics"]["residual"] = serde_json::json!({"w8a8_per_channel": 1e-6, "w4a16": res4});
+        e
+    };
+    let plan = SensitiveLayers::parse(
+        serde_json::json!({
+            "schema_version": 1,
+            "groups": {
+                "layers.0.down": entry("w4a16", 0.3),
+                "layers.1.down": with_residual(0.001, 0.05),
+                "layers.2.down": with_residual(0.01, 0.0001),
+            }
+        })
+        .to_string()
+        .as_bytes(),
+    )
+    .unwrap();
+    let mut hurt = group("layers.0.down", "int8");
+    hurt.unavailable_windows = 40;
+    let ev = evidence(vec![
+        hurt,
+        group("layers.1.down", "int8"),
+        group("layers.2.down", "int8"),
+    ]);
+    let p = propose(&plan, &ev, &Rules::default(), EngineDefaults::default());
+    let class = |g: &str| p.plan.groups[g].class;
+    assert_eq!(
+        class("layers.2.down"),
+        PrecisionClass::W4a16,
+        "{:?}",
+        p.changes
+    );
+    assert_eq!(
+        class("layers.1.down"),
+        PrecisionClass::W8a8,
+        "{:?}",
+        p.changes
+    );
+}
+
+#[test]
 fn a_four_bit_group_that_wanted_float_trades_bits_with_the_quietest_of_its_kind() {
     let plan = SensitiveLayers::parse(
         serde_json::json!({
