@@ -128,9 +128,10 @@ PY
     --memory-table "$OUT/plan-default.json" --memory-rows 9,4 >"$OUT/table-$name-default.txt"
 done
 
-python3 - "$OUT" "$TEXTS" "$BYTES" "$THREADS" "$TITLE" "$OURS_LABEL" <<'PY'
+python3 - "$OUT" "$TEXTS" "$BYTES" "$THREADS" "$TITLE" "$OURS_LABEL" "$OURS" <<'PY'
 import os, sys
 out, texts, q4km_bytes, threads, title, ours_label = sys.argv[1], sys.argv[2].split(), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6]
+ours_bytes = int(sys.argv[7])
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
 def rows(path):
     got = []
@@ -170,6 +171,7 @@ if ours and theirs:
     verdict = all(a < b for a, b in zip(ours, theirs))
     ratios = ", ".join(f"{a / b:.2f}×" for a, b in zip(ours, theirs))
     print(f"Mean KL, {ours_label} ÷ llama.cpp Q4_K_M, per text: {ratios} "
-          f"({'below on every text' if verdict else 'NOT below on every text'}).")
+          f"({'below on every text' if verdict else 'NOT below on every text'}"
+          + (f"; at {ours_bytes / q4km_bytes:.2f}× the Q4_K_M file's bytes" if ours_bytes > q4km_bytes else "") + ").")
 print(f"Raw tables: {out}/table-*.txt")
 PY
