@@ -7,7 +7,7 @@
 //! pays for it). Everything else resident
 //! (vocabulary tables, norms, `fp16` groups, the float copies' reserve) is fixed and comes
 //! off the top. Starting from every group in 4 bits, raising a group to 8 costs its extra
-//! bytes and gains its KL difference; which raises to make is a 0/1 knapsack over the slack,
+//! bytes and gains its error difference; which raises to make is a 0/1 knapsack over the slack,
 //! solved exactly by dynamic programming over byte units (each raise's bytes rounded *up* to
 //! a unit, so the chosen plan never exceeds the budget; at most 4 096 units, so a unit is a
 //! small fraction of the slack). The sum of per-group errors is the predicted loss: the

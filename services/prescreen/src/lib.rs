@@ -330,13 +330,11 @@ fn fit_bits(
             float += 2 * s.params as u64;
             continue;
         }
-        // The error each width adds to the residual stream (the scan measures it for every
-        // group); a group's own output KL where that is missing.
-        let loss = s.entry.metrics.as_ref().map(|m| match &m.residual {
-            Some(r) => (r.w4a16, r.w8a8_per_channel),
-            None => (m.kl.w4a16, m.kl.w8a8_per_channel),
-        });
-        let (loss4, loss8) = loss.unwrap_or((f64::INFINITY, 0.0));
+        let (loss4, loss8) = s
+            .entry
+            .metrics
+            .as_ref()
+            .map_or((f64::INFINITY, 0.0), |m| m.bits_cost());
         candidates.push(bits::Candidate {
             bytes4: scan::format_bytes(PrecisionClass::W4a16, s.rows, s.cols),
             bytes8: eight(s),

@@ -80,15 +80,15 @@ pub struct Ctx<'a> {
     pub ck: &'a Checkpoint,
     pub cfg: &'a ModelConfig,
     pub batch: &'a Batch,
-    /// RoPE (cos, sin) tables.
+    /// RoPE (cos, sin) of every calibration token's position, one row per token.
     pub rope: &'a (Tensor, Tensor),
     pub rules: &'a Rules,
     pub progress: &'a dyn Progress,
 }
 
-/// The formats a weight budget chooses between (8 bits, 4 bits), as indices into
-/// [`Format::ALL`]: the formats whose error is followed into the residual stream.
-const BITS_FORMATS: [usize; 2] = [1, 2];
+/// The formats a weight budget chooses between (8 bits, 4 bits): the formats whose error is
+/// followed into the residual stream.
+const BITS_FORMATS: [Format; 2] = [Format::W8a8PerChannel, Format::W4a16];
 
 /// A group's outputs on the KL rows, kept so the layer can follow its quantization error
 /// into the residual stream: per member, the float output, and per [`BITS_FORMATS`] entry
@@ -300,12 +300,12 @@ fn score_group(
         for blk in blocks(m.shape[0]) {
             let w = rows(ck, m, blk.0, blk.1)?;
             quant.count(&w);
-            for (i, (f, part)) in Format::ALL.iter().zip(parts.iter_mut()).enumerate() {
+            for (f, part) in Format::ALL.iter().zip(parts.iter_mut()) {
                 let mut q = w.clone();
                 fake_quant(&mut q, m.shape[1], *f, absmax);
                 part.push(project_block(&x_kl, &q, blk, b.as_ref())?);
                 if let (Some(k), true) = (
-                    BITS_FORMATS.iter().position(|&j| j == i),
+                    BITS_FORMATS.iter().position(|b| b == f),
                     probe.quant_all_rows.is_some(),
                 ) {
                     all_rows[k].push(project_block(x, &q, blk, b.as_ref())?);
@@ -315,8 +315,13 @@ fn score_group(
         for (part, h) in parts.iter().zip(q_hists.iter_mut()) {
             h.add(&Tensor::cat(part, 1)?.flatten_all()?.to_vec1::<f32>()?);
         }
-        for (k, &i) in BITS_FORMATS.iter().enumerate() {
-            probe.quant[k].push(Tensor::cat(&parts[i], 1)?);
+        for (to, (_, part)) in probe.quant.iter_mut().zip(
+            Format::ALL
+                .iter()
+                .zip(&parts)
+                .filter(|(f, _)| BITS_FORMATS.contains(f)),
+        ) {
+            to.push(Tensor::cat(part, 1)?);
         }
         if let Some(to) = probe.quant_all_rows.as_mut() {
             for (to, part) in to.iter_mut().zip(&all_rows) {
@@ -484,14 +489,11 @@ pub fn layer(
 
 /// Causal attention over the calibration sequences of a `qkv` group's outputs (q, k, v).
 fn attend(ctx: &Ctx<'_>, qkv: &[Tensor]) -> Result<Tensor, PrescreenError> {
-    let (cfg, batch, rope_cs) = (ctx.cfg, ctx.batch, ctx.rope);
+    let (cfg, batch, (cos, sin)) = (ctx.cfg, ctx.batch, ctx.rope);
     let (hd, nh, nkv) = (cfg.head_dim(), cfg.num_attention_heads, cfg.num_kv_heads());
-    let pos = Tensor::from_slice(&batch.positions, batch.positions.len(), &Device::Cpu)?;
-    let cos = rope_cs.0.index_select(&pos, 0)?;
-    let sin = rope_cs.1.index_select(&pos, 0)?;
     let n = batch.tokens.len();
-    let q = rope(&qkv[0].reshape((n, nh, hd))?, &cos, &sin)?;
-    let k = rope(&qkv[1].reshape((n, nkv, hd))?, &cos, &sin)?;
+    let q = rope(&qkv[0].reshape((n, nh, hd))?, cos, sin)?;
+    let k = rope(&qkv[1].reshape((n, nkv, hd))?, cos, sin)?;
     let v = qkv[2].reshape((n, nkv, hd))?;
     let mut outs = Vec::with_capacity(batch.seqs.len());
     for &(start, len) in &batch.seqs {
@@ -517,10 +519,12 @@ pub fn embed(ck: &Checkpoint, cfg: &ModelConfig, batch: &Batch) -> Result<Tensor
     Ok(h)
 }
 
-/// RoPE tables long enough for the longest calibration prompt.
+/// RoPE (cos, sin) for every calibration token, gathered once by its position.
 pub fn rope_for(cfg: &ModelConfig, batch: &Batch) -> Result<(Tensor, Tensor), PrescreenError> {
     let longest = batch.seqs.iter().map(|s| s.1).max().unwrap_or(1);
-    Ok(rope_tables(cfg, longest.max(1))?)
+    let (cos, sin) = rope_tables(cfg, longest.max(1))?;
+    let pos = Tensor::from_slice(&batch.positions, batch.positions.len(), &Device::Cpu)?;
+    Ok((cos.index_select(&pos, 0)?, sin.index_select(&pos, 0)?))
 }
 
 /// Bytes a class keeps per parameter when served (`fp16` → 2; 8-bit → Q8_0, 1.0625; 4-bit →

@@ -207,6 +207,18 @@ pub struct GroupMetrics {
     pub residual: Option<ResidualByBits>,
 }
 
+impl GroupMetrics {
+    /// What the group costs in 4 bits and in 8 (`(w4a16, w8a8_per_channel)`) when a weight
+    /// budget chooses its width: the error it adds to the residual stream, or its own output
+    /// KL in a plan written before that was measured.
+    pub fn bits_cost(&self) -> (f64, f64) {
+        match &self.residual {
+            Some(r) => (r.w4a16, r.w8a8_per_channel),
+            None => (self.kl.w4a16, self.kl.w8a8_per_channel),
+        }
+    }
+}
+
 /// [`GroupMetrics::residual`]: per bit width a weight budget chooses between.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]

@@ -47,12 +47,6 @@ use quantmesh_types::{PrecisionClass, Residency, SensitiveLayers};
 use serde::Serialize;
 use std::collections::BTreeMap;
 
-/// What putting a group in 4 bits costs by the pre-screen's measurement: the error it adds to
-/// the residual stream (what the weight budget's knapsack weighs), else its output KL.
-fn four_bit_cost(m: &quantmesh_types::sensitive::GroupMetrics) -> f64 {
-    m.residual.as_ref().map_or(m.kl.w4a16, |r| r.w4a16)
-}
-
 pub use quantmesh_settings::evolution::Rules;
 
 /// The engine's values where the plan says nothing (its `[engine.monitor]` defaults).
@@ -204,7 +198,7 @@ pub fn propose(
             partners
                 .entry(group_kind(&g.group).to_string())
                 .or_default()
-                .push((four_bit_cost(m), g.group.clone()));
+                .push((m.bits_cost().0, g.group.clone()));
         }
     }
     for p in partners.values_mut() {

@@ -288,10 +288,14 @@ pub(crate) fn memory_table(
         );
     }
     let all_f16 = reference.weight_bytes().all_f16 as u64;
-    for path in &args.peer {
-        let peer = crate::peer::Peer::load(path)?;
-        let (ppl, kls) = peer.score(&reference, cfg, &ids)?;
-        println!("{}", peer.row(ppl, &kls, all_f16));
+    let peers: Vec<crate::peer::Peer> = args
+        .peer
+        .iter()
+        .map(|p| crate::peer::Peer::load(p))
+        .collect::<Result<_, _>>()?;
+    let scores = crate::peer::score(&peers, &reference, cfg, &ids)?;
+    for (peer, (ppl, kls)) in peers.iter().zip(&scores) {
+        println!("{}", peer.row(*ppl, kls, all_f16));
     }
     Ok(())
 }

@@ -43,14 +43,13 @@ impl Peer {
         Ok(p)
     }
 
-    /// Perplexity of the peer's logits on `ids` and each position's KL from `reference`'s
-    /// (all-float) distribution to the peer's, in the table's windows.
-    pub(crate) fn score(
+    /// The peer's logits file, checked against the table's token ids and windows:
+    /// `positions × vocab` little-endian f32.
+    fn logits_for(
         &self,
-        reference: &LlamaModel,
         cfg: &ModelConfig,
         ids: &[u32],
-    ) -> Result<(f64, Vec<f64>), Box<dyn std::error::Error>> {
+    ) -> Result<Vec<u8>, Box<dyn std::error::Error>> {
         if self.ids != ids {
             return Err(format!(
                 "peer {:?}: its {} token ids are not the table's {} (same text, tokenizer and --ppl-tokens?)",
@@ -83,20 +82,7 @@ impl Peer {
             )
             .into());
         }
-        let all_float = PathMask::all_groups_float(cfg.num_hidden_layers);
-        let (mut nll, mut kls) = (0f64, Vec::with_capacity(positions));
-        let mut rows = bytes.chunks_exact(vocab * 4).map(|row| {
-            row.chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect::<Vec<f32>>()
-        });
-        walk_windows(cfg, ids, &[(reference, &all_float, false)], |next, want| {
-            let got = rows.next().ok_or("peer logits ended early")?;
-            nll += quantmesh_model::ops::nll_logits(&got, next);
-            kls.push(quantmesh_model::ops::kl_logits(&want[0], &got));
-            Ok(())
-        })?;
-        Ok(((nll / kls.len().max(1) as f64).exp(), kls))
+        Ok(bytes)
     }
 
     /// The peer's row of the memory table (`all_f16`: the model's all-16-bit bytes).
@@ -119,4 +105,44 @@ impl Peer {
             100.0 * worst_share
         )
     }
+}
+
+/// A peer's perplexity and its per-position KLs.
+pub(crate) type Scored = (f64, Vec<f64>);
+
+/// Each peer's perplexity on `ids` and each position's KL from `reference`'s (all-float)
+/// distribution to the peer's, in the table's windows: one walk of the reference for all.
+pub(crate) fn score(
+    peers: &[Peer],
+    reference: &LlamaModel,
+    cfg: &ModelConfig,
+    ids: &[u32],
+) -> Result<Vec<Scored>, Box<dyn std::error::Error>> {
+    if peers.is_empty() {
+        return Ok(Vec::new());
+    }
+    let logits: Vec<Vec<u8>> = peers
+        .iter()
+        .map(|p| p.logits_for(cfg, ids))
+        .collect::<Result<_, _>>()?;
+    let row_bytes = cfg.vocab_size * 4;
+    let mut scores: Vec<Scored> = peers.iter().map(|_| (0.0, Vec::new())).collect();
+    let all_float = PathMask::all_groups_float(cfg.num_hidden_layers);
+    let mut position = 0;
+    walk_windows(cfg, ids, &[(reference, &all_float, false)], |next, want| {
+        for ((nll, kls), bytes) in scores.iter_mut().zip(&logits) {
+            let got: Vec<f32> = bytes[position * row_bytes..(position + 1) * row_bytes]
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            *nll += quantmesh_model::ops::nll_logits(&got, next);
+            kls.push(quantmesh_model::ops::kl_logits(&want[0], &got));
+        }
+        position += 1;
+        Ok(())
+    })?;
+    Ok(scores
+        .into_iter()
+        .map(|(nll, kls)| ((nll / kls.len().max(1) as f64).exp(), kls))
+        .collect())
 }
