@@ -3,7 +3,7 @@
 //! activation statistics straight to the monitor (never waiting for it).
 
 use crate::backend::Backend;
-use crate::backend::{PreparedGroup, StepInput};
+use crate::backend::{PreparedGroup, PreparedTables, StepInput};
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
 use crate::metrics::{EngineMetrics, RowPathLabel, StepFailureCause};
@@ -19,12 +19,15 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 #[rtype(result = "Result<StepOutput, EngineError>")]
 pub struct Execute(pub StepInput);
 
-/// Config actor → executor: replace these linear groups (built in the background) between
-/// two steps, all or nothing. Replies with the resident weight bytes after the swap (all,
-/// linear groups).
+/// Config actor → executor: replace these linear groups and, when their form changes, the
+/// vocabulary tables (built in the background) between two steps, all or nothing. Replies
+/// with the resident weight bytes after the swap (all, linear groups).
 #[derive(Message)]
 #[rtype(result = "Result<(usize, usize), EngineError>")]
-pub struct SwapGroups(pub Vec<PreparedGroup>);
+pub struct SwapWeights {
+    pub groups: Vec<PreparedGroup>,
+    pub tables: Option<PreparedTables>,
+}
 
 /// Everything the executor owns. Behind a mutex only so the sync arbiter's factory can
 /// hand it to its single thread; nothing else touches it.
@@ -34,7 +37,7 @@ pub struct SwapGroups(pub Vec<PreparedGroup>);
 /// after a step succeeds, so half-written KV is never shared) and the thread, the weights
 /// and the other sequences' KV carry on. The state holds nothing a panic can leave half
 /// updated besides the failed step's own KV slots: the weights change only by
-/// [`SwapGroups`], which replaces them whole.
+/// [`SwapWeights`], which replaces them whole.
 pub struct ExecutorState {
     pub backend: Box<dyn Backend>,
     pub kv: KvCache,
@@ -186,13 +189,13 @@ impl Handler<Execute> for ExecutorActor {
     }
 }
 
-impl Handler<SwapGroups> for ExecutorActor {
+impl Handler<SwapWeights> for ExecutorActor {
     type Result = Result<(usize, usize)>;
-    fn handle(&mut self, msg: SwapGroups, _: &mut Self::Context) -> Self::Result {
+    fn handle(&mut self, msg: SwapWeights, _: &mut Self::Context) -> Self::Result {
         let mut guard = self.state();
         let st = &mut *guard;
         contained(|| {
-            st.backend.replace_groups(msg.0)?;
+            st.backend.replace_weights(msg.groups, msg.tables)?;
             let (resident, linear) = (st.backend.resident_bytes(), st.backend.linear_bytes());
             let weights = st.backend.weight_bytes();
             st.metrics.set_weights(&weights);

@@ -44,16 +44,18 @@ impl LivePlan {
 }
 
 /// Bytes the vocabulary tables stored as `dtype` take beyond Q8_0 (one table when tied;
-/// widths 32 does not divide have no Q8_0 form and are f16 already).
+/// widths 32 does not divide have no Q8_0 or `q4_s8` form and are f16 already); none for a
+/// form smaller than Q8_0.
 pub fn table_extra_bytes(cfg: &ModelConfig, dtype: EmbeddingDtype) -> usize {
     let tables = if cfg.tie_word_embeddings { 1 } else { 2 };
-    let values = tables * cfg.vocab_size * cfg.hidden_size;
     let floor = if cfg.hidden_size.is_multiple_of(32) {
         EmbeddingDtype::Q8_0
     } else {
         EmbeddingDtype::F16
     };
-    let bytes = |d: EmbeddingDtype| crate::backend::table_bytes(d, values).unwrap_or(0);
+    let bytes = |d: EmbeddingDtype| {
+        tables * crate::backend::table_bytes(d, cfg.vocab_size, cfg.hidden_size).unwrap_or(0)
+    };
     bytes(dtype).saturating_sub(bytes(floor))
 }
 
@@ -137,9 +139,12 @@ pub fn resolve(
         .and_then(|(p, _)| p.file.float_budget)
         .unwrap_or(base.float_budget);
     let budget_bytes = setting.bytes(int8_bytes);
-    let (embeddings, table_bytes) = budget::tables(base.embeddings, budget_bytes, &|d| {
-        table_extra_bytes(cfg, d)
-    });
+    // The plan's tables win over the engine's setting (a weight budget writes them).
+    let tables = file
+        .and_then(|(p, _)| p.file.tables)
+        .unwrap_or(base.embeddings);
+    let (embeddings, table_bytes) =
+        budget::tables(tables, budget_bytes, &|d| table_extra_bytes(cfg, d));
     let mut budget = budget::apply(
         &mut residency,
         budget_bytes.map(|b| b.saturating_sub(table_bytes)),

@@ -15,4 +15,6 @@ pub enum PrescreenError {
     Calibration(String),
     #[error("tensor computation: {0}")]
     Compute(#[from] candle_core::Error),
+    #[error("quantizing: {0}")]
+    Kernel(#[from] quantmesh_kernels::KernelError),
 }

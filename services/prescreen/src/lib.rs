@@ -12,14 +12,15 @@ pub mod metrics;
 pub mod quant;
 pub mod rules;
 pub mod scan;
+pub mod tables;
 
 pub use error::PrescreenError;
 
 use quantmesh_model::{model_shape, Checkpoint, ModelConfig, TextTokenizer};
 use quantmesh_types::sensitive::{CalibrationInfo, Generator, HookThresholds, ModelFingerprint};
 use quantmesh_types::{
-    FloatBudget, GroupEntry, PrecisionClass, Residency, SensitiveLayers, WeightBudget,
-    SENSITIVE_LAYERS_SCHEMA_VERSION,
+    EmbeddingDtype, FloatBudget, GroupEntry, PrecisionClass, Residency, SensitiveLayers,
+    WeightBudget, SENSITIVE_LAYERS_SCHEMA_VERSION,
 };
 use rules::Rules;
 use std::collections::BTreeMap;
@@ -67,9 +68,13 @@ pub struct BitsOutcome {
     /// Groups in 4 and in 8 bits.
     pub four: usize,
     pub eight: usize,
-    /// Σ of the chosen forms' pre-screen KLs, and with every group in 8 bits.
+    /// Σ of the chosen forms' predicted losses (the tables' included), and with every group
+    /// and the tables in 8 bits.
     pub predicted_loss: f64,
     pub predicted_loss_all8: f64,
+    /// The vocabulary tables' form when the budget chose it (`q8_0` or `q4_s8`); `None`
+    /// where their width has neither (they count as fixed 8-bit bytes).
+    pub tables: Option<EmbeddingDtype>,
 }
 
 /// Per-class totals for the summary table.
@@ -218,11 +223,13 @@ pub fn run(opts: &Options, progress: &dyn scan::Progress) -> Result<Outcome, Pre
     }
     let (bits, float_budget) = match opts.weight_budget {
         Some(b) => {
-            let (outcome, reserve) = fit_bits(&mcfg, b, &mut scored_all)?;
+            let tables = tables::costs(&ck, &mcfg, &batch, &h)?;
+            let (outcome, reserve) = fit_bits(&mcfg, b, &mut scored_all, tables)?;
             (Some(outcome), Some(FloatBudget::Bytes(reserve)))
         }
         None => (None, None),
     };
+    drop(h);
     let mut groups: BTreeMap<String, GroupEntry> = BTreeMap::new();
     let mut per_class: BTreeMap<String, ClassTotals> = BTreeMap::new();
     let (mut all_fp16, mut formats, mut served) = (0.0, 0.0, 0.0);
@@ -277,6 +284,11 @@ pub fn run(opts: &Options, progress: &dyn scan::Progress) -> Result<Outcome, Pre
             request_kl_limit: Some(hook.request_kl_limit),
         },
         groups,
+        // 4-bit tables are the weight budget's choice; otherwise the engine's setting (its
+        // `auto` puts 16-bit tables in the float budget when they fit).
+        tables: bits
+            .as_ref()
+            .and_then(|b| (b.tables == Some(EmbeddingDtype::Q4S8)).then_some(EmbeddingDtype::Q4S8)),
         // The server's own budget applies (the first-load plan sets 10 %) unless a weight
         // budget reserved the float copies' share; an operator or the evolution job writes
         // one here to change it by reload.
@@ -311,9 +323,10 @@ fn fit_bits(
     cfg: &ModelConfig,
     budget: WeightBudget,
     scored: &mut [(quantmesh_types::GroupId, scan::Scored)],
+    tables: Option<tables::TableCost>,
 ) -> Result<(BitsOutcome, u64), PrescreenError> {
-    let tables = if cfg.tie_word_embeddings { 1 } else { 2 };
-    let table_params = tables * cfg.vocab_size * cfg.hidden_size;
+    let table_count = if cfg.tie_word_embeddings { 1 } else { 2 };
+    let table_params = table_count * cfg.vocab_size * cfg.hidden_size;
     let norm_params = cfg.hidden_size * (2 * cfg.num_hidden_layers + 1);
     let linear_params: usize = scored.iter().map(|(_, s)| s.params).sum();
     let all_f16 = 2 * (table_params + norm_params + linear_params) as u64;
@@ -346,8 +359,23 @@ fn fit_bits(
     // The bits come first: the pre-screen measures what each group loses in 4 and 8 bits,
     // not what its float copy would win back. The float copies' reserve takes what the bits
     // leave, up to its share.
-    let table_bytes =
-        tables as u64 * scan::format_bytes(PrecisionClass::W8a8, cfg.vocab_size, cfg.hidden_size);
+    // The vocabulary tables are the last candidate when they have both forms; otherwise
+    // fixed bytes.
+    let table_bytes = match tables {
+        Some(t) => {
+            candidates.push(bits::Candidate {
+                bytes4: t.bytes4,
+                bytes8: t.bytes8,
+                loss4: t.loss4,
+                loss8: t.loss8,
+            });
+            0
+        }
+        None => {
+            table_count as u64
+                * scan::format_bytes(PrecisionClass::W8a8, cfg.vocab_size, cfg.hidden_size)
+        }
+    };
     let fixed = table_bytes + 4 * norm_params as u64 + float;
     let budget_bytes = budget.bytes(all_f16);
     let choice = bits::choose(&candidates, fixed, budget_bytes).map_err(|e| {
@@ -359,6 +387,10 @@ fn fit_bits(
     })?;
     let copies = reserve.min(budget_bytes - fixed - choice.bytes);
     float += copies;
+    let table_form = tables.map(|_| match choice.bits.last() {
+        Some(bits::Bits::Four) => EmbeddingDtype::Q4S8,
+        _ => EmbeddingDtype::Q8_0,
+    });
     let mut four = 0;
     for (&i, &b) in index.iter().zip(&choice.bits) {
         let entry = &mut scored[i].1.entry;
@@ -377,9 +409,10 @@ fn fit_bits(
         planned_bytes: fixed + choice.bytes + copies,
         all_f16_bytes: all_f16,
         four,
-        eight: candidates.len() - four,
+        eight: index.len() - four,
         predicted_loss: choice.loss,
         predicted_loss_all8: candidates.iter().map(|c| c.loss8).sum(),
+        tables: table_form,
     };
     tracing::info!(?outcome, "pre-screen: bits fitted to the weight budget");
     Ok((outcome, float))
@@ -406,8 +439,8 @@ pub fn bits_line(b: &BitsOutcome) -> String {
     let mib = |v: u64| v as f64 / (1u64 << 20) as f64;
     format!(
         "weight budget {} = {:.2} MiB: planned {:.2} MiB ({:.3}x all-16-bit, smallest possible \
-         {:.2} MiB); {} groups in 4 bits, {} in 8; predicted loss (summed residual error) \
-         {:.4} vs {:.4} all-8-bit\n",
+         {:.2} MiB); {} groups in 4 bits, {} in 8, vocabulary tables in {}; predicted loss \
+         (summed residual error) {:.4} vs {:.4} all-8-bit\n",
         b.setting,
         mib(b.budget_bytes),
         mib(b.planned_bytes),
@@ -415,6 +448,8 @@ pub fn bits_line(b: &BitsOutcome) -> String {
         mib(b.minimum_bytes),
         b.four,
         b.eight,
+        b.tables
+            .map_or("f16 (no 8- or 4-bit form at this width)", |t| t.as_str()),
         b.predicted_loss,
         b.predicted_loss_all8,
     )

@@ -5,7 +5,7 @@
 
 use quantmesh_model::bundled::{init_model, InitOptions, Planted, StoreDtype};
 use quantmesh_prescreen::{run, scan::Progress, Options, PrescreenError};
-use quantmesh_types::{GroupId, PrecisionClass, Residency, SensitiveLayers};
+use quantmesh_types::{EmbeddingDtype, GroupId, PrecisionClass, Residency, SensitiveLayers};
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -209,8 +209,12 @@ async fn a_weight_budget_plan_mixes_bits_and_fits_when_served() {
         ..opts(dir.path())
     };
     let count = Count(AtomicUsize::new(0));
-    let roomy = run(&with("2x"), &count).unwrap().bits.unwrap();
+    let roomy_out = run(&with("2x"), &count).unwrap();
+    let roomy = roomy_out.bits.unwrap();
     assert_eq!(roomy.four, 0, "{roomy:?}");
+    // Room for everything: the tables stay 8-bit and the plan leaves them to the engine.
+    assert_eq!(roomy.tables, Some(EmbeddingDtype::Q8_0));
+    assert_eq!(roomy_out.file.tables, None);
     let (min, max) = (roomy.minimum_bytes, roomy.planned_bytes);
     assert!(min < max, "{roomy:?}");
     let budget = (min + max) / 2;
@@ -267,7 +271,30 @@ async fn a_weight_budget_plan_mixes_bits_and_fits_when_served() {
         max_tokens: 4,
         ..Default::default()
     };
-    let (_, _, usage, _) = engine.generate(ids, params).await.unwrap().collect().await;
+    let (_, _, usage, _) = engine
+        .generate(ids, params.clone())
+        .await
+        .unwrap()
+        .collect()
+        .await;
+    assert_eq!(usage.completion_tokens, 4);
+
+    // The smallest plan: every group and the vocabulary tables in 4 bits, served as such.
+    let smallest = run(&with(&min.to_string()), &count).unwrap();
+    let bits = smallest.bits.clone().unwrap();
+    assert_eq!((bits.eight, bits.tables), (0, Some(EmbeddingDtype::Q4S8)));
+    assert_eq!(smallest.file.tables, Some(EmbeddingDtype::Q4S8));
+    let engine = serve(dir.path(), &smallest.bytes).await;
+    let resident = engine.stats().resident_weight_bytes as u64;
+    assert!(resident <= min, "served {resident} bytes > budget {min}");
+    assert_eq!(engine.config_status().tables, Some(EmbeddingDtype::Q4S8));
+    let ids = engine.encode("Hello, world.".into(), true).await.unwrap();
+    let (_, _, usage, _) = engine
+        .generate(ids, params.clone())
+        .await
+        .unwrap()
+        .collect()
+        .await;
     assert_eq!(usage.completion_tokens, 4);
 
     match run(&with(&(min - 1).to_string()), &count) {
@@ -278,5 +305,46 @@ async fn a_weight_budget_plan_mixes_bits_and_fits_when_served() {
             )
         }
         other => panic!("{:?}", other.map(|o| o.bits)),
+    }
+}
+
+/// The vocabulary tables' costs, measured as the engine stores them: both forms cost
+/// something, 4 bits far more than Q8_0 (16 levels against 255), on the lookup and the
+/// projection alike; the bytes are the served forms' (one table when tied).
+#[test]
+fn the_tables_cost_more_in_four_bits_than_in_eight() {
+    use candle_core::{Device, Tensor};
+    use quantmesh_model::{Checkpoint, ModelConfig};
+    use quantmesh_prescreen::{scan::Batch, tables};
+    for seed in [1u64, 7] {
+        let dir = tempfile::tempdir().unwrap();
+        init_model(
+            dir.path(),
+            &InitOptions {
+                seed,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let cfg = ModelConfig::load(dir.path()).unwrap();
+        let ck = Checkpoint::open(dir.path()).unwrap();
+        let prompts: Vec<Vec<u32>> = (0..4)
+            .map(|p| {
+                (0..40)
+                    .map(|i| ((p * 41 + i * 7) % cfg.vocab_size) as u32)
+                    .collect()
+            })
+            .collect();
+        let batch = Batch::new(&prompts, 64).unwrap();
+        let h = Tensor::randn(0f32, 1.0, (160, cfg.hidden_size), &Device::Cpu).unwrap();
+        let t = tables::costs(&ck, &cfg, &batch, &h).unwrap().unwrap();
+        assert!(
+            t.loss8 > 0.0 && t.loss4 > 20.0 * t.loss8,
+            "seed {seed}: {t:?}"
+        );
+        let n = if cfg.tie_word_embeddings { 1 } else { 2 };
+        let values = (n * cfg.vocab_size * cfg.hidden_size) as u64;
+        assert_eq!(t.bytes8, values / 32 * 34);
+        assert!(t.bytes4 * 10 < t.bytes8 * 6, "{t:?}");
     }
 }

@@ -16,10 +16,13 @@ R < 50 and KL(per-channel) < 0.05 -> w8a8_per_channel; otherwise fp16 (threshold
 
 With --weight-budget (bytes like 100MiB, or a share of the all-16-bit model like 0.38x) it
 then chooses each non-fp16 group's bits, 4 (w4a16) or 8, so that the resident weights fit:
-the mix with the least summed KL, found exactly by a knapsack over the measured costs. The
-vocabulary tables (8-bit), norms and fp16 groups count against it; float copies get what the
-chosen bits leave, up to 10 % of the 8-bit linear weights (written as the plan's float_budget).
-A budget below every-group-in-4-bits is rejected with the smallest that fits.
+the mix with the least summed loss (each group's error where it reaches the residual stream),
+found exactly by a knapsack over the measured costs. The vocabulary tables are one more
+candidate, 8 or 4 bits (their error measured on the embedding lookup and on the logits; a
+4-bit choice is written as the plan's tables). Norms and fp16 groups count against it as they
+are; float copies get what the chosen bits leave, up to 10 % of the 8-bit linear weights
+(written as the plan's float_budget). A budget below the smallest plan (every group and the
+tables in 4 bits) is rejected with the smallest that fits.
 
 The checkpoint is memory-mapped and read in blocks of rows, one tensor at a time. Same inputs
 and --timestamp give a byte-identical file. With --upload the file is stored under

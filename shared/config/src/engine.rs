@@ -36,7 +36,8 @@ pub struct EngineConfig {
     pub weight_budget: Option<WeightBudget>,
     /// How the token embedding and `lm_head` are stored: `auto` (default: f16 when their
     /// bytes beyond Q8_0 fit in `float_budget`, which serves them first; else `q8_0`),
-    /// `q8_0`, `f16` or `f32`. 16-bit tables are charged to the float budget either way.
+    /// `q8_0`, `q4_s8`, `f16` or `f32`. 16-bit tables are charged to the float budget either
+    /// way. A plan's `tables` (a weight budget writes `q4_s8` there) wins over this.
     pub embeddings: EmbeddingDtype,
     /// Which rows on the quantized path carry ≈ 16-bit activations (no extra memory; one
     /// pass at the cost of 8-bit ones, on Q8_0 and 4-bit weights alike): `all` (default; the Q8_0 `lm_head` too), `copyless` (rows that want

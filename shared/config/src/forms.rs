@@ -1,5 +1,6 @@
 //! The forms weights are stored and computed in, as the configuration names them.
 
+pub use quantmesh_types::EmbeddingDtype;
 use serde::{Deserialize, Serialize};
 
 /// Which rows on the quantized path carry their activations to ≈ 16 bits (W8A16): the
@@ -82,46 +83,6 @@ impl FloatDtype {
             FloatDtype::F16 => "f16",
             FloatDtype::Bf16 => "bf16",
             FloatDtype::F32 => "f32",
-        }
-    }
-}
-
-/// How the vocabulary tables (token embedding, `lm_head`) are stored.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum EmbeddingDtype {
-    /// 8 bits with a scale per 32 values (llama.cpp's usual output format).
-    #[default]
-    #[serde(rename = "q8_0")]
-    Q8_0,
-    F16,
-    F32,
-    /// A setting, not a form (`engine.embeddings`, the default): f16 when the tables' bytes
-    /// beyond Q8_0 fit in the float budget (they are served first), else Q8_0. The plan
-    /// resolves it (`plan::resolve`) before anything is loaded.
-    Auto,
-}
-
-impl EmbeddingDtype {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            EmbeddingDtype::Q8_0 => "q8_0",
-            EmbeddingDtype::F16 => "f16",
-            EmbeddingDtype::F32 => "f32",
-            EmbeddingDtype::Auto => "auto",
-        }
-    }
-}
-
-impl std::str::FromStr for EmbeddingDtype {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "q8_0" => Ok(EmbeddingDtype::Q8_0),
-            "f16" => Ok(EmbeddingDtype::F16),
-            "f32" => Ok(EmbeddingDtype::F32),
-            "auto" => Ok(EmbeddingDtype::Auto),
-            other => Err(format!("{other:?} is not auto, q8_0, f16 or f32")),
         }
     }
 }

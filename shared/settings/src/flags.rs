@@ -49,7 +49,8 @@ pub struct ServeFlags {
     pub split_activations: Option<quantmesh_config::SplitActivations>,
     /// How the token embedding and lm_head are stored: `auto` [default] (f16 when their
     /// bytes beyond Q8_0 fit in the float budget, which serves them first; else q8_0),
-    /// `q8_0`, `f16` or `f32` (16-bit tables are charged to the float budget).
+    /// `q8_0`, `q4_s8`, `f16` or `f32` (16-bit tables are charged to the float budget; a
+    /// plan's `tables`, written by a weight budget, wins).
     #[arg(long, env = "QUANTMESH_EMBEDDINGS")]
     pub embeddings: Option<quantmesh_config::EmbeddingDtype>,
     /// sensitive_layers.json to serve with: a path, or an object-store URL (file://; s3://,

@@ -5,6 +5,7 @@
 
 pub mod budget;
 pub mod events;
+pub mod forms;
 pub mod generation;
 pub mod precision;
 pub mod sensitive;
@@ -17,6 +18,7 @@ pub use events::{
     Granularity, KlReference, WindowEvent, WindowGroup, CONFIG_EVENT_SCHEMA_VERSION,
     FALLBACK_EVENT_SCHEMA_VERSION, MAX_WINDOW_KL_SAMPLES, WINDOW_EVENT_SCHEMA_VERSION,
 };
+pub use forms::EmbeddingDtype;
 pub use generation::{
     FinishReason, SamplingError, SamplingParams, TokenLogprobs, Usage, MAX_TOP_LOGPROBS,
 };

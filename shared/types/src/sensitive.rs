@@ -43,6 +43,12 @@ pub struct SensitiveLayers {
     /// like residencies (optional, added in v1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub float_budget: Option<crate::FloatBudget>,
+    /// How the vocabulary tables (token embedding, `lm_head`) are stored: `q8_0`, `q4_s8`,
+    /// `f16`, `f32` or `auto`; absent: the engine's `engine.embeddings`. Written by a weight
+    /// budget that put the tables in 4 bits; applied on every reload (the tables are rebuilt
+    /// off the serving thread and swapped between two steps, like groups).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tables: Option<crate::EmbeddingDtype>,
 }
 
 /// Identifies a checkpoint.

@@ -284,12 +284,8 @@ impl Engine {
             shape,
             live,
         } = parts;
-        // The tables are stored once, at load: later plans (hot reload) resolve against the
-        // form they got, so the budget keeps charging what is resident.
-        let cfg = EngineConfig {
-            embeddings: live.embeddings,
-            ..cfg
-        };
+        // Later plans (hot reload) resolve against the same settings as this one; a plan
+        // whose tables resolve to another form rebuilds them.
         let registry = start.registry.clone().unwrap_or_default();
         let wiring = Wiring::new(&start, &registry, &cfg, &mcfg, backend.as_ref())?;
         if let Ok(mut st) = wiring.config_status.lock() {
@@ -297,7 +293,7 @@ impl Engine {
         }
         log_plan(&live, &cfg, &backend.weight_bytes());
         let monitor = wiring.start_monitor(&cfg, &live, backend.as_ref());
-        let loader = backend.group_loader();
+        let (loader, table_loader) = (backend.group_loader(), backend.table_loader());
         let executor = wiring.start_executor(&cfg, &mcfg, backend, monitor.as_ref());
         let config_actor = origin.source.map(|source| {
             ConfigActor {
@@ -312,6 +308,7 @@ impl Engine {
                     executor: executor.clone(),
                     monitor: monitor.clone(),
                     loader,
+                    table_loader,
                     sinks: wiring.sinks.clone(),
                     status: wiring.config_status.clone(),
                     metrics: wiring.metrics.clone(),

@@ -169,11 +169,14 @@ impl ColumnError {
 
 pub use quantmesh_config::{EmbeddingDtype, FloatDtype, Forms, SplitActivations};
 
-/// Bytes of `values` vocabulary-table values in form `d` (Q8_0 by [`QuantFormat::bytes`];
-/// `None` for `Auto`, which is not a form).
-pub fn table_bytes(d: EmbeddingDtype, values: usize) -> Option<usize> {
+/// Bytes of a `rows × cols` vocabulary table in form `d` (Q8_0 by [`QuantFormat::bytes`],
+/// `q4_s8` as [`quantmesh_kernels::PackedQ4`] holds it; `None` for `Auto`, which is not a
+/// form).
+pub fn table_bytes(d: EmbeddingDtype, rows: usize, cols: usize) -> Option<usize> {
+    let values = rows * cols;
     match d {
         EmbeddingDtype::Q8_0 => Some(QuantFormat::Q8_0.bytes(1, values)),
+        EmbeddingDtype::Q4S8 => Some(quantmesh_kernels::PackedQ4::bytes_for(rows, cols)),
         EmbeddingDtype::F16 => Some(2 * values),
         EmbeddingDtype::F32 => Some(4 * values),
         EmbeddingDtype::Auto => None,
@@ -339,7 +342,7 @@ impl WeightBytes {
 }
 
 /// A linear group built off the serving thread, in its backend's own form, waiting to be
-/// swapped in by [`Backend::replace_groups`].
+/// swapped in by [`Backend::replace_weights`].
 pub struct PreparedGroup {
     pub group: GroupId,
     pub form: GroupForm,
@@ -353,6 +356,17 @@ pub struct PreparedGroup {
 /// hot reload, so it takes no backend reference).
 pub type GroupLoader =
     fn(&Checkpoint, &ModelConfig, GroupId, GroupForm, FloatDtype) -> Result<PreparedGroup>;
+
+/// The vocabulary tables built off the serving thread in a new form, waiting to be swapped
+/// in with the groups by [`Backend::replace_weights`].
+pub struct PreparedTables {
+    pub form: EmbeddingDtype,
+    pub(crate) inner: Box<dyn Any + Send>,
+}
+
+/// Builds the vocabulary tables in a form from the checkpoint (background thread, like
+/// [`GroupLoader`]).
+pub type TableLoader = fn(&Checkpoint, &ModelConfig, EmbeddingDtype) -> Result<PreparedTables>;
 
 /// A device that runs the Llama-family forward pass with per-group dual precision.
 pub trait Backend: Send + 'static {
@@ -381,9 +395,16 @@ pub trait Backend: Send + 'static {
     fn weight_bytes(&self) -> WeightBytes;
     /// How this backend stores float copies.
     fn float_dtype(&self) -> FloatDtype;
-    /// Put prepared groups in place, all or nothing (every replacement checked first).
-    /// Called between two steps, so a step never sees a half-applied plan.
-    fn replace_groups(&mut self, groups: Vec<PreparedGroup>) -> Result<()>;
-    /// How this backend builds a group for [`Backend::replace_groups`].
+    /// Put prepared groups (and tables, when their form changes) in place, all or nothing
+    /// (every replacement checked first). Called between two steps, so a step never sees a
+    /// half-applied plan.
+    fn replace_weights(
+        &mut self,
+        groups: Vec<PreparedGroup>,
+        tables: Option<PreparedTables>,
+    ) -> Result<()>;
+    /// How this backend builds a group for [`Backend::replace_weights`].
     fn group_loader(&self) -> GroupLoader;
+    /// How this backend builds the vocabulary tables for [`Backend::replace_weights`].
+    fn table_loader(&self) -> TableLoader;
 }

@@ -6,10 +6,10 @@
 //!  ConfigActor ──(timer: Poll, or ReloadNow from SIGHUP / POST /admin/config/reload)
 //!     │  read source (object_store) → md5 → unchanged? done
 //!     │  parse + validate (schema v1, against the model's layout) → invalid? keep old, count, event
-//!     │  resolve plan → groups whose residency changes
+//!     │  resolve plan → groups whose form changes (and the tables, when theirs does)
 //!     ├─ background thread: load those groups from the memory-mapped checkpoint
 //!     │  (float copy read / INT8 quantized) ── nothing is swapped until all are ready
-//!     ├─ SwapGroups ──▶ ExecutorActor   (between two steps: a step sees the old plan or the new)
+//!     ├─ SwapWeights ─▶ ExecutorActor   (between two steps: a step sees the old plan or the new)
 //!     ├─ Reconfigure ─▶ MonitorActor    (thresholds; k at once, rates at the next window)
 //!     └─ status (md5 in force, counters) + ConfigEvent to the event sinks
 //! ```
@@ -21,13 +21,13 @@
 
 use crate::backend::{
     ColumnError, EmbeddingDtype, FloatDtype, GroupForm, GroupLoader, PreparedGroup, QuantFormat,
-    SplitActivations, WeightBytes,
+    SplitActivations, TableLoader, WeightBytes,
 };
 use crate::config::EngineConfig;
 use crate::error::{EngineError, Result};
 use crate::events::EventSink;
 use crate::executor::ExecutorActor;
-use crate::executor::SwapGroups;
+use crate::executor::SwapWeights;
 use crate::metrics::{EngineMetrics, ReloadResult};
 use crate::monitor::Reconfigure;
 use crate::monitor::{uuid_v4, MonitorActor};
@@ -121,8 +121,8 @@ pub struct ConfigStatus {
     pub float_budget_bytes: Option<usize>,
     /// Bytes of the float copies the plan keeps.
     pub float_bytes: usize,
-    /// How the vocabulary tables are stored, and the bytes beyond Q8_0 they take from the
-    /// float budget (`engine.embeddings`; decided at load).
+    /// How the vocabulary tables are stored (the plan's `tables`, else `engine.embeddings`),
+    /// and the bytes beyond Q8_0 they take from the float budget.
     pub tables: Option<EmbeddingDtype>,
     pub table_bytes: usize,
     /// Which quantized-path rows carry split activations (`engine.split_activations`).
@@ -148,6 +148,8 @@ pub struct ReloaderParts {
     pub monitor: Option<Addr<MonitorActor>>,
     /// How the backend builds a group whose residency changes.
     pub loader: GroupLoader,
+    /// How it builds the vocabulary tables when their form changes.
+    pub table_loader: TableLoader,
     pub sinks: Vec<Arc<dyn EventSink>>,
     pub status: Arc<Mutex<ConfigStatus>>,
     pub metrics: EngineMetrics,
@@ -372,10 +374,10 @@ impl Reloader {
         self.event(action, md5, previous, Some(error.to_string()), vec![]);
     }
 
-    /// Build the changed groups off the actors' threads, then swap them in one message and
-    /// reconfigure the monitor. All or nothing: when reconfiguring fails after the swap, the
-    /// old groups are built and swapped back, so weights and recorded plan never disagree.
-    /// Returns the groups whose residency changed.
+    /// Build the changed groups (and the tables, when their form changes) off the actors'
+    /// threads, then swap them in one message and reconfigure the monitor. All or nothing:
+    /// when reconfiguring fails after the swap, the old forms are built and swapped back, so
+    /// weights and recorded plan never disagree. Returns the groups whose form changed.
     async fn apply(&self, old: &LivePlan, new: &LivePlan) -> Result<Vec<GroupId>> {
         let default = self.base.default_residency;
         let changed: Vec<(GroupId, GroupForm)> = new
@@ -384,18 +386,20 @@ impl Reloader {
             .map(|g| (*g, new.form(*g, default)))
             .filter(|(g, f)| old.form(*g, default) != *f)
             .collect();
-        let column_errors = if changed.is_empty() {
+        let tables = (new.embeddings != old.embeddings).then_some(new.embeddings);
+        let column_errors = if changed.is_empty() && tables.is_none() {
             Vec::new()
         } else {
-            self.swap(changed.clone()).await?
+            self.swap(changed.clone(), tables).await?
         };
         if let Err(e) = self.reconfigure(new, column_errors).await {
-            if !changed.is_empty() {
+            if !changed.is_empty() || tables.is_some() {
                 let back: Vec<(GroupId, GroupForm)> = changed
                     .iter()
                     .map(|(g, _)| (*g, old.form(*g, default)))
                     .collect();
-                match self.swap(back).await {
+                let old_tables = tables.map(|_| old.embeddings);
+                match self.swap(back, old_tables).await {
                     Ok(_) => {
                         tracing::warn!(error = %e, "reconfiguring the monitor failed: the previous weights are back")
                     }
@@ -409,22 +413,26 @@ impl Reloader {
         Ok(changed.into_iter().map(|(g, _)| g).collect())
     }
 
-    /// Build `groups` in their forms (blocking loader, off the actors' threads) and swap
-    /// them into the executor in one message. Returns the new forms' column errors.
+    /// Build `groups` in their forms and the tables in `tables` (blocking loader, off the
+    /// actors' threads) and swap them into the executor in one message. Returns the new
+    /// forms' column errors.
     async fn swap(
         &self,
         groups: Vec<(GroupId, GroupForm)>,
+        tables: Option<EmbeddingDtype>,
     ) -> Result<Vec<(GroupId, Option<Arc<ColumnError>>)>> {
         let dir = self.model_dir.clone();
         let mcfg = self.model_config.clone();
-        let load = self.loader;
+        let (load, load_tables) = (self.loader, self.table_loader);
         let float_dtype = self.base.float_dtype;
-        let built: Vec<PreparedGroup> = tokio::task::spawn_blocking(move || {
+        let (built, tables) = tokio::task::spawn_blocking(move || -> Result<_> {
             let ck = Checkpoint::open(&dir)?;
-            groups
+            let groups = groups
                 .into_iter()
                 .map(|(g, f)| load(&ck, &mcfg, g, f, float_dtype))
-                .collect::<Result<Vec<_>>>()
+                .collect::<Result<Vec<PreparedGroup>>>()?;
+            let tables = tables.map(|t| load_tables(&ck, &mcfg, t)).transpose()?;
+            Ok((groups, tables))
         })
         .await
         .map_err(|e| EngineError::Config(format!("group loading task failed: {e}")))??;
@@ -433,7 +441,10 @@ impl Reloader {
             .map(|p| (p.group, p.column_error.clone()))
             .collect();
         self.executor
-            .send(SwapGroups(built))
+            .send(SwapWeights {
+                groups: built,
+                tables,
+            })
             .await
             .map_err(|_| EngineError::Stopped)??;
         Ok(column_errors)

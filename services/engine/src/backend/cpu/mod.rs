@@ -12,8 +12,9 @@ pub mod reference;
 pub mod table;
 
 use crate::backend::{
-    Backend, FloatDtype, Forms, GroupForm, GroupLoader, GroupOutcome, PassOutput, PreparedGroup,
-    QuantFormat, Router, RowPath, StepInput, WeightBytes,
+    Backend, EmbeddingDtype, FloatDtype, Forms, GroupForm, GroupLoader, GroupOutcome, PassOutput,
+    PreparedGroup, PreparedTables, QuantFormat, Router, RowPath, StepInput, TableLoader,
+    WeightBytes,
 };
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
@@ -146,6 +147,39 @@ fn prepare_group(
     })
 }
 
+/// The token embedding and `lm_head` in `form` (one table, shared, when tied or when the
+/// checkpoint has no `lm_head`).
+fn load_tables(
+    ck: &Checkpoint,
+    cfg: &ModelConfig,
+    form: EmbeddingDtype,
+) -> Result<(Arc<Table>, Arc<Table>)> {
+    let (h, v) = (cfg.hidden_size, cfg.vocab_size);
+    let embed_w = ck.load_f32_shaped(names::EMBED, &[v, h])?;
+    let embed = Arc::new(Table::new(&embed_w, form)?);
+    drop(embed_w);
+    let lm_head = if ck.contains(names::LM_HEAD) && !cfg.tie_word_embeddings {
+        Arc::new(Table::new(
+            &ck.load_f32_shaped(names::LM_HEAD, &[v, h])?,
+            form,
+        )?)
+    } else {
+        embed.clone()
+    };
+    Ok((embed, lm_head))
+}
+
+fn prepare_tables(
+    ck: &Checkpoint,
+    cfg: &ModelConfig,
+    form: EmbeddingDtype,
+) -> Result<PreparedTables> {
+    Ok(PreparedTables {
+        form,
+        inner: Box::new(load_tables(ck, cfg, form)?),
+    })
+}
+
 struct Layer {
     input_norm: Tensor,
     post_norm: Tensor,
@@ -196,19 +230,9 @@ impl LlamaModel {
         forms: Forms,
     ) -> Result<Self> {
         let float_dtype = forms.float;
-        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
-        let embed_w = ck.load_f32_shaped(names::EMBED, &[v, h])?;
-        let embed = Arc::new(Table::new(&embed_w, forms.embeddings)?);
+        let h = cfg.hidden_size;
+        let (embed, lm_head) = load_tables(ck, cfg, forms.embeddings)?;
         let norm = ck.load_f32_shaped(names::FINAL_NORM, &[h])?;
-        let lm_head = if ck.contains(names::LM_HEAD) && !cfg.tie_word_embeddings {
-            Arc::new(Table::new(
-                &ck.load_f32_shaped(names::LM_HEAD, &[v, h])?,
-                forms.embeddings,
-            )?)
-        } else {
-            embed.clone()
-        };
-        drop(embed_w);
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for l in 0..cfg.num_hidden_layers {
             let group = |kind| {
@@ -374,7 +398,11 @@ impl Backend for LlamaModel {
         self.forms.float
     }
 
-    fn replace_groups(&mut self, groups: Vec<PreparedGroup>) -> Result<()> {
+    fn replace_weights(
+        &mut self,
+        groups: Vec<PreparedGroup>,
+        tables: Option<PreparedTables>,
+    ) -> Result<()> {
         let mut ready = Vec::with_capacity(groups.len());
         for p in groups {
             let g = p.group;
@@ -384,6 +412,31 @@ impl Backend for LlamaModel {
             self.check_replacement(g, &new)?;
             ready.push((g, *new));
         }
+        let tables = match tables {
+            Some(t) => {
+                let form = t.form;
+                let new = t
+                    .inner
+                    .downcast::<(Arc<Table>, Arc<Table>)>()
+                    .map_err(|_| {
+                        EngineError::Config(
+                            "replacement vocabulary tables were built by another backend".into(),
+                        )
+                    })?;
+                let (embed, lm_head) = *new;
+                for (old, new) in [(&self.embed, &embed), (&self.lm_head, &lm_head)] {
+                    if old.shape() != new.shape() {
+                        return Err(EngineError::Config(format!(
+                            "replacement vocabulary table has shape {:?}, expected {:?}",
+                            new.shape(),
+                            old.shape()
+                        )));
+                    }
+                }
+                Some((form, embed, lm_head))
+            }
+            None => None,
+        };
         for (g, new) in ready {
             if let Some(r) = &self.reference {
                 if new.residency().has_float() {
@@ -393,11 +446,20 @@ impl Backend for LlamaModel {
             // The replaced forms (e.g. a float copy no longer wanted) are freed here.
             self.layers[g.layer].groups[g.kind.index()] = new;
         }
+        if let Some((form, embed, lm_head)) = tables {
+            self.embed = embed;
+            self.lm_head = lm_head;
+            self.forms.embeddings = form;
+        }
         Ok(())
     }
 
     fn group_loader(&self) -> GroupLoader {
         prepare_group
+    }
+
+    fn table_loader(&self) -> TableLoader {
+        prepare_tables
     }
 
     fn pass(

@@ -1,32 +1,41 @@
 //! The vocabulary tables: the token embedding (row lookups) and the output projection
-//! (`lm_head`, a matmul), stored in f32, f16, or 8 bits (Q8_0: blocks of 32 values with one
-//! f16 scale, as llama.cpp stores them). A tied model keeps one copy for both uses; in Q8_0
-//! the lookup decodes the rows it needs straight from the blocks the matmul reads, and the
-//! projection can split its activations like a linear group (`engine.split_activations =
-//! all`), so the logits carry only the table's weight error.
+//! (`lm_head`, a matmul), stored in f32, f16, 8 bits (Q8_0: blocks of 32 values with one
+//! f16 scale, as llama.cpp stores them) or 4 bits (`q4_s8`, the form of 4-bit groups, which a
+//! weight budget picks when the bytes serve the linear groups better). A tied model keeps
+//! one copy for both uses; quantized, the lookup decodes the rows it needs straight from the
+//! blocks the matmul reads, and the projection can split its activations like a linear
+//! group (`engine.split_activations = all`), so the logits carry only the table's weight
+//! error.
 
-use crate::backend::cpu::linear::{float_matmul, q8_product, with_f32_rows};
+use crate::backend::cpu::linear::{float_matmul, q4_product, q8_product, with_f32_rows};
 use crate::backend::EmbeddingDtype;
 use crate::error::{EngineError, Result};
 use candle_core::{DType, Device, Tensor};
-use quantmesh_kernels::{ActBits, PackedQ8};
+use quantmesh_kernels::{ActBits, PackedQ4, PackedQ8};
 
 pub enum Table {
     Float(Tensor),
     /// On the linear groups' Q8_0 kernel; lookups dequantize rows from the same tiles.
     Q8(PackedQ8),
+    /// On the 4-bit groups' kernel, the same way.
+    Q4(PackedQ4),
 }
 
 impl Table {
-    /// `w` is the f32 table `[rows, cols]`. Q8_0 needs `cols` to be a multiple of 32; other
-    /// widths keep f16.
+    /// `w` is the f32 table `[rows, cols]`. Q8_0 and `q4_s8` need `cols` to be a multiple of
+    /// 32; other widths keep f16.
     pub fn new(w: &Tensor, dtype: EmbeddingDtype) -> Result<Self> {
         let (rows, cols) = w.dims2()?;
         Ok(match dtype {
             EmbeddingDtype::Q8_0 if cols % 32 == 0 => {
                 with_f32_rows(w, |w| Ok(Table::Q8(PackedQ8::quantize(w, rows, cols)?)))?
             }
-            EmbeddingDtype::Q8_0 | EmbeddingDtype::F16 => Table::Float(w.to_dtype(DType::F16)?),
+            EmbeddingDtype::Q4S8 if cols % 32 == 0 => {
+                with_f32_rows(w, |w| Ok(Table::Q4(PackedQ4::quantize(w, rows, cols)?)))?
+            }
+            EmbeddingDtype::Q8_0 | EmbeddingDtype::Q4S8 | EmbeddingDtype::F16 => {
+                Table::Float(w.to_dtype(DType::F16)?)
+            }
             EmbeddingDtype::F32 => Table::Float(w.clone()),
             EmbeddingDtype::Auto => {
                 return Err(EngineError::Config(
@@ -40,6 +49,16 @@ impl Table {
         match self {
             Table::Float(t) => t.elem_count() * t.dtype().size_in_bytes(),
             Table::Q8(p) => p.bytes(),
+            Table::Q4(p) => p.bytes(),
+        }
+    }
+
+    /// `(rows, cols)`.
+    pub fn shape(&self) -> (usize, usize) {
+        match self {
+            Table::Float(t) => t.dims2().unwrap_or((0, 0)),
+            Table::Q8(p) => (p.rows(), p.cols()),
+            Table::Q4(p) => (p.rows(), p.cols()),
         }
     }
 
@@ -47,6 +66,7 @@ impl Table {
         match self {
             Table::Float(t) => t.elem_count(),
             Table::Q8(p) => p.rows() * p.cols(),
+            Table::Q4(p) => p.rows() * p.cols(),
         }
     }
 
@@ -56,19 +76,8 @@ impl Table {
             Table::Float(t) => Ok(t
                 .index_select(&Tensor::new(ids, &Device::Cpu)?, 0)?
                 .to_dtype(DType::F32)?),
-            Table::Q8(p) => {
-                let (rows, cols) = (p.rows(), p.cols());
-                let mut out = vec![0f32; ids.len() * cols];
-                for (&id, row) in ids.iter().zip(out.chunks_exact_mut(cols)) {
-                    if id as usize >= rows {
-                        return Err(EngineError::InvalidRequest(format!(
-                            "token id {id} is outside the vocabulary (size {rows})"
-                        )));
-                    }
-                    p.dequantize_row(id as usize, row);
-                }
-                Ok(Tensor::from_vec(out, (ids.len(), cols), &Device::Cpu)?)
-            }
+            Table::Q8(p) => decode_rows(ids, p.rows(), p.cols(), |r, out| p.dequantize_row(r, out)),
+            Table::Q4(p) => decode_rows(ids, p.rows(), p.cols(), |r, out| p.dequantize_row(r, out)),
         }
     }
 
@@ -79,8 +88,47 @@ impl Table {
             Table::Float(t) => float_matmul(x, t),
             Table::Q8(p) if split => q8_product(p, x, ActBits::Sixteen),
             Table::Q8(p) => q8_product(p, x, ActBits::Eight),
+            Table::Q4(p) => q4_product(
+                p,
+                x,
+                if split {
+                    ActBits::Sixteen
+                } else {
+                    ActBits::Eight
+                },
+            ),
         }
     }
+
+    /// The form this table is stored in.
+    pub fn form(&self) -> EmbeddingDtype {
+        match self {
+            Table::Float(t) if t.dtype() == DType::F32 => EmbeddingDtype::F32,
+            Table::Float(_) => EmbeddingDtype::F16,
+            Table::Q8(_) => EmbeddingDtype::Q8_0,
+            Table::Q4(_) => EmbeddingDtype::Q4S8,
+        }
+    }
+}
+
+/// Rows `ids` of a quantized `[rows, cols]` table, each decoded by `decode`; an id outside
+/// the table is the request's error.
+fn decode_rows(
+    ids: &[u32],
+    rows: usize,
+    cols: usize,
+    decode: impl Fn(usize, &mut [f32]),
+) -> Result<Tensor> {
+    let mut out = vec![0f32; ids.len() * cols];
+    for (&id, row) in ids.iter().zip(out.chunks_exact_mut(cols)) {
+        if id as usize >= rows {
+            return Err(EngineError::InvalidRequest(format!(
+                "token id {id} is outside the vocabulary (size {rows})"
+            )));
+        }
+        decode(id as usize, row);
+    }
+    Ok(Tensor::from_vec(out, (ids.len(), cols), &Device::Cpu)?)
 }
 
 #[cfg(test)]
@@ -147,5 +195,53 @@ mod tests {
         let same = (a - b).unwrap().abs().unwrap().max_all().unwrap();
         assert_eq!(same.to_scalar::<f32>().unwrap(), 0.0);
         assert!(Table::new(&w, EmbeddingDtype::Auto).is_err());
+    }
+
+    /// The 4-bit table: lookups decode the values the 4-bit product multiplies with, its
+    /// split projection is the dequantized table's product up to the 16-bit activations,
+    /// and it is the smallest form; widths 32 does not divide keep f16.
+    #[test]
+    fn q4_tables_look_up_and_project_what_they_store() {
+        let w = Tensor::randn(0f32, 1.0, (40, 96), &Device::Cpu).unwrap();
+        let t = Table::new(&w, EmbeddingDtype::Q4S8).unwrap();
+        let Table::Q4(p) = &t else {
+            panic!("96 columns fit q4_s8")
+        };
+        assert_eq!(t.form(), EmbeddingDtype::Q4S8);
+        let deq = Tensor::from_vec(p.dequantize(), (40, 96), &Device::Cpu).unwrap();
+        let ids = Tensor::new(&[5u32, 39, 0], &Device::Cpu).unwrap();
+        let max_diff = |a: Tensor, b: Tensor| {
+            (a - b)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+        };
+        let got = t.rows(&[5, 39, 0]).unwrap();
+        assert_eq!(max_diff(got, deq.index_select(&ids, 0).unwrap()), 0.0);
+        assert!(t.rows(&[40]).is_err());
+        let x = Tensor::randn(0f32, 1.0, (3, 96), &Device::Cpu).unwrap();
+        let want = x.matmul(&deq.t().unwrap()).unwrap();
+        let scale = want
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(max_diff(t.project(&x, true).unwrap(), want.clone()) < 1e-3 * scale);
+        let q8 = Table::new(&w, EmbeddingDtype::Q8_0).unwrap();
+        assert!(
+            t.bytes() * 10 < q8.bytes() * 6,
+            "{} vs {}",
+            t.bytes(),
+            q8.bytes()
+        );
+        let odd = Tensor::randn(0f32, 1.0, (4, 40), &Device::Cpu).unwrap();
+        let f = Table::new(&odd, EmbeddingDtype::Q4S8).unwrap();
+        assert_eq!(f.form(), EmbeddingDtype::F16);
     }
 }
