@@ -25,9 +25,9 @@
 #                      file's size
 #   quantmesh at the Q4_K_M file's bytes
 #                      `quantmesh prescreen --weight-budget <that size>`, served as `quantmesh
-#                      serve --weight-budget` would (monitor-driven, split activations); where
-#                      that is below quantmesh's smallest plan (its vocabulary tables stay
-#                      8-bit, Q4_K_M's are 4- and 6-bit), its smallest plan, named as such
+#                      serve --weight-budget` would (monitor-driven, split activations; the
+#                      vocabulary tables 4- or 8-bit as the budget's knapsack chose); where
+#                      that is below quantmesh's smallest plan, its smallest plan, named as such
 #   quantmesh default  the served default (no weight budget: 8-bit groups, float copies)
 #   all-8-bit          every group Q8_0, no monitor, no float copies
 #   llama.cpp source   the checkpoint itself run by llama.cpp: its runtime's own distance
@@ -87,8 +87,8 @@ log "pre-screen: the default plan and the plan at the Q4_K_M file's $BYTES bytes
 OURS="$BYTES"; OURS_LABEL="quantmesh at the Q4_K_M file's bytes"
 if ! "$BIN/quantmesh" prescreen --model "$SRC" --out "$OUT/plan-budget.json" --weight-budget "$BYTES" --quiet \
   >"$OUT/prescreen-budget.txt" 2>"$OUT/prescreen-budget.err"; then
-  # Below our smallest plan (our vocabulary tables stay 8-bit, Q4_K_M's are 4- and 6-bit):
-  # the smallest plan instead, and the table says how much bigger it is.
+  # Below our smallest plan (every group and the tables in 4 bits): the smallest plan
+  # instead, and the table says how much bigger it is.
   OURS="$(grep -o 'every group in 4 bits takes [0-9]*' "$OUT/prescreen-budget.err" | grep -o '[0-9]*$')" \
     || { cat "$OUT/prescreen-budget.err" >&2; exit 1; }
   OURS_LABEL="quantmesh at its smallest plan"

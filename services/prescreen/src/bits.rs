@@ -4,9 +4,9 @@
 //! Each group has two forms with measured costs: its bytes in 4 bits (`q4_s8`) and in 8
 //! (Q8_0), and the error each form adds to the residual stream, measured by the pre-screen
 //! after the rest of the group's layer half (so a group whose error the next group amplifies
-//! pays for it). Everything else resident
-//! (vocabulary tables, norms, `fp16` groups, the float copies' reserve) is fixed and comes
-//! off the top. Starting from every group in 4 bits, raising a group to 8 costs its extra
+//! pays for it). The vocabulary tables are one more candidate with the same two forms
+//! (their error measured on the lookup and on the logits, `tables`). Everything else
+//! resident (norms, `fp16` groups, the float copies' reserve) is fixed and comes off the top. Starting from every group in 4 bits, raising a group to 8 costs its extra
 //! bytes and gains its error difference; which raises to make is a 0/1 knapsack over the slack,
 //! solved exactly by dynamic programming over byte units (each raise's bytes rounded *up* to
 //! a unit, so the chosen plan never exceeds the budget; at most 4 096 units, so a unit is a
@@ -45,7 +45,8 @@ pub struct Choice {
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[error(
     "weight_budget of {budget} bytes is below the smallest plan: every group in 4 bits takes \
-     {minimum} bytes with the rest of the weights"
+     {minimum} bytes with the rest of the weights (the vocabulary tables in 4 bits too where \
+     their width has that form)"
 )]
 pub struct BelowMinimum {
     pub budget: u64,
