@@ -91,7 +91,8 @@ pub struct Outcome {
     pub bytes: Vec<u8>,
     pub per_class: BTreeMap<String, ClassTotals>,
     /// Bytes of the linear weights: all FP16, in the classes' formats, and as the engine
-    /// keeps them resident under the default class → residency mapping (FP16 float copies).
+    /// keeps them resident under the default class → residency mapping (FP16 float copies,
+    /// at most the plan's float budget when a weight budget wrote one).
     pub bytes_all_fp16: f64,
     pub bytes_formats: f64,
     pub bytes_served: f64,
@@ -224,6 +225,10 @@ pub fn run(opts: &Options, progress: &dyn scan::Progress) -> Result<Outcome, Pre
     let (bits, float_budget) = match opts.weight_budget {
         Some(b) => {
             let tables = tables::costs(&ck, &mcfg, &batch, &h)?;
+            tracing::info!(
+                ?tables,
+                "pre-screen: the vocabulary tables' cost in 8 and 4 bits"
+            );
             let (outcome, reserve) = fit_bits(&mcfg, b, &mut scored_all, tables)?;
             (Some(outcome), Some(FloatBudget::Bytes(reserve)))
         }
@@ -232,7 +237,7 @@ pub fn run(opts: &Options, progress: &dyn scan::Progress) -> Result<Outcome, Pre
     drop(h);
     let mut groups: BTreeMap<String, GroupEntry> = BTreeMap::new();
     let mut per_class: BTreeMap<String, ClassTotals> = BTreeMap::new();
-    let (mut all_fp16, mut formats, mut served) = (0.0, 0.0, 0.0);
+    let (mut all_fp16, mut formats, mut quantized, mut float) = (0.0, 0.0, 0.0, 0.0);
     for (g, s) in scored_all {
         let class = s.entry.class;
         let t = per_class.entry(class_name(class).to_string()).or_default();
@@ -242,14 +247,17 @@ pub fn run(opts: &Options, progress: &dyn scan::Progress) -> Result<Outcome, Pre
         let bytes = scan::format_bytes(class, s.rows, s.cols) as f64;
         all_fp16 += 2.0 * p;
         formats += bytes;
-        served += match s.entry.effective_residency() {
-            Residency::Float => 2.0 * p,
-            Residency::Dual => 2.0 * p + bytes,
-            // w8a8 → Q8_0, w4a16 → q4_s8: what the engine serves them with.
-            Residency::Int8 => bytes,
-        };
+        // w8a8 → Q8_0, w4a16 → q4_s8: what the engine serves them with; float copies in f16.
+        let r = s.entry.effective_residency();
+        quantized += if r == Residency::Float { 0.0 } else { bytes };
+        float += if r.has_float() { 2.0 * p } else { 0.0 };
         groups.insert(g.to_string(), s.entry);
     }
+    // Under a weight budget the plan's float budget caps the float copies the engine keeps.
+    if let Some(FloatBudget::Bytes(b)) = float_budget {
+        float = f64::min(float, b as f64);
+    }
+    let served = quantized + float;
     let hook = &opts.rules.hook;
     let file = SensitiveLayers {
         schema_version: SENSITIVE_LAYERS_SCHEMA_VERSION,
@@ -464,7 +472,8 @@ pub fn summary_table(o: &Outcome) -> String {
     let mib = |b: f64| b / (1u64 << 20) as f64;
     s.push_str(&format!(
         "\nlinear weights: all-FP16 {:.2} MiB · in the chosen formats {:.2} MiB ({:.2}×) · \
-         resident as served (fp16 float-only, per-channel dual, 8/4-bit INT8-only) {:.2} MiB ({:.2}×)\n",
+         resident as served (fp16 float-only, per-channel dual, 8/4-bit INT8-only; f16 float \
+         copies, within the plan's float_budget when it has one) {:.2} MiB ({:.2}×)\n",
         mib(o.bytes_all_fp16),
         mib(o.bytes_formats),
         o.bytes_formats / o.bytes_all_fp16.max(1.0),
