@@ -198,6 +198,24 @@ async fn the_engine_serves_with_the_resulting_plan() {
     assert_eq!(usage.completion_tokens, 8);
 }
 
+/// The engine serving `plan` holds at most `budget` bytes and answers.
+async fn serves_within(dir: &Path, plan: &[u8], budget: u64) -> quantmesh_engine::Engine {
+    let engine = serve(dir, plan).await;
+    let resident = engine.stats().resident_weight_bytes as u64;
+    assert!(
+        resident <= budget,
+        "served {resident} bytes > budget {budget}"
+    );
+    let ids = engine.encode("Hello, world.".into(), true).await.unwrap();
+    let params = quantmesh_types::SamplingParams {
+        max_tokens: 4,
+        ..Default::default()
+    };
+    let (_, _, usage, _) = engine.generate(ids, params).await.unwrap().collect().await;
+    assert_eq!(usage.completion_tokens, 4);
+    engine
+}
+
 /// A weight budget between every-group-in-4-bits and every-group-in-8 mixes both, and the
 /// engine serving the plan holds no more than the budget; one below the smallest plan is
 /// refused, naming the setting and the smallest size.
@@ -260,42 +278,15 @@ async fn a_weight_budget_plan_mixes_bits_and_fits_when_served() {
         assert_ne!(out.file.groups[&feeder].class, PrecisionClass::W4a16);
     }
 
-    let engine = serve(dir.path(), &out.bytes).await;
-    let resident = engine.stats().resident_weight_bytes as u64;
-    assert!(
-        resident <= budget,
-        "served {resident} bytes > budget {budget}"
-    );
-    let ids = engine.encode("Hello, world.".into(), true).await.unwrap();
-    let params = quantmesh_types::SamplingParams {
-        max_tokens: 4,
-        ..Default::default()
-    };
-    let (_, _, usage, _) = engine
-        .generate(ids, params.clone())
-        .await
-        .unwrap()
-        .collect()
-        .await;
-    assert_eq!(usage.completion_tokens, 4);
+    serves_within(dir.path(), &out.bytes, budget).await;
 
     // The smallest plan: every group and the vocabulary tables in 4 bits, served as such.
     let smallest = run(&with(&min.to_string()), &count).unwrap();
     let bits = smallest.bits.clone().unwrap();
     assert_eq!((bits.eight, bits.tables), (0, Some(EmbeddingDtype::Q4S8)));
     assert_eq!(smallest.file.tables, Some(EmbeddingDtype::Q4S8));
-    let engine = serve(dir.path(), &smallest.bytes).await;
-    let resident = engine.stats().resident_weight_bytes as u64;
-    assert!(resident <= min, "served {resident} bytes > budget {min}");
+    let engine = serves_within(dir.path(), &smallest.bytes, min).await;
     assert_eq!(engine.config_status().tables, Some(EmbeddingDtype::Q4S8));
-    let ids = engine.encode("Hello, world.".into(), true).await.unwrap();
-    let (_, _, usage, _) = engine
-        .generate(ids, params.clone())
-        .await
-        .unwrap()
-        .collect()
-        .await;
-    assert_eq!(usage.completion_tokens, 4);
 
     match run(&with(&(min - 1).to_string()), &count) {
         Err(PrescreenError::Budget(m)) => {

@@ -136,6 +136,17 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
 
+    fn max_diff(a: Tensor, b: Tensor) -> f32 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    }
+
     /// The Q8_0 lookup decodes the same values the Q8_0 matmul multiplies with.
     #[test]
     fn q8_rows_match_the_dequantized_table() {
@@ -148,16 +159,7 @@ mod tests {
         let want = deq
             .index_select(&Tensor::new(&[3u32, 7, 3], &Device::Cpu).unwrap(), 0)
             .unwrap();
-        let got = t.rows(&[3, 7, 3]).unwrap();
-        let diff = (got - want)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
-        assert_eq!(diff, 0.0);
+        assert_eq!(max_diff(t.rows(&[3, 7, 3]).unwrap(), want), 0.0);
         assert!(t.bytes() < 10 * 64 * 2, "8-bit is smaller than f16");
         assert!(
             t.rows(&[10]).is_err(),
@@ -210,16 +212,6 @@ mod tests {
         assert_eq!(t.form(), EmbeddingDtype::Q4S8);
         let deq = Tensor::from_vec(p.dequantize(), (40, 96), &Device::Cpu).unwrap();
         let ids = Tensor::new(&[5u32, 39, 0], &Device::Cpu).unwrap();
-        let max_diff = |a: Tensor, b: Tensor| {
-            (a - b)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap()
-        };
         let got = t.rows(&[5, 39, 0]).unwrap();
         assert_eq!(max_diff(got, deq.index_select(&ids, 0).unwrap()), 0.0);
         assert!(t.rows(&[40]).is_err());
