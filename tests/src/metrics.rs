@@ -9,9 +9,19 @@ pub struct Scrape {
     pub parsed: prometheus_parse::Scrape,
 }
 
-/// The text of a `/metrics` scrape at `url`.
+/// The text of a `/metrics` scrape at `url`. A connection the server closed under a reused
+/// keep-alive (a container restarted by a fault, say) is retried twice on a new one; an
+/// answer that never comes fails the test.
 pub async fn scrape_text(client: &reqwest::Client, url: &str) -> String {
-    client.get(url).send().await.unwrap().text().await.unwrap()
+    let mut last = None;
+    for _ in 0..3 {
+        match client.get(url).send().await {
+            Ok(r) => return r.text().await.unwrap(),
+            Err(e) => last = Some(e),
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    panic!("scraping {url}: {last:?}")
 }
 
 impl Scrape {
