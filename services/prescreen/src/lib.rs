@@ -296,7 +296,8 @@ pub fn run(opts: &Options, progress: &dyn scan::Progress) -> Result<Outcome, Pre
         // `auto` puts 16-bit tables in the float budget when they fit).
         tables: bits
             .as_ref()
-            .and_then(|b| (b.tables == Some(EmbeddingDtype::Q4S8)).then_some(EmbeddingDtype::Q4S8)),
+            .and_then(|b| b.tables)
+            .filter(|t| *t == EmbeddingDtype::Q4S8),
         // The server's own budget applies (the first-load plan sets 10 %) unless a weight
         // budget reserved the float copies' share; an operator or the evolution job writes
         // one here to change it by reload.

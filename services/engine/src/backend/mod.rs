@@ -360,7 +360,6 @@ pub type GroupLoader =
 /// The vocabulary tables built off the serving thread in a new form, waiting to be swapped
 /// in with the groups by [`Backend::replace_weights`].
 pub struct PreparedTables {
-    pub form: EmbeddingDtype,
     pub(crate) inner: Box<dyn Any + Send>,
 }
 

@@ -175,7 +175,6 @@ fn prepare_tables(
     form: EmbeddingDtype,
 ) -> Result<PreparedTables> {
     Ok(PreparedTables {
-        form,
         inner: Box::new(load_tables(ck, cfg, form)?),
     })
 }
@@ -414,7 +413,6 @@ impl Backend for LlamaModel {
         }
         let tables = match tables {
             Some(t) => {
-                let form = t.form;
                 let new = t
                     .inner
                     .downcast::<(Arc<Table>, Arc<Table>)>()
@@ -433,7 +431,7 @@ impl Backend for LlamaModel {
                         )));
                     }
                 }
-                Some((form, embed, lm_head))
+                Some((embed, lm_head))
             }
             None => None,
         };
@@ -446,10 +444,11 @@ impl Backend for LlamaModel {
             // The replaced forms (e.g. a float copy no longer wanted) are freed here.
             self.layers[g.layer].groups[g.kind.index()] = new;
         }
-        if let Some((form, embed, lm_head)) = tables {
+        if let Some((embed, lm_head)) = tables {
+            // The form they hold (a width without a quantized form keeps f16).
+            self.forms.embeddings = embed.form();
             self.embed = embed;
             self.lm_head = lm_head;
-            self.forms.embeddings = form;
         }
         Ok(())
     }

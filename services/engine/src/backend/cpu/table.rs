@@ -63,11 +63,8 @@ impl Table {
     }
 
     pub fn elem_count(&self) -> usize {
-        match self {
-            Table::Float(t) => t.elem_count(),
-            Table::Q8(p) => p.rows() * p.cols(),
-            Table::Q4(p) => p.rows() * p.cols(),
-        }
+        let (rows, cols) = self.shape();
+        rows * cols
     }
 
     /// Rows `ids` as f32 `[ids.len(), cols]`.
