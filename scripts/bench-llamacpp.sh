@@ -9,7 +9,9 @@
 # on both sides), and the Q4_1 file itself (quantmesh serves it as Q8_0 groups). `W2048` (not
 # run unless named in BENCH_FILES): another shape on the same terms, a llama of hidden width
 # 2048, 4 layers, 32 heads (8 for K/V), feed-forward 5632, random weights and SmolLM2's
-# tokenizer (scripts/wide-gguf.py), quantized to Q8_0 by llama-quantize. `Q4_K_M` (not run
+# tokenizer (scripts/wide-gguf.py), quantized to Q8_0 by llama-quantize; `W1024` the same with
+# the bundled medium model's shape (hidden 1024, 8 layers, 16 heads, 8 for K/V, feed-forward
+# 2816) and SmolLM2's vocabulary. `Q4_K_M` (not run
 # unless named): llama-server on the Q4_1 file requantized to Q4_K_M by llama-quantize, against
 # quantmesh serving the Q4_1 checkpoint at the same bytes (`--weight-budget` = that file's size:
 # the pre-screen's mix of 4- and 8-bit groups; the first round includes its one-off pre-screen
@@ -21,7 +23,7 @@
 # llama-server is built once from the llama.cpp that the llama-cpp-python 0.3.36 source
 # package (PyPI) vendors, with scripts/llama-cpp-cmake-args.sh's flags, into $LLAMA_DIR.
 # Settings: BENCH_THREADS (default: all cores), BENCH_ROUNDS (3), QUANTMESH_BENCH_MODELS (models),
-# BENCH_FILES ("Q8_0 Q4_1"; also W2048, Q4_K_M), BENCH_OUT (target/bench-llamacpp), LLAMA_DIR.
+# BENCH_FILES ("Q8_0 Q4_1"; also W2048, W1024, Q4_K_M), BENCH_OUT (target/bench-llamacpp), LLAMA_DIR.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 log() { printf '\033[1m[bench]\033[0m %s\n' "$*" >&2; }
@@ -66,9 +68,10 @@ fi
 DIR="$MODELS/smollm2-135m-instruct"
 declare -A FILE=([Q4_1]="$DIR/SmolLM2-135M-Instruct.Q4_1.gguf" [Q8_0]="$DIR/SmolLM2-135M-Instruct.Q8_0.gguf"
   [W2048]="$MODELS/random-llama-2048/random-llama-2048x4.Q8_0.gguf"
+  [W1024]="$MODELS/random-llama-1024/random-llama-1024x8.Q8_0.gguf"
   [Q4_K_M]="$DIR/SmolLM2-135M-Instruct.Q4_K_M.gguf")
 for tag in $FILES; do
-  [ -n "${FILE[$tag]:-}" ] || { log "BENCH_FILES: unknown file $tag (Q8_0, Q4_1, W2048, Q4_K_M)"; exit 2; }
+  [ -n "${FILE[$tag]:-}" ] || { log "BENCH_FILES: unknown file $tag (Q8_0, Q4_1, W2048, W1024, Q4_K_M)"; exit 2; }
 done
 if [ ! -f "${FILE[Q8_0]}" ]; then
   log "requantizing to Q8_0 with llama-quantize"
@@ -87,15 +90,22 @@ for tag in $FILES; do SERVE_ARGS[$tag]="--model ${FILE[$tag]}"; done
 if [[ " $FILES " == *" Q4_K_M "* ]]; then
   SERVE_ARGS[Q4_K_M]="--model ${FILE[Q4_1]} --weight-budget $(stat -c %s "${FILE[Q4_K_M]}")"
 fi
-if [[ " $FILES " == *" W2048 "* ]] && [ ! -f "${FILE[W2048]}" ]; then
-  log "writing the random-weight hidden-2048 llama (scripts/wide-gguf.py) and quantizing it to Q8_0"
-  mkdir -p "$(dirname "${FILE[W2048]}")"
-  f16="$(dirname "${FILE[W2048]}")/random-llama-2048x4.f16.gguf"
-  PYTHONPATH="$LLAMA_DIR/gguf-py" python3 scripts/wide-gguf.py "${FILE[Q8_0]}" "$f16"
-  "$LLAMA_QUANTIZE" "$f16" "${FILE[W2048]}.partial" Q8_0 "$THREADS" >/dev/null 2>&1
-  mv "${FILE[W2048]}.partial" "${FILE[W2048]}"
-  rm -f "$f16"
-fi
+# The random-weight shapes (scripts/wide-gguf.py's arguments), written in f16 and quantized
+# to Q8_0 by llama-quantize.
+declare -A SHAPE=([W2048]="--hidden 2048 --ffn 5632 --layers 4 --heads 32 --kv-heads 8"
+  [W1024]="--hidden 1024 --ffn 2816 --layers 8 --heads 16 --kv-heads 8")
+for tag in W2048 W1024; do
+  if [[ " $FILES " == *" $tag "* ]] && [ ! -f "${FILE[$tag]}" ]; then
+    log "writing the random-weight llama $tag (scripts/wide-gguf.py ${SHAPE[$tag]}) and quantizing it to Q8_0"
+    mkdir -p "$(dirname "${FILE[$tag]}")"
+    f16="${FILE[$tag]%.Q8_0.gguf}.f16.gguf"
+    # shellcheck disable=SC2086 # the shape is a list of arguments
+    PYTHONPATH="$LLAMA_DIR/gguf-py" python3 scripts/wide-gguf.py "${FILE[Q8_0]}" "$f16" ${SHAPE[$tag]}
+    "$LLAMA_QUANTIZE" "$f16" "${FILE[$tag]}.partial" Q8_0 "$THREADS" >/dev/null 2>&1
+    mv "${FILE[$tag]}.partial" "${FILE[$tag]}"
+    rm -f "$f16"
+  fi
+done
 
 rm -rf "$OUT"; mkdir -p "$OUT"
 trap 'kill $(jobs -p) 2>/dev/null || true' EXIT
@@ -172,6 +182,7 @@ for line in open(path):
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.processor())
 about = {"Q8_0": "SmolLM2-135M-Instruct Q8_0", "Q4_1": "SmolLM2-135M-Instruct Q4_1",
          "W2048": "W2048 = random-weight llama, hidden 2048, 4 layers, Q8_0",
+         "W1024": "W1024 = random-weight llama of the bundled medium model's shape (hidden 1024, 8 layers), Q8_0",
          "Q4_K_M": "Q4_K_M = llama-server on SmolLM2's Q4_K_M file, quantmesh on the checkpoint at that file's bytes"}
 print(f"{'; '.join(about[t] for t in files)} on {cpu}, {threads} threads each, median of {rounds} interleaved rounds; ratio = quantmesh ÷ llama-server\n")
 print("| file | metric | quantmesh | llama-server | ratio |\n|---|---|---|---|---|")

@@ -89,6 +89,12 @@ pub fn run(args: EvolveArgs) -> anyhow::Result<()> {
     let all = quantmesh_settings::Settings::load(args.config.as_deref())?;
     let mut kafka = all.kafka;
     let mut s = all.evolution.with_env().map_err(anyhow::Error::msg)?;
+    // The plan in force, when neither the repository nor evolution.plan names one: the
+    // engine's own source in the same config (a proposal starts from what is served, never
+    // from an empty plan that would drop its classes).
+    if s.plan.is_none() {
+        s.plan = all.engine.sensitive_layers.clone();
+    }
     if let Some(b) = args.brokers {
         kafka.brokers = b;
     }

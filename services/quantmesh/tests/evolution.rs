@@ -429,8 +429,13 @@ repository = "acme/plans"
     );
     let proposed = git(&bare, &["show", &format!("{branch}:sensitive_layers.json")]);
     let plan: serde_json::Value = serde_json::from_str(&proposed).unwrap();
+    // Promoted to a float copy; its 8-bit form stays as it was.
     assert_eq!(
-        plan["groups"]["layers.1.down"]["class"], "w8a8_per_channel",
+        (
+            &plan["groups"]["layers.1.down"]["residency"],
+            &plan["groups"]["layers.1.down"]["class"]
+        ),
+        (&serde_json::json!("dual"), &serde_json::json!("w8a8")),
         "{proposed}\n{out}"
     );
     {
@@ -750,4 +755,58 @@ remote = "{remote}"
     assert!(text.contains("shutting down"), "{text}");
     // One run only: the service did not go on to wait for the next second's.
     assert_eq!(text.matches("next evolution run").count(), 1, "{text}");
+}
+
+/// With no plan repository and no `evolution.plan`, a run starts from the plan the engines
+/// serve (the same config's `engine.sensitive_layers`), not from an empty plan: a dry run
+/// over an empty lake proposes that plan unchanged, its bits and residencies included.
+#[test]
+fn a_run_without_a_plan_repository_starts_from_the_plan_the_engines_serve() {
+    let root = tempfile::tempdir().unwrap();
+    let r = root.path();
+    let served = r.join("served.json");
+    std::fs::write(
+        &served,
+        serde_json::to_vec_pretty(&serde_json::json!({
+            "schema_version": 1,
+            "groups": {"layers.1.down": {"class": "w4a16"},
+                       "layers.0.qkv": {"class": "w8a8", "residency": "dual"}}
+        }))
+        .unwrap(),
+    )
+    .unwrap();
+    let cfg = r.join("quantmesh.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[engine]\nsensitive_layers = \"{}\"\n\n[evolution]\nlake = \"{}\"\n",
+            served.display(),
+            r.join("lake").display()
+        ),
+    )
+    .unwrap();
+    let proposed = r.join("proposed.json");
+    let (ok, out) = quantmesh(
+        &[
+            "evolve",
+            "--once",
+            "--dry-run",
+            "--no-ingest",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--model",
+            "served-model",
+            "--plan-out",
+            proposed.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(ok, "{out}");
+    let plan: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&proposed).unwrap()).unwrap();
+    assert_eq!(plan["groups"]["layers.1.down"]["class"], "w4a16", "{plan}");
+    assert_eq!(
+        plan["groups"]["layers.0.qkv"]["residency"], "dual",
+        "{plan}"
+    );
 }

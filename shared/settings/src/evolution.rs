@@ -17,7 +17,8 @@ pub struct EvolutionSettings {
     /// The lake: a local directory or `s3://…`, `gs://…`, `az://…` (`cloud` feature).
     pub lake: String,
     /// Where the plan in force is read when the repository's base branch has none (path or
-    /// URL, as `--sensitive-layers`).
+    /// URL, as `--sensitive-layers`); unset, `quantmesh evolve` reads the config's
+    /// `engine.sensitive_layers`.
     pub plan: Option<String>,
     /// Kafka consumer group of the ingest.
     pub group_id: String,

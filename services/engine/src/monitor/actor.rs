@@ -164,7 +164,7 @@ impl Handler<RequestsFinished> for MonitorActor {
     fn handle(&mut self, msg: RequestsFinished, _: &mut Self::Context) {
         let events = self.core.requests_finished(&msg.0);
         self.publish(events);
-        if let Some(window) = self.core.take_window() {
+        for window in self.core.take_windows() {
             for s in &self.sinks {
                 s.publish_window(&window);
             }

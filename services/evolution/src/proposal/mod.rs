@@ -101,6 +101,19 @@ fn class_for(r: Residency) -> PrecisionClass {
     }
 }
 
+/// A group's class after a residency change: its bits stay (a `w4a16` group demoted to INT8
+/// only or given a float copy is still 4-bit: its bytes count against the weight budget it
+/// was fitted to); a float class takes the new residency's class.
+fn class_after(class: PrecisionClass, to: Residency) -> PrecisionClass {
+    match (class, to) {
+        (
+            PrecisionClass::W4a16 | PrecisionClass::W8a8 | PrecisionClass::W8a8PerChannel,
+            Residency::Int8 | Residency::Dual,
+        ) => class,
+        _ => class_for(to),
+    }
+}
+
 /// A plan entry for a group the plan did not list (it served with the engine's defaults).
 fn bare_entry(r: Residency) -> GroupEntry {
     GroupEntry {
@@ -314,7 +327,7 @@ pub fn propose(
                 .groups
                 .entry(g.group.clone())
                 .or_insert_with(|| bare_entry(to));
-            e.class = class_for(to);
+            e.class = class_after(e.class, to);
             e.residency = Some(to);
             e.rule = Some(format!("evolve: {reason}"));
             // The evidence goes with the promotion, so the engines' float budget ranks this

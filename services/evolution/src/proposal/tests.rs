@@ -253,6 +253,31 @@ fn a_quiet_dual_group_is_demoted_unless_its_kl_says_otherwise() {
         EngineDefaults::default(),
     );
     assert!(p.changes.is_empty(), "{:?}", p.changes);
+    // A 4-bit group with a float copy is demoted to its 4-bit form, not to 8 bits: the
+    // residency changes, the bits (and the weight budget's bytes) stay.
+    let mut four = plan();
+    four.groups.insert(
+        "layers.0.o".into(),
+        serde_json::from_value(serde_json::json!({
+            "class": "w4a16", "residency": "dual",
+            "metrics": {"r": 1.0, "energy": 0.1,
+                        "kl": {"w8a8": 1e-5, "w8a8_per_channel": 1e-5, "w4a16": 2e-5}}
+        }))
+        .unwrap(),
+    );
+    let p = propose(
+        &four,
+        &evidence(vec![g.clone()]),
+        &Rules::default(),
+        EngineDefaults::default(),
+    );
+    let e = &p.plan.groups["layers.0.o"];
+    assert_eq!(
+        (e.residency, e.class),
+        (Some(Residency::Int8), PrecisionClass::W4a16),
+        "{:?}",
+        p.changes
+    );
     // A group that fell back once is not demoted.
     let mut busy = g;
     busy.enters = 1;

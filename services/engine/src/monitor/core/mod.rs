@@ -225,10 +225,10 @@ pub struct Monitor {
     batch_float: bool,
     decisions: BTreeMap<Decision, u64>,
     pub config_md5: Option<String>,
-    /// The current window's evidence, and the last closed window's event (taken by the
-    /// actor).
+    /// The current window's evidence, and the events of the windows closed since the actor
+    /// last took them (one per window, in order).
     window: WindowEvidence,
-    closed_window: Option<WindowEvent>,
+    closed_windows: Vec<WindowEvent>,
 }
 
 /// Channels excluded by configuration: the global list for groups reading the residual
@@ -327,14 +327,14 @@ impl Monitor {
             decisions: BTreeMap::new(),
             config_md5: None,
             window: WindowEvidence::new(),
-            closed_window: None,
+            closed_windows: Vec::new(),
         }
     }
 
-    /// The evidence of the last closed window (one event per window; `None` until a
-    /// window closes, and after it was taken).
-    pub fn take_window(&mut self) -> Option<WindowEvent> {
-        self.closed_window.take()
+    /// The evidence of the windows closed since the last call, oldest first (one event per
+    /// window: a batch of finished requests can close more than one).
+    pub fn take_windows(&mut self) -> Vec<WindowEvent> {
+        std::mem::take(&mut self.closed_windows)
     }
 
     pub fn config(&self) -> &MonitorConfig {

@@ -374,3 +374,27 @@ fn nan_kl_and_batch_share_decisions() {
     m.apply_to(&mut mask);
     assert!(mask.float_batch);
 }
+
+#[test]
+fn a_batch_of_finished_requests_that_closes_two_windows_yields_both_events() {
+    let mut m = Monitor::new(
+        MonitorConfig {
+            window_requests: 2,
+            ..cfg()
+        },
+        "t",
+        &groups(),
+    );
+    m.observe(&step(200, None, 0, 0));
+    // Five requests finish in one message: two windows close, one request stays counted.
+    m.requests_finished(&[1, 2, 3, 4, 5]);
+    let windows = m.take_windows();
+    assert_eq!(
+        windows.iter().map(|w| w.window).collect::<Vec<_>>(),
+        vec![1, 2],
+        "one event per closed window, oldest first"
+    );
+    assert!(m.take_windows().is_empty(), "taken once");
+    m.requests_finished(&[6]);
+    assert_eq!(m.take_windows().len(), 1);
+}

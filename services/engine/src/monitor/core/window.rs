@@ -122,7 +122,7 @@ impl Monitor {
                 }
             })
             .collect();
-        self.closed_window = Some(WindowEvent {
+        self.closed_windows.push(WindowEvent {
             schema_version: WINDOW_EVENT_SCHEMA_VERSION,
             event_id: uuid_v4(),
             timestamp_ms: end,
