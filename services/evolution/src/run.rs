@@ -84,7 +84,8 @@ impl RunReport {
     }
 }
 
-/// The plan a run starts from: the repository's base branch, else `evolution.plan`, else an
+/// The plan a run starts from: the repository's base branch, else `evolution.plan` (which
+/// `quantmesh evolve` fills from the config's `engine.sensitive_layers` when unset), else an
 /// empty plan (the engine's defaults).
 async fn current_plan(
     s: &EvolutionSettings,

@@ -79,6 +79,8 @@ pub(crate) fn watch(
             let out = runner.run(model, &step, &mask, &mut kv, true)?;
             monitor.observe(&out);
             monitor.requests_finished(&[id]);
+            // Window events have no sink here: drop them as the actor would publish them.
+            monitor.take_windows();
         }
     }
     let mut mask = PathMask::default();
