@@ -763,50 +763,36 @@ remote = "{remote}"
 #[test]
 fn a_run_without_a_plan_repository_starts_from_the_plan_the_engines_serve() {
     let root = tempfile::tempdir().unwrap();
-    let r = root.path();
-    let served = r.join("served.json");
-    std::fs::write(
-        &served,
-        serde_json::to_vec_pretty(&serde_json::json!({
-            "schema_version": 1,
-            "groups": {"layers.1.down": {"class": "w4a16"},
-                       "layers.0.qkv": {"class": "w8a8", "residency": "dual"}}
-        }))
-        .unwrap(),
-    )
-    .unwrap();
-    let cfg = r.join("quantmesh.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "[engine]\nsensitive_layers = \"{}\"\n\n[evolution]\nlake = \"{}\"\n",
-            served.display(),
-            r.join("lake").display()
-        ),
-    )
-    .unwrap();
-    let proposed = r.join("proposed.json");
-    let (ok, out) = quantmesh(
-        &[
-            "evolve",
-            "--once",
-            "--dry-run",
-            "--no-ingest",
-            "--config",
-            cfg.to_str().unwrap(),
-            "--model",
-            "served-model",
-            "--plan-out",
-            proposed.to_str().unwrap(),
-        ],
-        &[],
+    let (served, cfg, proposed) = (
+        root.path().join("served.json"),
+        root.path().join("quantmesh.toml"),
+        root.path().join("proposed.json"),
     );
+    let plan = r#"{"schema_version": 1, "groups": {"layers.1.down": {"class": "w4a16"},
+                   "layers.0.qkv": {"class": "w8a8", "residency": "dual"}}}"#;
+    std::fs::write(&served, plan).unwrap();
+    let lake = root.path().join("lake");
+    let toml = format!(
+        "[engine]\nsensitive_layers = \"{}\"\n\n[evolution]\nlake = \"{}\"\n",
+        served.display(),
+        lake.display()
+    );
+    std::fs::write(&cfg, toml).unwrap();
+    let (cfg, out_plan) = (cfg.to_str().unwrap(), proposed.to_str().unwrap());
+    let args = [
+        "evolve",
+        "--once",
+        "--dry-run",
+        "--no-ingest",
+        "--config",
+        cfg,
+    ];
+    let more = ["--model", "served-model", "--plan-out", out_plan];
+    let (ok, out) = quantmesh(&[&args[..], &more[..]].concat(), &[]);
     assert!(ok, "{out}");
     let plan: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&proposed).unwrap()).unwrap();
     assert_eq!(plan["groups"]["layers.1.down"]["class"], "w4a16", "{plan}");
-    assert_eq!(
-        plan["groups"]["layers.0.qkv"]["residency"], "dual",
-        "{plan}"
-    );
+    let qkv = &plan["groups"]["layers.0.qkv"]["residency"];
+    assert_eq!(qkv, "dual", "{plan}");
 }
