@@ -28,11 +28,12 @@
 -- name: groups
 WITH w AS (
     SELECT DISTINCT event_id, "group", ts, tokens, outliers, outlier_rate,
-           in_float, wanted_unavailable, residency
+           in_float, wanted_unavailable, residency, mean_nsr
     FROM window_groups
     WHERE model = {model} AND {ts_ms} >= {since_ms} AND {ts_ms} < {until_ms}
 ), ranked AS (
     SELECT "group", tokens, outliers, outlier_rate, in_float, wanted_unavailable, residency,
+           mean_nsr,
            ROW_NUMBER() OVER (PARTITION BY "group" ORDER BY outlier_rate ASC NULLS LAST) AS rate_rank,
            COUNT(outlier_rate) OVER (PARTITION BY "group") AS rated,
            ts = MAX(ts) OVER (PARTITION BY "group") AS newest
@@ -47,7 +48,10 @@ SELECT "group",
        MAX(outlier_rate) AS rate_max,
        SUM(CASE WHEN in_float THEN 1 ELSE 0 END) AS float_windows,
        SUM(CASE WHEN wanted_unavailable THEN 1 ELSE 0 END) AS unavailable_windows,
-       MAX(CASE WHEN newest THEN residency END) AS residency
+       MAX(CASE WHEN newest THEN residency END) AS residency,
+       SUM(CASE WHEN mean_nsr IS NOT NULL THEN mean_nsr * CAST(tokens AS DOUBLE) END)
+           / NULLIF(SUM(CASE WHEN mean_nsr IS NOT NULL THEN CAST(tokens AS DOUBLE) END), 0)
+           AS served_nsr
 FROM ranked
 GROUP BY "group"
 ORDER BY "group" ASC

@@ -99,6 +99,7 @@ async fn fill_lake(lake: &Arc<Lake>, from: i64, kl: f64) {
                     in_float: false,
                     wanted_unavailable: i % 2 == 0,
                     residency: "int8".into(),
+                    mean_nsr: None,
                 }],
                 shadow_kl: vec![kl; 10],
                 shadow_kl_seen: 10,

@@ -33,6 +33,7 @@ fn window(id: &str, t: u64, in_float: bool, kl: Vec<f64>) -> WindowEvent {
                 in_float,
                 wanted_unavailable: false,
                 residency: "dual".into(),
+                mean_nsr: Some(0.002),
             },
             WindowGroup {
                 group: "layers.0.o".into(),
@@ -41,6 +42,7 @@ fn window(id: &str, t: u64, in_float: bool, kl: Vec<f64>) -> WindowEvent {
                 in_float: false,
                 wanted_unavailable: false,
                 residency: "dual".into(),
+                mean_nsr: None,
             },
         ],
         shadow_kl_seen: kl.len() as u64,
@@ -228,6 +230,10 @@ async fn batches_land_partitioned_and_a_redelivered_batch_replaces_its_files() {
     assert_eq!(down.tokens, 30_000);
     assert_eq!(down.float_windows, 7); // offsets 0, 4, …, 16, 24, 28
     assert!((down.rate_p50.unwrap() - 0.03).abs() < 1e-9);
+    // The served harm, token-weighted over the windows that measured it.
+    assert!((down.served_nsr.unwrap() - 0.002).abs() < 1e-12, "{down:?}");
+    let o = ev.groups.iter().find(|g| g.group == "layers.0.o").unwrap();
+    assert_eq!(o.served_nsr, None);
     // KL samples 0.000 … 0.019 and 0.021 … 0.030 (one per window); 20 at or below 0.02.
     assert_eq!(ev.kl.samples, 30);
     assert_eq!(ev.kl.healthy_samples, 20);

@@ -409,6 +409,9 @@ fn fit_bits(
             entry.class = PrecisionClass::W4a16;
             entry.residency = wanted_copy.then_some(Residency::Dual);
             entry.rule = Some(format!("weight_budget {budget}: 4 bits"));
+            // Served with its 4-bit harm bound: traffic that hurts it more than calibration
+            // did shows as outlier windows, the evidence to raise its bits.
+            entry.fit_harm_bound_to_class();
         }
     }
     let outcome = BitsOutcome {

@@ -10,9 +10,12 @@ use crate::quant::{fake_quant, Format};
 use crate::rules::{Rules, Scores};
 use crate::PrescreenError;
 use candle_core::{Device, Tensor};
+use quantmesh_kernels::{ColumnError, ColumnErrorSum, PackedQ8, Q8Layout};
 use quantmesh_model::ops::{causal_attention, member_shapes, rms_norm, rope, rope_tables, swiglu};
 use quantmesh_model::{names, Checkpoint, ModelConfig, ModelError};
-use quantmesh_types::sensitive::{ActivationStats, GroupMetrics, KlByFormat, ResidualByBits};
+use quantmesh_types::sensitive::{
+    ActivationStats, GroupMetrics, HarmByBits, KlByFormat, ResidualByBits,
+};
 use quantmesh_types::{GroupEntry, GroupId, GroupKind, PrecisionClass};
 
 /// Output rows computed per block when projecting pseudo-quantized weights (bounds the
@@ -294,15 +297,25 @@ fn score_group(
     // Pass 2: quantile histogram, pseudo-quantized outputs.
     let mut quant = Quantiles::new(range);
     let absmax = range.absmax();
+    // What the served 4- and 8-bit forms (q4_s8, Q8_0) do to each input column, for their
+    // calibrated harm.
+    let mut four_bit_error = ColumnErrorSum::new(in_dim);
+    let mut eight_bit_error = ColumnErrorSum::new(in_dim);
     for (m, b) in ms.iter().zip(&biases) {
         let mut parts: Vec<Vec<Tensor>> = vec![Vec::new(); Format::ALL.len()];
         let mut all_rows: [Vec<Tensor>; 2] = [Vec::new(), Vec::new()];
         for blk in blocks(m.shape[0]) {
             let w = rows(ck, m, blk.0, blk.1)?;
             quant.count(&w);
+            if let Ok(q8) = PackedQ8::quantize_in(&w, blk.1, m.shape[1], Q8Layout::RowTiles) {
+                eight_bit_error.add(&w, &q8.dequantize());
+            }
             for (f, part) in Format::ALL.iter().zip(parts.iter_mut()) {
                 let mut q = w.clone();
                 fake_quant(&mut q, m.shape[1], *f, absmax);
+                if *f == Format::W4a16 {
+                    four_bit_error.add(&w, &q);
+                }
                 part.push(project_block(&x_kl, &q, blk, b.as_ref())?);
                 if let (Some(k), true) = (
                     BITS_FORMATS.iter().position(|b| b == f),
@@ -354,6 +367,14 @@ fn score_group(
 
     let xs = kept_values(x, &batch.keep)?;
     let act = activation_stats(&xs, in_dim, rules.massive_rule());
+    let (four_bit_error, eight_bit_error) = (four_bit_error.finish(), eight_bit_error.finish());
+    let max_nsr_w4a16 = harm_bound(&four_bit_error, &xs, rules.hook.trigger_rate);
+    let nsr = mean_harm(&four_bit_error, &xs)
+        .zip(mean_harm(&eight_bit_error, &xs))
+        .map(|(four, eight)| HarmByBits {
+            w8a8: round12(eight),
+            w4a16: round12(four),
+        });
     drop(xs);
     let residual_input = matches!(g.kind, GroupKind::Qkv | GroupKind::GateUp);
     let entry = GroupEntry {
@@ -370,6 +391,8 @@ fn score_group(
             energy: round6(energy),
             // Filled in by `layer` once the error has reached the residual stream.
             residual: None,
+            max_nsr_w4a16: max_nsr_w4a16.map(round9),
+            nsr,
         }),
         activations: Some(ActivationStats {
             absmax: round6(act.absmax),
@@ -402,6 +425,38 @@ fn score_group(
     ))
 }
 
+/// The harm (output noise-to-signal ratio, the monitor's statistic) that a `share` of the
+/// calibration rows `xs` (row-major, as wide as `errors`) exceed with these column errors:
+/// the bound under which traffic like the calibration set stays at the trigger rate. `None`
+/// without rows.
+pub fn harm_bound(errors: &ColumnError, xs: &[f32], share: f64) -> Option<f64> {
+    let width = errors.in_dim();
+    if width == 0 {
+        return None;
+    }
+    let mut harm: Vec<f32> = xs.chunks_exact(width).map(|x| errors.nsr(x)).collect();
+    if harm.is_empty() {
+        return None;
+    }
+    harm.sort_by(f32::total_cmp);
+    // The largest value with at most `share` of the rows strictly above it.
+    let n = harm.len();
+    let above = ((share.clamp(0.0, 1.0) * n as f64).floor() as usize).min(n - 1);
+    Some(harm[n - 1 - above] as f64)
+}
+
+/// The mean harm of the calibration rows `xs` with these column errors (`None` without rows).
+fn mean_harm(errors: &ColumnError, xs: &[f32]) -> Option<f64> {
+    let width = errors.in_dim();
+    let rows = xs.len().checked_div(width)?;
+    (rows > 0).then(|| {
+        xs.chunks_exact(width)
+            .map(|x| errors.nsr(x) as f64)
+            .sum::<f64>()
+            / rows as f64
+    })
+}
+
 /// Values are written rounded (6 significant decimals for R/energy/stats, 9 for KL) so the
 /// file reads well; the classification used the unrounded values.
 fn round6(v: f64) -> f64 {
@@ -409,6 +464,10 @@ fn round6(v: f64) -> f64 {
 }
 fn round9(v: f64) -> f64 {
     (v * 1e9).round() / 1e9
+}
+/// Harm in 8 bits is ~1e-7 on float weights: kept to 12 decimals.
+fn round12(v: f64) -> f64 {
+    (v * 1e12).round() / 1e12
 }
 
 /// Score every group of one layer and return the layer's output hidden states.
@@ -581,5 +640,31 @@ mod tests {
         let mut off: Vec<f32> = w.iter().map(|v| v * 0.9731 + 0.0011).collect();
         off[0] = 40.0;
         assert!(kl_for(&off, 40.0) > 0.0);
+    }
+
+    /// Rows whose harm is i/100 (column 0 carries all the error): at a 1 % trigger rate
+    /// one row of 100 lies above the bound, at 5 % five, at 0 none.
+    #[test]
+    fn the_harm_bound_is_exceeded_by_the_trigger_share_of_calibration_rows() {
+        let errors = ColumnError {
+            error: vec![1.0, 0.0],
+            energy: vec![1.0, 1.0],
+        };
+        // a² / (a² + b²) = i/100 with a² = i, b² = 100 − i.
+        let xs: Vec<f32> = (0..100)
+            .rev()
+            .flat_map(|i| [(i as f32).sqrt(), ((100 - i) as f32).sqrt()])
+            .collect();
+        let bound = |share| harm_bound(&errors, &xs, share).unwrap();
+        let above = |b: f64| {
+            xs.chunks_exact(2)
+                .filter(|x| errors.nsr(x) as f64 > b)
+                .count()
+        };
+        assert_eq!(above(bound(0.01)), 1);
+        assert_eq!(above(bound(0.05)), 5);
+        assert_eq!(above(bound(0.0)), 0);
+        assert!((bound(0.01) - 0.98).abs() < 1e-5, "{}", bound(0.01));
+        assert_eq!(harm_bound(&errors, &[], 0.01), None);
     }
 }

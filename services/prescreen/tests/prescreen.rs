@@ -252,6 +252,17 @@ async fn a_weight_budget_plan_mixes_bits_and_fits_when_served() {
         .count();
     assert_eq!(four, bits.four);
     assert!(out.file.float_budget.is_some());
+    // A group in 4 bits is served with its calibrated 4-bit harm bound, every other group
+    // with the engine's; each group's 4-bit bound is measured either way.
+    for (name, e) in &out.file.groups {
+        let bound = e.metrics.as_ref().and_then(|m| m.max_nsr_w4a16);
+        assert!(bound.is_some_and(|b| b > 0.0), "{name}: {bound:?}");
+        let served = e.monitor.as_ref().and_then(|m| m.max_nsr);
+        let want = (e.class == PrecisionClass::W4a16)
+            .then_some(bound)
+            .flatten();
+        assert_eq!(served, want, "{name}");
+    }
     // The cost is the error where it lands: the planted sensitive `down` amplifies its
     // `gate_up`'s error, which its own output KL cannot show (it is among the lowest), so
     // that `gate_up` costs the most in 4 bits and is the raise the knapsack makes first.

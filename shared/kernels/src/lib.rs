@@ -24,6 +24,8 @@
 //! - [`Isa`]: the instruction set the kernels run with, detected at run time
 //!   (`QUANTMESH_KERNEL=scalar|avx2|avx512|amx` forces one; the scalar path is the reference every
 //!   SIMD kernel is tested against).
+//! - [`ColumnError`]: what a quantization does to each input column, and the output
+//!   noise-to-signal ratio that gives one input row (the monitor's harm statistic).
 //! - [`Pool`]: one persistent pool of workers for the forward pass, static contiguous work
 //!   ranges per thread.
 
@@ -34,6 +36,7 @@ mod amx;
 mod attention;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+mod column_error;
 mod error;
 mod f16;
 mod isa;
@@ -49,6 +52,7 @@ mod swiglu;
 mod x86;
 
 pub use attention::{attention, exp_nonpositive, AttentionShape};
+pub use column_error::{ColumnError, ColumnErrorSum};
 pub use error::{KernelError, Result};
 pub use f16::f16_matmul;
 pub use isa::Isa;

@@ -236,6 +236,11 @@ pub struct WindowGroup {
     pub wanted_unavailable: bool,
     /// The group's residency (`int8`, `dual`, `float`).
     pub residency: String,
+    /// Mean harm over the window's measured rows: the output noise-to-signal ratio the
+    /// group's quantized weights give them (the monitor's harm statistic). Absent when it
+    /// was not measured (no quantized form, harm test off). Added in v1 as an optional field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mean_nsr: Option<f64>,
 }
 
 /// The monitor's evidence for one window (every `window_requests` finished requests): per

@@ -176,6 +176,25 @@ impl GroupEntry {
         self.residency
             .unwrap_or_else(|| self.class.default_residency())
     }
+
+    /// Give the group the harm bound of its bits: in `w4a16` its calibrated 4-bit bound
+    /// ([`GroupMetrics::max_nsr_w4a16`]) as `monitor.max_nsr`; in any other class that bound
+    /// removed again (the engine's default applies), an operator's own bound kept.
+    pub fn fit_harm_bound_to_class(&mut self) {
+        let Some(bound) = self.metrics.as_ref().and_then(|m| m.max_nsr_w4a16) else {
+            return;
+        };
+        if self.class == PrecisionClass::W4a16 {
+            self.monitor.get_or_insert_with(Default::default).max_nsr = Some(bound);
+        } else if let Some(m) = self.monitor.as_mut() {
+            if m.max_nsr == Some(bound) {
+                m.max_nsr = None;
+            }
+            if *m == MonitorOverride::default() {
+                self.monitor = None;
+            }
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -211,6 +230,27 @@ pub struct GroupMetrics {
     /// output KL cannot see that the next group amplifies its error).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub residual: Option<ResidualByBits>,
+    /// The 4-bit form's harm bound: the output noise-to-signal ratio of a row (the monitor's
+    /// harm statistic) that the calibration rows exceed at the plan's trigger rate when the
+    /// group is in `w4a16`. A group put in 4 bits is served with it as its `monitor.max_nsr`,
+    /// so its window outlier rate crosses the trigger only when traffic makes its 4-bit
+    /// error larger than calibration did: the evidence that moves it to 8 bits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_nsr_w4a16: Option<f64>,
+    /// The mean harm of the group's served forms on the calibration rows (output
+    /// noise-to-signal ratio, the monitor's statistic): what the evolution job divides the
+    /// served harm by, to scale the bits costs to the traffic the engines saw.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nsr: Option<HarmByBits>,
+}
+
+/// [`GroupMetrics::nsr`]: the calibration rows' mean harm in each served width.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct HarmByBits {
+    /// Q8_0, the form every 8-bit class is served in.
+    pub w8a8: f64,
+    pub w4a16: f64,
 }
 
 impl GroupMetrics {
@@ -437,7 +477,17 @@ impl SensitiveLayers {
             }
             if let Some(m) = &entry.metrics {
                 let vals = [m.r, m.energy, m.kl.w8a8, m.kl.w8a8_per_channel, m.kl.w4a16];
-                if vals.iter().any(|v| !v.is_finite() || *v < 0.0) {
+                let measured = m
+                    .residual
+                    .iter()
+                    .flat_map(|r| [r.w8a8_per_channel, r.w4a16]);
+                if vals
+                    .into_iter()
+                    .chain(measured)
+                    .chain(m.max_nsr_w4a16)
+                    .chain(m.nsr.iter().flat_map(|n| [n.w8a8, n.w4a16]))
+                    .any(|v| !v.is_finite() || v < 0.0)
+                {
                     errs.push(format!(
                         "groups.{key}.metrics: every metric must be finite and >= 0"
                     ));

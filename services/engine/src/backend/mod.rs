@@ -84,88 +84,9 @@ pub struct GroupOutcome {
     pub split_rows: usize,
 }
 
-/// Per input column `j` of a group's weight `W` `[out, in]`: the squared error its served
-/// quantization leaves, `error_j = Σ_i (W_ij − deq(W)_ij)²`, and the weight's energy,
-/// `energy_j = Σ_i W_ij²`. For an input row `x`, `Σ_j x_j²·error_j` is the expected
-/// `‖(W − deq W)·x‖²` when different columns' errors are uncorrelated (as rounding errors
-/// are), and `Σ_j x_j²·energy_j` the same estimate of `‖W·x‖²`: their ratio
-/// ([`ColumnError::nsr`]) is the row's output noise-to-signal ratio on the quantized path —
-/// what the weights' quantization does to *this* input. It is what the activation monitor's
-/// harm statistic measures; the column sums are computed once, where the group is built.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ColumnError {
-    pub error: Vec<f32>,
-    pub energy: Vec<f32>,
-}
-
-impl ColumnError {
-    /// From the float weight and its dequantized quantization, both `[out, in]` row-major.
-    pub fn from_weights(weight: &[f32], dequantized: &[f32], in_dim: usize) -> Self {
-        let mut error = vec![0f64; in_dim];
-        let mut energy = vec![0f64; in_dim];
-        for (w_row, q_row) in weight
-            .chunks_exact(in_dim)
-            .zip(dequantized.chunks_exact(in_dim))
-        {
-            for j in 0..in_dim {
-                let (w, q) = (w_row[j] as f64, q_row[j] as f64);
-                error[j] += (w - q) * (w - q);
-                energy[j] += w * w;
-            }
-        }
-        Self {
-            error: error.into_iter().map(|v| v as f32).collect(),
-            energy: energy.into_iter().map(|v| v as f32).collect(),
-        }
-    }
-
-    pub fn in_dim(&self) -> usize {
-        self.error.len()
-    }
-
-    /// The output noise-to-signal ratio of input row `x` (`Σ x_j²·error_j / Σ x_j²·energy_j`;
-    /// 0 for a zero row). One pass, two multiply-adds per channel.
-    pub fn nsr(&self, x: &[f32]) -> f32 {
-        let (mut num, mut den) = ([0f32; 8], [0f32; 8]);
-        let n = x.len().min(self.error.len()).min(self.energy.len());
-        let (x, e, w) = (&x[..n], &self.error[..n], &self.energy[..n]);
-        let mut j = 0;
-        while j + 8 <= n {
-            for k in 0..8 {
-                let s = x[j + k] * x[j + k];
-                num[k] += s * e[j + k];
-                den[k] += s * w[j + k];
-            }
-            j += 8;
-        }
-        let (mut a, mut b) = (num.iter().sum::<f32>(), den.iter().sum::<f32>());
-        for k in j..n {
-            let s = x[k] * x[k];
-            a += s * e[k];
-            b += s * w[k];
-        }
-        if b > 0.0 {
-            a / b
-        } else {
-            0.0
-        }
-    }
-
-    /// The same ratio for a mean input power per channel (`E[x_j²]`): the group's harm on
-    /// traffic with those powers.
-    pub fn nsr_of_power(&self, power: &[f64]) -> f64 {
-        let (mut a, mut b) = (0f64, 0f64);
-        for ((p, e), w) in power.iter().zip(&self.error).zip(&self.energy) {
-            a += p * *e as f64;
-            b += p * *w as f64;
-        }
-        if b > 0.0 {
-            a / b
-        } else {
-            0.0
-        }
-    }
-}
+/// What a group's served quantization does to each input column (the monitor's harm
+/// statistic); one implementation, shared with the pre-screen's calibrated harm bound.
+pub use quantmesh_kernels::ColumnError;
 
 pub use quantmesh_config::{EmbeddingDtype, FloatDtype, Forms, SplitActivations};
 

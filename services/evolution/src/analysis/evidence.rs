@@ -24,6 +24,10 @@ pub struct GroupEvidence {
     pub unavailable_windows: u64,
     /// The residency the engine reported last.
     pub residency: String,
+    /// The harm its quantized weights did on the span's traffic: the mean output
+    /// noise-to-signal ratio of its rows (the monitor's statistic), token-weighted over the
+    /// windows that measured it. `None` when none did.
+    pub served_nsr: Option<f64>,
     /// Layer decisions: entries into float, exits, "wanted but unavailable".
     pub enters: u64,
     pub exits: u64,
@@ -118,6 +122,7 @@ impl Evidence {
                     float_share: float_windows as f64 / windows.max(1) as f64,
                     unavailable_windows: count(g.unavailable_windows),
                     residency: g.residency.clone().unwrap_or_default(),
+                    served_nsr: g.served_nsr.filter(|v| v.is_finite()),
                     ..Default::default()
                 },
             );

@@ -39,6 +39,8 @@ pub struct GroupRow {
     pub float_windows: Option<i64>,
     pub unavailable_windows: Option<i64>,
     pub residency: Option<String>,
+    /// Token-weighted mean harm over the windows that measured it.
+    pub served_nsr: Option<f64>,
 }
 
 /// A row of `decisions`: fallback events counted by group, granularity, reason and action.

@@ -96,6 +96,7 @@ fn event(i: usize, a: &Args, rng: &mut u64) -> (String, &'static str, String) {
                     in_float: hot && next() < 0.8,
                     wanted_unavailable: false,
                     residency: "dual".into(),
+                    mean_nsr: Some(0.002 * (1.0 + rate)),
                 }
             })
             .collect();

@@ -113,6 +113,7 @@ impl Table {
                 Field::new("in_float", DataType::Boolean, false),
                 Field::new("wanted_unavailable", DataType::Boolean, false),
                 utf8("residency", false),
+                f64("mean_nsr", true),
             ],
             Table::ShadowKl => vec![
                 utf8("event_id", false),
@@ -318,6 +319,7 @@ struct WindowGroupRow<'a> {
     in_float: bool,
     wanted_unavailable: bool,
     residency: &'a str,
+    mean_nsr: Option<f64>,
 }
 
 #[derive(Serialize)]
@@ -370,6 +372,7 @@ pub fn window_rows(ev: &WindowEvent) -> Vec<Routed> {
                 in_float: g.in_float,
                 wanted_unavailable: g.wanted_unavailable,
                 residency: &g.residency,
+                mean_nsr: g.mean_nsr.filter(|v| v.is_finite()),
             },
         ));
     }
@@ -481,6 +484,7 @@ mod tests {
                 in_float: true,
                 wanted_unavailable: false,
                 residency: "dual".into(),
+                mean_nsr: Some(0.002),
             }],
             shadow_kl: vec![0.001, 0.5],
             shadow_kl_seen: 2,

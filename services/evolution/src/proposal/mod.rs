@@ -31,7 +31,9 @@
 //!    excursions and not on its own normal tail.
 //! 7. **Move bits where traffic says so.** A 4-bit (`w4a16`) INT8-only group that wanted
 //!    float without a copy in more than `promote_share` of its windows is raised to 8 bits
-//!    (`w8a8`) before it is given a float copy (rule 3 does that next time if 8 bits are not
+//!    (`w8a8`) — when the pre-screen measured 8 bits as the cheaper form for it (not on
+//!    weights already on a 4-bit grid, where rule 3's float copy is the fix) — before it is
+//!    given a float copy (rule 3 does that next time if 8 bits are not
 //!    enough): the cheaper fix first. To keep the plan's bytes (a plan fitted to
 //!    `engine.weight_budget`), the quiet 8-bit INT8-only group of the same kind — the same
 //!    shape, so exactly the same bytes — with the lowest pre-screen 4-bit cost (the error it
@@ -39,7 +41,11 @@
 //!    own output KL in plans without that measurement) is lowered to
 //!    `w4a16` in the same proposal. Quiet: never in float, never wanting it, window outlier
 //!    rate p95 below half its trigger. Without such a partner the raise is still made and the
-//!    reason says the plan grows by one group's 4 → 8-bit difference.
+//!    reason says the plan grows by one group's 4 → 8-bit difference. The harm bound follows
+//!    the bits: a group in 4 bits is served with the pre-screen's calibrated 4-bit bound
+//!    (`metrics.max_nsr_w4a16` as `monitor.max_nsr`: the harm its calibration rows exceed at
+//!    the trigger rate, so it "wants float" when traffic hurts it more than calibration did),
+//!    and a group raised to 8 bits goes back to the engine's bound.
 
 use crate::analysis::{Evidence, GroupEvidence};
 use quantmesh_types::sensitive::{GroupEntry, MonitorOverride, ObservedUse};
@@ -188,8 +194,8 @@ pub fn propose(
             .and_then(|m| m.trigger_rate)
             .unwrap_or(global_trigger)
     };
-    // Rule 7's partners: quiet 8-bit INT8-only groups with the pre-screen's 4-bit KL, by
-    // kind, the lowest KL first.
+    // Rule 7's partners: quiet 8-bit INT8-only groups with what 4 bits would cost them on
+    // this traffic, by kind, the cheapest first.
     let mut partners: BTreeMap<String, Vec<(f64, String)>> = BTreeMap::new();
     for g in &ev.groups {
         let Some(e) = current.groups.get(&g.group) else {
@@ -205,13 +211,13 @@ pub fn propose(
             && g.float_windows == 0
             && g.unavailable_windows == 0
             && g.rate_p95.is_some_and(|r| r < trigger_of(&g.group) / 2.0);
-        if let (true, true, Residency::Int8, Some(m)) =
-            (eight, quiet, e.effective_residency(), e.metrics.as_ref())
+        if let (true, true, Residency::Int8, Some(stake)) =
+            (eight, quiet, e.effective_residency(), bits_stake(g, e))
         {
             partners
                 .entry(group_kind(&g.group).to_string())
                 .or_default()
-                .push((m.bits_cost().0, g.group.clone()));
+                .push((stake, g.group.clone()));
         }
     }
     for p in partners.values_mut() {
@@ -237,11 +243,43 @@ pub fn propose(
             _ => Residency::Dual,
         };
         let unavailable_share = g.unavailable_windows as f64 / g.windows.max(1) as f64;
-        // Rule 7: 4 → 8 bits first, a quiet 8-bit group of the same shape 8 → 4.
+        // Rule 7: 4 → 8 bits first, a quiet 8-bit group of the same shape 8 → 4, when 8
+        // bits pay: they win something for this group (not on weights already on a 4-bit
+        // grid, a Q4 checkpoint, where the pre-screen measures 8 bits as the worse form), and
+        // more than 4 bits cost the cheapest partner, both scaled by the harm the engines
+        // measured over what calibration predicted. Otherwise rule 3's float copy is the fix.
         let four = entry
             .as_ref()
             .is_some_and(|e| e.class == PrecisionClass::W4a16);
-        if served == Residency::Int8 && four && unavailable_share > rules.promote_share {
+        let gain = entry
+            .as_ref()
+            .and_then(|e| bits_stake(g, e))
+            .unwrap_or(f64::INFINITY);
+        let not_eight = if !four {
+            None
+        } else if gain <= 0.0 {
+            Some(
+                "; not 8 bits: the pre-screen measured them no better than 4 for this group"
+                    .to_string(),
+            )
+        } else {
+            partners
+                .get(group_kind(&g.group))
+                .and_then(|p| p.last())
+                .filter(|(loss, _)| *loss >= gain)
+                .map(|(loss, p)| {
+                    format!(
+                        "; not 8 bits: they win {gain:.2e} on this traffic, less than 4 bits \
+                         would cost the cheapest quiet 8-bit {} group, {p} ({loss:.2e})",
+                        group_kind(&g.group)
+                    )
+                })
+        };
+        if served == Residency::Int8
+            && four
+            && unavailable_share > rules.promote_share
+            && not_eight.is_none()
+        {
             let partner = partners.get_mut(group_kind(&g.group)).and_then(Vec::pop);
             let why = format!(
                 "wanted float in {:.0} % of {} windows without a float copy (> {:.0} %): 8 bits \
@@ -268,8 +306,8 @@ pub fn propose(
             if let Some((kl4, p)) = partner {
                 let reason = format!(
                     "quiet in 8 bits (never in float, window outlier rate p95 below half its \
-                     trigger), lowest pre-screen 4-bit KL of its kind ({kl4:.2e}): 4 bits for \
-                     {}'s raise, the same bytes",
+                     trigger), the cheapest of its kind in 4 bits on this traffic ({kl4:.2e} < \
+                     the raise's {gain:.2e}): 4 bits for {}'s raise, the same bytes",
                     g.group
                 );
                 set_class(&mut plan, &mut changes, &p, PrecisionClass::W4a16, reason);
@@ -280,10 +318,11 @@ pub fn propose(
             Some((
                 Residency::Dual,
                 format!(
-                    "wanted float in {:.0} % of {} windows without a float copy (> {:.0} %)",
+                    "wanted float in {:.0} % of {} windows without a float copy (> {:.0} %){}",
                     unavailable_share * 100.0,
                     g.windows,
-                    rules.promote_share * 100.0
+                    rules.promote_share * 100.0,
+                    not_eight.unwrap_or_default()
                 ),
             ))
         } else if served == Residency::Dual && g.float_share > rules.float_share {
@@ -409,6 +448,32 @@ fn group_kind(name: &str) -> &str {
     name.rsplit('.').next().unwrap_or(name)
 }
 
+/// How much harder the span's traffic was on the group than its calibration rows: the harm
+/// the engines measured (`served_nsr`) over the calibration rows' mean harm in the width it
+/// was served in (`metrics.nsr`); 1 without both.
+fn traffic_scale(g: &GroupEvidence, e: &GroupEntry) -> f64 {
+    let calibrated = e
+        .metrics
+        .as_ref()
+        .and_then(|m| m.nsr.as_ref())
+        .map(|n| match e.class {
+            PrecisionClass::W4a16 => n.w4a16,
+            _ => n.w8a8,
+        });
+    match (g.served_nsr, calibrated) {
+        (Some(s), Some(c)) if c > 0.0 && s.is_finite() && s >= 0.0 => s / c,
+        _ => 1.0,
+    }
+}
+
+/// What 8 bits win over 4 for the group on this traffic, in the weight budget knapsack's
+/// units: the pre-screen's cost in 4 bits less its cost in 8, times [`traffic_scale`].
+/// `None` without the pre-screen's metrics.
+fn bits_stake(g: &GroupEvidence, e: &GroupEntry) -> Option<f64> {
+    let (four, eight) = e.metrics.as_ref()?.bits_cost();
+    Some((four - eight) * traffic_scale(g, e))
+}
+
 /// Rule 7's change of a listed group's class (bits), recorded with its reason.
 fn set_class(
     plan: &mut SensitiveLayers,
@@ -421,8 +486,12 @@ fn set_class(
         return;
     };
     let from = e.class;
+    let bound = |e: &GroupEntry| e.monitor.as_ref().and_then(|m| m.max_nsr);
+    let bound_before = bound(e);
     e.class = to;
     e.rule = Some(format!("evolve: {reason}"));
+    e.fit_harm_bound_to_class();
+    let bound_after = bound(e);
     changes.push(Change {
         group: Some(group.to_string()),
         field: "class".into(),
@@ -430,6 +499,20 @@ fn set_class(
         to: quantmesh_types::wire_name(&to),
         reason,
     });
+    if bound_before != bound_after {
+        let show = |b: Option<f64>| b.map_or_else(|| "(engine default)".to_string(), fmt);
+        changes.push(Change {
+            group: Some(group.to_string()),
+            field: "monitor.max_nsr".into(),
+            from: show(bound_before),
+            to: show(bound_after),
+            reason: format!(
+                "the harm bound of its bits in {}: the pre-screen's calibrated 4-bit bound in \
+                 4 bits, the engine's default otherwise",
+                quantmesh_types::wire_name(&to)
+            ),
+        });
+    }
 }
 
 fn e_class(e: Option<&GroupEntry>) -> PrecisionClass {
@@ -475,17 +558,23 @@ pub fn changes_table(p: &Proposal) -> String {
 /// The evidence per group as a Markdown table.
 pub fn evidence_table(ev: &Evidence, plan: &SensitiveLayers) -> String {
     let mut s = String::from(
-        "| group | class | served as | windows | rows | outlier rate p50 / p95 / max | windows in float | wanted, unavailable | enters / exits | token decisions |\n|---|---|---|---|---|---|---|---|---|---|\n",
+        "| group | class | served as | windows | rows | outlier rate p50 / p95 / max | windows in float | wanted, unavailable | enters / exits | token decisions | harm served (× calibration) |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     let r = |v: Option<f64>| v.map(|x| format!("{x:.4}")).unwrap_or_else(|| "-".into());
     for g in &ev.groups {
-        let class = plan
-            .groups
-            .get(&g.group)
+        let entry = plan.groups.get(&g.group);
+        let class = entry
             .map(|e| quantmesh_types::wire_name(&e.class))
             .unwrap_or_else(|| "-".into());
+        let harm = match (g.served_nsr, entry) {
+            (Some(h), Some(e)) if e.metrics.as_ref().is_some_and(|m| m.nsr.is_some()) => {
+                format!("{h:.2e} (× {:.2})", traffic_scale(g, e))
+            }
+            (Some(h), _) => format!("{h:.2e}"),
+            _ => "-".into(),
+        };
         s.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} / {} / {} | {} ({:.0} %) | {} | {} / {} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} / {} / {} | {} ({:.0} %) | {} | {} / {} | {} | {} |\n",
             g.group,
             class,
             g.residency,
@@ -499,7 +588,8 @@ pub fn evidence_table(ev: &Evidence, plan: &SensitiveLayers) -> String {
             g.unavailable_windows,
             g.enters,
             g.exits,
-            g.token_decisions
+            g.token_decisions,
+            harm
         ));
     }
     s.push_str(&format!(

@@ -364,3 +364,151 @@ fn the_same_evidence_gives_the_same_bytes() {
     let back = SensitiveLayers::parse(&a.bytes()).unwrap();
     assert_eq!(back, a.plan);
 }
+
+/// Bits and harm bound move together: the group raised to 8 bits drops its calibrated
+/// 4-bit bound (an operator's trigger stays), the partner lowered to 4 bits takes its own,
+/// and both show in the changes.
+#[test]
+fn the_harm_bound_follows_the_bits() {
+    let with_bound = |class: &str, bound: f64, monitor: serde_json::Value| {
+        let mut e = entry(class, if class == "w4a16" { 0.3 } else { 0.01 });
+        e["metrics"]["max_nsr_w4a16"] = serde_json::json!(bound);
+        e["monitor"] = monitor;
+        e
+    };
+    let plan = SensitiveLayers::parse(
+        serde_json::json!({
+            "schema_version": 1,
+            "groups": {
+                "layers.0.down": with_bound("w4a16", 0.004,
+                    serde_json::json!({"max_nsr": 0.004, "trigger_rate": 0.02})),
+                "layers.1.down": with_bound("w8a8", 0.003, serde_json::json!({})),
+            }
+        })
+        .to_string()
+        .as_bytes(),
+    )
+    .unwrap();
+    let mut hurt = group("layers.0.down", "int8");
+    hurt.unavailable_windows = 40;
+    let ev = evidence(vec![hurt, group("layers.1.down", "int8")]);
+    let p = propose(&plan, &ev, &Rules::default(), EngineDefaults::default());
+    let monitor = |g: &str| p.plan.groups[g].monitor.clone().unwrap_or_default();
+    assert_eq!(p.plan.groups["layers.0.down"].class, PrecisionClass::W8a8);
+    assert_eq!(
+        (
+            monitor("layers.0.down").max_nsr,
+            monitor("layers.0.down").trigger_rate
+        ),
+        (None, Some(0.02))
+    );
+    assert_eq!(p.plan.groups["layers.1.down"].class, PrecisionClass::W4a16);
+    assert_eq!(monitor("layers.1.down").max_nsr, Some(0.003));
+    let bound_changes: Vec<_> = p
+        .changes
+        .iter()
+        .filter(|c| c.field == "monitor.max_nsr")
+        .map(|c| (c.group.clone().unwrap_or_default(), c.to.clone()))
+        .collect();
+    assert_eq!(
+        bound_changes,
+        vec![
+            ("layers.0.down".to_string(), "(engine default)".to_string()),
+            ("layers.1.down".to_string(), fmt(0.003)),
+        ],
+        "{:?}",
+        p.changes
+    );
+}
+
+/// Weights already on a 4-bit grid (a Q4 checkpoint) cost less in 4 bits than in 8: a 4-bit
+/// group there that wanted float gets a float copy (rule 3), never 8 bits, and no partner
+/// moves.
+#[test]
+fn a_four_bit_group_that_eight_bits_would_hurt_more_gets_a_float_copy() {
+    let plan = SensitiveLayers::parse(
+        serde_json::json!({
+            "schema_version": 1,
+            "groups": {
+                "layers.0.down": entry("w4a16", 0.0001),
+                "layers.1.down": entry("w8a8", 0.01),
+            }
+        })
+        .to_string()
+        .as_bytes(),
+    )
+    .unwrap();
+    let mut hurt = group("layers.0.down", "int8");
+    hurt.unavailable_windows = 40;
+    let ev = evidence(vec![hurt, group("layers.1.down", "int8")]);
+    let p = propose(&plan, &ev, &Rules::default(), EngineDefaults::default());
+    let e = &p.plan.groups["layers.0.down"];
+    assert_eq!(
+        (e.class, e.residency),
+        (PrecisionClass::W4a16, Some(Residency::Dual)),
+        "{:?}",
+        p.changes
+    );
+    assert_eq!(p.plan.groups["layers.1.down"].class, PrecisionClass::W8a8);
+    assert_eq!(p.changes.len(), 1, "{:?}", p.changes);
+    assert!(
+        p.changes[0].reason.contains("not 8 bits"),
+        "{:?}",
+        p.changes[0]
+    );
+}
+
+/// The trade must pay on the traffic the engines saw: 8 bits win the hurt group less than 4
+/// bits cost the only partner at calibration's harm, so it gets a float copy instead; when
+/// the engines measured its harm at 50× calibration's (and the partner's at calibration's),
+/// the raise wins more than the partner loses and the bits trade.
+#[test]
+fn bits_trade_only_when_the_raise_pays_for_the_partner_on_the_served_harm() {
+    let with_harm = |class: &str, kl4: f64| {
+        let mut e = entry(class, kl4);
+        e["metrics"]["nsr"] = serde_json::json!({"w8a8": 1e-6, "w4a16": 0.004});
+        e
+    };
+    let plan = SensitiveLayers::parse(
+        serde_json::json!({
+            "schema_version": 1,
+            "groups": {
+                "layers.0.down": with_harm("w4a16", 0.001),
+                "layers.1.down": with_harm("w8a8", 0.01),
+            }
+        })
+        .to_string()
+        .as_bytes(),
+    )
+    .unwrap();
+    let run = |hurt_nsr: f64| {
+        let mut hurt = group("layers.0.down", "int8");
+        hurt.unavailable_windows = 40;
+        hurt.served_nsr = Some(hurt_nsr);
+        let mut quiet = group("layers.1.down", "int8");
+        quiet.served_nsr = Some(1e-6);
+        let ev = evidence(vec![hurt, quiet]);
+        propose(&plan, &ev, &Rules::default(), EngineDefaults::default())
+    };
+    let as_calibrated = run(0.004);
+    let e = &as_calibrated.plan.groups["layers.0.down"];
+    assert_eq!(
+        (e.class, e.residency),
+        (PrecisionClass::W4a16, Some(Residency::Dual)),
+        "{:?}",
+        as_calibrated.changes
+    );
+    assert!(
+        as_calibrated.changes[0].reason.contains("layers.1.down"),
+        "{:?}",
+        as_calibrated.changes
+    );
+    let hurt_more = run(0.2);
+    let class = |g: &str| hurt_more.plan.groups[g].class;
+    assert_eq!(
+        (class("layers.0.down"), class("layers.1.down")),
+        (PrecisionClass::W8a8, PrecisionClass::W4a16),
+        "{:?}",
+        hurt_more.changes
+    );
+}

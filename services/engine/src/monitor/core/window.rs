@@ -3,6 +3,15 @@
 
 use super::*;
 
+/// One group's counts in the window that closes, for its event.
+#[derive(Debug, Clone, Copy, Default)]
+struct Counted {
+    tokens: u64,
+    outliers: u64,
+    wanted_unavailable: bool,
+    mean_nsr: Option<f64>,
+}
+
 impl Monitor {
     /// Close the current window: decide per group, then the batch flag.
     pub fn end_window(&mut self) -> Vec<FallbackEvent> {
@@ -10,7 +19,7 @@ impl Monitor {
         self.requests_in_window = 0;
         let mut events = Vec::new();
         let ids: Vec<GroupId> = self.groups.keys().copied().collect();
-        let mut counted: BTreeMap<GroupId, (u64, u64, bool)> = BTreeMap::new();
+        let mut counted: BTreeMap<GroupId, Counted> = BTreeMap::new();
         for g in ids {
             let Some(s) = self.groups.get_mut(&g) else {
                 continue;
@@ -26,18 +35,21 @@ impl Monitor {
             let n = s.window_tokens as f64;
             let margin = self.cfg.trigger_z * (s.trigger * (1.0 - s.trigger) / n.max(1.0)).sqrt();
             let above = rate > s.trigger + margin;
+            let mean_nsr =
+                (s.window_harm_rows > 0).then(|| s.window_harm / s.window_harm_rows as f64);
             counted.insert(
                 g,
-                (
-                    s.window_tokens,
-                    s.window_outliers,
-                    decided && above && !s.residency.has_float(),
-                ),
+                Counted {
+                    tokens: s.window_tokens,
+                    outliers: s.window_outliers,
+                    wanted_unavailable: decided && above && !s.residency.has_float(),
+                    mean_nsr,
+                },
             );
             if decided {
                 s.last_rate = Some(rate);
-                if s.window_harm_rows > 0 {
-                    s.last_nsr = Some(s.window_harm / s.window_harm_rows as f64);
+                if mean_nsr.is_some() {
+                    s.last_nsr = mean_nsr;
                 }
             }
             s.window_harm = 0.0;
@@ -103,22 +115,22 @@ impl Monitor {
     }
 
     /// Turn the window's evidence into its event and start the next window.
-    fn close_window(&mut self, counted: &BTreeMap<GroupId, (u64, u64, bool)>) {
+    fn close_window(&mut self, counted: &BTreeMap<GroupId, Counted>) {
         let ev = std::mem::replace(&mut self.window, WindowEvidence::new());
         let end = self.window.started_ms;
         let groups = self
             .groups
             .iter()
             .map(|(g, s)| {
-                let (tokens, outliers, wanted_unavailable) =
-                    counted.get(g).copied().unwrap_or_default();
+                let c = counted.get(g).copied().unwrap_or_default();
                 WindowGroup {
                     group: g.to_string(),
-                    tokens,
-                    outliers,
+                    tokens: c.tokens,
+                    outliers: c.outliers,
                     in_float: s.in_float(),
-                    wanted_unavailable,
+                    wanted_unavailable: c.wanted_unavailable,
                     residency: wire_name(&s.residency),
+                    mean_nsr: c.mean_nsr,
                 }
             })
             .collect();
