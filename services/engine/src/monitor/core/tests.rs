@@ -146,7 +146,7 @@ fn low_variance_statistic_has_no_outliers_a_real_spike_has() {
 /// `max_nsr` count as outliers with no activation spike, so a group its quantized
 /// weights hurt on a share of rows above the trigger enters fallback (`down` takes its
 /// `gate_up` along); below the bound, or with the bound off, nothing happens. The
-/// window's mean harm is reported.
+/// window's mean harm is reported and published.
 #[test]
 fn harmful_rows_count_as_outliers_without_a_spike() {
     let down = GroupId::new(0, GroupKind::Down);
@@ -176,9 +176,9 @@ fn harmful_rows_count_as_outliers_without_a_spike() {
             .filter(|e| e.action == FallbackAction::Enter)
             .filter_map(|e| e.group.clone())
             .collect();
-        (groups, m.report())
+        (groups, m.report(), m.take_windows())
     };
-    let (entered, report) = run(0.01, 1);
+    let (entered, report, windows) = run(0.01, 1);
     assert_eq!(
         entered,
         BTreeSet::from(["layers.0.down".to_string(), "layers.0.gate_up".to_string()])
@@ -191,6 +191,23 @@ fn harmful_rows_count_as_outliers_without_a_spike() {
     };
     assert!((nsr(&report, "layers.0.down").unwrap() - 0.05).abs() < 1e-6);
     assert!((nsr(&report, "layers.0.o").unwrap() - 0.001).abs() < 1e-6);
+    // ... and every window's event carries it per group, for the evolution job.
+    // (the first window is the warm-up's, with no harm measured)
+    assert_eq!(windows.len(), 4);
+    assert!(windows[0].groups.iter().all(|g| g.mean_nsr.is_none()));
+    for w in &windows[1..] {
+        let mean = |g: &str| {
+            w.groups
+                .iter()
+                .find(|x| x.group == g)
+                .and_then(|x| x.mean_nsr)
+        };
+        assert!(
+            (mean("layers.0.down").unwrap() - 0.05).abs() < 1e-6,
+            "{w:?}"
+        );
+        assert!((mean("layers.0.o").unwrap() - 0.001).abs() < 1e-6, "{w:?}");
+    }
     // Harmful on every 10th row: 10 % is above the 1 % trigger with confidence.
     assert!(run(0.01, 10).0.contains("layers.0.down"));
     // Every 100th row: 1 %, not above the trigger with confidence.
