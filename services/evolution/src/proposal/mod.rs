@@ -362,6 +362,14 @@ pub fn propose(
                 .as_ref()
                 .map(|e| e.effective_residency())
                 .unwrap_or(served);
+            let share = (g.float_share.max(unavailable_share) * 1e4).round() / 1e4;
+            let before = entry
+                .as_ref()
+                .and_then(|e| e.observed.as_ref())
+                .map(|o| o.wanted_float_share);
+            if from == to && (to == Residency::Int8 || before == Some(share)) {
+                continue; // nothing to change: the plan says this already
+            }
             let e = plan
                 .groups
                 .entry(g.group.clone())
@@ -371,17 +379,33 @@ pub fn propose(
             e.rule = Some(format!("evolve: {reason}"));
             // The evidence goes with the promotion, so the engines' float budget ranks this
             // copy by what the monitor saw, not only by the pre-screen's KL.
-            e.observed = (to != Residency::Int8).then(|| ObservedUse {
+            e.observed = (to != Residency::Int8).then_some(ObservedUse {
                 windows: g.windows,
-                wanted_float_share: (g.float_share.max(unavailable_share) * 1e4).round() / 1e4,
+                wanted_float_share: share,
             });
-            changes.push(Change {
-                group: Some(g.group.clone()),
-                field: "residency".into(),
-                from: quantmesh_types::wire_name(&from),
-                to: quantmesh_types::wire_name(&to),
-                reason,
-            });
+            // A group the plan already gives a float copy that the engines' float budget
+            // left out: the change is the evidence its copy is ranked by.
+            let change = if from == to {
+                Change {
+                    group: Some(g.group.clone()),
+                    field: "observed.wanted_float_share".into(),
+                    from: before.map_or_else(|| "-".into(), fmt),
+                    to: fmt(share),
+                    reason: format!(
+                        "{reason}; already planned {}",
+                        quantmesh_types::wire_name(&to)
+                    ),
+                }
+            } else {
+                Change {
+                    group: Some(g.group.clone()),
+                    field: "residency".into(),
+                    from: quantmesh_types::wire_name(&from),
+                    to: quantmesh_types::wire_name(&to),
+                    reason,
+                }
+            };
+            changes.push(change);
             continue;
         }
         // Rule 6: a flapping group.

@@ -512,3 +512,30 @@ fn bits_trade_only_when_the_raise_pays_for_the_partner_on_the_served_harm() {
         hurt_more.changes
     );
 }
+
+/// A group the plan already gives a float copy, served without one (the engines' float
+/// budget left it out), that wanted float: the change is the evidence its copy is ranked by,
+/// not a residency change to what it already is; the same evidence again changes nothing.
+#[test]
+fn a_planned_copy_the_budget_left_out_gets_its_evidence_not_a_residency_change() {
+    let mut e = entry("w8a8", 0.01);
+    e["residency"] = serde_json::json!("dual");
+    let plan = SensitiveLayers::parse(
+        serde_json::json!({"schema_version": 1, "groups": {"layers.3.down": e}})
+            .to_string()
+            .as_bytes(),
+    )
+    .unwrap();
+    let mut g = group("layers.3.down", "int8");
+    g.unavailable_windows = 40;
+    let ev = evidence(vec![g]);
+    let p = propose(&plan, &ev, &Rules::default(), EngineDefaults::default());
+    assert_eq!(p.changes.len(), 1, "{:?}", p.changes);
+    assert_eq!(
+        (p.changes[0].field.as_str(), p.changes[0].to.as_str()),
+        ("observed.wanted_float_share", "0.4000")
+    );
+    assert_eq!(p.plan.groups["layers.3.down"].residency, Some(Residency::Dual));
+    let again = propose(&p.plan, &ev, &Rules::default(), EngineDefaults::default());
+    assert!(again.changes.is_empty(), "{:?}", again.changes);
+}
