@@ -535,7 +535,10 @@ fn a_planned_copy_the_budget_left_out_gets_its_evidence_not_a_residency_change()
         (p.changes[0].field.as_str(), p.changes[0].to.as_str()),
         ("observed.wanted_float_share", "0.4000")
     );
-    assert_eq!(p.plan.groups["layers.3.down"].residency, Some(Residency::Dual));
+    assert_eq!(
+        p.plan.groups["layers.3.down"].residency,
+        Some(Residency::Dual)
+    );
     let again = propose(&p.plan, &ev, &Rules::default(), EngineDefaults::default());
     assert!(again.changes.is_empty(), "{:?}", again.changes);
 }
