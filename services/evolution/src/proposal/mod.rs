@@ -31,21 +31,22 @@
 //!    excursions and not on its own normal tail.
 //! 7. **Move bits where traffic says so.** A 4-bit (`w4a16`) INT8-only group that wanted
 //!    float without a copy in more than `promote_share` of its windows is raised to 8 bits
-//!    (`w8a8`) — when the pre-screen measured 8 bits as the cheaper form for it (not on
-//!    weights already on a 4-bit grid, where rule 3's float copy is the fix) — before it is
-//!    given a float copy (rule 3 does that next time if 8 bits are not
-//!    enough): the cheaper fix first. To keep the plan's bytes (a plan fitted to
-//!    `engine.weight_budget`), the quiet 8-bit INT8-only group of the same kind — the same
-//!    shape, so exactly the same bytes — with the lowest pre-screen 4-bit cost (the error it
-//!    adds to the residual stream in 4 bits, as the weight budget's knapsack weighs it; its
-//!    own output KL in plans without that measurement) is lowered to
-//!    `w4a16` in the same proposal. Quiet: never in float, never wanting it, window outlier
-//!    rate p95 below half its trigger. Without such a partner the raise is still made and the
-//!    reason says the plan grows by one group's 4 → 8-bit difference. The harm bound follows
-//!    the bits: a group in 4 bits is served with the pre-screen's calibrated 4-bit bound
-//!    (`metrics.max_nsr_w4a16` as `monitor.max_nsr`: the harm its calibration rows exceed at
-//!    the trigger rate, so it "wants float" when traffic hurts it more than calibration did),
-//!    and a group raised to 8 bits goes back to the engine's bound.
+//!    (`w8a8`), and the quiet 8-bit INT8-only group of the same kind (the same shape, so
+//!    exactly the same bytes under `engine.weight_budget`) that 4 bits would cost least is
+//!    lowered to `w4a16` in the same proposal, when the trade pays on the traffic the
+//!    engines saw. Each side's stake is its pre-screen cost in 4 bits less its cost in 8
+//!    (the error it adds to the residual stream, as the weight budget's knapsack weighs it;
+//!    its own output KL in plans without that measurement) times its served harm over its
+//!    calibration rows' mean harm in the width it was served in (the window events'
+//!    `mean_nsr` over `metrics.nsr`; 1 without both); the raise must win more than the
+//!    partner loses. Quiet: never in float, never wanting it, window outlier rate p95 below
+//!    half its trigger. Where 8 bits do not pay, or the pre-screen measured them no better
+//!    (weights already on a 4-bit grid), rule 3's float copy is proposed instead and the
+//!    reason says why. Without any partner the raise is made and the reason says the plan
+//!    grows by one group's 4 → 8-bit difference. The harm bound follows the bits: a group in
+//!    4 bits is served with the pre-screen's calibrated 4-bit bound (`metrics.max_nsr_w4a16`
+//!    as `monitor.max_nsr`: the harm its calibration rows exceed at the trigger rate), and a
+//!    group raised to 8 bits goes back to the engine's bound.
 
 use crate::analysis::{Evidence, GroupEvidence};
 use quantmesh_types::sensitive::{GroupEntry, MonitorOverride, ObservedUse};
