@@ -8,6 +8,12 @@ fn plan() -> SensitiveLayers {
     SensitiveLayers::parse(br#"{"schema_version": 1}"#).unwrap()
 }
 
+/// A schema-v1 plan with these `groups`.
+fn plan_with(groups: serde_json::Value) -> SensitiveLayers {
+    let file = serde_json::json!({"schema_version": 1, "groups": groups});
+    SensitiveLayers::parse(file.to_string().as_bytes()).unwrap()
+}
+
 fn group(name: &str, residency: &str) -> GroupEvidence {
     GroupEvidence {
         group: name.into(),
@@ -76,19 +82,11 @@ fn the_partner_is_the_cheapest_in_the_residual_stream_when_the_plan_measured_it(
         e["metrics"]["residual"] = serde_json::json!({"w8a8_per_channel": 1e-6, "w4a16": res4});
         e
     };
-    let plan = SensitiveLayers::parse(
-        serde_json::json!({
-            "schema_version": 1,
-            "groups": {
-                "layers.0.down": entry("w4a16", 0.3),
-                "layers.1.down": with_residual(0.001, 0.05),
-                "layers.2.down": with_residual(0.01, 0.0001),
-            }
-        })
-        .to_string()
-        .as_bytes(),
-    )
-    .unwrap();
+    let plan = plan_with(serde_json::json!({
+        "layers.0.down": entry("w4a16", 0.3),
+        "layers.1.down": with_residual(0.001, 0.05),
+        "layers.2.down": with_residual(0.01, 0.0001),
+    }));
     let mut hurt = group("layers.0.down", "int8");
     hurt.unavailable_windows = 40;
     let ev = evidence(vec![
@@ -114,21 +112,13 @@ fn the_partner_is_the_cheapest_in_the_residual_stream_when_the_plan_measured_it(
 
 #[test]
 fn a_four_bit_group_that_wanted_float_trades_bits_with_the_quietest_of_its_kind() {
-    let plan = SensitiveLayers::parse(
-        serde_json::json!({
-            "schema_version": 1,
-            "groups": {
-                "layers.0.down": entry("w4a16", 0.3),
-                "layers.1.down": entry("w8a8", 0.02),
-                "layers.2.down": entry("w8a8", 0.01),
-                "layers.3.down": entry("w8a8", 0.005),
-                "layers.0.o": entry("w8a8", 0.0001),
-            }
-        })
-        .to_string()
-        .as_bytes(),
-    )
-    .unwrap();
+    let plan = plan_with(serde_json::json!({
+        "layers.0.down": entry("w4a16", 0.3),
+        "layers.1.down": entry("w8a8", 0.02),
+        "layers.2.down": entry("w8a8", 0.01),
+        "layers.3.down": entry("w8a8", 0.005),
+        "layers.0.o": entry("w8a8", 0.0001),
+    }));
     let mut hurt = group("layers.0.down", "int8");
     hurt.unavailable_windows = 40;
     // layers.3.down has the lowest 4-bit KL but is not quiet (it wanted float once);
@@ -376,19 +366,11 @@ fn the_harm_bound_follows_the_bits() {
         e["monitor"] = monitor;
         e
     };
-    let plan = SensitiveLayers::parse(
-        serde_json::json!({
-            "schema_version": 1,
-            "groups": {
-                "layers.0.down": with_bound("w4a16", 0.004,
-                    serde_json::json!({"max_nsr": 0.004, "trigger_rate": 0.02})),
-                "layers.1.down": with_bound("w8a8", 0.003, serde_json::json!({})),
-            }
-        })
-        .to_string()
-        .as_bytes(),
-    )
-    .unwrap();
+    let plan = plan_with(serde_json::json!({
+        "layers.0.down": with_bound("w4a16", 0.004,
+            serde_json::json!({"max_nsr": 0.004, "trigger_rate": 0.02})),
+        "layers.1.down": with_bound("w8a8", 0.003, serde_json::json!({})),
+    }));
     let mut hurt = group("layers.0.down", "int8");
     hurt.unavailable_windows = 40;
     let ev = evidence(vec![hurt, group("layers.1.down", "int8")]);
@@ -426,18 +408,10 @@ fn the_harm_bound_follows_the_bits() {
 /// moves.
 #[test]
 fn a_four_bit_group_that_eight_bits_would_hurt_more_gets_a_float_copy() {
-    let plan = SensitiveLayers::parse(
-        serde_json::json!({
-            "schema_version": 1,
-            "groups": {
-                "layers.0.down": entry("w4a16", 0.0001),
-                "layers.1.down": entry("w8a8", 0.01),
-            }
-        })
-        .to_string()
-        .as_bytes(),
-    )
-    .unwrap();
+    let plan = plan_with(serde_json::json!({
+        "layers.0.down": entry("w4a16", 0.0001),
+        "layers.1.down": entry("w8a8", 0.01),
+    }));
     let mut hurt = group("layers.0.down", "int8");
     hurt.unavailable_windows = 40;
     let ev = evidence(vec![hurt, group("layers.1.down", "int8")]);
@@ -469,18 +443,10 @@ fn bits_trade_only_when_the_raise_pays_for_the_partner_on_the_served_harm() {
         e["metrics"]["nsr"] = serde_json::json!({"w8a8": 1e-6, "w4a16": 0.004});
         e
     };
-    let plan = SensitiveLayers::parse(
-        serde_json::json!({
-            "schema_version": 1,
-            "groups": {
-                "layers.0.down": with_harm("w4a16", 0.001),
-                "layers.1.down": with_harm("w8a8", 0.01),
-            }
-        })
-        .to_string()
-        .as_bytes(),
-    )
-    .unwrap();
+    let plan = plan_with(serde_json::json!({
+        "layers.0.down": with_harm("w4a16", 0.001),
+        "layers.1.down": with_harm("w8a8", 0.01),
+    }));
     let run = |hurt_nsr: f64| {
         let mut hurt = group("layers.0.down", "int8");
         hurt.unavailable_windows = 40;
@@ -520,12 +486,7 @@ fn bits_trade_only_when_the_raise_pays_for_the_partner_on_the_served_harm() {
 fn a_planned_copy_the_budget_left_out_gets_its_evidence_not_a_residency_change() {
     let mut e = entry("w8a8", 0.01);
     e["residency"] = serde_json::json!("dual");
-    let plan = SensitiveLayers::parse(
-        serde_json::json!({"schema_version": 1, "groups": {"layers.3.down": e}})
-            .to_string()
-            .as_bytes(),
-    )
-    .unwrap();
+    let plan = plan_with(serde_json::json!({"layers.3.down": e}));
     let mut g = group("layers.3.down", "int8");
     g.unavailable_windows = 40;
     let ev = evidence(vec![g]);
