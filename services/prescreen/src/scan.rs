@@ -368,9 +368,11 @@ fn score_group(
     let xs = kept_values(x, &batch.keep)?;
     let act = activation_stats(&xs, in_dim, rules.massive_rule());
     let (four_bit_error, eight_bit_error) = (four_bit_error.finish(), eight_bit_error.finish());
-    let max_nsr_w4a16 = harm_bound(&four_bit_error, &xs, rules.hook.trigger_rate);
-    let nsr = mean_harm(&four_bit_error, &xs)
-        .zip(mean_harm(&eight_bit_error, &xs))
+    // Each row's harm in 4 bits once: its mean and the bound come from the same values.
+    let four_bit_harm = row_harm(&four_bit_error, &xs);
+    let max_nsr_w4a16 = harm_bound(four_bit_harm.clone(), rules.hook.trigger_rate);
+    let nsr = mean(&four_bit_harm)
+        .zip(mean(&row_harm(&eight_bit_error, &xs)))
         .map(|(four, eight)| HarmByBits {
             w8a8: round12(eight),
             w4a16: round12(four),
@@ -425,16 +427,19 @@ fn score_group(
     ))
 }
 
-/// The harm (output noise-to-signal ratio, the monitor's statistic) that a `share` of the
-/// calibration rows `xs` (row-major, as wide as `errors`) exceed with these column errors:
-/// the bound under which traffic like the calibration set stays at the trigger rate. `None`
-/// without rows.
-pub fn harm_bound(errors: &ColumnError, xs: &[f32], share: f64) -> Option<f64> {
-    let width = errors.in_dim();
-    if width == 0 {
-        return None;
+/// Each calibration row's harm (output noise-to-signal ratio, the monitor's statistic) with
+/// these column errors; `xs` row-major, as wide as `errors`.
+fn row_harm(errors: &ColumnError, xs: &[f32]) -> Vec<f32> {
+    match errors.in_dim() {
+        0 => Vec::new(),
+        width => xs.chunks_exact(width).map(|x| errors.nsr(x)).collect(),
     }
-    let mut harm: Vec<f32> = xs.chunks_exact(width).map(|x| errors.nsr(x)).collect();
+}
+
+/// The harm that a `share` of the calibration rows exceed (`harm`: one value per row): the
+/// bound under which traffic like the calibration set stays at the trigger rate. `None`
+/// without rows.
+pub fn harm_bound(mut harm: Vec<f32>, share: f64) -> Option<f64> {
     if harm.is_empty() {
         return None;
     }
@@ -445,16 +450,9 @@ pub fn harm_bound(errors: &ColumnError, xs: &[f32], share: f64) -> Option<f64> {
     Some(harm[n - 1 - above] as f64)
 }
 
-/// The mean harm of the calibration rows `xs` with these column errors (`None` without rows).
-fn mean_harm(errors: &ColumnError, xs: &[f32]) -> Option<f64> {
-    let width = errors.in_dim();
-    let rows = xs.len().checked_div(width)?;
-    (rows > 0).then(|| {
-        xs.chunks_exact(width)
-            .map(|x| errors.nsr(x) as f64)
-            .sum::<f64>()
-            / rows as f64
-    })
+/// The mean of the rows' harm (`None` without rows).
+fn mean(harm: &[f32]) -> Option<f64> {
+    (!harm.is_empty()).then(|| harm.iter().map(|&h| h as f64).sum::<f64>() / harm.len() as f64)
 }
 
 /// Values are written rounded (6 significant decimals for R/energy/stats, 9 for KL) so the
@@ -655,7 +653,7 @@ mod tests {
             .rev()
             .flat_map(|i| [(i as f32).sqrt(), ((100 - i) as f32).sqrt()])
             .collect();
-        let bound = |share| harm_bound(&errors, &xs, share).unwrap();
+        let bound = |share| harm_bound(row_harm(&errors, &xs), share).unwrap();
         let above = |b: f64| {
             xs.chunks_exact(2)
                 .filter(|x| errors.nsr(x) as f64 > b)
@@ -665,6 +663,6 @@ mod tests {
         assert_eq!(above(bound(0.05)), 5);
         assert_eq!(above(bound(0.0)), 0);
         assert!((bound(0.01) - 0.98).abs() < 1e-5, "{}", bound(0.01));
-        assert_eq!(harm_bound(&errors, &[], 0.01), None);
+        assert_eq!(harm_bound(row_harm(&errors, &[]), 0.01), None);
     }
 }

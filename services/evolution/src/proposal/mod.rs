@@ -475,8 +475,8 @@ fn group_kind(name: &str) -> &str {
 
 /// How much harder the span's traffic was on the group than its calibration rows: the harm
 /// the engines measured (`served_nsr`) over the calibration rows' mean harm in the width it
-/// was served in (`metrics.nsr`); 1 without both.
-fn traffic_scale(g: &GroupEvidence, e: &GroupEntry) -> f64 {
+/// was served in (`metrics.nsr`); `None` without both.
+fn traffic_scale(g: &GroupEvidence, e: &GroupEntry) -> Option<f64> {
     let calibrated = e
         .metrics
         .as_ref()
@@ -486,17 +486,17 @@ fn traffic_scale(g: &GroupEvidence, e: &GroupEntry) -> f64 {
             _ => n.w8a8,
         });
     match (g.served_nsr, calibrated) {
-        (Some(s), Some(c)) if c > 0.0 && s.is_finite() && s >= 0.0 => s / c,
-        _ => 1.0,
+        (Some(s), Some(c)) if c > 0.0 && s.is_finite() && s >= 0.0 => Some(s / c),
+        _ => None,
     }
 }
 
 /// What 8 bits win over 4 for the group on this traffic, in the weight budget knapsack's
-/// units: the pre-screen's cost in 4 bits less its cost in 8, times [`traffic_scale`].
-/// `None` without the pre-screen's metrics.
+/// units: the pre-screen's cost in 4 bits less its cost in 8, times [`traffic_scale`] (1
+/// where it is unknown). `None` without the pre-screen's metrics.
 fn bits_stake(g: &GroupEvidence, e: &GroupEntry) -> Option<f64> {
     let (four, eight) = e.metrics.as_ref()?.bits_cost();
-    Some((four - eight) * traffic_scale(g, e))
+    Some((four - eight) * traffic_scale(g, e).unwrap_or(1.0))
 }
 
 /// Rule 7's change of a listed group's class (bits), recorded with its reason.
@@ -591,11 +591,9 @@ pub fn evidence_table(ev: &Evidence, plan: &SensitiveLayers) -> String {
         let class = entry
             .map(|e| quantmesh_types::wire_name(&e.class))
             .unwrap_or_else(|| "-".into());
-        let harm = match (g.served_nsr, entry) {
-            (Some(h), Some(e)) if e.metrics.as_ref().is_some_and(|m| m.nsr.is_some()) => {
-                format!("{h:.2e} (× {:.2})", traffic_scale(g, e))
-            }
-            (Some(h), _) => format!("{h:.2e}"),
+        let harm = match (g.served_nsr, entry.and_then(|e| traffic_scale(g, e))) {
+            (Some(h), Some(scale)) => format!("{h:.2e} (× {scale:.2})"),
+            (Some(h), None) => format!("{h:.2e}"),
             _ => "-".into(),
         };
         s.push_str(&format!(
