@@ -30,31 +30,9 @@ impl ColumnError {
     }
 
     /// The output noise-to-signal ratio of input row `x` (`Σ x_j²·error_j / Σ x_j²·energy_j`;
-    /// 0 for a zero row). One pass, two multiply-adds per channel.
+    /// 0 for a zero row), on this thread's instruction set ([`crate::probe_row`]).
     pub fn nsr(&self, x: &[f32]) -> f32 {
-        let (mut num, mut den) = ([0f32; 8], [0f32; 8]);
-        let n = x.len().min(self.error.len()).min(self.energy.len());
-        let (x, e, w) = (&x[..n], &self.error[..n], &self.energy[..n]);
-        let mut j = 0;
-        while j + 8 <= n {
-            for k in 0..8 {
-                let s = x[j + k] * x[j + k];
-                num[k] += s * e[j + k];
-                den[k] += s * w[j + k];
-            }
-            j += 8;
-        }
-        let (mut a, mut b) = (num.iter().sum::<f32>(), den.iter().sum::<f32>());
-        for k in j..n {
-            let s = x[k] * x[k];
-            a += s * e[k];
-            b += s * w[k];
-        }
-        if b > 0.0 {
-            a / b
-        } else {
-            0.0
-        }
+        crate::probe_row(x, Some(self), crate::Isa::current()).nsr()
     }
 
     /// The same ratio for a mean input power per channel (`E[x_j²]`): the group's harm on

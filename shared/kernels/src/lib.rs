@@ -26,6 +26,8 @@
 //!   SIMD kernel is tested against).
 //! - [`ColumnError`]: what a quantization does to each input column, and the output
 //!   noise-to-signal ratio that gives one input row (the monitor's harm statistic).
+//! - [`probe_row`]: the monitor's one pass over an input row (sum, largest magnitude, the
+//!   harm ratio's sums), vectorized; the same bits under every instruction set.
 //! - [`Pool`]: one persistent pool of workers for the forward pass, static contiguous work
 //!   ranges per thread.
 
@@ -45,6 +47,7 @@ mod pool;
 mod q4;
 mod q4_product;
 mod q8;
+mod row_probe;
 mod rows;
 mod scalar;
 mod swiglu;
@@ -59,5 +62,6 @@ pub use isa::Isa;
 pub use layout::{ActBits, Activations, PackedQ8, Q8Layout, BLOCK, TILE_ROWS};
 pub use pool::Pool;
 pub use q4::{PackedQ4, SUPER_BLOCKS};
+pub use row_probe::{abs_max, probe_row, RowProbe};
 pub use rows::{dequantize_i8, rms_norm, rope, softmax_weights};
 pub use swiglu::swiglu;

@@ -7,6 +7,7 @@ use crate::error::Result;
 use crate::kv::SeqId;
 use crate::precision::mask::GroupDetector;
 use candle_core::Tensor;
+use quantmesh_kernels::{abs_max, probe_row, Isa};
 use quantmesh_model::massive::massive_in_row;
 use quantmesh_types::GroupId;
 
@@ -66,6 +67,8 @@ pub fn observe_rows(
     if from < d {
         ranges.push(from..d);
     }
+    let whole_row = ranges.len() == 1 && ranges[0] == (0..d);
+    let isa = Isa::current();
     let mut obs = GroupObs {
         group: g,
         stats: Vec::with_capacity(n),
@@ -87,20 +90,26 @@ pub fn observe_rows(
             }
             continue;
         }
-        // A NaN or Inf anywhere makes the row sum non-finite: one cheap check per row.
-        let finite = sum8(row).is_finite();
+        // One vectorized pass: the row's sum (a NaN or Inf anywhere makes it non-finite),
+        // its largest magnitude, and the harm ratio's sums.
+        let p = probe_row(row, det.column_error.as_deref(), isa);
+        let finite = p.sum.is_finite();
         non_finite |= !finite;
-        let m = ranges
-            .iter()
-            .map(|rg| absmax8(&row[rg.clone()]))
-            .fold(0f32, f32::max);
+        let m = if whole_row {
+            p.abs_max
+        } else {
+            ranges
+                .iter()
+                .map(|rg| abs_max(&row[rg.clone()], isa))
+                .fold(0f32, f32::max)
+        };
         if det.learn_channels {
             let mut found = Vec::new();
             massive_in_row(row, det.massive_ratio, &mut scratch, &mut found);
             obs.massive.push(found);
         }
-        if let Some(ce) = &det.column_error {
-            obs.harm.push(ce.nsr(row));
+        if det.column_error.is_some() {
+            obs.harm.push(p.nsr());
         }
         if m > det.token_bound {
             obs.token_float_rows.push(r);
@@ -110,34 +119,76 @@ pub fn observe_rows(
     Ok((obs, non_finite))
 }
 
-/// Abs-max with 8 independent lanes (vectorizes to max instructions).
-#[inline]
-fn absmax8(x: &[f32]) -> f32 {
-    let mut lanes = [0f32; 8];
-    let chunks = x.chunks_exact(8);
-    let tail = chunks
-        .remainder()
-        .iter()
-        .fold(0f32, |m, v| if v.abs() > m { v.abs() } else { m });
-    for c in chunks {
-        for k in 0..8 {
-            let a = c[k].abs();
-            lanes[k] = if a > lanes[k] { a } else { lanes[k] };
-        }
-    }
-    lanes.iter().fold(tail, |m, &v| if v > m { v } else { m })
-}
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::backend::ColumnError;
+    use quantmesh_types::GroupKind;
+    use std::sync::Arc;
 
-/// Sum with 8 independent lanes.
-#[inline]
-fn sum8(x: &[f32]) -> f32 {
-    let mut lanes = [0f32; 8];
-    let chunks = x.chunks_exact(8);
-    let tail: f32 = chunks.remainder().iter().sum();
-    for c in chunks {
-        for k in 0..8 {
-            lanes[k] += c[k];
+    /// Per row: the largest magnitude outside the excluded channels (a massive channel
+    /// does not count), the harm ratio of the group's column errors, a row routed to float
+    /// above the per-token bound, a skipped position left out, and a NaN reported.
+    #[test]
+    fn rows_are_measured_outside_the_excluded_channels() {
+        let d = 40;
+        let columns = Arc::new(ColumnError {
+            error: (0..d).map(|j| 1e-3 * (j % 5) as f32).collect(),
+            energy: (0..d).map(|j| 1.0 + j as f32).collect(),
+        });
+        let mut data: Vec<f32> = (0..4 * d).map(|i| ((i * 7) % 11) as f32 - 5.0).collect();
+        data[3] = 900.0; // row 0, the excluded massive channel
+        data[d + 17] = -30.0; // row 1: above the per-token bound
+        data[3 * d + 21] = f32::NAN; // row 3
+        let input = Tensor::from_vec(data.clone(), (4, d), &candle_core::Device::Cpu).unwrap();
+        let rows = [(1, 0), (1, 1), (2, 0), (2, 1)];
+        let g = GroupId::new(0, GroupKind::Qkv);
+        for isa in Isa::all_available() {
+            for excluded in [vec![3], vec![]] {
+                let det = GroupDetector {
+                    excluded_channels: excluded.clone(),
+                    token_bound: 20.0,
+                    learn_channels: false,
+                    massive_ratio: 20.0,
+                    column_error: Some(columns.clone()),
+                };
+                let (obs, bad) = isa
+                    .scoped(|| observe_rows(g, &det, &input, &rows, &[5]))
+                    .unwrap();
+                assert!(bad, "{isa:?}: the NaN is reported");
+                let expect = |r: usize| {
+                    (0..d)
+                        .filter(|j| !excluded.contains(j))
+                        .map(|j| data[r * d + j].abs())
+                        .fold(0f32, f32::max)
+                };
+                assert_eq!(obs.stats[0], expect(0), "{isa:?} {excluded:?}");
+                assert_eq!(obs.stats[1], 30.0);
+                assert_eq!(obs.stats[2], expect(2));
+                assert_eq!(obs.stats[3], f32::INFINITY);
+                let massive = if excluded.is_empty() {
+                    vec![0, 1]
+                } else {
+                    vec![1]
+                };
+                assert_eq!(obs.token_float_rows, massive, "{isa:?} {excluded:?}");
+                for r in 0..3 {
+                    let row = &data[r * d..(r + 1) * d];
+                    assert_eq!(obs.harm[r], columns.nsr(row));
+                    assert!(obs.harm[r] > 0.0);
+                }
+                assert_eq!(obs.harm.len(), 4);
+            }
         }
+        // A skipped position: no statistic, no harm.
+        let det = GroupDetector {
+            token_bound: f32::INFINITY,
+            column_error: Some(columns),
+            ..Default::default()
+        };
+        let (obs, _) = observe_rows(g, &det, &input, &rows, &[1]).unwrap();
+        assert!(obs.stats[1].is_nan() && obs.stats[3].is_nan());
+        assert!(obs.harm[1].is_nan() && obs.harm[3].is_nan());
     }
-    lanes.iter().sum::<f32>() + tail
 }
