@@ -44,6 +44,11 @@ pub struct Options {
     /// Fit every group's bits (4 or 8) to this many bytes of resident weights (see
     /// [`bits`]); `None`: the rules' classes as they are.
     pub weight_budget: Option<WeightBudget>,
+    /// Write the rules' hook thresholds into the plan's `thresholds` (what `quantmesh
+    /// prescreen` does, so the file says what it serves with); `false` leaves them out, so
+    /// the engine's configured `engine.monitor` stays in force (the first-load plan, which
+    /// nobody wrote by hand).
+    pub hook_thresholds: bool,
 }
 
 /// Under a weight budget, the most the float copies (and 16-bit vocabulary tables) may take,
@@ -279,17 +284,21 @@ pub fn run(opts: &Options, progress: &dyn scan::Progress) -> Result<Outcome, Pre
             }),
             rules: Some(opts.rules.as_map()),
         }),
-        thresholds: HookThresholds {
-            k: Some(hook.k),
-            min_excess: Some(hook.min_excess),
-            // The engine's harm bound applies unless an operator sets one.
-            max_nsr: None,
-            trigger_rate: Some(hook.trigger_rate),
-            window_requests: Some(hook.window_requests),
-            recovery_windows: Some(hook.recovery_windows),
-            token_k: Some(hook.token_k),
-            shadow_sample_rate: Some(hook.shadow_sample_rate),
-            request_kl_limit: Some(hook.request_kl_limit),
+        thresholds: if opts.hook_thresholds {
+            HookThresholds {
+                k: Some(hook.k),
+                min_excess: Some(hook.min_excess),
+                // The engine's harm bound applies unless an operator sets one.
+                max_nsr: None,
+                trigger_rate: Some(hook.trigger_rate),
+                window_requests: Some(hook.window_requests),
+                recovery_windows: Some(hook.recovery_windows),
+                token_k: Some(hook.token_k),
+                shadow_sample_rate: Some(hook.shadow_sample_rate),
+                request_kl_limit: Some(hook.request_kl_limit),
+            }
+        } else {
+            HookThresholds::default()
         },
         groups,
         // 4-bit tables are the weight budget's choice; otherwise the engine's setting (its

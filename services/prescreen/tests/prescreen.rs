@@ -26,6 +26,7 @@ fn opts(model: &Path) -> Options {
         kl_tokens: 2048,
         timestamp: "2026-11-22T00:00:00Z".into(),
         weight_budget: None,
+        hook_thresholds: true,
     }
 }
 

@@ -133,6 +133,7 @@ pub fn run(args: PrescreenArgs) -> anyhow::Result<()> {
             humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()
         }),
         weight_budget: args.weight_budget,
+        hook_thresholds: true,
     };
     let t0 = std::time::Instant::now();
     let outcome = quantmesh_prescreen::run(&opts, &Bar(bar.clone()))?;

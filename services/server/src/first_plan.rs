@@ -190,6 +190,9 @@ pub fn ensure(
         kl_tokens: 1024,
         timestamp: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
         weight_budget,
+        // The server's `engine.monitor` settings stay in force: this plan chooses precisions,
+        // not thresholds.
+        hook_thresholds: false,
     };
     let outcome = quantmesh_prescreen::run(&opts, &progress)?;
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -229,7 +232,12 @@ mod tests {
         assert!(first.computed);
         assert!(first.path.starts_with(dir.path().join(".quantmesh")));
         let bytes = std::fs::read(&first.path).unwrap();
-        quantmesh_types::SensitiveLayers::parse(&bytes).unwrap();
+        let plan = quantmesh_types::SensitiveLayers::parse(&bytes).unwrap();
+        assert_eq!(
+            plan.thresholds,
+            Default::default(),
+            "the engine's configured monitor thresholds stay in force"
+        );
         let files = weight_files(dir.path()).unwrap();
         assert_eq!(first.model_md5, model_md5(&files).unwrap());
         assert!(dir.path().join(".quantmesh/weights.md5.json").is_file());
