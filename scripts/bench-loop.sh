@@ -159,16 +159,16 @@ for text in $TEXTS; do
   done
 done
 
-python3 - "$OUT" "$TITLE" "$BUDGET" $TEXTS <<'PY'
+PYTHONPATH=scripts python3 - "$OUT" "$TITLE" "$BUDGET" $TEXTS <<'PY'
 import json, os, sys
 out, title, budget, texts = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
-cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+from memory_table import rows, cpu
+cpu = cpu()
 def row(path):
-    for line in open(path):
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith("| ") and len(cells) == 12 and cells[0].startswith("first-load plan"):
-            return cells
-    sys.exit(f"no served row in {path}")
+    got = next((c for c in rows(path) if c[0].startswith("first-load plan")), None)
+    if got is None:
+        sys.exit(f"no served row in {path}")
+    return got
 a, b = (json.load(open(f"{out}/plan-{p}.json"))["groups"] for p in "AB")
 def form(e):
     return f"{e['class']}/{e.get('residency') or 'default'}"

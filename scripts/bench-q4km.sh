@@ -128,18 +128,12 @@ PY
     --memory-table "$OUT/plan-default.json" --memory-rows 9,4 >"$OUT/table-$name-default.txt"
 done
 
-python3 - "$OUT" "$TEXTS" "$BYTES" "$THREADS" "$TITLE" "$OURS_LABEL" "$OURS" <<'PY'
+PYTHONPATH=scripts python3 - "$OUT" "$TEXTS" "$BYTES" "$THREADS" "$TITLE" "$OURS_LABEL" "$OURS" <<'PY'
 import os, sys
 out, texts, q4km_bytes, threads, title, ours_label = sys.argv[1], sys.argv[2].split(), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6]
 ours_bytes = int(sys.argv[7])
-cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
-def rows(path):
-    got = []
-    for line in open(path):
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith("| ") and len(cells) == 12 and cells[0] not in ("configuration",) and not cells[0].startswith("---"):
-            got.append(cells)
-    return got
+from memory_table import rows, cpu
+cpu = cpu()
 label = {"first-load plan, monitor-driven, split activations everywhere": None, "INT8 only": "all-8-bit (Q8_0, no monitor)"}
 print(f"{title} on {cpu}, {threads} threads; KL and perplexity against the f32 float model "
       f"(the checkpoint's exact values), teacher-forced in windows of 256 tokens; tok/s in-process, batch 1, "
