@@ -7,9 +7,13 @@ use crate::error::Result;
 use crate::kv::SeqId;
 use crate::precision::mask::GroupDetector;
 use candle_core::Tensor;
-use quantmesh_kernels::{abs_max, probe_row, Isa};
+use quantmesh_kernels::{abs_max, probe_row, Isa, Pool, RowProbe};
 use quantmesh_model::massive::massive_in_row;
 use quantmesh_types::GroupId;
+
+/// Rows from which a group's rows are measured on the kernel pool (a prefill chunk); fewer
+/// stay on the calling thread, where waking the pool would cost more than it saves.
+const POOL_ROWS: usize = 32;
 
 /// One group's statistics for one step.
 #[derive(Debug, Clone, PartialEq)]
@@ -76,25 +80,18 @@ pub fn observe_rows(
         massive: Vec::new(),
         harm: Vec::new(),
     };
-    let mut scratch = Vec::new();
-    let mut non_finite = false;
-    for r in 0..n {
-        let row = &data[r * d..(r + 1) * d];
+    // One vectorized pass per row (`probe_row`: the row's sum — a NaN or Inf anywhere makes
+    // it non-finite —, its largest magnitude and the harm ratio's sums), plus the largest
+    // magnitude outside the excluded channels when there are any. A prefill chunk's rows are
+    // spread over the kernel pool; a decode step's few rows stay on this thread.
+    let columns = det.column_error.as_deref();
+    let measure = |slot: &mut (usize, Option<(RowProbe, f32)>)| {
+        let r = slot.0;
         if skip.contains(&rows[r].1) {
-            obs.stats.push(f32::NAN);
-            if det.learn_channels {
-                obs.massive.push(Vec::new());
-            }
-            if det.column_error.is_some() {
-                obs.harm.push(f32::NAN);
-            }
-            continue;
+            return;
         }
-        // One vectorized pass: the row's sum (a NaN or Inf anywhere makes it non-finite),
-        // its largest magnitude, and the harm ratio's sums.
-        let p = probe_row(row, det.column_error.as_deref(), isa);
-        let finite = p.sum.is_finite();
-        non_finite |= !finite;
+        let row = &data[r * d..(r + 1) * d];
+        let p = probe_row(row, columns, isa);
         let m = if whole_row {
             p.abs_max
         } else {
@@ -103,6 +100,30 @@ pub fn observe_rows(
                 .map(|rg| abs_max(&row[rg.clone()], isa))
                 .fold(0f32, f32::max)
         };
+        slot.1 = Some((p, m));
+    };
+    let mut measured: Vec<(usize, Option<(RowProbe, f32)>)> = (0..n).map(|r| (r, None)).collect();
+    if n >= POOL_ROWS {
+        Pool::global().for_each_mut(&mut measured, measure);
+    } else {
+        measured.iter_mut().for_each(measure);
+    }
+    let mut scratch = Vec::new();
+    let mut non_finite = false;
+    for (r, m) in measured {
+        let row = &data[r * d..(r + 1) * d];
+        let Some((p, m)) = m else {
+            obs.stats.push(f32::NAN);
+            if det.learn_channels {
+                obs.massive.push(Vec::new());
+            }
+            if det.column_error.is_some() {
+                obs.harm.push(f32::NAN);
+            }
+            continue;
+        };
+        let finite = p.sum.is_finite();
+        non_finite |= !finite;
         if det.learn_channels {
             let mut found = Vec::new();
             massive_in_row(row, det.massive_ratio, &mut scratch, &mut found);
@@ -181,6 +202,36 @@ mod tests {
                 assert_eq!(obs.harm.len(), 4);
             }
         }
+        // A prefill chunk's rows, measured on the pool, give what each row gives alone.
+        let many = 10 * 4;
+        let long: Vec<f32> = (0..many)
+            .flat_map(|r| data[(r % 4) * d..(r % 4 + 1) * d].to_vec())
+            .collect();
+        let long = Tensor::from_vec(long, (many, d), &candle_core::Device::Cpu).unwrap();
+        let long_rows: Vec<(u64, usize)> = (0..many).map(|r| rows[r % 4]).collect();
+        assert!(many >= POOL_ROWS);
+        let det = GroupDetector {
+            excluded_channels: vec![3],
+            token_bound: 20.0,
+            column_error: Some(columns.clone()),
+            ..Default::default()
+        };
+        let (few, _) = observe_rows(g, &det, &input, &rows, &[0]).unwrap();
+        let (all, bad) = observe_rows(g, &det, &long, &long_rows, &[0]).unwrap();
+        assert!(bad, "the NaN of a row measured on the pool is reported");
+        assert_eq!(few.token_float_rows, vec![1]);
+        for r in 0..many {
+            assert_eq!(
+                all.stats[r].to_bits(),
+                few.stats[r % 4].to_bits(),
+                "row {r}"
+            );
+            assert_eq!(all.harm[r].to_bits(), few.harm[r % 4].to_bits(), "row {r}");
+        }
+        let routed: Vec<usize> = (0..many)
+            .filter(|r| few.token_float_rows.contains(&(r % 4)))
+            .collect();
+        assert_eq!(all.token_float_rows, routed);
         // A skipped position: no statistic, no harm.
         let det = GroupDetector {
             token_bound: f32::INFINITY,

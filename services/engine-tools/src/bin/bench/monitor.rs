@@ -141,13 +141,22 @@ pub(crate) fn monitor_section(
         .iter()
         .filter_map(|g| g.parse().ok())
         .collect();
+    // The overhead is timed on the forms `quantmesh serve` runs (f16 float copies, the
+    // engine's tables and split activations, or what the flags say); the quality below is
+    // scored against the exact f32 model.
+    let served = LlamaModel::load_from(
+        &quantmesh_model::Checkpoint::open(dir)?,
+        cfg,
+        &|_| Residency::Dual,
+        args.forms(),
+    )?;
     let model = LlamaModel::load(dir, cfg, &|_| Residency::Dual)?;
     let mut runner = StepRunner::default();
     let page = 16;
     let b = 8usize;
     let pages = b * (args.prompt_len + args.decode_steps).div_ceil(page) + 8;
     let fallback = PathMask {
-        detector: Some(detector(&model, cfg, &planted.massive_channels, 0.0)),
+        detector: Some(detector(&served, cfg, &planted.massive_channels, 0.0)),
         ..PathMask::with_float_groups(sensitive.iter().copied())
     };
     let variants: Vec<(&str, PathMask)> = vec![
@@ -155,7 +164,7 @@ pub(crate) fn monitor_section(
         (
             "monitoring on (stats, per-token check)",
             PathMask {
-                detector: Some(detector(&model, cfg, &planted.massive_channels, 0.0)),
+                detector: Some(detector(&served, cfg, &planted.massive_channels, 0.0)),
                 ..Default::default()
             },
         ),
@@ -163,7 +172,7 @@ pub(crate) fn monitor_section(
             "monitoring on, harm test off (max_nsr = 0)",
             PathMask {
                 detector: Some(std::sync::Arc::new({
-                    let mut d = (*detector(&model, cfg, &planted.massive_channels, 0.0)).clone();
+                    let mut d = (*detector(&served, cfg, &planted.massive_channels, 0.0)).clone();
                     for g in d.groups.values_mut() {
                         g.column_error = None;
                     }
@@ -175,7 +184,7 @@ pub(crate) fn monitor_section(
         (
             "monitoring on + 1 % shadow KL",
             PathMask {
-                detector: Some(detector(&model, cfg, &planted.massive_channels, 0.01)),
+                detector: Some(detector(&served, cfg, &planted.massive_channels, 0.01)),
                 ..Default::default()
             },
         ),
@@ -185,7 +194,8 @@ pub(crate) fn monitor_section(
         ),
     ];
     println!();
-    println!("Monitoring overhead (dual plan, batch {b}, prompt {} tokens, {} decode steps; 9 interleaved runs):", args.prompt_len, args.decode_steps);
+    let forms = args.forms();
+    println!("Monitoring overhead (dual plan as served: {:?} float copies, {:?} tables, split activations {:?}; batch {b}, prompt {} tokens, {} decode steps; 9 interleaved runs):", forms.float, forms.embeddings, forms.split, args.prompt_len, args.decode_steps);
     println!();
     println!("| variant | prefill ms median (min) | × off median (min) | TPOT ms median (min) | × off median (min) |");
     println!("|---|---|---|---|---|");
@@ -204,7 +214,7 @@ pub(crate) fn monitor_section(
             let prompts = admit_batch(&mut bm, b, args.prompt_len, args.decode_steps)?;
             let t0 = Instant::now();
             let step = step_for(&mut bm, &prompts);
-            let o = runner.run(&model, &step, mask, &mut kv, true)?;
+            let o = runner.run(&served, &step, mask, &mut kv, true)?;
             prefill_ms[vi].push(t0.elapsed().as_secs_f64() * 1e3);
             if vi == 1 {
                 instrumented[0] += o.stats_ns;
@@ -218,7 +228,7 @@ pub(crate) fn monitor_section(
                     .collect();
                 let step = step_for(&mut bm, &toks);
                 let ts = Instant::now();
-                let o = runner.run(&model, &step, mask, &mut kv, true)?;
+                let o = runner.run(&served, &step, mask, &mut kv, true)?;
                 if vi == 1 {
                     instrumented[0] += o.stats_ns;
                     instrumented[1] += o.mask_check_ns;
