@@ -157,8 +157,17 @@ pub fn ensure(
     if path.is_file() {
         let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
         match quantmesh_types::SensitiveLayers::parse(&bytes) {
-            Ok(_) => {
+            Ok(mut plan) => {
                 tracing::info!(plan = %path.display(), model_md5 = %md5, "first-load plan: reusing the cached plan");
+                if plan.thresholds != Default::default() {
+                    // Cached by a version whose first-load plan wrote the pre-screen's default
+                    // thresholds, which overrode `engine.monitor`: dropped, once.
+                    plan.thresholds = Default::default();
+                    let mut bytes = serde_json::to_vec_pretty(&plan)?;
+                    bytes.push(b'\n');
+                    write_plan(&dir, &md5, &path, &bytes)?;
+                    tracing::info!(plan = %path.display(), "first-load plan: dropped the cached plan's hook thresholds; `engine.monitor` applies");
+                }
                 return Ok(FirstPlan {
                     path,
                     model_md5: md5,
@@ -195,13 +204,7 @@ pub fn ensure(
         hook_thresholds: false,
     };
     let outcome = quantmesh_prescreen::run(&opts, &progress)?;
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let tmp = dir.join(format!(
-        ".sensitive_layers.{md5}.{}.tmp",
-        std::process::id()
-    ));
-    std::fs::write(&tmp, &outcome.bytes).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, &path).with_context(|| format!("writing {}", path.display()))?;
+    write_plan(&dir, &md5, &path, &outcome.bytes)?;
     tracing::info!(
         plan = %path.display(),
         seconds = t0.elapsed().as_secs_f64(),
@@ -214,6 +217,18 @@ pub fn ensure(
         model_md5: md5,
         computed: true,
     })
+}
+
+/// Write a plan to `path` in `dir` whole or not at all (a temporary file, then a rename).
+fn write_plan(dir: &Path, md5: &str, path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let tmp = dir.join(format!(
+        ".sensitive_layers.{md5}.{}.tmp",
+        std::process::id()
+    ));
+    std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
 }
 
 #[cfg(test)]
@@ -245,6 +260,16 @@ mod tests {
         assert!(!again.computed, "same bytes: the cached plan is reused");
         assert_eq!(again.path, first.path);
         assert_eq!(std::fs::read(&again.path).unwrap(), bytes);
+        // A plan cached by a version that wrote thresholds into it: they are dropped, the
+        // rest kept, the plan not recomputed.
+        let mut old = plan.clone();
+        old.thresholds.k = Some(9.0);
+        old.thresholds.window_requests = Some(10);
+        std::fs::write(&first.path, serde_json::to_vec(&old).unwrap()).unwrap();
+        assert!(!ensure(dir.path(), 8, None).unwrap().computed);
+        let cleaned =
+            quantmesh_types::SensitiveLayers::parse(&std::fs::read(&first.path).unwrap()).unwrap();
+        assert_eq!(cleaned, plan);
         // Other weights in the same place (another seed): a new md5, a new plan.
         init_model(
             dir.path(),
