@@ -32,7 +32,12 @@ impl ColumnError {
     /// The output noise-to-signal ratio of input row `x` (`Σ x_j²·error_j / Σ x_j²·energy_j`;
     /// 0 for a zero row), on this thread's instruction set ([`crate::probe_row`]).
     pub fn nsr(&self, x: &[f32]) -> f32 {
-        crate::probe_row(x, Some(self), crate::Isa::current()).nsr()
+        crate::probe_row(x, Some(self.columns()), crate::Isa::current()).nsr()
+    }
+
+    /// The per-column `(error, energy)`, as [`crate::probe_row`] takes them.
+    pub fn columns(&self) -> (&[f32], &[f32]) {
+        (&self.error, &self.energy)
     }
 
     /// The same ratio for a mean input power per channel (`E[x_j²]`): the group's harm on

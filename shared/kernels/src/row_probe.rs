@@ -1,13 +1,13 @@
 //! What the activation monitor reads off one input row of a group, in one pass over it:
 //! the row's sum (finite or not: a NaN or Inf anywhere makes it non-finite), its largest
 //! magnitude, and — when the group has a quantized form — the two sums of its harm ratio
-//! ([`crate::ColumnError::nsr`]). The monitor runs this on every row of every monitored
+//! (a `ColumnError`'s per-column error and energy, weighted by the row's squares). The monitor runs this on every row of every monitored
 //! group between the products, on one thread, so it is written to vectorize: sixteen
 //! independent lanes per sum, compiled for the best instruction set the CPU runs. The
 //! lanes are combined in a fixed order and no multiply is fused into an add, so every
 //! instruction set gives the same bits.
 
-use crate::{ColumnError, Isa};
+use crate::Isa;
 
 /// Lanes per accumulator: one AVX-512 register, two AVX2 registers.
 const LANES: usize = 16;
@@ -19,9 +19,9 @@ pub struct RowProbe {
     pub sum: f32,
     /// `max |x_j|`, NaN values skipped.
     pub abs_max: f32,
-    /// `Σ x_j² · error_j` (0 without a [`ColumnError`]).
+    /// `Σ x_j² · error_j` (0 without columns).
     pub noise: f32,
-    /// `Σ x_j² · energy_j` (0 without a [`ColumnError`]).
+    /// `Σ x_j² · energy_j` (0 without columns).
     pub signal: f32,
 }
 
@@ -36,13 +36,14 @@ impl RowProbe {
     }
 }
 
-/// Probe `row`, with the harm sums over `columns` when given (channels past the shorter of
-/// the two count for the sum and the maximum only).
-pub fn probe_row(row: &[f32], columns: Option<&ColumnError>, isa: Isa) -> RowProbe {
+/// Probe `row`, with the harm sums over a quantization's per-column `(error, energy)` when
+/// given (a `ColumnError`'s `columns()`; channels past the shortest of the three count for
+/// the sum and the maximum only).
+pub fn probe_row(row: &[f32], columns: Option<(&[f32], &[f32])>, isa: Isa) -> RowProbe {
     let (error, energy) = match columns {
-        Some(c) => {
-            let n = row.len().min(c.error.len()).min(c.energy.len());
-            (&c.error[..n], &c.energy[..n])
+        Some((error, energy)) => {
+            let n = row.len().min(error.len()).min(energy.len());
+            (&error[..n], &energy[..n])
         }
         None => (&[][..], &[][..]),
     };
@@ -180,12 +181,13 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn columns(n: usize, seed: u32) -> ColumnError {
+    /// A quantization's per-column (error, energy).
+    fn columns(n: usize, seed: u32) -> (Vec<f32>, Vec<f32>) {
         let f = |i: usize, k: u32| ((i as u32).wrapping_mul(2_654_435_761) ^ k) % 1000;
-        ColumnError {
-            error: (0..n).map(|i| f(i, seed) as f32 * 1e-5).collect(),
-            energy: (0..n).map(|i| 0.1 + f(i, seed + 7) as f32 * 1e-3).collect(),
-        }
+        (
+            (0..n).map(|i| f(i, seed) as f32 * 1e-5).collect(),
+            (0..n).map(|i| 0.1 + f(i, seed + 7) as f32 * 1e-3).collect(),
+        )
     }
 
     proptest! {
@@ -200,16 +202,16 @@ mod tests {
             seed in 0u32..1000,
         ) {
             let width = if narrower { row.len().saturating_sub(extra) } else { row.len() + extra };
-            let c = columns(width, seed);
-            for cols in [None, Some(&c)] {
+            let (error, energy) = columns(width, seed);
+            for cols in [None, Some((&error[..], &energy[..]))] {
                 let reference = probe_row(&row, cols, Isa::Scalar);
                 for isa in Isa::all_available() {
                     prop_assert_eq!(probe_row(&row, cols, isa), reference, "{:?}", isa);
                     prop_assert_eq!(abs_max(&row, isa).to_bits(), reference.abs_max.to_bits());
                 }
-                let n = cols.map_or(0, |c| c.in_dim().min(row.len()));
+                let n = cols.map_or(0, |(e, _)| e.len().min(row.len()));
                 let (mut noise, mut signal) = (0f64, 0f64);
-                for ((&x, &e), &w) in row.iter().zip(&c.error).zip(&c.energy).take(n) {
+                for ((&x, &e), &w) in row.iter().zip(&error).zip(&energy).take(n) {
                     let s = (x as f64).powi(2);
                     noise += s * e as f64;
                     signal += s * w as f64;

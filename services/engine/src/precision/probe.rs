@@ -3,6 +3,7 @@
 //! channels while they are being learned, each row's harm (the output noise-to-signal ratio
 //! of the group's quantized weights on it), and whether a NaN/Inf was seen.
 
+use crate::backend::ColumnError;
 use crate::error::Result;
 use crate::kv::SeqId;
 use crate::precision::mask::GroupDetector;
@@ -84,7 +85,7 @@ pub fn observe_rows(
     // it non-finite —, its largest magnitude and the harm ratio's sums), plus the largest
     // magnitude outside the excluded channels when there are any. A prefill chunk's rows are
     // spread over the kernel pool; a decode step's few rows stay on this thread.
-    let columns = det.column_error.as_deref();
+    let columns = det.column_error.as_deref().map(ColumnError::columns);
     let measure = |slot: &mut (usize, Option<(RowProbe, f32)>)| {
         let r = slot.0;
         if skip.contains(&rows[r].1) {
@@ -144,7 +145,6 @@ pub fn observe_rows(
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use crate::backend::ColumnError;
     use quantmesh_types::GroupKind;
     use std::sync::Arc;
 
