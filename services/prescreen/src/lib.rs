@@ -313,9 +313,9 @@ pub fn run(opts: &Options, progress: &dyn scan::Progress) -> Result<Outcome, Pre
         float_budget,
     };
     // What we write must be what the engine accepts.
-    let mut bytes = serde_json::to_vec_pretty(&file)
+    let bytes = file
+        .to_bytes()
         .map_err(|e| PrescreenError::Calibration(format!("serializing the result: {e}")))?;
-    bytes.push(b'\n');
     SensitiveLayers::parse_for(&bytes, &shape).map_err(|e| {
         PrescreenError::Calibration(format!("internal error: the result does not validate: {e}"))
     })?;

@@ -370,8 +370,9 @@ fn score_group(
     let (four_bit_error, eight_bit_error) = (four_bit_error.finish(), eight_bit_error.finish());
     // Each row's harm in 4 bits once: its mean and the bound come from the same values.
     let four_bit_harm = row_harm(&four_bit_error, &xs);
-    let max_nsr_w4a16 = harm_bound(four_bit_harm.clone(), rules.hook.trigger_rate);
-    let nsr = mean(&four_bit_harm)
+    let four_bit_mean = mean(&four_bit_harm);
+    let max_nsr_w4a16 = harm_bound(four_bit_harm, rules.hook.trigger_rate);
+    let nsr = four_bit_mean
         .zip(mean(&row_harm(&eight_bit_error, &xs)))
         .map(|(four, eight)| HarmByBits {
             w8a8: round12(eight),

@@ -163,9 +163,7 @@ pub fn ensure(
                     // Cached by a version whose first-load plan wrote the pre-screen's default
                     // thresholds, which overrode `engine.monitor`: dropped, once.
                     plan.thresholds = Default::default();
-                    let mut bytes = serde_json::to_vec_pretty(&plan)?;
-                    bytes.push(b'\n');
-                    write_plan(&dir, &md5, &path, &bytes)?;
+                    write_plan(&dir, &md5, &path, &plan.to_bytes()?)?;
                     tracing::info!(plan = %path.display(), "first-load plan: dropped the cached plan's hook thresholds; `engine.monitor` applies");
                 }
                 return Ok(FirstPlan {

@@ -347,6 +347,14 @@ impl SensitiveLayers {
         })
     }
 
+    /// The file as it is written (pretty JSON, a trailing newline): what the pre-screen, the
+    /// first-load plan's cache and the evolution job's proposals store.
+    pub fn to_bytes(&self) -> Result<Vec<u8>, serde_json::Error> {
+        let mut bytes = serde_json::to_vec_pretty(self)?;
+        bytes.push(b'\n');
+        Ok(bytes)
+    }
+
     /// Parse and validate against a model in one go.
     pub fn parse_for(
         bytes: &[u8],

@@ -94,9 +94,7 @@ pub struct Proposal {
 impl Proposal {
     /// The plan as the bytes committed (pretty JSON, trailing newline).
     pub fn bytes(&self) -> Vec<u8> {
-        let mut b = serde_json::to_vec_pretty(&self.plan).unwrap_or_default();
-        b.push(b'\n');
-        b
+        self.plan.to_bytes().unwrap_or_default()
     }
 }
 
