@@ -526,3 +526,86 @@ async fn the_gateway_forwards_keys_and_limits_before_reading_the_body() {
     drop(slow);
     assert_eq!(keyed().await.status(), 200, "the permit came back");
 }
+
+/// A stalled engine (SIGSTOP: it accepts connections and never answers) does not hang the
+/// requests it holds: the gateway sees its `/ready` silent for `mesh.stall_timeout` and fails
+/// them with 504 `engine_timeout`; new requests are refused at once while it is down, and it
+/// serves again after SIGCONT.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_engine_is_answered_within_the_deadline() {
+    let root = tempfile::tempdir().unwrap();
+    let model = model_dir(root.path());
+    let client = reqwest::Client::new();
+    let e1 = engine(root.path(), &model, free_port());
+    let config = root.path().join("gateway.toml");
+    std::fs::write(
+        &config,
+        "[mesh]\nhealth_interval = \"500ms\"\nstall_timeout = \"3s\"\n",
+    )
+    .unwrap();
+    let gw = spawn(
+        &[
+            "gateway",
+            "--config",
+            config.to_str().unwrap(),
+            "--engine",
+            &e1.base,
+        ],
+        free_port(),
+        root.path().join("gateway-stall.log"),
+        &[],
+    );
+    for p in [&e1, &gw] {
+        ready(p, &client).await;
+    }
+    wait_metric(&client, &gw, "quantmesh_gateway_engine_up", &[], 1.0).await;
+    let held = tokio::spawn({
+        let (client, url) = (client.clone(), gw.url("/v1/completions"));
+        async move {
+            let r = client
+                .post(url)
+                .json(
+                    &serde_json::json!({"prompt": "held", "max_tokens": 2000, "ignore_eos": true}),
+                )
+                .send()
+                .await
+                .unwrap();
+            (
+                r.status().as_u16(),
+                r.json::<serde_json::Value>().await.unwrap(),
+            )
+        }
+    });
+    wait_metric(
+        &client,
+        &gw,
+        "quantmesh_gateway_engine_outstanding",
+        &[],
+        1.0,
+    )
+    .await;
+    let signal = |sig: &str| {
+        let pid = e1.pid().unwrap().to_string();
+        let ok = std::process::Command::new("kill")
+            .args([sig, &pid])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill {sig} {pid}");
+    };
+    signal("-STOP");
+    let t0 = Instant::now();
+    let (status, body) = tokio::time::timeout(Duration::from_secs(60), held)
+        .await
+        .expect("the request hung on a stalled engine")
+        .unwrap();
+    assert_eq!(status, 504, "{body}");
+    assert_eq!(body["error"]["code"], "engine_timeout", "{body}");
+    eprintln!("stalled engine: answered 504 after {:?}", t0.elapsed());
+    let (s, _) = complete(&client, &gw, "while it is stopped").await;
+    assert_eq!(s, 503, "a stalled engine is down: refused at once");
+    signal("-CONT");
+    wait_metric(&client, &gw, "quantmesh_gateway_engine_up", &[], 1.0).await;
+    let (s, e) = complete(&client, &gw, "after SIGCONT").await;
+    assert_eq!((s, e.as_str()), (200, "engine-1"));
+}

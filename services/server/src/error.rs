@@ -42,6 +42,12 @@ pub enum ApiError {
     Unavailable(String),
     #[error("internal error: {0}")]
     Internal(String),
+    /// The gateway's engine failed after it had begun answering (the answer broke off).
+    #[error("{0}")]
+    BadGateway(String),
+    /// The gateway's engine did not answer within a deadline, or stalled.
+    #[error("{0}")]
+    EngineTimeout(String),
 }
 
 impl ApiError {
@@ -73,6 +79,8 @@ impl ApiError {
             ApiError::ShuttingDown => ("service_unavailable", "shutting_down"),
             ApiError::Unavailable(_) => ("service_unavailable", "engine_unavailable"),
             ApiError::Internal(_) => ("server_error", "internal_error"),
+            ApiError::BadGateway(_) => ("server_error", "engine_failed"),
+            ApiError::EngineTimeout(_) => ("server_error", "engine_timeout"),
         }
     }
 }
@@ -94,6 +102,8 @@ impl ResponseError for ApiError {
                 StatusCode::SERVICE_UNAVAILABLE
             }
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::BadGateway(_) => StatusCode::BAD_GATEWAY,
+            ApiError::EngineTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
         }
     }
 

@@ -51,6 +51,12 @@ pub struct KafkaMetrics {
     pub failures: IntCounter,
     /// Events lost on purpose, by reason.
     pub dropped: IntCounterVec,
+    /// Events accepted from the engine and waiting in the queue to the outbox writer: not yet
+    /// stored anywhere, so lost if the process is killed now (the bound of such a loss).
+    pub queued: IntGauge,
+    /// Events in the outbox whose fsync has not succeeded yet (retried; counted as recorded
+    /// once it does).
+    pub unsynced: IntGauge,
     pub outbox_depth: IntGauge,
     pub outbox_bytes: IntGauge,
     pub outbox_max_bytes: IntGauge,
@@ -114,6 +120,14 @@ impl KafkaMetrics {
                 "Delivery attempts that failed; the events stay in the outbox and are retried",
             )),
             dropped,
+            queued: must(IntGauge::new(
+                "quantmesh_events_queued",
+                "Events accepted from the engine and not yet stored in the outbox (lost if the process is killed now)",
+            )),
+            unsynced: must(IntGauge::new(
+                "quantmesh_events_unsynced",
+                "Events stored in the outbox whose fsync has not succeeded yet (retried each second; recorded once it does)",
+            )),
             outbox_depth: must(IntGauge::new(
                 "quantmesh_events_outbox_depth",
                 "Events waiting in the outbox",
@@ -156,6 +170,8 @@ impl KafkaMetrics {
         registry.register(Box::new(self.delivered.clone()))?;
         registry.register(Box::new(self.failures.clone()))?;
         registry.register(Box::new(self.dropped.clone()))?;
+        registry.register(Box::new(self.queued.clone()))?;
+        registry.register(Box::new(self.unsynced.clone()))?;
         registry.register(Box::new(self.outbox_depth.clone()))?;
         registry.register(Box::new(self.outbox_bytes.clone()))?;
         registry.register(Box::new(self.outbox_max_bytes.clone()))?;

@@ -1,6 +1,11 @@
 //! The engine-facing half: [`KafkaSink`] turns events into outbox records and hands them to
 //! the outbox writer thread without ever blocking; the writer appends them to the sled
 //! outbox in batches and makes each batch durable with one fsync (group commit).
+//!
+//! Accounting: an event is `recorded` only once the fsync after its append succeeded. Until
+//! then it is `queued` (accepted, waiting for the writer: lost if the process is killed) or
+//! `unsynced` (appended, its fsync failed: retried every second). Every accepted event ends
+//! up counted once as recorded or dropped, and the two gauges bound what a crash can lose.
 
 use crate::metrics::{DropReason, KafkaMetrics};
 use quantmesh_outbox::{Appended, Outbox, Record};
@@ -9,7 +14,7 @@ use quantmesh_types::{
     CONFIG_EVENT_SCHEMA_VERSION, FALLBACK_EVENT_SCHEMA_VERSION, WINDOW_EVENT_SCHEMA_VERSION,
 };
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::sync::Arc;
 use tokio::sync::Notify;
 
@@ -113,17 +118,21 @@ impl KafkaSink {
     }
 
     fn send(&self, rec: Record) {
+        // Counted before it is sent, so the writer never takes it off the gauge first.
+        self.metrics.queued.inc();
         match self.tx.try_send(WriterMsg::Record(rec)) {
             Ok(()) => {
                 self.warned_full.store(false, Ordering::Relaxed);
             }
             Err(TrySendError::Full(_)) => {
+                self.metrics.queued.dec();
                 self.metrics.drop_event(DropReason::QueueFull, 1);
                 if !self.warned_full.swap(true, Ordering::Relaxed) {
                     tracing::warn!(target: "quantmesh::kafka", "outbox writer queue full: dropping events (counted in quantmesh_events_dropped_total{{reason=\"queue_full\"}})");
                 }
             }
             Err(TrySendError::Disconnected(_)) => {
+                self.metrics.queued.dec();
                 // The writer thread is gone: after shutdown (the engine is draining), or it
                 // died. Either way the event is lost; say so once, never silently.
                 self.metrics.drop_event(DropReason::WriterFailed, 1);
@@ -182,6 +191,9 @@ impl EventSink for KafkaSink {
 /// Most records appended per fsync.
 const WRITER_BATCH: usize = 4096;
 
+/// How often the writer retries an fsync that failed while no new events arrive.
+const SYNC_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// The outbox writer thread: append what is queued, fsync once, count, wake the relay.
 pub(crate) fn run_writer(
     rx: Receiver<WriterMsg>,
@@ -193,7 +205,19 @@ pub(crate) fn run_writer(
     let mut seen_no_space = outbox.stats.disk_full.load(Ordering::Relaxed);
     let mut full = false;
     let mut disk_full = false;
-    while let Ok(first) = rx.recv() {
+    // Appended, fsync not yet succeeded, by event type.
+    let mut unsynced = [0u64; EventType::ALL.len()];
+    loop {
+        let first = match rx.recv_timeout(SYNC_RETRY) {
+            Ok(m) => m,
+            Err(RecvTimeoutError::Timeout) => {
+                if unsynced.iter().sum::<u64>() > 0 {
+                    sync(&outbox, &metrics, &mut unsynced);
+                }
+                continue;
+            }
+            Err(RecvTimeoutError::Disconnected) => break,
+        };
         let mut batch = vec![first];
         while batch.len() < WRITER_BATCH {
             match rx.try_recv() {
@@ -209,11 +233,18 @@ pub(crate) fn run_writer(
                 WriterMsg::Record(r) => records.push(r),
             }
         }
+        metrics.queued.sub(records.len() as i64);
         // A panic while storing a batch (a bug, a poisoned dependency) costs that batch,
         // counted and logged, not the event path: the writer goes on with the next one.
         let n = records.len();
         let stored =
             contained(&metrics, n, || store_batch(&outbox, &metrics, &records)).unwrap_or_default();
+        for (u, s) in unsynced.iter_mut().zip(stored) {
+            *u += s;
+        }
+        if unsynced.iter().sum::<u64>() > 0 {
+            sync(&outbox, &metrics, &mut unsynced);
+        }
         // Drops by the outbox's policy (newest refused or oldest evicted).
         let dropped = outbox.stats.dropped.load(Ordering::Relaxed);
         if dropped > seen_dropped {
@@ -248,9 +279,33 @@ pub(crate) fn run_writer(
             break;
         }
     }
+    // Last chance for events whose fsync failed: at shutdown, one more try.
+    if unsynced.iter().sum::<u64>() > 0 {
+        sync(&outbox, &metrics, &mut unsynced);
+    }
 }
 
-/// Append a batch, fsync once, count what was stored by event type.
+/// fsync the outbox: on success the `unsynced` events are recorded (by type) and cleared; on
+/// failure they stay unsynced, shown by the gauge, for the next try.
+fn sync(outbox: &Outbox, metrics: &KafkaMetrics, unsynced: &mut [u64; EventType::ALL.len()]) {
+    match outbox.flush() {
+        Ok(()) => {
+            for (kind, n) in EventType::ALL.into_iter().zip(unsynced.iter_mut()) {
+                metrics
+                    .recorded
+                    .with_label_values(&[kind.as_str()])
+                    .inc_by(*n);
+                *n = 0;
+            }
+        }
+        Err(e) => {
+            tracing::error!(target: "quantmesh::kafka", error = %e, events = unsynced.iter().sum::<u64>(), "outbox fsync failed: these events are not durable yet (quantmesh_events_unsynced); retrying");
+        }
+    }
+    metrics.unsynced.set(unsynced.iter().sum::<u64>() as i64);
+}
+
+/// Append a batch (not yet durable), by event type what was stored.
 fn store_batch(
     outbox: &Outbox,
     metrics: &KafkaMetrics,
@@ -268,17 +323,6 @@ fn store_batch(
         Err(e) => {
             tracing::error!(target: "quantmesh::kafka", error = %e, events = records.len(), "outbox append failed: events dropped");
             metrics.drop_event(DropReason::StorageError, records.len() as u64);
-        }
-    }
-    if stored.iter().sum::<u64>() > 0 {
-        if let Err(e) = outbox.flush() {
-            tracing::error!(target: "quantmesh::kafka", error = %e, "outbox fsync failed: the last events may not survive a crash");
-        }
-        for (kind, n) in EventType::ALL.into_iter().zip(stored) {
-            metrics
-                .recorded
-                .with_label_values(&[kind.as_str()])
-                .inc_by(n);
         }
     }
     stored
@@ -376,6 +420,52 @@ mod tests {
             .headers
             .contains(&("traceparent".into(), "00-abc-def-01".into())));
         assert!(rec.headers.contains(&("schema-version".into(), "1".into())));
+    }
+
+    #[test]
+    fn an_event_is_recorded_only_once_its_fsync_succeeded() {
+        let dir = tempfile::tempdir().unwrap();
+        let outbox = Arc::new(
+            Outbox::open(
+                dir.path(),
+                1 << 20,
+                quantmesh_outbox::FullPolicy::DropNewest,
+            )
+            .unwrap(),
+        );
+        outbox.fail_next_flushes(1);
+        let metrics = KafkaMetrics::new();
+        let (tx, rx) = std::sync::mpsc::sync_channel(16);
+        let sink = KafkaSink::new(tx.clone(), metrics.clone());
+        // Accepted before the writer runs: queued, not yet stored anywhere.
+        for _ in 0..3 {
+            sink.publish(&event(Some("layers.0.qkv"), Granularity::Layer));
+        }
+        assert_eq!(metrics.queued.get(), 3);
+        let (o, m) = (outbox.clone(), metrics.clone());
+        let writer = std::thread::spawn(move || run_writer(rx, o, m, Arc::new(Notify::new())));
+        let recorded = || metrics.recorded.with_label_values(&["fallback"]).get();
+        // The batch's fsync fails: appended (the relay may send them) but not recorded.
+        let t0 = std::time::Instant::now();
+        while metrics.unsynced.get() != 3 {
+            assert!(t0.elapsed().as_secs() < 10, "never unsynced");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(
+            (recorded(), metrics.queued.get(), outbox.depth()),
+            (0, 0, 3)
+        );
+        // The writer retries on its own while nothing new arrives.
+        while recorded() != 3 {
+            assert!(
+                t0.elapsed().as_secs() < 10,
+                "the failed fsync was never retried"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        assert_eq!(metrics.unsynced.get(), 0);
+        tx.send(WriterMsg::Stop).unwrap();
+        writer.join().unwrap();
     }
 
     #[test]

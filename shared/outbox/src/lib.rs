@@ -16,12 +16,15 @@
 //! ([`OutboxStats::dropped`]) so a metric and an alert can fire; appending never blocks.
 //!
 //! Disk space: sled does not survive a full filesystem (on `ENOSPC` its flusher spins and
-//! the store does not reopen), so the outbox never lets it get there. Before each append it
-//! asks the filesystem for the space left; below [`Outbox::with_min_free_bytes`] (the
-//! reserve, [`DEFAULT_MIN_FREE_BYTES`]) the newest records are refused whatever the policy —
-//! evicting old records does not give sled space back at once — and counted apart
-//! ([`OutboxStats::disk_full`]). What is stored stays readable, acks keep working in the
-//! reserve, and appends resume once the filesystem has room again.
+//! the store does not reopen), so the outbox never lets it get there. Every append (and
+//! every batch) asks the filesystem for the space left and charges each record against the
+//! room above the reserve ([`Outbox::with_min_free_bytes`], [`DEFAULT_MIN_FREE_BYTES`]) at
+//! [`DISK_BYTES_PER_RECORD_BYTE`] times its size plus [`DISK_BYTES_PER_RECORD`]: the first
+//! record that would not fit, and every one after it in that batch, is refused whatever the
+//! policy — evicting old records does not give sled space back at once — and counted apart
+//! ([`OutboxStats::disk_full`]). A filesystem that cannot say how much room it has is taken
+//! to have none. What is stored stays readable, acks keep working in the reserve, and
+//! appends resume once the filesystem has room again.
 
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -78,6 +81,17 @@ pub struct OutboxStats {
 /// segments, a batch in flight, acks and a reopen.
 pub const DEFAULT_MIN_FREE_BYTES: u64 = 64 << 20;
 
+/// Disk bytes a record is charged per byte of its encoding: sled writes it to its log, then
+/// again when the page holding it is rewritten.
+pub const DISK_BYTES_PER_RECORD_BYTE: u64 = 2;
+/// Disk bytes a record is charged on top (key, sled's message header, page bookkeeping).
+pub const DISK_BYTES_PER_RECORD: u64 = 64;
+
+/// What a record of `encoded` bytes is charged against the room above the reserve.
+fn disk_cost(encoded: u64) -> u64 {
+    encoded * DISK_BYTES_PER_RECORD_BYTE + DISK_BYTES_PER_RECORD
+}
+
 /// What `append` did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Appended {
@@ -94,6 +108,10 @@ pub struct Outbox {
     db: sled::Db,
     dir: std::path::PathBuf,
     min_free: u64,
+    /// How the free space is read (statvfs; tests substitute their own filesystem).
+    free_space: FreeSpace,
+    /// Flushes still to fail on purpose ([`Outbox::fail_next_flushes`]).
+    failing_flushes: AtomicU64,
     tree: sled::Tree,
     max_bytes: u64,
     policy: FullPolicy,
@@ -101,6 +119,8 @@ pub struct Outbox {
     bytes: AtomicU64,
     pub stats: OutboxStats,
 }
+
+type FreeSpace = Box<dyn Fn(&Path) -> std::io::Result<u64> + Send + Sync>;
 
 fn key(seq: u64) -> [u8; 8] {
     seq.to_be_bytes()
@@ -146,6 +166,8 @@ impl Outbox {
             db,
             dir: dir.to_path_buf(),
             min_free: DEFAULT_MIN_FREE_BYTES,
+            free_space: Box::new(|dir| fs2::available_space(dir)),
+            failing_flushes: AtomicU64::new(0),
             tree,
             max_bytes,
             policy,
@@ -161,10 +183,25 @@ impl Outbox {
         self
     }
 
-    /// Whether the filesystem has less than the reserve left. A filesystem that cannot say
-    /// is taken to have room (sled's own errors still reach the caller).
-    fn disk_low(&self) -> bool {
-        fs2::available_space(&self.dir).is_ok_and(|free| free < self.min_free)
+    /// Read the filesystem's free space with `f` instead of statvfs (tests).
+    pub fn with_free_space(
+        mut self,
+        f: impl Fn(&Path) -> std::io::Result<u64> + Send + Sync + 'static,
+    ) -> Self {
+        self.free_space = Box::new(f);
+        self
+    }
+
+    /// Bytes the outbox may still write above the reserve. A filesystem that cannot say
+    /// (statvfs failed) has no room: refusing is safe, filling the disk is not.
+    fn room(&self) -> u64 {
+        match (self.free_space)(&self.dir) {
+            Ok(free) => free.saturating_sub(self.min_free),
+            Err(e) => {
+                tracing::error!(target: "quantmesh::outbox", dir = %self.dir.display(), error = %e, "cannot read the outbox filesystem's free space: refusing appends");
+                0
+            }
+        }
     }
 
     /// Count `n` records refused for want of disk space.
@@ -174,15 +211,15 @@ impl Outbox {
 
     /// Store a record (never blocks on the broker). Not yet fsynced: see [`Outbox::flush`].
     pub fn append(&self, record: &Record) -> Result<Appended, OutboxError> {
-        if self.disk_low() {
-            self.refuse_no_space(1);
-            return Ok(Appended::NoSpace);
-        }
         let value = serde_json::to_vec(record).map_err(|e| OutboxError::Corrupt {
             seq: self.next.load(Ordering::Relaxed),
             reason: e.to_string(),
         })?;
         let size = value.len() as u64;
+        if disk_cost(size) > self.room() {
+            self.refuse_no_space(1);
+            return Ok(Appended::NoSpace);
+        }
         while self.bytes.load(Ordering::Relaxed) + size > self.max_bytes {
             match self.policy {
                 FullPolicy::DropNewest => {
@@ -213,13 +250,10 @@ impl Outbox {
     /// Same policy as [`Outbox::append`], record by record, in order. Under
     /// [`FullPolicy::DropOldest`] it appends one by one (eviction reads the tree).
     pub fn append_batch(&self, records: &[Record]) -> Result<Vec<Appended>, OutboxError> {
-        if self.disk_low() {
-            self.refuse_no_space(records.len());
-            return Ok(vec![Appended::NoSpace; records.len()]);
-        }
         if self.policy == FullPolicy::DropOldest {
             return records.iter().map(|r| self.append(r)).collect();
         }
+        let mut room = self.room();
         let mut batch = sled::Batch::default();
         let mut out = Vec::with_capacity(records.len());
         let (mut added, mut stored) = (0u64, 0u64);
@@ -229,6 +263,15 @@ impl Outbox {
                 reason: e.to_string(),
             })?;
             let size = value.len() as u64;
+            // Once one record does not fit above the reserve, neither do the rest: the batch
+            // keeps its order (no later, smaller record slips in after a refused one).
+            if disk_cost(size) > room {
+                room = 0;
+                self.refuse_no_space(1);
+                out.push(Appended::NoSpace);
+                continue;
+            }
+            room -= disk_cost(size);
             if self.bytes.load(Ordering::Relaxed) + added + size > self.max_bytes {
                 self.stats.dropped.fetch_add(1, Ordering::Relaxed);
                 out.push(Appended::Dropped);
@@ -248,8 +291,23 @@ impl Outbox {
 
     /// Make everything appended so far durable.
     pub fn flush(&self) -> Result<(), OutboxError> {
+        let injected = self
+            .failing_flushes
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if injected {
+            return Err(OutboxError::Storage(sled::Error::Io(
+                std::io::Error::other("injected fsync failure"),
+            )));
+        }
         self.db.flush()?;
         Ok(())
+    }
+
+    /// Fault injection for tests of the callers' accounting: the next `n` flushes fail
+    /// without syncing (as an fsync error would).
+    pub fn fail_next_flushes(&self, n: u64) {
+        self.failing_flushes.store(n, Ordering::SeqCst);
     }
 
     /// Up to `n` of the oldest records, oldest first. An unreadable record is returned as
@@ -443,6 +501,39 @@ mod tests {
             ));
             let kept: Vec<Record> = ob.peek(10).into_iter().map(|r| r.unwrap().1).collect();
             assert_eq!(kept, [rec(1), rec(2), rec(6)], "{policy:?}");
+        }
+    }
+
+    #[test]
+    fn every_record_is_charged_against_the_room_above_the_reserve() {
+        let cost = disk_cost(serde_json::to_vec(&rec(0)).unwrap().len() as u64);
+        for policy in [FullPolicy::DropNewest, FullPolicy::DropOldest] {
+            let dir = tempfile::tempdir().unwrap();
+            // Room for two and a half records above a 1 MiB reserve, whatever the disk has.
+            let ob = Outbox::open(dir.path(), 1 << 20, policy)
+                .unwrap()
+                .with_min_free_bytes(1 << 20)
+                .with_free_space(move |_| Ok((1 << 20) + cost * 5 / 2));
+            let got = ob.append_batch(&[rec(0), rec(1), rec(2), rec(3)]).unwrap();
+            match policy {
+                // One batch: two fit, the rest are refused (the room is read once a batch).
+                FullPolicy::DropNewest => {
+                    assert!(matches!(
+                        got[..2],
+                        [Appended::Stored { .. }, Appended::Stored { .. }]
+                    ));
+                    assert_eq!(got[2..], [Appended::NoSpace, Appended::NoSpace]);
+                    assert_eq!(ob.stats.disk_full.load(Ordering::Relaxed), 2);
+                }
+                // One by one: the room is read for each (this test's disk does not fill).
+                FullPolicy::DropOldest => {
+                    assert!(got.iter().all(|a| matches!(a, Appended::Stored { .. })));
+                }
+            }
+            // A filesystem that cannot say how much room it has: refused, never allowed.
+            let ob = ob.with_free_space(|_| Err(std::io::Error::other("statvfs failed")));
+            assert_eq!(ob.append(&rec(9)).unwrap(), Appended::NoSpace, "{policy:?}");
+            assert_eq!(ob.append_batch(&[rec(10)]).unwrap(), [Appended::NoSpace]);
         }
     }
 

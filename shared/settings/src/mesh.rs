@@ -39,6 +39,31 @@ pub struct MeshSettings {
     /// How many more requests in flight the affinity engine may have than the least busy
     /// one and still get the request.
     pub affinity_slack: usize,
+    /// How long a connection to an engine may take to open.
+    #[serde(with = "humantime_serde")]
+    pub connect_timeout: Duration,
+    /// How long an engine may take to begin its answer (the status line and headers) to a
+    /// streaming request, `GET /v1/models` or `/openapi.json`. A non-streaming generation's
+    /// answer begins only when it is complete: `request_timeout` bounds it.
+    #[serde(with = "humantime_serde")]
+    pub first_byte_timeout: Duration,
+    /// Longest silence between two chunks of a streaming answer.
+    #[serde(with = "humantime_serde")]
+    pub idle_timeout: Duration,
+    /// Longest time one request may take through the gateway, answer included (admin calls too).
+    #[serde(with = "humantime_serde")]
+    pub request_timeout: Duration,
+    /// An engine whose `/ready` has not answered for this long is stalled (a stopped or
+    /// wedged process, a partition): the requests in flight on it fail at once with 504
+    /// `engine_timeout` (a started stream ends with that error event).
+    #[serde(with = "humantime_serde")]
+    pub stall_timeout: Duration,
+    /// Consecutive transport failures (refused or lost connection, deadline passed) after
+    /// which an engine is ejected: no requests for `ejection_time`, then back once its
+    /// `/ready` answers 200 again.
+    pub outlier_failures: u32,
+    #[serde(with = "humantime_serde")]
+    pub ejection_time: Duration,
 }
 
 impl Default for MeshSettings {
@@ -51,6 +76,13 @@ impl Default for MeshSettings {
             discovery_interval: Duration::from_secs(5),
             affinity_chars: 64,
             affinity_slack: 2,
+            connect_timeout: Duration::from_secs(2),
+            first_byte_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(60),
+            request_timeout: Duration::from_secs(600),
+            stall_timeout: Duration::from_secs(10),
+            outlier_failures: 5,
+            ejection_time: Duration::from_secs(30),
         }
     }
 }
@@ -70,6 +102,27 @@ impl MeshSettings {
         }
         if self.health_interval.is_zero() || self.discovery_interval.is_zero() {
             return Err("mesh.health_interval and mesh.discovery_interval must be > 0".into());
+        }
+        for (name, d) in [
+            ("connect_timeout", self.connect_timeout),
+            ("first_byte_timeout", self.first_byte_timeout),
+            ("idle_timeout", self.idle_timeout),
+            ("request_timeout", self.request_timeout),
+            ("stall_timeout", self.stall_timeout),
+            ("ejection_time", self.ejection_time),
+        ] {
+            if d.is_zero() {
+                return Err(format!("mesh.{name} must be > 0"));
+            }
+        }
+        if self.stall_timeout < self.health_interval {
+            return Err(format!(
+                "mesh.stall_timeout ({:?}) must be at least mesh.health_interval ({:?}): a stall is seen by the health checks",
+                self.stall_timeout, self.health_interval
+            ));
+        }
+        if self.outlier_failures == 0 {
+            return Err("mesh.outlier_failures must be > 0".into());
         }
         Ok(())
     }

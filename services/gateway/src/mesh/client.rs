@@ -1,13 +1,164 @@
 //! One actor per engine: forwards requests to it over HTTP (its mailbox is the engine's
 //! bounded queue) and checks its `/ready` on a timer. The router reads the engine's state
 //! from the shared [`EngineView`].
+//!
+//! Every wait on an engine is bounded ([`bounded`]): by a deadline, and by the engine's stall
+//! signal — raised by the health check when `/ready` has not answered for
+//! `mesh.stall_timeout`, it fails every call in flight on that engine at once.
 
 use crate::mesh::metrics::MeshMetrics;
 use actix::prelude::*;
 use bytes::Bytes;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+/// Which deadline passed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    /// The answer had not begun (`mesh.first_byte_timeout`).
+    FirstByte,
+    /// A stream was silent between chunks (`mesh.idle_timeout`).
+    Idle,
+    /// The request as a whole (`mesh.request_timeout`).
+    Request,
+}
+
+/// Why a call to an engine failed before its whole answer arrived.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Failure {
+    /// No connection (refused, unreachable, not opened within `mesh.connect_timeout`): the
+    /// engine never saw the request.
+    Connect(String),
+    /// The connection ended before any byte of the answer: the engine process died or reset
+    /// it, and whatever it had begun ended with it.
+    Closed(String),
+    /// A deadline passed while waiting on the engine.
+    Deadline(Stage),
+    /// The engine stopped answering its health checks (`mesh.stall_timeout`).
+    Stalled,
+    /// The answer broke off after it had begun.
+    Body(String),
+    /// The engine's client has stopped (the request was never sent).
+    Gone(String),
+}
+
+impl Failure {
+    /// The `kind` labels of `quantmesh_gateway_engine_failures_total`.
+    pub const KINDS: [&'static str; 7] = [
+        "connect",
+        "closed",
+        "first_byte",
+        "idle",
+        "request",
+        "stalled",
+        "body",
+    ];
+
+    /// Its `kind` label; `None` when the engine is not at fault (its client stopped).
+    pub fn kind(&self) -> Option<&'static str> {
+        Some(match self {
+            Failure::Connect(_) => "connect",
+            Failure::Closed(_) => "closed",
+            Failure::Deadline(Stage::FirstByte) => "first_byte",
+            Failure::Deadline(Stage::Idle) => "idle",
+            Failure::Deadline(Stage::Request) => "request",
+            Failure::Stalled => "stalled",
+            Failure::Body(_) => "body",
+            Failure::Gone(_) => return None,
+        })
+    }
+
+    /// Whether another engine may take the request: only when the engine did not get it or
+    /// ended before answering anything. A deadline or a stall is not retried (the engine may
+    /// still be working on it), nor is an answer that broke off (it may have finished).
+    pub fn retryable(&self) -> bool {
+        matches!(
+            self,
+            Failure::Connect(_) | Failure::Closed(_) | Failure::Gone(_)
+        )
+    }
+
+    /// A failed `send()` (no answer had begun).
+    pub fn of_send(e: &reqwest::Error) -> Self {
+        if e.is_connect() {
+            Failure::Connect(error_chain(e))
+        } else if e.is_timeout() {
+            Failure::Deadline(Stage::FirstByte)
+        } else {
+            Failure::Closed(error_chain(e))
+        }
+    }
+
+    /// What a client is told, naming the engine.
+    pub fn describe(&self, engine: &str) -> String {
+        match self {
+            Failure::Connect(e) => format!("engine {engine} could not be reached: {e}"),
+            Failure::Closed(e) => {
+                format!("engine {engine} closed the connection before answering: {e}")
+            }
+            Failure::Deadline(Stage::FirstByte) => {
+                format!("engine {engine} did not begin its answer within mesh.first_byte_timeout")
+            }
+            Failure::Deadline(Stage::Idle) => {
+                format!("engine {engine} sent nothing for mesh.idle_timeout")
+            }
+            Failure::Deadline(Stage::Request) => {
+                format!("engine {engine} did not finish within mesh.request_timeout")
+            }
+            Failure::Stalled => format!(
+                "engine {engine} stalled: its /ready has not answered for mesh.stall_timeout"
+            ),
+            Failure::Body(e) => format!("engine {engine}'s answer broke off: {e}"),
+            Failure::Gone(e) => format!("engine {engine}'s client has stopped: {e}"),
+        }
+    }
+
+    /// A deadline passed or the engine stalled (504 `engine_timeout`), as opposed to a
+    /// transport failure.
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, Failure::Deadline(_) | Failure::Stalled)
+    }
+}
+
+/// An error and its sources in one line (reqwest's own text omits the cause).
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+/// Wait for `fut`, at most until `deadline` (then [`Failure::Deadline`]`(stage)`) and only
+/// while `view`'s engine is not stalled (then [`Failure::Stalled`], at once).
+pub async fn bounded<T>(
+    view: &EngineView,
+    deadline: Instant,
+    stage: Stage,
+    fut: impl Future<Output = T>,
+) -> Result<T, Failure> {
+    let mut stalls = view.stalls.subscribe();
+    if view.is_stalled() {
+        return Err(Failure::Stalled);
+    }
+    tokio::select! {
+        v = fut => Ok(v),
+        _ = tokio::time::sleep_until(deadline) => Err(Failure::Deadline(stage)),
+        _ = async {
+            // A closed channel never signals (the view outlives its calls).
+            if stalls.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        } => Err(Failure::Stalled),
+    }
+}
 
 /// What the router knows of an engine.
 #[derive(Debug)]
@@ -26,6 +177,15 @@ pub struct EngineView {
     /// engine gets a new client while the old one may still be waiting for its timer).
     generation: AtomicU64,
     outstanding: AtomicUsize,
+    /// Bumped each time the engine is found stalled: calls in flight watch it.
+    stalls: watch::Sender<u64>,
+    stalled: AtomicBool,
+    /// When the engine last answered anything (its `/ready`, or a forwarded call).
+    last_answer: Mutex<Instant>,
+    /// Transport failures since its last good answer (outlier detection).
+    failures_in_row: AtomicU32,
+    /// Out of routing until then (and until its `/ready` answers 200 after it).
+    ejected_until: Mutex<Option<Instant>>,
 }
 
 impl EngineView {
@@ -38,6 +198,11 @@ impl EngineView {
             listed: AtomicBool::new(true),
             generation: AtomicU64::new(0),
             outstanding: AtomicUsize::new(0),
+            stalls: watch::channel(0).0,
+            stalled: AtomicBool::new(false),
+            last_answer: Mutex::new(Instant::now()),
+            failures_in_row: AtomicU32::new(0),
+            ejected_until: Mutex::new(None),
         }
     }
 
@@ -84,6 +249,62 @@ impl EngineView {
     pub fn outstanding(&self) -> usize {
         self.outstanding.load(Ordering::Relaxed)
     }
+
+    pub fn is_stalled(&self) -> bool {
+        self.stalled.load(Ordering::Relaxed)
+    }
+
+    /// The engine answered (anything at all): not stalled, and its silence starts now.
+    pub fn answered(&self) {
+        if let Ok(mut t) = self.last_answer.lock() {
+            *t = Instant::now();
+        }
+        self.stalled.store(false, Ordering::Relaxed);
+    }
+
+    /// How long the engine has not answered anything.
+    pub fn silent_for(&self) -> Duration {
+        self.last_answer
+            .lock()
+            .map_or(Duration::ZERO, |t| t.elapsed())
+    }
+
+    /// Declare the engine stalled: every call in flight on it fails now. True when this
+    /// changed it.
+    pub fn stall(&self) -> bool {
+        let changed = !self.stalled.swap(true, Ordering::Relaxed);
+        if changed {
+            self.stalls.send_modify(|n| *n += 1);
+        }
+        changed
+    }
+
+    /// A call completed: the run of failures ends.
+    pub fn succeeded(&self) {
+        self.failures_in_row.store(0, Ordering::Relaxed);
+    }
+
+    /// A call failed in transport; true when this run of failures reached `limit` and the
+    /// engine is now ejected until `for_how_long` has passed (and marked down).
+    pub fn failed(&self, limit: u32, for_how_long: Duration) -> bool {
+        let n = self.failures_in_row.fetch_add(1, Ordering::Relaxed) + 1;
+        if n < limit {
+            return false;
+        }
+        self.failures_in_row.store(0, Ordering::Relaxed);
+        if let Ok(mut until) = self.ejected_until.lock() {
+            *until = Some(Instant::now() + for_how_long);
+        }
+        self.up.store(false, Ordering::Relaxed);
+        true
+    }
+
+    /// Ejected and its time not yet over.
+    pub fn is_ejected(&self) -> bool {
+        self.ejected_until
+            .lock()
+            .is_ok_and(|u| u.is_some_and(|t| Instant::now() < t))
+    }
 }
 
 /// A request in flight on an engine: counted from creation to drop (a stream holds it until
@@ -108,9 +329,10 @@ impl Drop for InFlight {
     }
 }
 
-/// Gateway → engine client: send this request to the engine.
+/// Gateway → engine client: send this request to the engine and wait for its answer to
+/// begin, until `deadline` (reported as `stage`) or a stall.
 #[derive(Message)]
-#[rtype(result = "Result<reqwest::Response, reqwest::Error>")]
+#[rtype(result = "Result<reqwest::Response, Failure>")]
 pub struct Forward {
     pub method: reqwest::Method,
     /// Path and query, e.g. `/v1/chat/completions`.
@@ -119,6 +341,8 @@ pub struct Forward {
     /// Headers passed on (content type, authorization for admin calls, trace context,
     /// request id).
     pub headers: Vec<(String, String)>,
+    pub deadline: Instant,
+    pub stage: Stage,
 }
 
 pub struct EngineClient {
@@ -127,6 +351,8 @@ pub struct EngineClient {
     pub generation: u64,
     pub http: reqwest::Client,
     pub health_interval: Duration,
+    /// `/ready` silent this long: the engine is stalled.
+    pub stall_timeout: Duration,
     /// Bound of the mailbox: requests waiting to be forwarded.
     pub queue: usize,
     pub metrics: MeshMetrics,
@@ -170,9 +396,28 @@ impl EngineClient {
                 .into_actor(self)
                 .map(|res, act, _| match res {
                     _ if !act.view.is_listed() || act.view.generation() != act.generation => {}
-                    Ok(200) => act.note(true, ""),
-                    Ok(code) => act.note(false, &format!("/ready answered {code}")),
-                    Err(e) => act.note(false, &e.to_string()),
+                    Ok(200) if act.view.is_ejected() => {
+                        act.view.answered();
+                        act.note(false, "ejected as an outlier");
+                    }
+                    Ok(code) => {
+                        act.view.answered();
+                        match code {
+                            200 => act.note(true, ""),
+                            _ => act.note(false, &format!("/ready answered {code}")),
+                        }
+                    }
+                    Err(e) => {
+                        act.note(false, &error_chain(&e));
+                        // Silent past the limit while it holds requests, or timing out (a stopped
+                        // process, a partition): stalled. An engine that merely refuses
+                        // connections (not started yet, or dead) is only down.
+                        let silent = act.view.silent_for();
+                        let hung = e.is_timeout() || act.view.outstanding() > 0;
+                        if hung && silent >= act.stall_timeout && act.view.stall() {
+                            tracing::error!(engine = %act.view.name, silent_s = silent.as_secs_f64(), in_flight = act.view.outstanding(), "engine stalled: its /ready has not answered for mesh.stall_timeout; failing the requests in flight on it");
+                        }
+                    }
                 }),
         );
     }
@@ -188,7 +433,7 @@ impl Actor for EngineClient {
 }
 
 impl Handler<Forward> for EngineClient {
-    type Result = ResponseFuture<Result<reqwest::Response, reqwest::Error>>;
+    type Result = ResponseFuture<Result<reqwest::Response, Failure>>;
     fn handle(&mut self, msg: Forward, _: &mut Self::Context) -> Self::Result {
         let mut req = self
             .http
@@ -200,12 +445,20 @@ impl Handler<Forward> for EngineClient {
         let view = self.view.clone();
         let metrics = self.metrics.clone();
         Box::pin(async move {
-            let res = req.send().await;
-            if let Err(e) = &res {
-                if e.is_connect() && view.set_up(false) {
-                    tracing::warn!(engine = %view.name, error = %e, "engine marked down: connection failed");
-                    metrics.up(&view.name, false);
+            let res = match bounded(&view, msg.deadline, msg.stage, req.send()).await {
+                Ok(Ok(r)) => Ok(r),
+                Ok(Err(e)) => Err(Failure::of_send(&e)),
+                Err(f) => Err(f),
+            };
+            match &res {
+                Ok(_) => view.answered(),
+                Err(f @ Failure::Connect(_)) => {
+                    if view.set_up(false) {
+                        tracing::warn!(engine = %view.name, error = ?f, "engine marked down: connection failed");
+                        metrics.up(&view.name, false);
+                    }
                 }
+                Err(_) => {}
             }
             res
         })

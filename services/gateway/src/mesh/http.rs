@@ -1,6 +1,6 @@
 //! The gateway's HTTP surface in mesh mode and its start-up.
 
-use crate::mesh::client::{EngineView, Forward, InFlight};
+use crate::mesh::client::{bounded, error_chain, EngineView, Failure, Forward, InFlight, Stage};
 use crate::mesh::discovery::{system_resolver, Discovery, EngineEntry};
 use crate::mesh::metrics::MeshMetrics;
 use crate::mesh::route::{affinity_key, ClientTemplate, Mesh, NoEngine};
@@ -21,6 +21,7 @@ use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Semaphore;
+use tokio::time::Instant;
 
 pub struct MeshState {
     pub settings: Settings,
@@ -99,22 +100,80 @@ fn reject(state: &MeshState, why: NoEngine) -> ApiError {
     }
 }
 
-/// The SSE event that ends a stream whose engine failed after it had started.
-fn stream_error(engine: &str, e: &dyn std::fmt::Display) -> Bytes {
+/// The SSE event that ends a stream whose engine failed after it had started: code
+/// `engine_timeout` when a deadline passed or the engine stalled, else `engine_failed`.
+fn stream_error(engine: &str, f: &Failure) -> Bytes {
+    let code = match f.is_timeout() {
+        true => "engine_timeout",
+        false => "engine_failed",
+    };
     let body = json!({"error": {
-        "message": format!("engine {engine} failed while streaming: {e}"),
-        "type": "server_error", "code": "engine_failed", "param": null,
+        "message": format!("{} (while streaming)", f.describe(engine)),
+        "type": "server_error", "code": code, "param": null,
     }});
     Bytes::from(format!("data: {body}\n\n"))
 }
 
-/// `/v1/completions` and `/v1/chat/completions`: route, forward, retry before the first
-/// byte, stream through.
+/// What a failure that ends a request (not retried) tells the client.
+fn failure_error(engine: &str, f: &Failure) -> ApiError {
+    match f {
+        _ if f.is_timeout() => ApiError::EngineTimeout(f.describe(engine)),
+        Failure::Body(_) => ApiError::BadGateway(f.describe(engine)),
+        _ => ApiError::Unavailable(f.describe(engine)),
+    }
+}
+
+/// An engine's answer passed to the client as it came (status, content type, body), with the
+/// trace headers and the engine's name.
+fn pass_through(
+    engine: &str,
+    status: u16,
+    headers: &reqwest::header::HeaderMap,
+    body: Bytes,
+) -> HttpResponse {
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
+    let content_type = headers
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("application/json")
+        .to_string();
+    let mut answer = HttpResponse::build(status);
+    copy_trace_headers(headers, &mut answer);
+    answer
+        .content_type(content_type)
+        .insert_header(("x-quantmesh-engine", engine.to_string()))
+        .body(body)
+}
+
+/// An engine's answer that says it did not take the request (and another engine may): 503
+/// (loading, shutting down, cannot serve) or 429 (its own queue is full).
+fn refused(status: u16) -> bool {
+    matches!(status, 429 | 503)
+}
+
+/// Why the last engine tried did not serve the request: what the client gets when no engine
+/// is left to try.
+enum LastTry {
+    /// The engine's own refusal, passed on unchanged.
+    Answer(String, u16, reqwest::header::HeaderMap, Bytes),
+    Failed(String),
+}
+
+/// `/v1/completions` and `/v1/chat/completions`: route, forward, stream through.
+///
+/// Retry policy: another engine gets the request only when nothing of the answer reached the
+/// gateway and the engine did not take the request — the connection was refused or not
+/// opened, it closed before any byte of the answer (the process died), or the engine answered
+/// 503 or 429. Never after an answer began, never on another status (a 500 is the engine's
+/// answer and goes to the client as it is), never after a deadline or a stall (504
+/// `engine_timeout`: the engine may still be working on it).
 async fn generate(
     req: HttpRequest,
     payload: web::Payload,
     state: web::Data<MeshState>,
 ) -> Result<HttpResponse, ApiError> {
+    let mesh_settings = &state.mesh.settings;
+    let deadline = Instant::now() + mesh_settings.request_timeout;
     auth::api_key(&req, &state.settings.server.api_keys)?;
     let permit = take_permit(
         &state.admission,
@@ -123,45 +182,49 @@ async fn generate(
     let body = read_request_body(&req, payload, state.settings.server.max_body_bytes).await?;
     let v: serde_json::Value = parse_json(&body)?;
     let stream = v.get("stream").and_then(|s| s.as_bool()).unwrap_or(false);
-    let key = affinity_key(&v, state.mesh.settings.affinity_chars);
+    let key = affinity_key(&v, mesh_settings.affinity_chars);
     let headers = forwarded(&req);
     let mut tried = Vec::new();
+    let mut last: Option<LastTry> = None;
     loop {
-        let (i, choice) =
-            state
-                .mesh
-                .pick(key, &tried)
-                .map_err(|why| match (why, tried.is_empty()) {
-                    // Every engine tried failed: say so rather than "none up".
-                    (NoEngine::NoneUp, false) => ApiError::Unavailable(format!(
-                        "the request failed on {} engine(s); none left to try",
-                        tried.len()
-                    )),
-                    (why, _) => reject(&state, why),
-                })?;
+        let (i, choice) = match (state.mesh.pick(key, &tried), last.take()) {
+            (Ok(p), _) => p,
+            // Every engine tried refused it: the last one's answer, unchanged.
+            (Err(NoEngine::NoneUp), Some(LastTry::Answer(engine, status, h, b))) => {
+                return Ok(pass_through(&engine, status, &h, b))
+            }
+            (Err(NoEngine::NoneUp), Some(LastTry::Failed(why))) => {
+                return Err(ApiError::Unavailable(format!(
+                    "the request failed on {} engine(s), none left to try; the last: {why}",
+                    tried.len()
+                )))
+            }
+            (Err(why), _) => return Err(reject(&state, why)),
+        };
         tried.push(i);
         let engines = state.mesh.engines();
         let Some((view, addr)) = engines.get(i) else {
             continue;
         };
         let in_flight = InFlight::new(view.clone(), state.mesh.metrics.clone());
+        // A stream must begin within first_byte_timeout; a non-streaming answer begins only
+        // when it is complete.
+        let (head_by, stage) = match stream {
+            true => earlier(deadline, mesh_settings.first_byte_timeout, Stage::FirstByte),
+            false => (deadline, Stage::Request),
+        };
         let sent = addr
             .send(Forward {
                 method: reqwest::Method::POST,
                 path: req.path().to_string(),
                 body: body.clone(),
                 headers: headers.clone(),
+                deadline: head_by,
+                stage,
             })
-            .await;
-        let routed = || {
-            state
-                .mesh
-                .metrics
-                .routed
-                .with_label_values(&[&view.name, choice.as_str()])
-                .inc()
-        };
-        let retry = |why: String| {
+            .await
+            .unwrap_or_else(|e| Err(Failure::Gone(e.to_string())));
+        let retry = |why: &str| {
             tracing::warn!(engine = %view.name, why, "retrying the request on another engine");
             state
                 .mesh
@@ -171,70 +234,90 @@ async fn generate(
                 .inc();
         };
         let resp = match sent {
-            Ok(Ok(r)) if r.status().is_server_error() => {
-                retry(format!("the engine answered {}", r.status()));
+            Ok(r) if refused(r.status().as_u16()) => {
+                let (status, h) = (r.status().as_u16(), r.headers().clone());
+                let b = bounded(view, deadline, Stage::Request, r.bytes())
+                    .await
+                    .ok()
+                    .and_then(Result::ok)
+                    .unwrap_or_default();
+                retry(&format!("the engine answered {status}"));
+                last = Some(LastTry::Answer(view.name.clone(), status, h, b));
                 continue;
             }
-            Ok(Ok(r)) => r,
-            Ok(Err(e)) => {
-                retry(e.to_string());
-                continue;
-            }
-            Err(e) => {
-                retry(format!("engine client: {e}"));
-                continue;
-            }
-        };
-        let status = StatusCode::from_u16(resp.status().as_u16())
-            .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        let content_type = resp
-            .headers()
-            .get("content-type")
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("application/json")
-            .to_string();
-        let headers_back = resp.headers().clone();
-        if !stream || !status.is_success() {
-            // Nothing has reached the client yet: a body that breaks off is retried.
-            match resp.bytes().await {
-                Ok(b) => {
-                    routed();
-                    let mut answer = HttpResponse::build(status);
-                    copy_trace_headers(&headers_back, &mut answer);
-                    return Ok(answer
-                        .content_type(content_type)
-                        .insert_header(("x-quantmesh-engine", view.name.clone()))
-                        .body(b));
-                }
-                Err(e) => {
-                    retry(e.to_string());
+            Ok(r) => r,
+            Err(f) => {
+                state.mesh.failed(view, &f);
+                if f.retryable() {
+                    retry(&f.describe(&view.name));
+                    last = Some(LastTry::Failed(f.describe(&view.name)));
                     continue;
                 }
+                return Err(failure_error(&view.name, &f));
             }
+        };
+        let status = resp.status().as_u16();
+        let headers_back = resp.headers().clone();
+        let routed = || {
+            state
+                .mesh
+                .metrics
+                .routed
+                .with_label_values(&[&view.name, choice.as_str()])
+                .inc()
+        };
+        if !stream || !(200..300).contains(&status) {
+            // The answer has begun: whatever happens now is not retried (the engine may
+            // have done the work).
+            let read = bounded(view, deadline, Stage::Request, resp.bytes()).await;
+            let read = read.and_then(|r| r.map_err(|e| Failure::Body(error_chain(&e))));
+            return match read {
+                Ok(b) => {
+                    view.succeeded();
+                    routed();
+                    Ok(pass_through(&view.name, status, &headers_back, b))
+                }
+                Err(f) => {
+                    state.mesh.failed(view, &f);
+                    Err(failure_error(&view.name, &f))
+                }
+            };
         }
         routed();
-        let name = view.name.clone();
-        let failures = state.mesh.metrics.stream_failures.clone();
+        let engine = view.name.clone();
+        let (view, mesh) = (view.clone(), state.mesh.clone());
+        let (idle, failures) = (
+            mesh_settings.idle_timeout,
+            state.mesh.metrics.stream_failures.clone(),
+        );
         // The stream holds the engine's in-flight slot and the gateway's admission permit
         // until it ends.
         let held = Some((in_flight, permit));
         let body = futures::stream::unfold(
             (resp.bytes_stream().boxed(), held, false),
             move |(mut s, guard, done)| {
-                let (name, failures) = (name.clone(), failures.clone());
+                let (view, mesh, failures) = (view.clone(), mesh.clone(), failures.clone());
                 async move {
                     if done {
                         return None;
                     }
-                    match s.next().await {
-                        Some(Ok(b)) => Some((Ok::<Bytes, actix_web::Error>(b), (s, guard, false))),
-                        Some(Err(e)) => {
-                            tracing::warn!(engine = %name, error = %e, "engine failed mid-stream");
-                            failures.with_label_values(&[&name]).inc();
-                            Some((Ok(stream_error(&name, &e)), (s, None, true)))
+                    let (by, stage) = earlier(deadline, idle, Stage::Idle);
+                    let next = bounded(&view, by, stage, s.next()).await;
+                    let failure = match next {
+                        Ok(Some(Ok(b))) => {
+                            return Some((Ok::<Bytes, actix_web::Error>(b), (s, guard, false)))
                         }
-                        None => None,
-                    }
+                        Ok(None) => {
+                            view.succeeded();
+                            return None;
+                        }
+                        Ok(Some(Err(e))) => Failure::Body(error_chain(&e)),
+                        Err(f) => f,
+                    };
+                    tracing::warn!(engine = %view.name, failure = ?failure, "engine failed mid-stream");
+                    failures.with_label_values(&[&view.name]).inc();
+                    mesh.failed(&view, &failure);
+                    Some((Ok(stream_error(&view.name, &failure)), (s, None, true)))
                 }
             },
         );
@@ -243,13 +326,25 @@ async fn generate(
         return Ok(answer
             .content_type("text/event-stream")
             .insert_header(("Cache-Control", "no-cache"))
-            .insert_header(("x-quantmesh-engine", view.name.clone()))
+            .insert_header(("x-quantmesh-engine", engine))
             .streaming(body));
     }
 }
 
+/// The earlier of the request's `deadline` and `within` from now (a limit of kind `stage`),
+/// and which of the two it is.
+fn earlier(deadline: Instant, within: Duration, stage: Stage) -> (Instant, Stage) {
+    let own = Instant::now() + within;
+    match own < deadline {
+        true => (own, stage),
+        false => (deadline, Stage::Request),
+    }
+}
+
 /// `GET /v1/models` and `GET /openapi.json`: the first engine that answers speaks for all
-/// (they serve the same model and API).
+/// (they serve the same model and API). Its answer is passed on as it came — a 401 or 404
+/// included; another engine is asked only when this one failed (no answer in time, a
+/// transport failure, a 5xx).
 async fn from_any_engine(
     req: HttpRequest,
     state: web::Data<MeshState>,
@@ -257,29 +352,65 @@ async fn from_any_engine(
     if req.path().starts_with("/v1/") {
         auth::api_key(&req, &state.settings.server.api_keys)?;
     }
+    let settings = &state.mesh.settings;
+    let deadline = Instant::now() + settings.request_timeout;
+    let mut last = None;
     for (view, addr) in state.mesh.engines().iter().filter(|(v, _)| v.is_up()) {
+        let (head_by, stage) = earlier(deadline, settings.first_byte_timeout, Stage::FirstByte);
         let sent = addr
             .send(Forward {
                 method: reqwest::Method::GET,
                 path: req.path().to_string(),
                 body: Bytes::new(),
                 headers: forwarded(&req),
+                deadline: head_by,
+                stage,
             })
-            .await;
-        if let Ok(Ok(r)) = sent {
-            if r.status().is_success() {
-                if let Ok(b) = r.bytes().await {
-                    return Ok(HttpResponse::Ok().content_type("application/json").body(b));
-                }
+            .await
+            .unwrap_or_else(|e| Err(Failure::Gone(e.to_string())));
+        let answer = match sent {
+            Ok(r) => {
+                let (status, h) = (r.status().as_u16(), r.headers().clone());
+                bounded(view, deadline, Stage::Request, r.bytes())
+                    .await
+                    .and_then(|b| b.map_err(|e| Failure::Body(error_chain(&e))))
+                    .map(|b| (status, h, b))
+            }
+            Err(f) => Err(f),
+        };
+        match answer {
+            Ok((status, h, b)) if status < 500 => {
+                view.succeeded();
+                return Ok(pass_through(&view.name, status, &h, b));
+            }
+            Ok((status, _, b)) => {
+                let why = format!(
+                    "engine {} answered {status}: {}",
+                    view.name,
+                    String::from_utf8_lossy(&b)
+                );
+                tracing::warn!(engine = %view.name, path = req.path(), why, "GET failed on this engine");
+                last = Some(why);
+            }
+            Err(f) => {
+                state.mesh.failed(view, &f);
+                tracing::warn!(engine = %view.name, path = req.path(), failure = ?f, "GET failed on this engine");
+                last = Some(f.describe(&view.name));
             }
         }
-        tracing::warn!(engine = %view.name, path = req.path(), "GET failed on this engine");
     }
-    Err(reject(&state, NoEngine::NoneUp))
+    match last {
+        None => Err(reject(&state, NoEngine::NoneUp)),
+        Some(why) => Err(ApiError::Unavailable(format!(
+            "no engine could answer {}; the last: {why}",
+            req.path()
+        ))),
+    }
 }
 
 /// `/admin/*`: the same call on every engine, answers labelled by engine. 200 when every
-/// engine answered 2xx, else 502 (the per-engine answers say which failed and why).
+/// engine answered 2xx, else 502 (the per-engine answers say which failed and why). Each
+/// call is bounded by `mesh.request_timeout` and ends at once if its engine stalls.
 async fn admin(
     req: HttpRequest,
     payload: web::Payload,
@@ -293,6 +424,7 @@ async fn admin(
         .uri()
         .path_and_query()
         .map_or(req.path().to_string(), |p| p.to_string());
+    let deadline = Instant::now() + state.mesh.settings.request_timeout;
     let engines = state.mesh.engines();
     let calls = engines
         .iter()
@@ -303,22 +435,34 @@ async fn admin(
                 path: path.clone(),
                 body: body.clone(),
                 headers: forwarded(&req),
+                deadline,
+                stage: Stage::Request,
             };
             async move {
-                let answer = match addr.send(f).await {
-                    Ok(Ok(r)) => {
+                let sent = addr
+                    .send(f)
+                    .await
+                    .unwrap_or_else(|e| Err(Failure::Gone(e.to_string())));
+                let answer = match sent {
+                    Ok(r) => {
                         let code = r.status().as_u16();
-                        let text = r.text().await.unwrap_or_default();
+                        bounded(view, deadline, Stage::Request, r.text())
+                            .await
+                            .and_then(|t| t.map_err(|e| Failure::Body(error_chain(&e))))
+                            .map(|text| (code, text))
+                    }
+                    Err(f) => Err(f),
+                };
+                match answer {
+                    Ok((code, text)) => {
                         let body =
                             serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text));
                         json!({"engine": view.name, "status": code, "body": body})
                     }
-                    Ok(Err(e)) => {
-                        json!({"engine": view.name, "status": null, "error": e.to_string()})
+                    Err(f) => {
+                        json!({"engine": view.name, "status": null, "error": f.describe(&view.name)})
                     }
-                    Err(e) => json!({"engine": view.name, "status": null, "error": e.to_string()}),
-                };
-                answer
+                }
             }
         });
     let answers = futures::future::join_all(calls).await;
@@ -396,9 +540,10 @@ pub async fn run_gateway(
     let metrics = MeshMetrics::register(&registry);
     let template = ClientTemplate {
         http: reqwest::Client::builder()
-            .connect_timeout(Duration::from_secs(2))
+            .connect_timeout(settings.mesh.connect_timeout)
             .build()?,
         health_interval: settings.mesh.health_interval,
+        stall_timeout: settings.mesh.stall_timeout,
         queue: settings.mesh.max_outstanding,
     };
     let mesh = Arc::new(Mesh::new(settings.mesh.clone(), metrics, template));

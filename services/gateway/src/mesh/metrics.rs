@@ -12,6 +12,10 @@ pub struct MeshMetrics {
     pub retries: IntCounterVec,
     pub rejected: IntCounterVec,
     pub stream_failures: IntCounterVec,
+    /// Calls to an engine that failed in transport or passed a deadline, by kind.
+    pub failures: IntCounterVec,
+    /// Engines taken out of routing after `mesh.outlier_failures` consecutive failures.
+    pub ejections: IntCounterVec,
     /// Engines a `dns+http://` service resolves to now, by service.
     pub discovered: IntGaugeVec,
     /// Failed or empty DNS answers for a service (its engines are kept as they were).
@@ -48,6 +52,16 @@ impl MeshMetrics {
                 "Streams that had started and ended with an error event because their engine failed.",
                 &["engine"],
             ),
+            failures: counter(
+                "quantmesh_gateway_engine_failures_total",
+                "Calls to the engine that failed before a whole answer: connect (refused or unreachable), closed (the connection ended before the answer began), first_byte / idle / request (a deadline passed), stalled (its /ready stopped answering), body (the answer broke off).",
+                &["engine", "kind"],
+            ),
+            ejections: counter(
+                "quantmesh_gateway_engine_ejections_total",
+                "Times the engine was ejected from routing after mesh.outlier_failures consecutive failures.",
+                &["engine"],
+            ),
             discovered: must(IntGaugeVec::new(
                 Opts::new(
                     "quantmesh_gateway_discovered_engines",
@@ -69,6 +83,8 @@ impl MeshMetrics {
             &m.retries,
             &m.rejected,
             &m.stream_failures,
+            &m.failures,
+            &m.ejections,
             &m.discovery_errors,
         ] {
             must(registry.register(Box::new(c.clone())));
@@ -85,6 +101,10 @@ impl MeshMetrics {
         self.outstanding.with_label_values(&[engine]);
         self.retries.with_label_values(&[engine]);
         self.stream_failures.with_label_values(&[engine]);
+        self.ejections.with_label_values(&[engine]);
+        for kind in crate::mesh::client::Failure::KINDS {
+            self.failures.with_label_values(&[engine, kind]);
+        }
         for choice in ["affinity", "least", "random"] {
             self.routed.with_label_values(&[engine, choice]);
         }

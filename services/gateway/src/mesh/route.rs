@@ -1,6 +1,6 @@
 //! Which engine gets a request.
 
-use crate::mesh::client::{EngineClient, EngineView};
+use crate::mesh::client::{EngineClient, EngineView, Failure};
 use crate::mesh::metrics::MeshMetrics;
 use crate::mesh::{MeshSettings, Routing};
 use actix::{Actor, Addr};
@@ -48,6 +48,7 @@ pub type Member = (Arc<EngineView>, Addr<EngineClient>);
 pub struct ClientTemplate {
     pub http: reqwest::Client,
     pub health_interval: std::time::Duration,
+    pub stall_timeout: std::time::Duration,
     /// Bound of each engine client's mailbox.
     pub queue: usize,
 }
@@ -90,6 +91,7 @@ impl Mesh {
             generation,
             http: self.template.http.clone(),
             health_interval: self.template.health_interval,
+            stall_timeout: self.template.stall_timeout,
             queue: self.template.queue,
             metrics: self.metrics.clone(),
         }
@@ -133,6 +135,26 @@ impl Mesh {
             }
         });
         true
+    }
+
+    /// A call to `view`'s engine failed: counted by kind, and the engine ejected after
+    /// `outlier_failures` in a row (Envoy's consecutive gateway failures).
+    pub fn failed(&self, view: &EngineView, failure: &Failure) {
+        let Some(kind) = failure.kind() else {
+            return;
+        };
+        self.metrics
+            .failures
+            .with_label_values(&[&view.name, kind])
+            .inc();
+        if view.failed(self.settings.outlier_failures, self.settings.ejection_time) {
+            tracing::warn!(engine = %view.name, failures = self.settings.outlier_failures, ejection_s = self.settings.ejection_time.as_secs_f64(), last = ?failure, "engine ejected as an outlier: no requests until its time is over and its /ready answers 200");
+            self.metrics
+                .ejections
+                .with_label_values(&[&view.name])
+                .inc();
+            self.metrics.up(&view.name, false);
+        }
     }
 
     /// Engines that are up.
