@@ -514,6 +514,14 @@ async fn monitor_finds_sensitive_group_through_http_and_streams_survive_switches
             .await
             .unwrap();
         assert_eq!(r.status(), 200);
+        // The answer names the events the decision made: leaving float by hand makes one;
+        // handing the group back to the monitor changes nothing here, and makes none.
+        let answer: serde_json::Value = r.json().await.unwrap();
+        let ids = answer["event_ids"].as_array().expect("event_ids");
+        assert_eq!(ids.len(), usize::from(mode == "int8"), "{answer}");
+        assert!(ids
+            .iter()
+            .all(|i| i.as_str().is_some_and(|i| !i.is_empty())));
         assert_eq!(
             s.post(
                 "/v1/completions",

@@ -38,9 +38,11 @@ enum Command {
     /// every series of its `/metrics` with `engine="<name>"`.
     Engine(quantmesh_settings::ServeFlags),
     /// Run the gateway (mesh mode): the OpenAI API, auth and limits in front of engine
-    /// processes reached over HTTP; least-outstanding routing with prefix affinity, retry on
-    /// another engine before the first byte, 429 when all are saturated, admin fan-out;
-    /// engines listed by URL or found by DNS (`--engine dns+http://engine:8080`).
+    /// processes reached over HTTP; least-outstanding routing with prefix affinity, another
+    /// engine tried only when one did not take the request (refused, closed before answering,
+    /// 503, 429), deadlines on every wait (504 `engine_timeout`; `[mesh]` timeouts in the
+    /// config file), stalled and failing engines taken out, 429 when all are saturated, admin
+    /// fan-out; engines listed by URL or found by DNS (`--engine dns+http://engine:8080`).
     Gateway(quantmesh_settings::GatewayFlags),
     /// Manage model checkpoints.
     #[command(subcommand)]

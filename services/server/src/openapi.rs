@@ -188,7 +188,7 @@ pub fn document(api_keys: bool, admin: bool) -> Value {
         Route {
             path: "/admin/fallback",
             method: "post",
-            summary: "Force a group to float or INT8, or hand it back to the monitor.",
+            summary: "Force a group to float or INT8, or hand it back to the monitor; answers the ids of the fallback events the decision made (`event_ids`, as on the event stream).",
             access: Access::Admin,
             request: Some(json!({
                 "type": "object",

@@ -216,8 +216,9 @@ impl Engine {
         self.inner.monitor_report.lock().ok().map(|r| r.clone())
     }
 
-    /// Pin a group to float or INT8, or hand it back to the monitor.
-    pub async fn force_group(&self, group: GroupId, mode: ForceMode) -> Result<()> {
+    /// Pin a group to float or INT8, or hand it back to the monitor; the ids of the events
+    /// the decision made.
+    pub async fn force_group(&self, group: GroupId, mode: ForceMode) -> Result<Vec<String>> {
         self.force_group_traced(group, mode, None).await
     }
 
@@ -228,7 +229,7 @@ impl Engine {
         group: GroupId,
         mode: ForceMode,
         span: Option<tracing::Span>,
-    ) -> Result<()> {
+    ) -> Result<Vec<String>> {
         let m = self.inner.monitor.as_ref().ok_or_else(|| {
             EngineError::InvalidRequest("the activation monitor is disabled".into())
         })?;

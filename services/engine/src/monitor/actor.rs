@@ -42,9 +42,10 @@ pub struct RequestsTraced {
 
 /// Admin → monitor: pin a group to float or INT8, or hand it back to the detector. With
 /// `span` (the admin call's, when traced) the decision is noted in it and its events carry
-/// its `traceparent`.
+/// its `traceparent`. Answers the ids of the events the decision made (none when the group
+/// was already so).
 #[derive(Message)]
-#[rtype(result = "Result<(), String>")]
+#[rtype(result = "Result<Vec<String>, String>")]
 pub struct ForceGroup {
     pub group: GroupId,
     pub mode: ForceMode,
@@ -194,11 +195,12 @@ impl Handler<Reconfigure> for MonitorActor {
 }
 
 impl Handler<ForceGroup> for MonitorActor {
-    type Result = Result<(), String>;
+    type Result = Result<Vec<String>, String>;
     fn handle(&mut self, msg: ForceGroup, _: &mut Self::Context) -> Self::Result {
         let events = self.core.force(msg.group, msg.mode)?;
         tracing::info!(group = %msg.group, mode = ?msg.mode, "group precision forced by admin");
+        let ids = events.iter().map(|e| e.event_id.clone()).collect();
         self.publish_under(events, msg.span.as_ref());
-        Ok(())
+        Ok(ids)
     }
 }

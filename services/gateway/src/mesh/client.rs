@@ -379,10 +379,12 @@ impl EngineClient {
             ctx.stop();
             return;
         }
-        if !self.view.is_listed() {
-            // Retired by discovery: this client stops (no timer, no mailbox left behind for
-            // every address a service ever had); `Mesh::relist` starts a new one if the
-            // address comes back.
+        if !self.view.is_listed() && self.view.outstanding() == 0 {
+            // Retired by discovery, nothing in flight: this client stops (no timer, no
+            // mailbox left behind for every address a service ever had); `Mesh::relist`
+            // starts a new one if the address comes back. While requests are still in
+            // flight on it, it goes on checking, so a stall (its address gone with a
+            // partition) still fails them.
             self.metrics.up(&self.view.name, false);
             ctx.stop();
             return;
@@ -395,7 +397,8 @@ impl EngineClient {
             async move { req.send().await.map(|r| r.status().as_u16()) }
                 .into_actor(self)
                 .map(|res, act, _| match res {
-                    _ if !act.view.is_listed() || act.view.generation() != act.generation => {}
+                    _ if act.view.generation() != act.generation => {}
+                    Ok(_) if !act.view.is_listed() => act.view.answered(),
                     Ok(200) if act.view.is_ejected() => {
                         act.view.answered();
                         act.note(false, "ejected as an outlier");

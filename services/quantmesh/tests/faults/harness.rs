@@ -6,7 +6,7 @@ use crate::support::{self, poll, sum_metric};
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -63,6 +63,29 @@ impl SmallFs {
         f.sync_all().unwrap();
     }
 
+    /// Fill the filesystem until a write fails with ENOSPC (another file, `filler-2`): the
+    /// filesystem is truly full. `unfill_enospc` removes it again.
+    pub(crate) fn fill_to_enospc(&self) {
+        use std::io::Write;
+        let mut f = std::fs::File::create(self.dir.join("filler-2")).unwrap();
+        let chunk = vec![0u8; 64 << 10];
+        loop {
+            match f.write(&chunk).and_then(|n| f.flush().map(|_| n)) {
+                Ok(0) => panic!("a write of {} bytes wrote nothing", chunk.len()),
+                Ok(_) => {}
+                Err(e) if e.raw_os_error() == Some(28) => break, // ENOSPC
+                Err(e) => panic!("filling the outbox filesystem: {e}"),
+            }
+        }
+        // Smaller writes until not even one byte fits.
+        while f.write(&[0u8]).is_ok() {}
+        assert_eq!(self.free(), 0, "the filesystem is full");
+    }
+
+    pub(crate) fn unfill_enospc(&self) {
+        std::fs::remove_file(self.dir.join("filler-2")).unwrap();
+    }
+
     pub(crate) fn unfill(&self) {
         std::fs::remove_file(self.dir.join("filler")).unwrap();
     }
@@ -105,23 +128,6 @@ impl Engine {
         labels: &[&str],
     ) -> f64 {
         sum_metric(&self.metrics(client).await, name, labels)
-    }
-
-    /// Admin fallback decisions created since this engine process started. The counter's
-    /// series appear with the first decision: until then the family is absent from the
-    /// scrape (checked to be an engine's, which declares its outbox gauges from the start).
-    pub(crate) async fn admin_events(&self, client: &reqwest::Client) -> u64 {
-        let m = self.metrics(client).await;
-        let name = "quantmesh_fallback_decisions_total";
-        if !m.contains(&format!("# TYPE {name} ")) {
-            assert!(
-                m.contains("# TYPE quantmesh_events_outbox_depth "),
-                "{} answered a scrape that is not an engine's:\n{m}",
-                self.service
-            );
-            return 0;
-        }
-        sum_metric(&m, name, &["reason=\"admin\""]) as u64
     }
 
     pub(crate) async fn dropped(&self, client: &reqwest::Client, reason: &str) -> u64 {
@@ -186,43 +192,195 @@ impl Engine {
 
 /// Admin forced fallbacks through the gateway (fanned out to every engine), alternating
 /// float / auto per group so that each call changes every engine's state: one event each.
+/// Each call's answer names the events it made (`event_ids`): the faults' events are known
+/// by identity.
 pub(crate) struct Toggler {
     pub(crate) groups: Vec<String>,
     pub(crate) calls: usize,
 }
 
 impl Toggler {
-    /// `rounds` calls per group; each must reach every engine.
-    pub(crate) async fn fire(&mut self, client: &reqwest::Client, stack: &Stack, rounds: usize) {
+    /// `rounds` calls per group; each must reach every engine. The ids of the events made.
+    pub(crate) async fn fire(
+        &mut self,
+        client: &reqwest::Client,
+        stack: &Stack,
+        rounds: usize,
+    ) -> HashSet<String> {
+        let mut ids = HashSet::new();
         for _ in 0..rounds {
-            let mode = if self.calls.is_multiple_of(2) {
-                "float"
-            } else {
-                "auto"
-            };
             for g in &self.groups {
-                let body = stack.force(client, g, mode).await;
+                let body = stack.force(client, g, self.mode()).await;
                 let engines = body["engines"].as_array().unwrap();
                 assert_eq!(engines.len(), 2, "{body}");
+                ids.extend(event_ids(&body));
             }
             self.calls += 1;
+        }
+        ids
+    }
+
+    /// Like [`Toggler::fire`] while an engine may be failing: the events of the engines
+    /// that answered.
+    pub(crate) async fn fire_some(
+        &mut self,
+        client: &reqwest::Client,
+        stack: &Stack,
+        rounds: usize,
+    ) -> HashSet<String> {
+        let mut ids = HashSet::new();
+        for _ in 0..rounds {
+            let tagged = self.fire_tagged(client, stack, &AtomicUsize::new(0)).await;
+            ids.extend(tagged.into_iter().map(|(_, id)| id));
+        }
+        ids
+    }
+
+    /// One round that tolerates failing engines: (engine, event id) of each event made;
+    /// `calls` counts the admin calls as they are answered.
+    pub(crate) async fn fire_tagged(
+        &mut self,
+        client: &reqwest::Client,
+        stack: &Stack,
+        calls: &AtomicUsize,
+    ) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        for g in &self.groups {
+            let r = client
+                .post(stack.url("/admin/fallback"))
+                .bearer_auth(TOKEN)
+                .json(&serde_json::json!({"group": g, "mode": self.mode()}))
+                .send()
+                .await
+                .unwrap();
+            out.extend(tagged_event_ids(
+                &r.json::<serde_json::Value>().await.unwrap(),
+            ));
+            calls.fetch_add(1, Ordering::Relaxed);
+        }
+        self.calls += 1;
+        out
+    }
+
+    fn mode(&self) -> &'static str {
+        match self.calls.is_multiple_of(2) {
+            true => "float",
+            false => "auto",
         }
     }
 }
 
-/// Every admin fallback event on the topic timestamped in `[from, to]` ms: (distinct event
-/// ids, messages read).
-pub(crate) fn topic_events(stack: &Stack, from: u64, to: u64) -> (HashSet<String>, usize) {
-    let mut ids = HashSet::new();
-    let mut read = 0;
-    for ev in stack.events(&["--idle-timeout", "10s"]) {
-        let t = ev["timestamp_ms"].as_u64().unwrap();
-        if ev["reason"] == "admin" && (from..=to).contains(&t) {
-            ids.insert(ev["event_id"].as_str().unwrap().to_string());
-            read += 1;
+/// The event ids in a fanned-out admin answer, from the engines that answered 200.
+fn event_ids(body: &serde_json::Value) -> Vec<String> {
+    tagged_event_ids(body)
+        .into_iter()
+        .map(|(_, id)| id)
+        .collect()
+}
+
+/// (engine, event id) for each event in a fanned-out admin answer.
+pub(crate) fn tagged_event_ids(body: &serde_json::Value) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for e in body["engines"].as_array().into_iter().flatten() {
+        if e["status"] != 200 {
+            continue;
+        }
+        let engine = e["engine"].as_str().unwrap_or_default().to_string();
+        for id in e["body"]["event_ids"].as_array().into_iter().flatten() {
+            out.push((engine.clone(), id.as_str().unwrap().to_string()));
         }
     }
-    (ids, read)
+    out
+}
+
+/// The admin fallback events on the topic: how many times each id was read, and each id's
+/// timestamp.
+pub(crate) fn topic_events(stack: &Stack) -> std::collections::HashMap<String, (usize, u64)> {
+    let mut seen = std::collections::HashMap::new();
+    for ev in stack.events(&["--idle-timeout", "10s"]) {
+        if ev["reason"] == "admin" {
+            let id = ev["event_id"].as_str().unwrap().to_string();
+            let t = ev["timestamp_ms"].as_u64().unwrap();
+            seen.entry(id).or_insert((0, t)).0 += 1;
+        }
+    }
+    seen
+}
+
+/// The events a fault made, by identity, and what it allows to be missing.
+#[derive(Default)]
+pub(crate) struct Made {
+    /// Every event id the fault's admin calls were answered with.
+    pub(crate) created: HashSet<String>,
+    /// From and to (Unix ms): admin events on the topic in it that nobody created are strays.
+    pub(crate) window: (u64, u64),
+    /// Ids that may be missing because their engine refused to store them, and how many
+    /// its drop counters counted over the fault (the dropped column is the smaller).
+    pub(crate) may_drop: HashSet<String>,
+    pub(crate) counted_drops: u64,
+    /// Ids that may be missing because they were not yet durable when their engine was
+    /// killed (accepted, in the writer's queue).
+    pub(crate) may_lose: HashSet<String>,
+}
+
+/// A fault's events as the table shows them.
+pub(crate) struct Events {
+    pub(crate) created: usize,
+    pub(crate) delivered: usize,
+    /// Missing, and counted as dropped by their engine (as the fault allows).
+    pub(crate) dropped: usize,
+    /// Missing, and not yet durable at a kill (as the fault allows).
+    pub(crate) not_durable: usize,
+    /// Missing and accounted for by nothing: must be 0.
+    pub(crate) lost: usize,
+    /// Extra copies of delivered events (at-least-once; consumers dedup on `event_id`).
+    pub(crate) duplicates: usize,
+    /// Admin events on the topic in the fault's window that no admin answer named: must be 0.
+    pub(crate) strays: usize,
+}
+
+impl Events {
+    /// `made` against the topic; `all` is every id any fault created.
+    pub(crate) fn account(
+        topic: &std::collections::HashMap<String, (usize, u64)>,
+        made: &Made,
+        all: &HashSet<String>,
+    ) -> Events {
+        let missing: Vec<&String> = made
+            .created
+            .iter()
+            .filter(|id| !topic.contains_key(*id))
+            .collect();
+        let droppable = missing
+            .iter()
+            .filter(|id| made.may_drop.contains(**id))
+            .count();
+        let dropped = droppable.min(made.counted_drops as usize);
+        let not_durable = missing
+            .iter()
+            .filter(|id| made.may_lose.contains(**id))
+            .count();
+        let duplicates = made
+            .created
+            .iter()
+            .filter_map(|id| topic.get(id))
+            .map(|(n, _)| n - 1)
+            .sum();
+        let (from, to) = made.window;
+        let strays = topic
+            .iter()
+            .filter(|(id, (_, t))| (from..=to).contains(t) && !all.contains(*id))
+            .count();
+        Events {
+            created: made.created.len(),
+            delivered: made.created.len() - missing.len(),
+            dropped,
+            not_durable,
+            lost: missing.len() - dropped - not_durable,
+            duplicates,
+            strays,
+        }
+    }
 }
 
 /// Outcomes of requests sent during a fault.
@@ -232,6 +390,8 @@ pub(crate) struct Outcomes {
     pub(crate) ok: usize,
     /// Answered with an HTTP error status.
     pub(crate) http_errors: usize,
+    /// Of the HTTP errors: 504 `engine_timeout` (a deadline passed or the engine stalled).
+    pub(crate) timeouts: usize,
     /// No answer: refused, reset, closed.
     pub(crate) connection_errors: usize,
 }
@@ -270,7 +430,14 @@ pub(crate) fn load(
                             Ok(_) => o.ok += 1,
                             Err(_) => o.connection_errors += 1,
                         },
-                        Ok(_) => o.http_errors += 1,
+                        Ok(r) => {
+                            o.http_errors += 1;
+                            let status = r.status();
+                            let body = r.text().await.unwrap_or_default();
+                            if status == 504 && body.contains("\"engine_timeout\"") {
+                                o.timeouts += 1;
+                            }
+                        }
                         Err(_) => {
                             o.connection_errors += 1;
                             // Refused while the gateway is down: try again shortly.
@@ -286,6 +453,7 @@ pub(crate) fn load(
             sent: a.sent + o.sent,
             ok: a.ok + o.ok,
             http_errors: a.http_errors + o.http_errors,
+            timeouts: a.timeouts + o.timeouts,
             connection_errors: a.connection_errors + o.connection_errors,
         })
     })
@@ -297,21 +465,7 @@ pub(crate) struct Row {
     pub(crate) expected: &'static str,
     pub(crate) sent: usize,
     pub(crate) failed: usize,
-    pub(crate) events: Option<Events>,
-}
-
-/// A fault's fallback events, counted end to end.
-pub(crate) struct Events {
-    pub(crate) created: u64,
-    pub(crate) dropped: u64,
-    pub(crate) delivered: usize,
-    pub(crate) duplicates: usize,
-}
-
-impl Events {
-    pub(crate) fn lost(&self) -> i64 {
-        self.created as i64 - self.dropped as i64 - self.delivered as i64
-    }
+    pub(crate) events: Option<Made>,
 }
 
 /// The dual groups (float copy held) of the first-load plan, at most `n`.

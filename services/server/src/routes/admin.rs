@@ -65,8 +65,9 @@ pub(super) async fn set_fallback(
         )));
     }
     let span = server_span(&req).map(|s| s.0);
-    engine.force_group_traced(group, b.mode, span).await?;
-    Ok(HttpResponse::Ok().json(json!({"group": group.to_string(), "mode": b.mode})))
+    let event_ids = engine.force_group_traced(group, b.mode, span).await?;
+    Ok(HttpResponse::Ok()
+        .json(json!({"group": group.to_string(), "mode": b.mode, "event_ids": event_ids})))
 }
 
 /// The hot-reload state: source, md5 in force, counters, live thresholds and residencies.
