@@ -42,8 +42,9 @@
 //!    partner loses. Quiet: never in float, never wanting it, window outlier rate p95 below
 //!    half its trigger. Where 8 bits do not pay, or the pre-screen measured them no better
 //!    (weights already on a 4-bit grid), rule 3's float copy is proposed instead and the
-//!    reason says why. Without any partner the raise is made and the reason says the plan
-//!    grows by one group's 4 → 8-bit difference. The harm bound follows the bits: a group in
+//!    reason says why. Without a partner there is no raise (it would grow the plan past the
+//!    weight budget that chose its bits): rule 3's float copy, and the reason says so. The
+//!    harm bound follows the bits: a group in
 //!    4 bits is served with the pre-screen's calibrated 4-bit bound (`metrics.max_nsr_w4a16`
 //!    as `monitor.max_nsr`: the harm its calibration rows exceed at the trigger rate), and a
 //!    group raised to 8 bits goes back to the engine's bound.
@@ -262,24 +263,31 @@ pub fn propose(
                     .to_string(),
             )
         } else {
-            partners
-                .get(group_kind(&g.group))
-                .and_then(|p| p.last())
-                .filter(|(loss, _)| *loss >= gain)
-                .map(|(loss, p)| {
-                    format!(
-                        "; not 8 bits: they win {gain:.2e} on this traffic, less than 4 bits \
-                         would cost the cheapest quiet 8-bit {} group, {p} ({loss:.2e})",
-                        group_kind(&g.group)
-                    )
-                })
+            match partners.get(group_kind(&g.group)).and_then(|p| p.last()) {
+                // The plan's bytes are the weight budget's choice: a raise alone would grow
+                // it past the budget.
+                None => Some(format!(
+                    "; not 8 bits: no quiet 8-bit {} group to trade for the same bytes, and a \
+                     raise alone would grow the plan past its weight budget",
+                    group_kind(&g.group)
+                )),
+                Some((loss, p)) if *loss >= gain => Some(format!(
+                    "; not 8 bits: they win {gain:.2e} on this traffic, less than 4 bits \
+                     would cost the cheapest quiet 8-bit {} group, {p} ({loss:.2e})",
+                    group_kind(&g.group)
+                )),
+                Some(_) => None,
+            }
         };
         if served == Residency::Int8
             && four
             && unavailable_share > rules.promote_share
             && not_eight.is_none()
         {
-            let partner = partners.get_mut(group_kind(&g.group)).and_then(Vec::pop);
+            // `not_eight` is None only with a partner at hand: the raise never grows the plan.
+            let Some((kl4, p)) = partners.get_mut(group_kind(&g.group)).and_then(Vec::pop) else {
+                continue;
+            };
             let why = format!(
                 "wanted float in {:.0} % of {} windows without a float copy (> {:.0} %): 8 bits \
                  before a float copy",
@@ -287,30 +295,20 @@ pub fn propose(
                 g.windows,
                 rules.promote_share * 100.0
             );
-            let reason = match &partner {
-                Some((_, p)) => format!("{why}; {p} goes to 4 bits for the same bytes"),
-                None => format!(
-                    "{why}; no quiet 8-bit {} group to trade, so the plan grows by one group's \
-                     4 → 8-bit bytes",
-                    group_kind(&g.group)
-                ),
-            };
             set_class(
                 &mut plan,
                 &mut changes,
                 &g.group,
                 PrecisionClass::W8a8,
-                reason,
+                format!("{why}; {p} goes to 4 bits for the same bytes"),
             );
-            if let Some((kl4, p)) = partner {
-                let reason = format!(
-                    "quiet in 8 bits (never in float, window outlier rate p95 below half its \
-                     trigger), the cheapest of its kind in 4 bits on this traffic ({kl4:.2e} < \
-                     the raise's {gain:.2e}): 4 bits for {}'s raise, the same bytes",
-                    g.group
-                );
-                set_class(&mut plan, &mut changes, &p, PrecisionClass::W4a16, reason);
-            }
+            let reason = format!(
+                "quiet in 8 bits (never in float, window outlier rate p95 below half its \
+                 trigger), the cheapest of its kind in 4 bits on this traffic ({kl4:.2e} < \
+                 the raise's {gain:.2e}): 4 bits for {}'s raise, the same bytes",
+                g.group
+            );
+            set_class(&mut plan, &mut changes, &p, PrecisionClass::W4a16, reason);
             continue;
         }
         let target = if served == Residency::Int8 && unavailable_share > rules.promote_share {

@@ -181,17 +181,23 @@ fn a_four_bit_group_that_wanted_float_trades_bits_with_the_quietest_of_its_kind(
         ("class", "w8a8")
     );
 
-    // No quiet partner of its kind: raised all the same, and the reason says the plan grows.
+    // No quiet partner of its kind: no raise (it would grow the plan past the weight budget
+    // that chose its bits) — a float copy instead, and the reason says why; the bits stay.
     let ev = evidence(vec![{
         let mut g = group("layers.0.down", "int8");
         g.unavailable_windows = 40;
         g
     }]);
     let p = propose(&plan, &ev, &Rules::default(), EngineDefaults::default());
-    assert_eq!(p.plan.groups["layers.0.down"].class, PrecisionClass::W8a8);
+    assert_eq!(p.plan.groups["layers.0.down"].class, PrecisionClass::W4a16);
+    assert_eq!(fours(&p.plan), fours(&plan), "no group changed its bits");
+    assert_eq!(
+        p.plan.groups["layers.0.down"].residency,
+        Some(Residency::Dual)
+    );
     assert_eq!(p.changes.len(), 1);
     assert!(
-        p.changes[0].reason.contains("plan grows"),
+        p.changes[0].reason.contains("past its weight budget"),
         "{:?}",
         p.changes[0]
     );

@@ -561,10 +561,7 @@ pub(crate) async fn gateway_restarted_under_load(cx: &mut Ctx<'_>) -> Row {
 pub(crate) async fn plan_store_faults(cx: &mut Ctx<'_>) -> Row {
     let (stack, client, tmp) = (cx.stack, cx.client.clone(), cx.tmp);
     let toggler = &cx.toggler;
-    let (e1, e2) = (
-        Engine::of(stack, "engine-1"),
-        Engine::of(stack, "engine-2"),
-    );
+    let (e1, e2) = (Engine::of(stack, "engine-1"), Engine::of(stack, "engine-2"));
     let stop = Arc::new(AtomicBool::new(false));
     let traffic = load(stack, 2, stop.clone());
     let groups = toggler.groups.clone();
