@@ -59,8 +59,8 @@ pub struct MeshSettings {
     #[serde(with = "humantime_serde")]
     pub stall_timeout: Duration,
     /// Consecutive transport failures (refused or lost connection, deadline passed) after
-    /// which an engine is ejected: no requests for `ejection_time`, then back once its
-    /// `/ready` answers 200 again.
+    /// which an engine is ejected (never the last one up): no requests for `ejection_time`,
+    /// then back once its `/ready` answers 200 again.
     pub outlier_failures: u32,
     #[serde(with = "humantime_serde")]
     pub ejection_time: Duration,

@@ -47,18 +47,8 @@ pub enum Failure {
 }
 
 impl Failure {
-    /// The `kind` labels of `quantmesh_gateway_engine_failures_total`.
-    pub const KINDS: [&'static str; 7] = [
-        "connect",
-        "closed",
-        "first_byte",
-        "idle",
-        "request",
-        "stalled",
-        "body",
-    ];
-
-    /// Its `kind` label; `None` when the engine is not at fault (its client stopped).
+    /// Its `kind` label (one of `metrics::FAILURE_KINDS`); `None` when the engine is not at
+    /// fault (its client stopped).
     pub fn kind(&self) -> Option<&'static str> {
         Some(match self {
             Failure::Connect(_) => "connect",
@@ -285,10 +275,11 @@ impl EngineView {
     }
 
     /// A call failed in transport; true when this run of failures reached `limit` and the
-    /// engine is now ejected until `for_how_long` has passed (and marked down).
-    pub fn failed(&self, limit: u32, for_how_long: Duration) -> bool {
+    /// engine is now ejected until `for_how_long` has passed (and marked down). Never when
+    /// `may_eject` is false (it is the last engine up: ejecting it would refuse everything).
+    pub fn failed(&self, limit: u32, for_how_long: Duration, may_eject: bool) -> bool {
         let n = self.failures_in_row.fetch_add(1, Ordering::Relaxed) + 1;
-        if n < limit {
+        if n < limit || !may_eject {
             return false;
         }
         self.failures_in_row.store(0, Ordering::Relaxed);
@@ -465,5 +456,63 @@ impl Handler<Forward> for EngineClient {
             }
             res
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_what_the_engine_did_not_take_is_retried() {
+        for f in [
+            Failure::Connect("refused".into()),
+            Failure::Closed("reset".into()),
+            Failure::Gone("stopped".into()),
+        ] {
+            assert!(f.retryable(), "{f:?}");
+            assert!(!f.is_timeout(), "{f:?}");
+        }
+        for f in [
+            Failure::Deadline(Stage::FirstByte),
+            Failure::Deadline(Stage::Idle),
+            Failure::Deadline(Stage::Request),
+            Failure::Stalled,
+        ] {
+            assert!(!f.retryable() && f.is_timeout(), "{f:?}");
+        }
+        assert!(!Failure::Body("cut".into()).retryable());
+        // Every kind an engine can be blamed for has its label; a stopped client has none.
+        assert_eq!(Failure::Gone("x".into()).kind(), None);
+        let every = [
+            Failure::Connect(String::new()),
+            Failure::Closed(String::new()),
+            Failure::Deadline(Stage::FirstByte),
+            Failure::Deadline(Stage::Idle),
+            Failure::Deadline(Stage::Request),
+            Failure::Stalled,
+            Failure::Body(String::new()),
+        ];
+        let kinds: Vec<&str> = every.iter().filter_map(Failure::kind).collect();
+        assert_eq!(kinds, crate::mesh::metrics::FAILURE_KINDS);
+    }
+
+    #[test]
+    fn a_run_of_failures_ejects_an_engine_unless_it_is_the_last_one_up() {
+        let v = EngineView::new("e".into(), "http://127.0.0.1:1");
+        v.set_up(true);
+        let ejection = Duration::from_secs(30);
+        assert!(!v.failed(3, ejection, true));
+        v.succeeded(); // a good answer ends the run
+        assert!(!v.failed(3, ejection, true));
+        assert!(!v.failed(3, ejection, true));
+        assert!(v.failed(3, ejection, true), "the third in a row ejects");
+        assert!(v.is_ejected() && !v.is_up());
+        let last = EngineView::new("last".into(), "http://127.0.0.1:2");
+        last.set_up(true);
+        for _ in 0..10 {
+            assert!(!last.failed(3, ejection, false));
+        }
+        assert!(!last.is_ejected() && last.is_up());
     }
 }

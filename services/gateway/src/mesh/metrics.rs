@@ -3,6 +3,18 @@
 use prometheus::{IntCounterVec, IntGaugeVec, Opts, Registry};
 use quantmesh_telemetry::must;
 
+/// The `kind` labels of `quantmesh_gateway_engine_failures_total`: what `Failure::kind`
+/// (`client.rs`) names.
+pub const FAILURE_KINDS: [&str; 7] = [
+    "connect",
+    "closed",
+    "first_byte",
+    "idle",
+    "request",
+    "stalled",
+    "body",
+];
+
 /// The gateway's routing series, labelled by engine.
 #[derive(Clone)]
 pub struct MeshMetrics {
@@ -102,7 +114,7 @@ impl MeshMetrics {
         self.retries.with_label_values(&[engine]);
         self.stream_failures.with_label_values(&[engine]);
         self.ejections.with_label_values(&[engine]);
-        for kind in crate::mesh::client::Failure::KINDS {
+        for kind in FAILURE_KINDS {
             self.failures.with_label_values(&[engine, kind]);
         }
         for choice in ["affinity", "least", "random"] {

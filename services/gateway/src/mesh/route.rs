@@ -138,7 +138,8 @@ impl Mesh {
     }
 
     /// A call to `view`'s engine failed: counted by kind, and the engine ejected after
-    /// `outlier_failures` in a row (Envoy's consecutive gateway failures).
+    /// `outlier_failures` in a row (Envoy's consecutive gateway failures) while another
+    /// engine is up.
     pub fn failed(&self, view: &EngineView, failure: &Failure) {
         let Some(kind) = failure.kind() else {
             return;
@@ -147,7 +148,14 @@ impl Mesh {
             .failures
             .with_label_values(&[&view.name, kind])
             .inc();
-        if view.failed(self.settings.outlier_failures, self.settings.ejection_time) {
+        // Never the last engine up: with nothing else to route to, ejecting it would turn
+        // its failures into refusals of every request.
+        let others_up = self
+            .engines()
+            .iter()
+            .any(|(v, _)| v.is_up() && !std::ptr::eq(Arc::as_ptr(v), view));
+        let (limit, time) = (self.settings.outlier_failures, self.settings.ejection_time);
+        if view.failed(limit, time, others_up) {
             tracing::warn!(engine = %view.name, failures = self.settings.outlier_failures, ejection_s = self.settings.ejection_time.as_secs_f64(), last = ?failure, "engine ejected as an outlier: no requests until its time is over and its /ready answers 200");
             self.metrics
                 .ejections
