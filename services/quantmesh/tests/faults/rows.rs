@@ -687,8 +687,7 @@ pub(crate) async fn plan_store_faults(cx: &mut Ctx<'_>) -> Row {
         o.sent, o.ok,
         "serving goes on through the plan store's faults: {o:?}"
     );
-    // The broker keeps its log in the same S3 server: it is whole again (started if the
-    // outage stopped it) and the engines' outboxes have drained into it.
+    // The broker is up and the engines' outboxes have drained into it.
     run(&mut stack.cmd(&["start", "kafka"]));
     stack.wait_healthy(&["kafka"], Duration::from_secs(120));
     cx.drained().await;
