@@ -211,9 +211,7 @@ pub(crate) fn run_writer(
         let first = match rx.recv_timeout(SYNC_RETRY) {
             Ok(m) => m,
             Err(RecvTimeoutError::Timeout) => {
-                if unsynced.iter().sum::<u64>() > 0 {
-                    sync(&outbox, &metrics, &mut unsynced);
-                }
+                sync(&outbox, &metrics, &mut unsynced);
                 continue;
             }
             Err(RecvTimeoutError::Disconnected) => break,
@@ -242,9 +240,7 @@ pub(crate) fn run_writer(
         for (u, s) in unsynced.iter_mut().zip(stored) {
             *u += s;
         }
-        if unsynced.iter().sum::<u64>() > 0 {
-            sync(&outbox, &metrics, &mut unsynced);
-        }
+        sync(&outbox, &metrics, &mut unsynced);
         // Drops by the outbox's policy (newest refused or oldest evicted).
         let dropped = outbox.stats.dropped.load(Ordering::Relaxed);
         if dropped > seen_dropped {
@@ -280,14 +276,15 @@ pub(crate) fn run_writer(
         }
     }
     // Last chance for events whose fsync failed: at shutdown, one more try.
-    if unsynced.iter().sum::<u64>() > 0 {
-        sync(&outbox, &metrics, &mut unsynced);
-    }
+    sync(&outbox, &metrics, &mut unsynced);
 }
 
-/// fsync the outbox: on success the `unsynced` events are recorded (by type) and cleared; on
-/// failure they stay unsynced, shown by the gauge, for the next try.
+/// fsync the outbox when events wait for it: on success the `unsynced` events are recorded
+/// (by type) and cleared; on failure they stay unsynced, shown by the gauge, for the next try.
 fn sync(outbox: &Outbox, metrics: &KafkaMetrics, unsynced: &mut [u64; EventType::ALL.len()]) {
+    if unsynced.iter().sum::<u64>() == 0 {
+        return;
+    }
     match outbox.flush() {
         Ok(()) => {
             for (kind, n) in EventType::ALL.into_iter().zip(unsynced.iter_mut()) {

@@ -127,27 +127,45 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
 }
 
 /// Wait for `fut`, at most until `deadline` (then [`Failure::Deadline`]`(stage)`) and only
-/// while `view`'s engine is not stalled (then [`Failure::Stalled`], at once).
+/// while `view`'s engine is not stalled (then [`Failure::Stalled`], at once — also when it
+/// already is).
 pub async fn bounded<T>(
     view: &EngineView,
     deadline: Instant,
     stage: Stage,
     fut: impl Future<Output = T>,
 ) -> Result<T, Failure> {
-    let mut stalls = view.stalls.subscribe();
-    if view.is_stalled() {
-        return Err(Failure::Stalled);
-    }
+    let mut stalled = view.stalled.subscribe();
     tokio::select! {
         v = fut => Ok(v),
         _ = tokio::time::sleep_until(deadline) => Err(Failure::Deadline(stage)),
         _ = async {
             // A closed channel never signals (the view outlives its calls).
-            if stalls.changed().await.is_err() {
+            if stalled.wait_for(|s| *s).await.is_err() {
                 std::future::pending::<()>().await;
             }
         } => Err(Failure::Stalled),
     }
+}
+
+/// The client's answer to a [`Forward`], a stopped client included (the request was never
+/// sent).
+pub async fn call(addr: &Addr<EngineClient>, msg: Forward) -> Result<reqwest::Response, Failure> {
+    addr.send(msg)
+        .await
+        .unwrap_or_else(|e| Err(Failure::Gone(e.to_string())))
+}
+
+/// The rest of an answer that has begun, read within `deadline` while the engine is not
+/// stalled; a body that breaks off is [`Failure::Body`].
+pub async fn read_body(
+    view: &EngineView,
+    deadline: Instant,
+    resp: reqwest::Response,
+) -> Result<Bytes, Failure> {
+    bounded(view, deadline, Stage::Request, resp.bytes())
+        .await?
+        .map_err(|e| Failure::Body(error_chain(&e)))
 }
 
 /// What the router knows of an engine.
@@ -167,9 +185,8 @@ pub struct EngineView {
     /// engine gets a new client while the old one may still be waiting for its timer).
     generation: AtomicU64,
     outstanding: AtomicUsize,
-    /// Bumped each time the engine is found stalled: calls in flight watch it.
-    stalls: watch::Sender<u64>,
-    stalled: AtomicBool,
+    /// True while the engine is stalled: calls in flight wait on it turning true.
+    stalled: watch::Sender<bool>,
     /// When the engine last answered anything (its `/ready`, or a forwarded call).
     last_answer: Mutex<Instant>,
     /// Transport failures since its last good answer (outlier detection).
@@ -188,8 +205,7 @@ impl EngineView {
             listed: AtomicBool::new(true),
             generation: AtomicU64::new(0),
             outstanding: AtomicUsize::new(0),
-            stalls: watch::channel(0).0,
-            stalled: AtomicBool::new(false),
+            stalled: watch::channel(false).0,
             last_answer: Mutex::new(Instant::now()),
             failures_in_row: AtomicU32::new(0),
             ejected_until: Mutex::new(None),
@@ -240,16 +256,13 @@ impl EngineView {
         self.outstanding.load(Ordering::Relaxed)
     }
 
-    pub fn is_stalled(&self) -> bool {
-        self.stalled.load(Ordering::Relaxed)
-    }
-
     /// The engine answered (anything at all): not stalled, and its silence starts now.
     pub fn answered(&self) {
         if let Ok(mut t) = self.last_answer.lock() {
             *t = Instant::now();
         }
-        self.stalled.store(false, Ordering::Relaxed);
+        self.stalled
+            .send_if_modified(|s| std::mem::replace(s, false));
     }
 
     /// How long the engine has not answered anything.
@@ -262,11 +275,8 @@ impl EngineView {
     /// Declare the engine stalled: every call in flight on it fails now. True when this
     /// changed it.
     pub fn stall(&self) -> bool {
-        let changed = !self.stalled.swap(true, Ordering::Relaxed);
-        if changed {
-            self.stalls.send_modify(|n| *n += 1);
-        }
-        changed
+        self.stalled
+            .send_if_modified(|s| !std::mem::replace(s, true))
     }
 
     /// A call completed: the run of failures ends.
@@ -389,16 +399,15 @@ impl EngineClient {
                 .into_actor(self)
                 .map(|res, act, _| match res {
                     _ if act.view.generation() != act.generation => {}
-                    Ok(_) if !act.view.is_listed() => act.view.answered(),
-                    Ok(200) if act.view.is_ejected() => {
-                        act.view.answered();
-                        act.note(false, "ejected as an outlier");
-                    }
                     Ok(code) => {
                         act.view.answered();
-                        match code {
-                            200 => act.note(true, ""),
-                            _ => act.note(false, &format!("/ready answered {code}")),
+                        // A retired engine is checked only for its silence.
+                        if act.view.is_listed() {
+                            match (code, act.view.is_ejected()) {
+                                (200, false) => act.note(true, ""),
+                                (200, true) => act.note(false, "ejected as an outlier"),
+                                _ => act.note(false, &format!("/ready answered {code}")),
+                            }
                         }
                     }
                     Err(e) => {

@@ -1,6 +1,8 @@
 //! The gateway's HTTP surface in mesh mode and its start-up.
 
-use crate::mesh::client::{bounded, error_chain, EngineView, Failure, Forward, InFlight, Stage};
+use crate::mesh::client::{
+    bounded, call, error_chain, read_body, EngineView, Failure, Forward, InFlight, Stage,
+};
 use crate::mesh::discovery::{system_resolver, Discovery, EngineEntry};
 use crate::mesh::metrics::MeshMetrics;
 use crate::mesh::route::{affinity_key, ClientTemplate, Mesh, NoEngine};
@@ -213,17 +215,18 @@ async fn generate(
             true => earlier(deadline, mesh_settings.first_byte_timeout, Stage::FirstByte),
             false => (deadline, Stage::Request),
         };
-        let sent = addr
-            .send(Forward {
+        let sent = call(
+            addr,
+            Forward {
                 method: reqwest::Method::POST,
                 path: req.path().to_string(),
                 body: body.clone(),
                 headers: headers.clone(),
                 deadline: head_by,
                 stage,
-            })
-            .await
-            .unwrap_or_else(|e| Err(Failure::Gone(e.to_string())));
+            },
+        )
+        .await;
         let retry = |why: &str| {
             tracing::warn!(engine = %view.name, why, "retrying the request on another engine");
             state
@@ -236,11 +239,7 @@ async fn generate(
         let resp = match sent {
             Ok(r) if refused(r.status().as_u16()) => {
                 let (status, h) = (r.status().as_u16(), r.headers().clone());
-                let b = bounded(view, deadline, Stage::Request, r.bytes())
-                    .await
-                    .ok()
-                    .and_then(Result::ok)
-                    .unwrap_or_default();
+                let b = read_body(view, deadline, r).await.unwrap_or_default();
                 retry(&format!("the engine answered {status}"));
                 last = Some(LastTry::Answer(view.name.clone(), status, h, b));
                 continue;
@@ -269,9 +268,7 @@ async fn generate(
         if !stream || !(200..300).contains(&status) {
             // The answer has begun: whatever happens now is not retried (the engine may
             // have done the work).
-            let read = bounded(view, deadline, Stage::Request, resp.bytes()).await;
-            let read = read.and_then(|r| r.map_err(|e| Failure::Body(error_chain(&e))));
-            return match read {
+            return match read_body(view, deadline, resp).await {
                 Ok(b) => {
                     view.succeeded();
                     routed();
@@ -357,24 +354,22 @@ async fn from_any_engine(
     let mut last = None;
     for (view, addr) in state.mesh.engines().iter().filter(|(v, _)| v.is_up()) {
         let (head_by, stage) = earlier(deadline, settings.first_byte_timeout, Stage::FirstByte);
-        let sent = addr
-            .send(Forward {
+        let sent = call(
+            addr,
+            Forward {
                 method: reqwest::Method::GET,
                 path: req.path().to_string(),
                 body: Bytes::new(),
                 headers: forwarded(&req),
                 deadline: head_by,
                 stage,
-            })
-            .await
-            .unwrap_or_else(|e| Err(Failure::Gone(e.to_string())));
+            },
+        )
+        .await;
         let answer = match sent {
             Ok(r) => {
                 let (status, h) = (r.status().as_u16(), r.headers().clone());
-                bounded(view, deadline, Stage::Request, r.bytes())
-                    .await
-                    .and_then(|b| b.map_err(|e| Failure::Body(error_chain(&e))))
-                    .map(|b| (status, h, b))
+                read_body(view, deadline, r).await.map(|b| (status, h, b))
             }
             Err(f) => Err(f),
         };
@@ -439,24 +434,18 @@ async fn admin(
                 stage: Stage::Request,
             };
             async move {
-                let sent = addr
-                    .send(f)
-                    .await
-                    .unwrap_or_else(|e| Err(Failure::Gone(e.to_string())));
-                let answer = match sent {
+                let answer = match call(addr, f).await {
                     Ok(r) => {
                         let code = r.status().as_u16();
-                        bounded(view, deadline, Stage::Request, r.text())
-                            .await
-                            .and_then(|t| t.map_err(|e| Failure::Body(error_chain(&e))))
-                            .map(|text| (code, text))
+                        read_body(view, deadline, r).await.map(|b| (code, b))
                     }
                     Err(f) => Err(f),
                 };
                 match answer {
-                    Ok((code, text)) => {
-                        let body =
-                            serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text));
+                    Ok((code, bytes)) => {
+                        let body = serde_json::from_slice(&bytes).unwrap_or_else(|_| {
+                            serde_json::Value::String(String::from_utf8_lossy(&bytes).into_owned())
+                        });
                         json!({"engine": view.name, "status": code, "body": body})
                     }
                     Err(f) => {

@@ -323,6 +323,18 @@ pub(crate) struct Made {
     pub(crate) may_lose: HashSet<String>,
 }
 
+impl Made {
+    /// The events `created` by a fault that began at `t_from` (Unix ms) and ends now, with
+    /// nothing allowed to be missing.
+    pub(crate) fn since(t_from: u64, created: HashSet<String>) -> Made {
+        Made {
+            created,
+            window: (t_from, now_ms()),
+            ..Made::default()
+        }
+    }
+}
+
 /// A fault's events as the table shows them.
 pub(crate) struct Events {
     pub(crate) created: usize,

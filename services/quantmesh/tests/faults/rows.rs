@@ -49,6 +49,13 @@ impl Ctx<'_> {
         e
     }
 
+    /// Start the broker (a no-op when it runs) and wait until it is healthy.
+    fn broker_back(&self) {
+        run(&mut self.stack.cmd(&["start", "kafka"]));
+        self.stack
+            .wait_healthy(&["kafka"], Duration::from_secs(120));
+    }
+
     /// Both engines' outboxes empty (the broker has everything).
     async fn drained(&self) {
         let (e1, e2) = self.engines();
@@ -82,10 +89,6 @@ impl Ctx<'_> {
         .await;
         since.elapsed()
     }
-}
-
-fn window_from(t_from: u64) -> (u64, u64) {
-    (t_from, now_ms())
 }
 
 /// engine-1 SIGKILLed while it holds requests.
@@ -134,11 +137,7 @@ pub(crate) async fn engine_killed_under_load(cx: &mut Ctx<'_>) -> Row {
         expected: "unstarted requests retried elsewhere; started streams end with engine_failed; no event lost",
         sent: o.sent + sent,
         failed: failed_streams,
-        events: Some(Made {
-            created,
-            window: window_from(t_from),
-            ..Made::default()
-        }),
+        events: Some(Made::since(t_from, created)),
     }
 }
 
@@ -166,19 +165,14 @@ pub(crate) async fn engine_killed_with_the_broker_down(cx: &mut Ctx<'_>) -> Row 
         held,
         "the outbox reopened after SIGKILL with every event it held"
     );
-    run(&mut cx.stack.cmd(&["start", "kafka"]));
-    cx.stack.wait_healthy(&["kafka"], Duration::from_secs(120));
+    cx.broker_back();
     cx.drained().await;
     Row {
         fault: "engine SIGKILL with the broker down and events in its outbox",
         expected: "the outbox's events relayed after the restart; none lost",
         sent: 0,
         failed: 0,
-        events: Some(Made {
-            created,
-            window: window_from(t_from),
-            ..Made::default()
-        }),
+        events: Some(Made::since(t_from, created)),
     }
 }
 
@@ -219,10 +213,8 @@ pub(crate) async fn engine_killed_during_a_burst_of_writes(cx: &mut Ctx<'_>) -> 
         sent: 0,
         failed: 0,
         events: Some(Made {
-            created,
-            window: window_from(t_from),
             may_lose: on_e1,
-            ..Made::default()
+            ..Made::since(t_from, created)
         }),
     }
 }
@@ -313,11 +305,7 @@ where
         expected,
         sent: o.sent,
         failed: o.http_errors,
-        events: Some(Made {
-            created,
-            window: window_from(t_from),
-            ..Made::default()
-        }),
+        events: Some(Made::since(t_from, created)),
     }
 }
 
@@ -346,8 +334,7 @@ pub(crate) async fn broker_stopped_under_load(cx: &mut Ctx<'_>) -> Row {
     while t_down.elapsed() < OUTAGE {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    run(&mut cx.stack.cmd(&["start", "kafka"]));
-    cx.stack.wait_healthy(&["kafka"], Duration::from_secs(120));
+    cx.broker_back();
     cx.drained().await;
     stop.store(true, Ordering::Relaxed);
     let o = traffic.await.unwrap();
@@ -357,11 +344,7 @@ pub(crate) async fn broker_stopped_under_load(cx: &mut Ctx<'_>) -> Row {
         expected: "serving goes on; every event created in the outage delivered after",
         sent: o.sent,
         failed: o.sent - o.ok,
-        events: Some(Made {
-            created,
-            window: window_from(t_from),
-            ..Made::default()
-        }),
+        events: Some(Made::since(t_from, created)),
     }
 }
 
@@ -485,8 +468,7 @@ pub(crate) async fn outbox_filesystem_full(cx: &mut Ctx<'_>, fs: &SmallFs) -> Ro
     for e in [&e1, &e2] {
         e.wait_written(&cx.client).await;
     }
-    run(&mut cx.stack.cmd(&["start", "kafka"]));
-    cx.stack.wait_healthy(&["kafka"], Duration::from_secs(120));
+    cx.broker_back();
     cx.drained().await;
     for reason in ["storage_error", "unreadable", "writer_failed"] {
         assert_eq!(e2.dropped(&cx.client, reason).await, 0, "{reason}");
@@ -497,11 +479,9 @@ pub(crate) async fn outbox_filesystem_full(cx: &mut Ctx<'_>, fs: &SmallFs) -> Ro
         sent,
         failed,
         events: Some(Made {
-            created,
-            window: window_from(t_from),
             may_drop,
             counted_drops,
-            ..Made::default()
+            ..Made::since(t_from, created)
         }),
     }
 }
@@ -688,8 +668,7 @@ pub(crate) async fn plan_store_faults(cx: &mut Ctx<'_>) -> Row {
         "serving goes on through the plan store's faults: {o:?}"
     );
     // The broker is up and the engines' outboxes have drained into it.
-    run(&mut stack.cmd(&["start", "kafka"]));
-    stack.wait_healthy(&["kafka"], Duration::from_secs(120));
+    cx.broker_back();
     cx.drained().await;
     Row {
         fault: "plan store unreachable during polls, then a bad plan, then a good one",
