@@ -95,6 +95,7 @@ impl Reference {
             float: FloatDtype::F32,
             embeddings: EmbeddingDtype::F32,
             split,
+            rotation: 0,
         };
         let model = LlamaModel::load_planned(&ck, &cfg, &form, forms)?;
         Self::with_model(dir, cfg, model)

@@ -92,6 +92,7 @@ pub struct EngineMetrics {
     decisions: IntCounterVec,
     pub shadow_kl: HistogramVec,
     config_info: GaugeVec,
+    activation_width: GaugeVec,
     config_reloads: IntCounterVec,
     pub config_polls: IntCounter,
     pub config_apply_seconds: Gauge,
@@ -233,6 +234,13 @@ impl EngineMetrics {
                 ),
                 &["md5"],
             )),
+            activation_width: must(GaugeVec::new(
+                o(
+                    "quantmesh_activation_width_info",
+                    "The quantized path's activation width in force (engine.split_activations, \"auto\" resolved: mode off, copyless or all; source measured, forced or configured); the value is the measured time of 16-bit activations over 8-bit ones on this machine (0 when not measured).",
+                ),
+                &["mode", "source"],
+            )),
             config_reloads: must(IntCounterVec::new(
                 o(
                     "quantmesh_config_reloads_total",
@@ -277,6 +285,7 @@ impl EngineMetrics {
             Box::new(m.decisions.clone()),
             Box::new(m.shadow_kl.clone()),
             Box::new(m.config_info.clone()),
+            Box::new(m.activation_width.clone()),
             Box::new(m.config_reloads.clone()),
             Box::new(m.config_polls.clone()),
             Box::new(m.config_apply_seconds.clone()),
@@ -352,6 +361,19 @@ impl EngineMetrics {
         self.config_reloads
             .with_label_values(&[result.as_str()])
             .inc();
+    }
+
+    /// The activation width `auto` chose (or the configured one).
+    pub fn set_activation_width(&self, w: &crate::backend::cpu::width::WidthChoice) {
+        let source = match (w.ratio, w.forced) {
+            (None, _) => "configured",
+            (Some(_), true) => "forced",
+            (Some(_), false) => "measured",
+        };
+        self.activation_width.reset();
+        self.activation_width
+            .with_label_values(&[w.mode.as_str(), source])
+            .set(w.ratio.unwrap_or(0.0));
     }
 
     /// The version in force (`None`: no file loaded).

@@ -504,8 +504,79 @@ async fn copyless_rows_are_served_split_and_kv_scales_follow_the_config() {
                 assert!(s.split_rows > s.fallback_unavailable_rows);
                 assert_eq!(s.int8_rows, 0);
             }
+            SplitActivations::Auto => unreachable!("not among the modes run here"),
         }
         split_counts.push(s.split_rows);
     }
     assert!(split_counts[0] > 0);
+}
+
+/// `split_activations = "auto"` resolves at start: with the measured ratio forced through
+/// the test hook, a machine where 16-bit activations cost 1.6× the 8-bit product serves
+/// `copyless`, one where they cost the same serves `all`; the choice is in the config
+/// status, the metric and the requests' row counts; an unparsable hook value fails the start.
+#[actix_rt::test]
+async fn auto_activation_width_follows_the_measured_ratio() {
+    use quantmesh_engine::api::SplitActivations;
+    let dir = tempfile::tempdir().unwrap();
+    init_model(dir.path(), &InitOptions::default()).unwrap();
+    let hook = quantmesh_engine::backend::cpu::width::RATIO_ENV;
+    for (ratio, want) in [
+        ("1.6", SplitActivations::Copyless),
+        ("1.0", SplitActivations::All),
+    ] {
+        // This test binary's other tests never start an engine with `auto` concurrently
+        // (nextest runs each test in its own process).
+        std::env::set_var(hook, ratio);
+        let cfg = EngineConfig {
+            default_residency: Residency::Int8,
+            split_activations: SplitActivations::Auto,
+            ..Default::default()
+        };
+        let e = engine(dir.path(), cfg).await;
+        assert_eq!(e.config_status().split_activations, Some(want), "{ratio}");
+        let width: Vec<(String, String, f64)> = e
+            .registry()
+            .gather()
+            .into_iter()
+            .filter(|f| f.name() == "quantmesh_activation_width_info")
+            .flat_map(|f| f.get_metric().to_vec())
+            .map(|m| {
+                let label = |n: &str| {
+                    m.get_label()
+                        .iter()
+                        .find(|l| l.name() == n)
+                        .map(|l| l.value().to_string())
+                        .unwrap_or_default()
+                };
+                (label("mode"), label("source"), m.get_gauge().get_value())
+            })
+            .collect();
+        assert_eq!(
+            width,
+            vec![(
+                want.as_str().to_string(),
+                "forced".to_string(),
+                ratio.parse().unwrap()
+            )]
+        );
+        let toks = run_alone(&e, "Once upon a time", 3).await;
+        assert_eq!(toks.len(), 3);
+        let s = e.stats();
+        match want {
+            // Nothing wanted float: every quantized row took 8-bit activations.
+            SplitActivations::Copyless => {
+                assert!(s.int8_rows > 0 && s.split_rows == s.fallback_unavailable_rows)
+            }
+            _ => assert!(s.split_rows > 0 && s.int8_rows == 0),
+        }
+    }
+    std::env::set_var(hook, "fast");
+    let cfg = EngineConfig {
+        split_activations: SplitActivations::Auto,
+        ..Default::default()
+    };
+    let err = Engine::start(dir.path(), cfg, "test").await.err().unwrap();
+    assert!(err.to_string().contains(hook), "{err}");
+    std::env::remove_var(hook);
 }

@@ -44,6 +44,13 @@ pub struct EngineConfig {
     /// float in a group without a float copy, e.g. over the float budget) or `off` (the
     /// plain W8A8 product).
     pub split_activations: SplitActivations,
+    /// Rotate activations by `H_b / √b` (a Walsh–Hadamard block of `b` channels, `b` a power
+    /// of two; the widest power of two up to it that divides a group's input) before the
+    /// quantized path quantizes them, the quantized weights rotated to match once at load:
+    /// the product is unchanged in float, an outlier channel is spread over its block
+    /// instead of setting the block's 8-bit step alone. Float copies keep the checkpoint's
+    /// exact function either way. 0: none.
+    pub rotation_block: u32,
     /// KV cache precision at start for every layer: `true` = INT8 (C8).
     pub kv_int8: bool,
     pub kv_float_dtype: KvFloatDtype,
@@ -86,6 +93,7 @@ impl Default for EngineConfig {
             weight_budget: None,
             embeddings: EmbeddingDtype::Auto,
             split_activations: SplitActivations::default(),
+            rotation_block: 0,
             kv_int8: true,
             kv_float_dtype: KvFloatDtype::F16,
             kv_scale: KvScale::default(),
@@ -107,6 +115,7 @@ impl EngineConfig {
             float: self.float_dtype,
             embeddings: tables,
             split: self.split_activations,
+            rotation: self.rotation_block,
         }
     }
 
@@ -120,6 +129,11 @@ impl EngineConfig {
         }
         if self.max_num_seqs == 0 || self.max_num_batched_tokens == 0 {
             return bad("max_num_seqs and max_num_batched_tokens must be > 0");
+        }
+        if self.rotation_block != 0
+            && (!self.rotation_block.is_power_of_two() || self.rotation_block > 4096)
+        {
+            return bad("rotation_block must be 0 (none) or a power of two up to 4096");
         }
         let m = &self.monitor;
         if !(m.k > 0.0

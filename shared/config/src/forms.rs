@@ -23,6 +23,10 @@ pub enum SplitActivations {
     /// the bundled model (docs/design/precision.md, "Split activations").
     #[default]
     All,
+    /// Measured at start-up on this machine: `copyless` where 16-bit activations cost
+    /// meaningfully more than 8-bit ones (AMX, AVX-512 run as two halves), else `all`. The
+    /// engine resolves it before loading; a backend never sees it (it would serve as `all`).
+    Auto,
 }
 
 impl std::str::FromStr for SplitActivations {
@@ -32,7 +36,8 @@ impl std::str::FromStr for SplitActivations {
             "off" => Ok(SplitActivations::Off),
             "copyless" => Ok(SplitActivations::Copyless),
             "all" => Ok(SplitActivations::All),
-            other => Err(format!("{other:?} is not off, copyless or all")),
+            "auto" => Ok(SplitActivations::Auto),
+            other => Err(format!("{other:?} is not off, copyless, all or auto")),
         }
     }
 }
@@ -44,7 +49,7 @@ impl SplitActivations {
         match self {
             SplitActivations::Off => false,
             SplitActivations::Copyless => wanted_float,
-            SplitActivations::All => true,
+            SplitActivations::All | SplitActivations::Auto => true,
         }
     }
 
@@ -53,6 +58,7 @@ impl SplitActivations {
             SplitActivations::Off => "off",
             SplitActivations::Copyless => "copyless",
             SplitActivations::All => "all",
+            SplitActivations::Auto => "auto",
         }
     }
 }
@@ -96,6 +102,10 @@ pub struct Forms {
     pub embeddings: EmbeddingDtype,
     /// Which quantized-path rows run with split activations.
     pub split: SplitActivations,
+    /// Block of the Hadamard rotation the quantized path applies to activations (and, once
+    /// at load, to the quantized weights' rows) before they are quantized; 0: none
+    /// (`engine.rotation_block`).
+    pub rotation: u32,
 }
 
 impl Forms {
@@ -104,5 +114,6 @@ impl Forms {
         float: FloatDtype::F32,
         embeddings: EmbeddingDtype::F32,
         split: SplitActivations::Off,
+        rotation: 0,
     };
 }

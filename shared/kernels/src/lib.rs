@@ -17,6 +17,8 @@
 //!   they are also split into bytes for `vpdpbusd` (one pass for 8 bits, two for 16), and
 //!   with AMX into the signed bytes of its tiles.
 //! - [`f16_matmul`]: the float path's product over f16 weights, widened in registers.
+//! - [`hadamard_blocks`]: block rotations of activation and weight rows (`H_b / √b`), which
+//!   keep a product exact and spread an outlier channel over its block before quantization.
 //! - [`swiglu`]: `silu(gate) · up` over the rows of a fused gate/up product.
 //! - [`rms_norm`], [`rope`]: the step's per-row operations, one pass each on plain slices.
 //! - [`attention`]: causal attention of a chunk's query rows over a sequence's keys and
@@ -41,6 +43,7 @@ mod avx512;
 mod column_error;
 mod error;
 mod f16;
+mod hadamard;
 mod isa;
 mod layout;
 mod pool;
@@ -58,6 +61,7 @@ pub use attention::{attention, exp_nonpositive, AttentionShape};
 pub use column_error::{ColumnError, ColumnErrorSum};
 pub use error::{KernelError, Result};
 pub use f16::f16_matmul;
+pub use hadamard::{hadamard_blocks, rotation_block};
 pub use isa::Isa;
 pub use layout::{ActBits, Activations, PackedQ8, Q8Layout, BLOCK, TILE_ROWS};
 pub use pool::Pool;

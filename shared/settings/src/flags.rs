@@ -47,6 +47,12 @@ pub struct ServeFlags {
     /// want float in a group without a float copy) or `off` (plain W8A8).
     #[arg(long, env = "QUANTMESH_SPLIT_ACTIVATIONS")]
     pub split_activations: Option<quantmesh_config::SplitActivations>,
+    /// Rotate activations in Walsh–Hadamard blocks of this many channels (a power of two;
+    /// the quantized weights rotated to match at load, float copies untouched) before the
+    /// quantized path quantizes them to 8 bits: an outlier channel no longer sets its
+    /// block's step alone. 0 [default]: none.
+    #[arg(long, env = "QUANTMESH_ROTATION_BLOCK")]
+    pub rotation_block: Option<u32>,
     /// How the token embedding and lm_head are stored: `auto` [default] (f16 when their
     /// bytes beyond Q8_0 fit in the float budget, which serves them first; else q8_0),
     /// `q8_0`, `q4_s8`, `f16` or `f32` (16-bit tables are charged to the float budget; a
@@ -189,6 +195,9 @@ impl ServeFlags {
         }
         if let Some(m) = self.split_activations {
             s.engine.split_activations = m;
+        }
+        if let Some(b) = self.rotation_block {
+            s.engine.rotation_block = b;
         }
         if let Some(p) = &self.sensitive_layers {
             s.engine.sensitive_layers = Some(p.clone());

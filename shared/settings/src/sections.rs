@@ -336,6 +336,9 @@ impl Settings {
         if let Some(v) = get("QUANTMESH_SPLIT_ACTIVATIONS") {
             self.engine.split_activations = parse("QUANTMESH_SPLIT_ACTIVATIONS", v)?;
         }
+        if let Some(v) = get("QUANTMESH_ROTATION_BLOCK") {
+            self.engine.rotation_block = parse("QUANTMESH_ROTATION_BLOCK", v)?;
+        }
         if let Some(v) = get("QUANTMESH_API_KEYS") {
             self.server.api_keys = v
                 .split(',')

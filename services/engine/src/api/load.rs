@@ -1,6 +1,7 @@
 //! Loading: the model, its tokenizer and the plan it starts with, from disk.
 
 use crate::backend::cpu::reference::ReferenceWeights;
+use crate::backend::cpu::width::WidthChoice;
 use crate::backend::cpu::LlamaModel;
 use crate::backend::Backend;
 use crate::config::EngineConfig;
@@ -20,6 +21,8 @@ pub struct LoadedParts {
     pub shape: ModelShape,
     /// The plan the model was loaded with.
     pub live: LivePlan,
+    /// The activation width in force (`engine.split_activations`, `auto` resolved).
+    pub width: WidthChoice,
 }
 
 /// Load the model and tokenizer (blocking; call off the async reactor). `plan` is the
@@ -43,6 +46,16 @@ pub fn load_parts(
             )));
         }
     }
+    // `auto` measured on the model's widest product (gate/up), before anything is loaded.
+    let width = crate::backend::cpu::width::choose(
+        cfg.split_activations,
+        2 * mcfg.intermediate_size,
+        mcfg.hidden_size,
+    )?;
+    let cfg = &EngineConfig {
+        split_activations: width.mode,
+        ..cfg.clone()
+    };
     let ck = files.checkpoint()?;
     let shape = model_shape(&ck, &mcfg)?;
     let validated = match plan {
@@ -80,6 +93,7 @@ pub fn load_parts(
         model_config: mcfg,
         shape,
         live,
+        width,
     })
 }
 

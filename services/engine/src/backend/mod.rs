@@ -274,9 +274,10 @@ pub struct PreparedGroup {
 }
 
 /// Builds a group's resident forms from the checkpoint (runs on a background thread during
-/// hot reload, so it takes no backend reference).
+/// hot reload, so it takes no backend reference); `Forms` says how float copies are stored
+/// and how the quantized path rotates activations.
 pub type GroupLoader =
-    fn(&Checkpoint, &ModelConfig, GroupId, GroupForm, FloatDtype) -> Result<PreparedGroup>;
+    fn(&Checkpoint, &ModelConfig, GroupId, GroupForm, Forms) -> Result<PreparedGroup>;
 
 /// The vocabulary tables built off the serving thread in a new form, waiting to be swapped
 /// in with the groups by [`Backend::replace_weights`].

@@ -424,12 +424,12 @@ impl Reloader {
         let dir = self.model_dir.clone();
         let mcfg = self.model_config.clone();
         let (load, load_tables) = (self.loader, self.table_loader);
-        let float_dtype = self.base.float_dtype;
+        let forms = self.base.forms_with(self.base.embeddings);
         let (built, tables) = tokio::task::spawn_blocking(move || -> Result<_> {
             let ck = Checkpoint::open(&dir)?;
             let groups = groups
                 .into_iter()
-                .map(|(g, f)| load(&ck, &mcfg, g, f, float_dtype))
+                .map(|(g, f)| load(&ck, &mcfg, g, f, forms))
                 .collect::<Result<Vec<PreparedGroup>>>()?;
             let tables = tables.map(|t| load_tables(&ck, &mcfg, t)).transpose()?;
             Ok((groups, tables))

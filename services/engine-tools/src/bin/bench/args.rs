@@ -82,6 +82,29 @@ pub(crate) struct Args {
     /// The shadow pass's cost section.
     #[arg(long)]
     pub(crate) shadow_cost: bool,
+    /// The activation table of this plan: each of --splits × --rotations served with the
+    /// monitor (fed by --traffic) and scored on every --held-out text.
+    #[arg(long)]
+    pub(crate) activation_table: Option<PathBuf>,
+    /// A held-out text the activation table scores (repeatable; --ppl-tokens of each).
+    #[arg(long)]
+    pub(crate) held_out: Vec<PathBuf>,
+    /// A text the activation table's monitor watches first, in 64-token requests
+    /// (repeatable; never scored).
+    #[arg(long)]
+    pub(crate) traffic: Vec<PathBuf>,
+    /// Most monitor requests cut from --traffic.
+    #[arg(long, default_value_t = 48)]
+    pub(crate) traffic_requests: usize,
+    /// Activation widths of the activation table (comma-separated: off, copyless, all).
+    #[arg(long, value_delimiter = ',', default_value = "off,copyless,all")]
+    pub(crate) splits: Vec<SplitActivations>,
+    /// Rotation blocks of the activation table (comma-separated; 0 = none).
+    #[arg(long, value_delimiter = ',', default_value = "0,32,64,128")]
+    pub(crate) rotations: Vec<u32>,
+    /// The Hadamard rotation block of the other sections' quantized paths (0 = none).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) rotation_block: u32,
 }
 
 impl Args {
@@ -91,6 +114,7 @@ impl Args {
             float: self.float_dtype,
             embeddings: self.embeddings.unwrap_or_default(),
             split: self.split.unwrap_or_default(),
+            rotation: self.rotation_block,
         }
     }
 }

@@ -278,16 +278,49 @@ pub(crate) fn teacher_forced(
     mask: &PathMask,
     kv_int8: bool,
 ) -> Result<(f64, Vec<f64>), Box<dyn std::error::Error>> {
+    let t = teacher_forced_top1(model, reference, cfg, ids, mask, kv_int8)?;
+    Ok((t.perplexity, t.kls))
+}
+
+/// What [`teacher_forced_top1`] measured.
+pub(crate) struct Scored {
+    pub(crate) perplexity: f64,
+    pub(crate) kls: Vec<f64>,
+    /// Positions whose most likely next token is the reference's.
+    pub(crate) top1_agree: usize,
+}
+
+/// [`teacher_forced`], and how often the served model's most likely next token is the
+/// reference's.
+pub(crate) fn teacher_forced_top1(
+    model: &LlamaModel,
+    reference: &LlamaModel,
+    cfg: &ModelConfig,
+    ids: &[u32],
+    mask: &PathMask,
+    kv_int8: bool,
+) -> Result<Scored, Box<dyn std::error::Error>> {
     let all_float = PathMask::all_groups_float(cfg.num_hidden_layers);
-    let (mut nll, mut kls) = (0f64, Vec::with_capacity(ids.len()));
+    let (mut nll, mut kls, mut agree) = (0f64, Vec::with_capacity(ids.len()), 0);
     let runs = [(model, mask, kv_int8), (reference, &all_float, false)];
+    let argmax = |l: &[f32]| {
+        l.iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .map(|(i, _)| i)
+    };
     walk_windows(cfg, ids, &runs, |next, logits| {
         nll += quantmesh_model::ops::nll_logits(&logits[0], next);
         kls.push(quantmesh_model::ops::kl_logits(&logits[1], &logits[0]));
+        agree += usize::from(argmax(&logits[0]) == argmax(&logits[1]));
         Ok(())
     })?;
     let n = kls.len().max(1) as f64;
-    Ok(((nll / n).exp(), kls))
+    Ok(Scored {
+        perplexity: (nll / n).exp(),
+        kls,
+        top1_agree: agree,
+    })
 }
 
 /// A run's per-token KLs reduced: mean, median, p99 and the share of the total carried by

@@ -12,6 +12,7 @@
 //! monitor-driven plans. `--json` writes the dual plan's numbers (what `quantmesh serve`
 //! runs) for scripts/bench-llamacpp.sh.
 
+mod activations;
 mod args;
 mod formats;
 mod memory;
@@ -71,6 +72,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         args.prompt_len,
         args.decode_steps
     );
+    if let Some(plan) = &args.activation_table {
+        return activations::activation_table(
+            &dir,
+            &cfg,
+            plan,
+            &args.held_out,
+            &args.traffic,
+            &args,
+        );
+    }
     if let Some(plan) = &args.memory_table {
         // The memory table alone: its rows carry their own speed columns.
         let text = args

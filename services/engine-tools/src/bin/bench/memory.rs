@@ -56,6 +56,7 @@ pub(crate) fn memory_table(
         float: FloatDtype::F16,
         embeddings: EmbeddingDtype::Q8_0,
         split: SplitActivations::Off,
+        rotation: 0,
     };
     let f16 = Forms {
         embeddings: EmbeddingDtype::F16,

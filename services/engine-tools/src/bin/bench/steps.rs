@@ -52,11 +52,25 @@ pub(crate) fn watch(
     requests: &[Vec<u32>],
     rounds: u64,
 ) -> Result<(quantmesh_engine::monitor::Monitor, PathMask), Box<dyn std::error::Error>> {
+    watch_with(model, cfg, mcfg, requests, rounds, true)
+}
+
+/// As [`watch`]; `spikes`: whether activation spikes count as outliers (the engine turns
+/// them off where every quantized row carries ≈ 16-bit activations).
+pub(crate) fn watch_with(
+    model: &LlamaModel,
+    cfg: &ModelConfig,
+    mcfg: quantmesh_engine::monitor::MonitorConfig,
+    requests: &[Vec<u32>],
+    rounds: u64,
+    spikes: bool,
+) -> Result<(quantmesh_engine::monitor::Monitor, PathMask), Box<dyn std::error::Error>> {
     use quantmesh_types::{GroupId, GroupKind};
     let residencies: Vec<(GroupId, Residency)> = (0..cfg.num_hidden_layers)
         .flat_map(|l| GroupKind::ALL.map(|k| (GroupId::new(l, k), Residency::Dual)))
         .collect();
     let mut monitor = quantmesh_engine::monitor::Monitor::new(mcfg, "bench", &residencies);
+    monitor.set_activation_spikes(spikes);
     // The harm test's column errors, as the engine gives them (the model here runs plain
     // W8A8 rows, so activation spikes count too: the monitor's default).
     monitor.set_column_errors(residencies.iter().map(|(g, _)| {

@@ -10,6 +10,7 @@
 pub mod linear;
 pub mod reference;
 pub mod table;
+pub mod width;
 
 use crate::backend::{
     Backend, EmbeddingDtype, FloatDtype, Forms, GroupForm, GroupLoader, GroupOutcome, PassOutput,
@@ -125,10 +126,10 @@ pub fn load_group(
     cfg: &ModelConfig,
     g: GroupId,
     form: GroupForm,
-    float_dtype: FloatDtype,
+    forms: Forms,
 ) -> Result<DualLinear> {
     let w = GroupWeights::load(ck, cfg, g)?;
-    DualLinear::with_form(w.weight, w.bias, form, float_dtype)
+    DualLinear::rotated(w.weight, w.bias, form, forms.float, forms.rotation)
 }
 
 fn prepare_group(
@@ -136,9 +137,9 @@ fn prepare_group(
     cfg: &ModelConfig,
     g: GroupId,
     form: GroupForm,
-    float_dtype: FloatDtype,
+    forms: Forms,
 ) -> Result<PreparedGroup> {
-    let lin = load_group(ck, cfg, g, form, float_dtype)?;
+    let lin = load_group(ck, cfg, g, form, forms)?;
     Ok(PreparedGroup {
         group: g,
         form,
@@ -228,7 +229,6 @@ impl LlamaModel {
         form: &dyn Fn(GroupId) -> GroupForm,
         forms: Forms,
     ) -> Result<Self> {
-        let float_dtype = forms.float;
         let h = cfg.hidden_size;
         let (embed, lm_head) = load_tables(ck, cfg, forms.embeddings)?;
         let norm = ck.load_f32_shaped(names::FINAL_NORM, &[h])?;
@@ -236,7 +236,7 @@ impl LlamaModel {
         for l in 0..cfg.num_hidden_layers {
             let group = |kind| {
                 let g = GroupId::new(l, kind);
-                load_group(ck, cfg, g, form(g), float_dtype)
+                load_group(ck, cfg, g, form(g), forms)
             };
             let qkv = group(GroupKind::Qkv)?;
             let o = group(GroupKind::O)?;

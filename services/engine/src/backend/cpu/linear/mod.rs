@@ -313,6 +313,9 @@ pub struct DualLinear {
     bias: Option<Tensor>,
     out_dim: usize,
     in_dim: usize,
+    /// The Hadamard block the quantized path rotates activations by (`int8` holds the
+    /// weights rotated to match); 1: no rotation.
+    rotation: usize,
 }
 
 impl DualLinear {
@@ -335,17 +338,47 @@ impl DualLinear {
         form: GroupForm,
         float_dtype: FloatDtype,
     ) -> Result<Self> {
+        Self::rotated(weight, bias, form, float_dtype, 0)
+    }
+
+    /// As [`DualLinear::with_form`], the quantized path rotating activations in Hadamard
+    /// blocks of up to `rotation` channels (the widest power of two up to it that divides
+    /// the input width; 0: none) and its weights rotated to match, so its product is the
+    /// same function in float. The float copy is the checkpoint's weight, unrotated.
+    pub fn rotated(
+        weight: Tensor,
+        bias: Option<Tensor>,
+        form: GroupForm,
+        float_dtype: FloatDtype,
+        rotation: u32,
+    ) -> Result<Self> {
         let residency = form.residency;
         let (out_dim, in_dim) = weight.dims2()?;
-        let int8 = if residency.has_int8() {
-            Some(QuantKernel::quantize(&weight, form.quant)?)
-        } else {
-            None
+        let block = match rotation {
+            0 => 1,
+            b => quantmesh_kernels::rotation_block(in_dim, b as usize),
         };
-        let column_error = int8
-            .as_ref()
-            .map(|k| k.column_error(&weight).map(Arc::new))
-            .transpose()?;
+        let (int8, column_error) = if !residency.has_int8() {
+            (None, None)
+        } else if block == 1 {
+            let k = QuantKernel::quantize(&weight, form.quant)?;
+            let e = k.column_error(&weight)?;
+            (Some(k), Some(Arc::new(e)))
+        } else {
+            let w = weight.flatten_all()?.to_vec1::<f32>()?;
+            let mut turned = w.clone();
+            quantmesh_kernels::hadamard_blocks(&mut turned, block)?;
+            let k = QuantKernel::quantize(
+                &Tensor::from_vec(turned, (out_dim, in_dim), &Device::Cpu)?,
+                form.quant,
+            )?;
+            // What the quantized path multiplies by, seen from the unrotated input: its
+            // weights turned back (the rotation is its own inverse).
+            let mut seen = k.dequantize()?.flatten_all()?.to_vec1::<f32>()?;
+            quantmesh_kernels::hadamard_blocks(&mut seen, block)?;
+            let e = ColumnError::from_weights(&w, &seen, in_dim);
+            (Some(k), Some(Arc::new(e)))
+        };
         let float = if residency.has_float() {
             Some(weight.to_dtype(crate::backend::candle_dtype(float_dtype))?)
         } else {
@@ -359,7 +392,24 @@ impl DualLinear {
             bias,
             out_dim,
             in_dim,
+            rotation: block,
         })
+    }
+
+    /// The Hadamard block the quantized path rotates activations by (1: none).
+    pub fn rotation(&self) -> usize {
+        self.rotation
+    }
+
+    /// `x` as the quantized path multiplies it: rotated when the group rotates.
+    fn quantized_input(&self, x: &Tensor) -> Result<Tensor> {
+        if self.rotation <= 1 {
+            return Ok(x.clone());
+        }
+        let dims = x.dims2()?;
+        let mut v = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        quantmesh_kernels::hadamard_blocks(&mut v, self.rotation)?;
+        Ok(Tensor::from_vec(v, dims, x.device())?)
     }
 
     pub fn residency(&self) -> Residency {
@@ -414,12 +464,18 @@ impl DualLinear {
     }
 
     fn int8_mm(&self, x: &Tensor) -> Result<Option<Tensor>> {
-        self.int8.as_ref().map(|k| k.forward(x)).transpose()
+        let Some(k) = &self.int8 else {
+            return Ok(None);
+        };
+        Ok(Some(k.forward(&self.quantized_input(x)?)?))
     }
 
     /// The quantized weights with split activations ([`QuantKernel::split_forward`]).
     fn split_mm(&self, x: &Tensor) -> Result<Option<Tensor>> {
-        self.int8.as_ref().map(|k| k.split_forward(x)).transpose()
+        let Some(k) = &self.int8 else {
+            return Ok(None);
+        };
+        Ok(Some(k.split_forward(&self.quantized_input(x)?)?))
     }
 
     /// Every row through one path: float when `want_float` and a copy is resident; else the

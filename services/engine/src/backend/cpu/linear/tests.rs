@@ -270,10 +270,18 @@ fn column_error_predicts_the_output_error() {
 
 /// Through `forward`: rows that want float in an INT8-only group are counted as
 /// unavailable ("wanted fallback, unavailable") and served split (or plain INT8 with
-/// `off`); the other rows of the step stay on the plain INT8 path unless `all`.
+/// `off`); the other rows of the step stay on the plain INT8 path unless `all`. The same
+/// with the quantized path rotated.
 #[test]
 fn copyless_rows_are_split_and_counted() {
-    let lin = DualLinear::new(rand(32, 64, 4), None, Residency::Int8, FloatDtype::F32).unwrap();
+    for rotation in [0, 64] {
+        copyless_case(rotation);
+    }
+}
+
+fn copyless_case(rotation: u32) {
+    let form = GroupForm::q8(Residency::Int8);
+    let lin = DualLinear::rotated(rand(32, 64, 4), None, form, FloatDtype::F32, rotation).unwrap();
     let x = rand(4, 64, 5);
     let (plain, _) = lin
         .forward(&x, &RowPath::AllInt8, SplitActivations::Copyless)
@@ -335,4 +343,90 @@ fn copyless_rows_are_split_and_counted() {
             );
         }
     }
+}
+
+/// A rotated group: the float copy is the checkpoint's weight (exact), the quantized path
+/// is the same function (its error small), an activation outlier costs the rotated W8A8
+/// product less than the plain one, and the column error is measured against the
+/// unrotated input.
+#[test]
+fn a_rotated_group_keeps_its_function_and_spreads_an_outlier() {
+    let (out, inp) = (48, 256);
+    let w = rand(out, inp, 21);
+    // Rows with one massive channel each (different channels), as real residual streams have.
+    let mut xv = rand(6, inp, 22)
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    for r in 0..6 {
+        xv[r * inp + 7 + 40 * r] = 60.0;
+    }
+    let x = Tensor::from_vec(xv, (6, inp), &Device::Cpu).unwrap();
+    let want = x.matmul(&w.t().unwrap()).unwrap();
+    let rel = |y: &Tensor| {
+        let d = (y - &want).unwrap().sqr().unwrap().sum_all().unwrap();
+        let n = want.sqr().unwrap().sum_all().unwrap();
+        (d.to_scalar::<f32>().unwrap() / n.to_scalar::<f32>().unwrap()).sqrt()
+    };
+    let form = GroupForm::q8(Residency::Dual);
+    let plain = DualLinear::rotated(w.clone(), None, form, FloatDtype::F32, 0).unwrap();
+    let turned = DualLinear::rotated(w.clone(), None, form, FloatDtype::F32, 64).unwrap();
+    assert_eq!((plain.rotation(), turned.rotation()), (1, 64));
+    let (f, _) = turned
+        .forward(&x, &RowPath::AllFloat, SplitActivations::Off)
+        .unwrap();
+    assert!(
+        rel(&f) < 1e-6,
+        "the float copy must stay exact: {}",
+        rel(&f)
+    );
+    let run = |lin: &DualLinear, split| lin.forward(&x, &RowPath::AllInt8, split).unwrap().0;
+    let (p8, t8) = (
+        rel(&run(&plain, SplitActivations::Off)),
+        rel(&run(&turned, SplitActivations::Off)),
+    );
+    let t16 = rel(&run(&turned, SplitActivations::All));
+    assert!(
+        t8 < 0.6 * p8,
+        "rotation must cut the outlier's W8A8 error: {t8} vs {p8}"
+    );
+    assert!(
+        t16 < t8,
+        "16-bit activations on the rotated weights: {t16} vs {t8}"
+    );
+    assert!(
+        t16 < 0.01,
+        "the rotated W8A16 product must stay the same function: {t16}"
+    );
+    // The column error is the rotated form's, seen from the unrotated input: the error it
+    // predicts for a row equals the measured weight-only error of that row.
+    let ce = turned.column_error().unwrap();
+    let deq = {
+        let mut v = turned
+            .int8
+            .as_ref()
+            .unwrap()
+            .dequantize()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        quantmesh_kernels::hadamard_blocks(&mut v, 64).unwrap();
+        Tensor::from_vec(v, (out, inp), &Device::Cpu).unwrap()
+    };
+    let direct = ColumnError::from_weights(
+        &w.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        &deq.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        inp,
+    );
+    assert_eq!(*ce, direct);
+    // A 4-bit rotated group keeps the same contract.
+    let q4 = GroupForm {
+        residency: Residency::Int8,
+        quant: QuantFormat::Q4S8,
+    };
+    let t4 = DualLinear::rotated(w.clone(), None, q4, FloatDtype::F32, 32).unwrap();
+    assert!(rel(&run(&t4, SplitActivations::All)) < 0.1);
 }

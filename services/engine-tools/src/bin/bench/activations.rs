@@ -1,0 +1,130 @@
+//! The activation table: how close each activation width and rotation keeps the served
+//! first-load plan to the checkpoint's exact function, on held-out texts, with the monitor
+//! on and fed by other traffic.
+
+use crate::args::Args;
+use crate::formats::{teacher_forced_top1, KlSummary};
+use crate::steps::watch_with;
+use quantmesh_engine::backend::cpu::LlamaModel;
+use quantmesh_engine::backend::{EmbeddingDtype, FloatDtype, Forms, SplitActivations};
+use quantmesh_model::ModelConfig;
+use quantmesh_types::{Residency, SensitiveLayers};
+use std::path::{Path, PathBuf};
+
+/// One table row per (split, rotation, held-out text): mean, median and p99 next-token KL
+/// to the f32 float model, top-1 agreement and perplexity. Every configuration serves the
+/// plan at `plan_path` (float copies f16, the plan's tables); its monitor first watches
+/// `traffic` (texts never scored), and its mask, per-token bound included, is in force
+/// while the held-out texts are scored.
+pub(crate) fn activation_table(
+    dir: &Path,
+    cfg: &ModelConfig,
+    plan_path: &Path,
+    held_out: &[PathBuf],
+    traffic: &[PathBuf],
+    args: &Args,
+) -> Result<(), Box<dyn std::error::Error>> {
+    use quantmesh_engine::plan::resolve;
+    if held_out.is_empty() || traffic.is_empty() {
+        return Err("--activation-table needs --held-out FILE and --traffic FILE".into());
+    }
+    let tok = quantmesh_model::tokenizer::TextTokenizer::load(dir)?;
+    let read = |p: &PathBuf| -> Result<Vec<u32>, Box<dyn std::error::Error>> {
+        let text = std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?;
+        Ok(tok.encode(&text, true)?)
+    };
+    let mut texts = Vec::new();
+    for p in held_out {
+        let mut ids = read(p)?;
+        ids.truncate(args.ppl_tokens);
+        texts.push((p, ids));
+    }
+    // The monitor's traffic: 64-token requests cut from the traffic texts.
+    let mut requests: Vec<Vec<u32>> = Vec::new();
+    for p in traffic {
+        let ids = read(p)?;
+        requests.extend(
+            ids.chunks(64)
+                .filter(|c| c.len() == 64)
+                .map(<[u32]>::to_vec),
+        );
+    }
+    requests.truncate(args.traffic_requests);
+    let ck = quantmesh_model::Checkpoint::open(dir)?;
+    let shape = quantmesh_model::model_shape(&ck, cfg)?;
+    let plan = SensitiveLayers::parse_for(&std::fs::read(plan_path)?, &shape)
+        .map_err(|e| format!("{}: {e}", plan_path.display()))?;
+    let base = quantmesh_engine::EngineConfig {
+        float_budget: args.float_budget,
+        ..Default::default()
+    };
+    let live = resolve(&base, cfg, Some((&plan, "plan")));
+    let reference = LlamaModel::load(dir, cfg, &|_| Residency::Float)?;
+    println!();
+    println!(
+        "Activation widths and rotations on {} (first-load plan {}, float budget {}, {} tables; KL to the f32 float model with float activations, teacher-forced; the monitor watched {} requests of 64 tokens from {} first; {} tokens per held-out text):",
+        dir.display(),
+        plan_path.display(),
+        args.float_budget,
+        live.embeddings.as_str(),
+        requests.len(),
+        traffic
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", "),
+        args.ppl_tokens
+    );
+    println!();
+    println!("| activations | rotation block | held-out text | mean KL | median KL | p99 KL | top-1 agreement % | perplexity |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for &split in &args.splits {
+        for &rotation in &args.rotations {
+            let forms = Forms {
+                float: FloatDtype::F16,
+                embeddings: match live.embeddings {
+                    EmbeddingDtype::Auto => EmbeddingDtype::Q8_0,
+                    e => e,
+                },
+                split,
+                rotation,
+            };
+            let model = LlamaModel::load_planned(
+                &ck,
+                cfg,
+                &|g| live.form(g, base.default_residency),
+                forms,
+            )?;
+            let mcfg = quantmesh_engine::monitor::MonitorConfig {
+                window_requests: 4,
+                shadow_sample_rate: 0.0,
+                ..Default::default()
+            };
+            let spikes = split != SplitActivations::All;
+            let mask = watch_with(&model, cfg, mcfg, &requests, 1, spikes)?.1;
+            for (path, ids) in &texts {
+                let s = teacher_forced_top1(&model, &reference, cfg, ids, &mask, true)?;
+                let k = KlSummary::of(&s.kls);
+                println!(
+                    "| {} | {} | {} | {:.5} | {:.5} | {:.4} | {:.1} | {:.3} |",
+                    split.as_str(),
+                    if rotation == 0 {
+                        "none".to_string()
+                    } else {
+                        rotation.to_string()
+                    },
+                    path.file_name().map_or_else(
+                        || path.display().to_string(),
+                        |n| n.to_string_lossy().into()
+                    ),
+                    k.mean,
+                    k.median,
+                    k.p99,
+                    100.0 * s.top1_agree as f64 / s.kls.len().max(1) as f64,
+                    s.perplexity
+                );
+            }
+        }
+    }
+    Ok(())
+}

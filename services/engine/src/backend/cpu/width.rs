@@ -1,0 +1,143 @@
+//! The activation width the quantized path runs at by default, measured on this machine
+//! (`engine.split_activations = "auto"`): the 8-bit and 16-bit products timed on the
+//! model's own widest shape, and 8-bit activations chosen (`copyless`: only the rows the
+//! monitor wants at higher precision carry 16 bits) where they are meaningfully cheaper.
+
+use crate::error::Result;
+use quantmesh_config::SplitActivations;
+use quantmesh_kernels::{ActBits, Activations, Isa, PackedQ8, Pool};
+use std::time::Instant;
+
+/// 16-bit activations must cost at least this many times the 8-bit product before `auto`
+/// chooses 8-bit ones: below it the speed would not pay for the quality.
+pub const CHEAPER_BY: f64 = 1.15;
+
+/// Rows of the timed product: a batch of concurrent decodes or a prefill chunk, where the
+/// product's arithmetic (not its weight bytes) sets the time and the widths can differ.
+const ROWS: usize = 32;
+
+/// Overrides the measured ratio (tests, and operators who measured elsewhere):
+/// `QUANTMESH_ACTIVATION_WIDTH_RATIO=1.4` acts as if 16-bit activations cost 1.4× here.
+pub const RATIO_ENV: &str = "QUANTMESH_ACTIVATION_WIDTH_RATIO";
+
+/// What `auto` measured and chose.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WidthChoice {
+    /// The mode in force.
+    pub mode: SplitActivations,
+    /// Time of the 16-bit product over the 8-bit one (`None`: not measured, an explicit
+    /// setting).
+    pub ratio: Option<f64>,
+    /// Whether the ratio came from [`RATIO_ENV`] rather than this machine's kernels.
+    pub forced: bool,
+}
+
+/// Resolve `setting` for a model whose widest linear group is `[out, in]`: an explicit
+/// mode stands; `auto` measures (or reads [`RATIO_ENV`]) and decides by [`decide`].
+pub fn choose(setting: SplitActivations, out: usize, input: usize) -> Result<WidthChoice> {
+    if setting != SplitActivations::Auto {
+        return Ok(WidthChoice {
+            mode: setting,
+            ratio: None,
+            forced: false,
+        });
+    }
+    let (ratio, forced) = match std::env::var(RATIO_ENV) {
+        Ok(v) => (
+            v.trim()
+                .parse::<f64>()
+                .ok()
+                .filter(|r| r.is_finite() && *r > 0.0)
+                .ok_or_else(|| {
+                    crate::error::EngineError::Config(format!(
+                        "{RATIO_ENV}={v:?} is not a positive number"
+                    ))
+                })?,
+            true,
+        ),
+        Err(_) => (measure(out, input)?, false),
+    };
+    Ok(WidthChoice {
+        mode: decide(ratio),
+        ratio: Some(ratio),
+        forced,
+    })
+}
+
+/// `copyless` where 16-bit activations cost at least [`CHEAPER_BY`] times 8-bit ones,
+/// else `all`.
+pub fn decide(ratio: f64) -> SplitActivations {
+    if ratio >= CHEAPER_BY {
+        SplitActivations::Copyless
+    } else {
+        SplitActivations::All
+    }
+}
+
+/// The 16-bit product's time over the 8-bit one for a `[out, in]` Q8_0 weight and
+/// [`ROWS`] rows on this machine's kernels: interleaved runs, the fastest of each kept
+/// (what the machine can do, not what a neighbour took from it).
+pub fn measure(out: usize, input: usize) -> Result<f64> {
+    let input = input.next_multiple_of(quantmesh_kernels::BLOCK);
+    let w: Vec<f32> = (0..out * input)
+        .map(|i| ((i as f32) * 0.618_034).fract() - 0.5)
+        .collect();
+    let packed = PackedQ8::quantize(&w, out, input)?;
+    let x: Vec<f32> = (0..ROWS * input)
+        .map(|i| ((i as f32) * 0.414_213_5).fract() * 2.0 - 1.0)
+        .collect();
+    let (isa, pool) = (Isa::current(), Pool::global());
+    let mut a = Activations::new();
+    let mut time = |bits: ActBits| -> Result<f64> {
+        let t = Instant::now();
+        a.quantize(&x, ROWS, input, bits)?;
+        std::hint::black_box(packed.matmul_vec(&a, isa, pool)?);
+        Ok(t.elapsed().as_secs_f64())
+    };
+    // Warm-up: the pool's threads, the weights' pages.
+    time(ActBits::Eight)?;
+    time(ActBits::Sixteen)?;
+    let (mut t8, mut t16) = (f64::INFINITY, f64::INFINITY);
+    for _ in 0..7 {
+        t8 = t8.min(time(ActBits::Eight)?);
+        t16 = t16.min(time(ActBits::Sixteen)?);
+    }
+    Ok(t16 / t8.max(f64::MIN_POSITIVE))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_rule_picks_eight_bits_only_where_they_are_cheaper() {
+        assert_eq!(decide(1.45), SplitActivations::Copyless);
+        assert_eq!(decide(CHEAPER_BY), SplitActivations::Copyless);
+        assert_eq!(decide(1.05), SplitActivations::All);
+        assert_eq!(decide(0.9), SplitActivations::All);
+    }
+
+    #[test]
+    fn an_explicit_mode_is_never_measured() {
+        for m in [
+            SplitActivations::Off,
+            SplitActivations::Copyless,
+            SplitActivations::All,
+        ] {
+            assert_eq!(
+                choose(m, 64, 64).unwrap(),
+                WidthChoice {
+                    mode: m,
+                    ratio: None,
+                    forced: false
+                }
+            );
+        }
+    }
+
+    #[test]
+    fn the_measurement_runs_on_this_machine_and_gives_a_ratio() {
+        let r = measure(96, 200).unwrap();
+        assert!(r.is_finite() && r > 0.0, "{r}");
+    }
+}
