@@ -155,7 +155,7 @@ impl EngineMetrics {
             )),
             fallback_unavailable: ic(
                 "quantmesh_fallback_unavailable_rows_total",
-                "Rows that wanted the float path in a group holding only INT8 (served on the quantized weights: plain INT8, or split activations with engine.split_activations = \"copyless\" or \"all\").",
+                "Rows that wanted the float path in a group holding only INT8 and got no higher precision than their neighbours (plain INT8 with engine.split_activations = \"off\", the same 16-bit activations as every row with \"all\"); under \"copyless\" such rows are served with 16-bit activations and counted in quantmesh_linear_rows_total{path=\"split\"} instead.",
             ),
             mask_check_seconds: must(Counter::with_opts(o(
                 "quantmesh_mask_check_seconds_total",

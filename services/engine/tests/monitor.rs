@@ -156,8 +156,10 @@ async fn shadow_run(
             default_residency: residency,
             kv_int8,
             // The plain W8A8 path and Q8_0 tables: the INT8 error these tests look for at
-            // its full size (split activations would leave the weights' error alone).
+            // its full size (split activations would leave the weights' error alone, a
+            // rotation would spread the planted outlier).
             split_activations: quantmesh_engine::api::SplitActivations::Off,
+            rotation_block: Some(0),
             embeddings: quantmesh_engine::api::EmbeddingDtype::Q8_0,
             monitor: MonitorConfig {
                 trigger_rate: 1.0,

@@ -18,14 +18,16 @@ pub enum SplitActivations {
     /// Rows that want float in a group without a float copy (INT8-only, e.g. over the float
     /// budget): a fallback that costs no memory.
     Copyless,
-    /// Every row on the quantized path, the Q8_0 `lm_head` included. The default: with it the first-load plan (0.56× all-f16's bytes)
-    /// is closer to the float model than every group dual in f32 (2.4×), on SmolLM2 and on
-    /// the bundled model (docs/design/precision.md, "Split activations").
-    #[default]
+    /// Every row on the quantized path, the Q8_0 `lm_head` included: with it the first-load
+    /// plan (0.56× all-f16's bytes) is closer to the float model than every group dual in
+    /// f32 (2.4×), on SmolLM2 and on the bundled model (docs/design/precision.md, "Split
+    /// activations").
     All,
-    /// Measured at start-up on this machine: `copyless` where 16-bit activations cost
-    /// meaningfully more than 8-bit ones (AMX, AVX-512 run as two halves), else `all`. The
-    /// engine resolves it before loading; a backend never sees it (it would serve as `all`).
+    /// The default, measured at start-up on this machine: `copyless` where 16-bit
+    /// activations cost meaningfully more than 8-bit ones (AMX, AVX-512 run as two halves),
+    /// else `all`. The engine resolves it before loading; a backend never sees it (it would
+    /// serve as `all`).
+    #[default]
     Auto,
 }
 

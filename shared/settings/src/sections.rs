@@ -337,7 +337,7 @@ impl Settings {
             self.engine.split_activations = parse("QUANTMESH_SPLIT_ACTIVATIONS", v)?;
         }
         if let Some(v) = get("QUANTMESH_ROTATION_BLOCK") {
-            self.engine.rotation_block = parse("QUANTMESH_ROTATION_BLOCK", v)?;
+            self.engine.rotation_block = Some(parse("QUANTMESH_ROTATION_BLOCK", v)?);
         }
         if let Some(v) = get("QUANTMESH_API_KEYS") {
             self.server.api_keys = v
@@ -556,7 +556,18 @@ mod tests {
         assert!(toml::from_str::<Settings>("[engine]\nsplit_activations = \"yes\"\n").is_err());
         assert_eq!(
             Settings::default().engine.split_activations,
-            SplitActivations::All
+            SplitActivations::Auto
+        );
+        let s: Settings =
+            toml::from_str("[engine]\nsplit_activations = \"auto\"\nrotation_block = 32\n")
+                .unwrap();
+        assert_eq!(s.engine.split_activations, SplitActivations::Auto);
+        assert_eq!(s.engine.rotation_block, Some(32));
+        assert!(
+            toml::from_str::<Settings>("[engine]\nrotation_block = 48\n")
+                .unwrap()
+                .validate()
+                .is_err()
         );
         // The vocabulary tables: file, env, default `auto`, bad values refused by name.
         use quantmesh_config::EmbeddingDtype;

@@ -48,6 +48,11 @@ pub enum FallbackAction {
     Exit,
     /// Float was wanted but the group holds no float copy (INT8-only residency).
     Unavailable,
+    /// Float was wanted, the group holds no float copy, and the rows were served with
+    /// ≈ 16-bit activations on its quantized weights instead (`split_activations =
+    /// "copyless"`, where every other row runs 8-bit activations): a fallback that costs no
+    /// memory. Added in v1 (consumers that list the actions must accept it).
+    Split,
 }
 
 /// Why it happened.
@@ -91,6 +96,7 @@ impl FallbackAction {
             FallbackAction::Enter => "enter",
             FallbackAction::Exit => "exit",
             FallbackAction::Unavailable => "unavailable",
+            FallbackAction::Split => "split",
         }
     }
 }
@@ -321,6 +327,7 @@ mod tests {
             FallbackAction::Enter,
             FallbackAction::Exit,
             FallbackAction::Unavailable,
+            FallbackAction::Split,
         ] {
             assert_eq!(a.as_str(), wire_name(&a));
         }

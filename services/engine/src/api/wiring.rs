@@ -124,6 +124,7 @@ impl Wiring {
                 .map(|(g, _)| (*g, backend.column_error(*g))),
         );
         core.set_activation_spikes(cfg.split_activations != SplitActivations::All);
+        core.set_split_fallback(cfg.split_activations == SplitActivations::Copyless);
         core.config_md5 = live.md5.clone();
         Some(
             MonitorActor {

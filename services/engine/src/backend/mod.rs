@@ -77,10 +77,12 @@ pub enum RowPath {
 pub struct GroupOutcome {
     pub float_rows: usize,
     pub int8_rows: usize,
-    /// Rows that asked for float but the group holds no float copy.
+    /// Rows that asked for float but the group holds no float copy, and got no higher
+    /// precision than their neighbours (`off`, `all`).
     pub fallback_unavailable_rows: usize,
-    /// Of those, rows computed on the quantized weights with split activations
-    /// ([`SplitActivations::Copyless`]); the rest took the plain INT8 path.
+    /// Rows computed on the quantized weights with split activations: under
+    /// [`SplitActivations::Copyless`] exactly the rows that wanted float in a group
+    /// without a float copy (not counted as unavailable); under `all` every quantized row.
     pub split_rows: usize,
 }
 

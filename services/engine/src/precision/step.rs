@@ -83,10 +83,12 @@ impl StepRunner {
         };
         let shadow_logits = if shadow {
             let reference = pass(backend, step, &float_mask(), kv, false, true)?;
+            // Every row asked for float: any row computed on quantized weights (plain or
+            // split) means a group had no float copy to give it.
             let partial = reference
                 .outcomes
                 .iter()
-                .any(|(_, o)| o.fallback_unavailable_rows > 0);
+                .any(|(_, o)| o.int8_rows + o.split_rows > 0);
             Some((
                 reference.logits,
                 if partial {

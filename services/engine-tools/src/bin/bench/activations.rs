@@ -100,7 +100,7 @@ pub(crate) fn activation_table(
                 shadow_sample_rate: 0.0,
                 ..Default::default()
             };
-            let spikes = split != SplitActivations::All;
+            let spikes = args.spikes_always || split != SplitActivations::All;
             let mask = watch_with(&model, cfg, mcfg, &requests, 1, spikes)?.1;
             for (path, ids) in &texts {
                 let s = teacher_forced_top1(&model, &reference, cfg, ids, &mask, true)?;

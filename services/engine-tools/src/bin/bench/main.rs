@@ -36,7 +36,7 @@ use std::time::Instant;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     quantmesh_engine::api::leave_the_cores_to_the_kernel_pool();
-    let args = <Args as clap::Parser>::parse();
+    let mut args = <Args as clap::Parser>::parse();
     if let Some(scale) = args.kv_scale {
         let _ = KV_SCALE.set(scale);
     }
@@ -59,6 +59,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         )?;
     }
     let cfg = ModelConfig::load(&dir)?;
+    // `auto` resolved as the engine resolves it, on this model's widest product.
+    let width = quantmesh_engine::backend::cpu::width::choose(
+        args.split.unwrap_or_default(),
+        2 * cfg.intermediate_size,
+        cfg.hidden_size,
+    )?;
+    args.split = Some(width.mode);
+    println!(
+        "activation width {} ({}), rotation block {}",
+        width.mode.as_str(),
+        width.ratio.map_or("as given".to_string(), |r| format!(
+            "auto: 16-bit activations cost {r:.2}x the 8-bit product here"
+        )),
+        args.forms().rotation
+    );
     println!(
         "model {}: hidden {}, layers {}, intermediate {}; prompt {} tokens, {} decode steps",
         if bundled {

@@ -217,6 +217,10 @@ pub struct Monitor {
     /// Whether activation spikes count (the rows on the quantized path quantize their
     /// activations to 8 bits); off where every such row carries split activations.
     activation_spikes: bool,
+    /// Whether a row that wants float in a group without a float copy is served with
+    /// ≈ 16-bit activations instead (`split_activations = "copyless"`): its per-token
+    /// decision is then a `split`, not `unavailable`.
+    split_fallback: bool,
     model: String,
     groups: BTreeMap<GroupId, GroupState>,
     requests_in_window: usize,
@@ -318,6 +322,7 @@ impl Monitor {
         Self {
             cfg,
             activation_spikes: true,
+            split_fallback: false,
             model: model.to_string(),
             groups,
             requests_in_window: 0,
@@ -385,6 +390,12 @@ impl Monitor {
     /// weights' error does to it, and that is what the harm test measures.
     pub fn set_activation_spikes(&mut self, on: bool) {
         self.activation_spikes = on;
+    }
+
+    /// Whether rows that want float in a group without a float copy are served split
+    /// (`split_activations = "copyless"`): their per-token decisions become `split`.
+    pub fn set_split_fallback(&mut self, on: bool) {
+        self.split_fallback = on;
     }
 
     /// What each group's quantized weights do to its input columns (at start, and for the
@@ -573,6 +584,8 @@ impl Monitor {
                 for (seq, (toks, pos)) in by_seq {
                     let action = if has_float {
                         FallbackAction::Enter
+                    } else if self.split_fallback {
+                        FallbackAction::Split
                     } else {
                         FallbackAction::Unavailable
                     };

@@ -415,3 +415,40 @@ fn a_batch_of_finished_requests_that_closes_two_windows_yields_both_events() {
     m.requests_finished(&[6]);
     assert_eq!(m.take_windows().len(), 1);
 }
+
+/// A per-token decision in an INT8-only group is `unavailable` unless the engine serves
+/// such rows split (`copyless`): then it is a `split`; a group with a float copy enters.
+#[test]
+fn per_token_decisions_name_what_the_row_got() {
+    let mut gs = groups();
+    gs[0].1 = Residency::Int8;
+    let (g0, g1) = (gs[0].0, gs[1].0);
+    for (split, want) in [
+        (false, FallbackAction::Unavailable),
+        (true, FallbackAction::Split),
+    ] {
+        let mut m = Monitor::new(cfg(), "t", &gs);
+        m.set_split_fallback(split);
+        warm(&mut m);
+        let mut out = step(100, None, 0, 1);
+        for o in &mut out.obs {
+            if o.group == g0 || o.group == g1 {
+                o.token_float_rows = vec![3];
+            }
+        }
+        let ev = m.observe(&out);
+        let token: Vec<(Option<String>, FallbackAction)> = ev
+            .iter()
+            .filter(|e| e.granularity == Granularity::Token)
+            .map(|e| (e.group.clone(), e.action))
+            .collect();
+        assert_eq!(
+            token,
+            vec![
+                (Some(g0.to_string()), want),
+                (Some(g1.to_string()), FallbackAction::Enter)
+            ],
+            "{split}"
+        );
+    }
+}

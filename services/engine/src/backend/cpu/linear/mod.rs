@@ -509,9 +509,10 @@ impl DualLinear {
         let has_int8 = self.int8.is_some();
         let mut outcome = GroupOutcome::default();
         // Counts `n` rows on the quantized path; `wanted_float`: they asked for the float
-        // path in a group that has no float copy.
+        // path in a group that has no float copy (unavailable, unless `copyless` serves them
+        // with 16-bit activations where the rest run 8-bit: then they count as split).
         let quantized = |o: &mut GroupOutcome, n: usize, wanted_float: bool| {
-            if wanted_float {
+            if wanted_float && split != SplitActivations::Copyless {
                 o.fallback_unavailable_rows += n;
             }
             if split.splits(wanted_float) {

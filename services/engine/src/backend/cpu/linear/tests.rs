@@ -268,9 +268,9 @@ fn column_error_predicts_the_output_error() {
     }
 }
 
-/// Through `forward`: rows that want float in an INT8-only group are counted as
-/// unavailable ("wanted fallback, unavailable") and served split (or plain INT8 with
-/// `off`); the other rows of the step stay on the plain INT8 path unless `all`. The same
+/// Through `forward`: rows that want float in an INT8-only group are served split under
+/// `copyless` (counted as split rows, not unavailable), or counted as unavailable ("wanted
+/// fallback, unavailable") and served plain INT8 with `off`; the other rows of the step stay on the plain INT8 path unless `all`. The same
 /// with the quantized path rotated.
 #[test]
 fn copyless_rows_are_split_and_counted() {
@@ -289,9 +289,10 @@ fn copyless_case(rotation: u32) {
     let (split_all, o) = lin
         .forward(&x, &RowPath::AllFloat, SplitActivations::Copyless)
         .unwrap();
+    // Served split, so not unavailable: the split rows are the wanting ones.
     assert_eq!(
         (o.fallback_unavailable_rows, o.split_rows, o.int8_rows),
-        (4, 4, 0)
+        (0, 4, 0)
     );
     let (mixed, o) = lin
         .forward(
@@ -302,7 +303,7 @@ fn copyless_case(rotation: u32) {
         .unwrap();
     assert_eq!(
         (o.fallback_unavailable_rows, o.split_rows, o.int8_rows),
-        (2, 2, 2)
+        (0, 2, 2)
     );
     let row = |t: &Tensor, r: usize| t.get(r).unwrap().to_vec1::<f32>().unwrap();
     for r in 0..4 {

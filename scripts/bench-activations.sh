@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Activation width and rotation on a real model, quality and speed, one run:
+#   1. the first-load plan (`quantmesh prescreen`, as the engine makes it on first load);
+#   2. the quality table: every --split-activations mode (off, copyless, all) × rotation
+#      block (none, 32, 128), each serving that plan with the monitor on, fed first by
+#      traffic texts that are never scored, then scored teacher-forced on held-out texts
+#      against the f32 float model (the checkpoint's exact dequantization, float
+#      activations): mean / median / p99 KL, top-1 agreement, perplexity;
+#   3. the speed table: the INT8-only model's prefill and decode (`quantmesh-engine-bench`,
+#      no monitor, so `copyless` runs every row with 8-bit activations: its upper bound) in
+#      `all` and in what `auto` chose on this machine, ROUNDS interleaved rounds, medians
+#      and their ratio, with the measured 16-bit / 8-bit product ratio that decided.
+#
+#   ./scripts/bench-activations.sh [MODEL_DIR_OR_GGUF]
+#
+# Env: TOKENS per held-out text (512), ROUNDS (3), BENCH_OUT (a temp dir).
+# Held-out texts: GPL-3, Apache-2.0, MPL-2.0; traffic: LGPL-2.1, Artistic (all under
+# /usr/share/common-licenses on every Debian machine).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+log() { printf '[bench-activations +%dm%02ds] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*" >&2; }
+
+CACHE="${QUANTMESH_TEST_MODELS:-$HOME/.cache/quantmesh/test-models}"
+M="${1:-$CACHE/smollm2-135m-instruct}"
+TOKENS="${TOKENS:-512}"
+ROUNDS="${ROUNDS:-3}"
+OUT="${BENCH_OUT:-$(mktemp -d)}"
+L=/usr/share/common-licenses
+mkdir -p "$OUT"
+
+log "building (release)"
+cargo build --release -q -p quantmesh -p quantmesh-engine-tools --bin quantmesh --bin quantmesh-engine-bench
+BIN=target/release
+[ -e "$M" ] || "$BIN/quantmesh" model fetch smollm2-135m-instruct --dir "$CACHE" --quiet
+
+log "1. the first-load plan"
+"$BIN/quantmesh" prescreen --model "$M" --out "$OUT/plan.json" --quiet > "$OUT/prescreen.txt"
+
+log "2. quality: off / copyless / all x rotation none / 32 / 128"
+"$BIN/quantmesh-engine-bench" --model "$M" --activation-table "$OUT/plan.json" \
+  --held-out "$L/GPL-3" --held-out "$L/Apache-2.0" --held-out "$L/MPL-2.0" \
+  --traffic "$L/LGPL-2.1" --traffic "$L/Artistic" --ppl-tokens "$TOKENS" \
+  --splits off,copyless,all --rotations 0,32,128 | tee "$OUT/quality.txt"
+
+log "3. speed: all against auto, $ROUNDS interleaved rounds"
+for r in $(seq "$ROUNDS"); do
+  for mode in all auto; do
+    "$BIN/quantmesh-engine-bench" --model "$M" --plans int8 --batches 1,32 --prompt-len 512 \
+      --decode-steps 32 --split-activations "$mode" > "$OUT/speed-$mode-$r.txt"
+  done
+done
+python3 - "$OUT" "$ROUNDS" <<'PY'
+import re, statistics, sys
+out, rounds = sys.argv[1], int(sys.argv[2])
+def rows(path):
+    text = open(path).read()
+    head = text.splitlines()[1] if len(text.splitlines()) > 1 else ""
+    got = {}
+    for line in text.splitlines():
+        c = [x.strip() for x in line.strip("|").split("|")]
+        if len(c) == 7 and c[0] == "int8" and c[2].isdigit():
+            got[int(c[2])] = (float(c[3]), float(c[5]))
+    return head, got
+med = {}
+heads = {}
+for mode in ("all", "auto"):
+    runs = [rows(f"{out}/speed-{mode}-{r}.txt") for r in range(1, rounds + 1)]
+    heads[mode] = runs[0][0]
+    for b in sorted(runs[0][1]):
+        med[(mode, b)] = tuple(statistics.median(r[1][b][i] for r in runs) for i in (0, 1))
+print(f"\nSpeed (INT8-only model, no monitor, 512-token prompts, 32 decode steps; medians of {rounds} interleaved rounds, tok/s):\n")
+print(f"- all: {heads['all']}\n- auto: {heads['auto']}\n")
+print("| batch | prefill all | prefill auto | × | decode all | decode auto | × |")
+print("|---|---|---|---|---|---|---|")
+for b in sorted({b for (_, b) in med}):
+    (pa, da), (pb, db) = med[("all", b)], med[("auto", b)]
+    print(f"| {b} | {pa:.0f} | {pb:.0f} | {pb / pa:.2f} | {da:.1f} | {db:.1f} | {db / da:.2f} |")
+PY
+log "done: $OUT"
