@@ -8,12 +8,14 @@
 #      activations): mean / median / p99 KL, top-1 agreement, perplexity;
 #   3. the speed table: the INT8-only model's prefill and decode (`quantmesh-engine-bench`,
 #      no monitor, so `copyless` runs every row with 8-bit activations: its upper bound) in
-#      `all` and in what `auto` chose on this machine, ROUNDS interleaved rounds, medians
-#      and their ratio, with the measured 16-bit / 8-bit product ratio that decided.
+#      `all`, in `copyless` and in what `auto` chose on this machine, ROUNDS interleaved
+#      rounds, medians and their ratios to `all`, with the measured 16-bit / 8-bit product
+#      ratio that decided.
 #
 #   ./scripts/bench-activations.sh [MODEL_DIR_OR_GGUF]
 #
-# Env: TOKENS per held-out text (512), ROUNDS (3), BENCH_OUT (a temp dir).
+# Env: TOKENS per held-out text (512), ROUNDS (3), BENCH_OUT (a temp dir), SPEED_ONLY=1 (step 3
+# alone).
 # Held-out texts: GPL-3, Apache-2.0, MPL-2.0; traffic: LGPL-2.1, Artistic (all under
 # /usr/share/common-licenses on every Debian machine).
 set -euo pipefail
@@ -33,47 +35,51 @@ cargo build --release -q -p quantmesh -p quantmesh-engine-tools --bin quantmesh 
 BIN=target/release
 [ -e "$M" ] || "$BIN/quantmesh" model fetch smollm2-135m-instruct --dir "$CACHE" --quiet
 
-log "1. the first-load plan"
-"$BIN/quantmesh" prescreen --model "$M" --out "$OUT/plan.json" --quiet > "$OUT/prescreen.txt"
+if [ "${SPEED_ONLY:-0}" != 1 ]; then
+  log "1. the first-load plan"
+  "$BIN/quantmesh" prescreen --model "$M" --out "$OUT/plan.json" --quiet > "$OUT/prescreen.txt"
 
-log "2. quality: off / copyless / all x rotation none / 32 / 128"
-"$BIN/quantmesh-engine-bench" --model "$M" --activation-table "$OUT/plan.json" \
-  --held-out "$L/GPL-3" --held-out "$L/Apache-2.0" --held-out "$L/MPL-2.0" \
-  --traffic "$L/LGPL-2.1" --traffic "$L/Artistic" --ppl-tokens "$TOKENS" \
-  --splits off,copyless,all --rotations 0,32,128 | tee "$OUT/quality.txt"
+  log "2. quality: off / copyless / all x rotation none / 32 / 128"
+  "$BIN/quantmesh-engine-bench" --model "$M" --activation-table "$OUT/plan.json" \
+    --held-out "$L/GPL-3" --held-out "$L/Apache-2.0" --held-out "$L/MPL-2.0" \
+    --traffic "$L/LGPL-2.1" --traffic "$L/Artistic" --ppl-tokens "$TOKENS" \
+    --splits off,copyless,all --rotations 0,32,128 | tee "$OUT/quality.txt"
+fi
 
-log "3. speed: all against auto, $ROUNDS interleaved rounds"
+log "3. speed: all, copyless and auto, $ROUNDS interleaved rounds"
 for r in $(seq "$ROUNDS"); do
-  for mode in all auto; do
+  for mode in all copyless auto; do
     "$BIN/quantmesh-engine-bench" --model "$M" --plans int8 --batches 1,32 --prompt-len 512 \
       --decode-steps 32 --split-activations "$mode" > "$OUT/speed-$mode-$r.txt"
   done
 done
 python3 - "$OUT" "$ROUNDS" <<'PY'
-import re, statistics, sys
+import statistics, sys
 out, rounds = sys.argv[1], int(sys.argv[2])
+modes = ("all", "copyless", "auto")
 def rows(path):
-    text = open(path).read()
-    head = text.splitlines()[1] if len(text.splitlines()) > 1 else ""
+    lines = open(path).read().splitlines()
+    width = next((l for l in lines if l.startswith("activation width")), "?")
     got = {}
-    for line in text.splitlines():
+    for line in lines:
         c = [x.strip() for x in line.strip("|").split("|")]
         if len(c) == 7 and c[0] == "int8" and c[2].isdigit():
             got[int(c[2])] = (float(c[3]), float(c[5]))
-    return head, got
-med = {}
-heads = {}
-for mode in ("all", "auto"):
+    return width, got
+med, widths = {}, {}
+for mode in modes:
     runs = [rows(f"{out}/speed-{mode}-{r}.txt") for r in range(1, rounds + 1)]
-    heads[mode] = runs[0][0]
+    widths[mode] = runs[0][0]
     for b in sorted(runs[0][1]):
         med[(mode, b)] = tuple(statistics.median(r[1][b][i] for r in runs) for i in (0, 1))
-print(f"\nSpeed (INT8-only model, no monitor, 512-token prompts, 32 decode steps; medians of {rounds} interleaved rounds, tok/s):\n")
-print(f"- all: {heads['all']}\n- auto: {heads['auto']}\n")
-print("| batch | prefill all | prefill auto | × | decode all | decode auto | × |")
-print("|---|---|---|---|---|---|---|")
+print(f"\nSpeed (INT8-only model, no monitor, 512-token prompts, 32 decode steps; medians of {rounds} interleaved rounds, tok/s; ratios to all):\n")
+for mode in modes:
+    print(f"- {mode}: {widths[mode]}")
+print()
+print("| batch | prefill all | prefill copyless | × | prefill auto | × | decode all | decode copyless | × | decode auto | × |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
 for b in sorted({b for (_, b) in med}):
-    (pa, da), (pb, db) = med[("all", b)], med[("auto", b)]
-    print(f"| {b} | {pa:.0f} | {pb:.0f} | {pb / pa:.2f} | {da:.1f} | {db:.1f} | {db / da:.2f} |")
+    (pa, da), (pc, dc), (pu, du) = (med[(m, b)] for m in modes)
+    print(f"| {b} | {pa:.0f} | {pc:.0f} | {pc / pa:.2f} | {pu:.0f} | {pu / pa:.2f} | {da:.1f} | {dc:.1f} | {dc / da:.2f} | {du:.1f} | {du / da:.2f} |")
 PY
 log "done: $OUT"

@@ -159,7 +159,7 @@ async fn shadow_run(
             // its full size (split activations would leave the weights' error alone, a
             // rotation would spread the planted outlier).
             split_activations: quantmesh_engine::api::SplitActivations::Off,
-            rotation_block: Some(0),
+            rotation_block: 0,
             embeddings: quantmesh_engine::api::EmbeddingDtype::Q8_0,
             monitor: MonitorConfig {
                 trigger_rate: 1.0,

@@ -5,11 +5,11 @@ use crate::kv::{KvFloatDtype, KvScale};
 use quantmesh_types::{FloatBudget, Residency, WeightBudget};
 use serde::{Deserialize, Serialize};
 
-/// The Hadamard block an unset `rotation_block` rotates 8-bit activations by: on SmolLM2's
-/// first-load plan it cut plain W8A8's mean KL to the float model by half, and `copyless`'s
-/// by a tenth, on three held-out texts (docs/MEASUREMENTS.md, "Activation width and
-/// rotation"); 32 did about as well.
-pub const AUTO_ROTATION_BLOCK: u32 = 128;
+/// The Hadamard block the quantized path rotates activations by unless `rotation_block`
+/// says otherwise: on SmolLM2's first-load plan, three held-out texts, it halved plain
+/// W8A8's mean KL to the float model, and cut `all`'s by 12–20 % and `copyless`'s by 7–13 %
+/// (docs/MEASUREMENTS.md, "Activation width and rotation"); 32 did about as well.
+pub const DEFAULT_ROTATION_BLOCK: u32 = 128;
 
 /// How the engine runs: cache geometry, batching limits and the default precision plan.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -55,10 +55,8 @@ pub struct EngineConfig {
     /// quantized path quantizes them, the quantized weights rotated to match once at load:
     /// the product is unchanged in float, an outlier channel is spread over its block
     /// instead of setting the block's 8-bit step alone. Float copies keep the checkpoint's
-    /// exact function either way. 0: none. Unset (the default): [`AUTO_ROTATION_BLOCK`]
-    /// where rows run 8-bit activations (`split_activations` `off` or `copyless`, as `auto`
-    /// resolved), none under `all`, where it would only add the rotated weights' rounding.
-    pub rotation_block: Option<u32>,
+    /// exact function either way. 0: none; default [`DEFAULT_ROTATION_BLOCK`].
+    pub rotation_block: u32,
     /// KV cache precision at start for every layer: `true` = INT8 (C8).
     pub kv_int8: bool,
     pub kv_float_dtype: KvFloatDtype,
@@ -101,7 +99,7 @@ impl Default for EngineConfig {
             weight_budget: None,
             embeddings: EmbeddingDtype::Auto,
             split_activations: SplitActivations::default(),
-            rotation_block: None,
+            rotation_block: DEFAULT_ROTATION_BLOCK,
             kv_int8: true,
             kv_float_dtype: KvFloatDtype::F16,
             kv_scale: KvScale::default(),
@@ -123,18 +121,7 @@ impl EngineConfig {
             float: self.float_dtype,
             embeddings: tables,
             split: self.split_activations,
-            rotation: self.rotation(),
-        }
-    }
-
-    /// The rotation block in force: `rotation_block`, or when unset
-    /// [`AUTO_ROTATION_BLOCK`] where activations are 8-bit and none under `all`
-    /// (`split_activations` must be resolved first: `auto` counts as `all`).
-    pub fn rotation(&self) -> u32 {
-        match (self.rotation_block, self.split_activations) {
-            (Some(b), _) => b,
-            (None, SplitActivations::Off | SplitActivations::Copyless) => AUTO_ROTATION_BLOCK,
-            (None, SplitActivations::All | SplitActivations::Auto) => 0,
+            rotation: self.rotation_block,
         }
     }
 
@@ -149,10 +136,8 @@ impl EngineConfig {
         if self.max_num_seqs == 0 || self.max_num_batched_tokens == 0 {
             return bad("max_num_seqs and max_num_batched_tokens must be > 0");
         }
-        if self
-            .rotation_block
-            .is_some_and(|b| b != 0 && (!b.is_power_of_two() || b > 4096))
-        {
+        let b = self.rotation_block;
+        if b != 0 && (!b.is_power_of_two() || b > 4096) {
             return bad("rotation_block must be 0 (none) or a power of two up to 4096");
         }
         let m = &self.monitor;

@@ -9,7 +9,7 @@ mod forms;
 mod kv;
 pub mod monitor;
 
-pub use engine::{ConfigError, EngineConfig, AUTO_ROTATION_BLOCK};
+pub use engine::{ConfigError, EngineConfig, DEFAULT_ROTATION_BLOCK};
 pub use forms::{EmbeddingDtype, FloatDtype, Forms, SplitActivations};
 pub use kv::{KvFloatDtype, KvScale};
 pub use monitor::{GroupOverride, MonitorConfig, ShadowReference};

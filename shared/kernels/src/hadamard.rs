@@ -33,8 +33,39 @@ pub fn hadamard_blocks(x: &mut [f32], block: usize) -> Result<()> {
     }
     let scale = 1.0 / (block as f32).sqrt();
     for chunk in x.chunks_exact_mut(block) {
-        // Sylvester's butterfly: log2(block) passes of sums and differences.
+        // Sylvester's butterfly: log2(block) passes of sums and differences; the first
+        // three (strides 1, 2, 4) on fixed groups of 8, which compile to straight-line code.
         let mut h = 1;
+        if block >= 8 {
+            for g in chunk.chunks_exact_mut(8) {
+                let v: [f32; 8] = [g[0], g[1], g[2], g[3], g[4], g[5], g[6], g[7]];
+                let a = [
+                    v[0] + v[1],
+                    v[0] - v[1],
+                    v[2] + v[3],
+                    v[2] - v[3],
+                    v[4] + v[5],
+                    v[4] - v[5],
+                    v[6] + v[7],
+                    v[6] - v[7],
+                ];
+                let b = [
+                    a[0] + a[2],
+                    a[1] + a[3],
+                    a[0] - a[2],
+                    a[1] - a[3],
+                    a[4] + a[6],
+                    a[5] + a[7],
+                    a[4] - a[6],
+                    a[5] - a[7],
+                ];
+                for i in 0..4 {
+                    g[i] = b[i] + b[i + 4];
+                    g[i + 4] = b[i] - b[i + 4];
+                }
+            }
+            h = 8;
+        }
         while h < block {
             for pair in chunk.chunks_exact_mut(2 * h) {
                 let (a, b) = pair.split_at_mut(h);

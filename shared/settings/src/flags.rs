@@ -50,8 +50,7 @@ pub struct ServeFlags {
     /// Rotate activations in Walsh–Hadamard blocks of this many channels (a power of two;
     /// the quantized weights rotated to match at load, float copies untouched) before the
     /// quantized path quantizes them to 8 bits: an outlier channel no longer sets its
-    /// block's step alone. 0: none [default: 128 where activations are 8-bit (off,
-    /// copyless), none under all].
+    /// block's step alone. 0: none [default: 128].
     #[arg(long, env = "QUANTMESH_ROTATION_BLOCK")]
     pub rotation_block: Option<u32>,
     /// How the token embedding and lm_head are stored: `auto` [default] (f16 when their
@@ -198,7 +197,7 @@ impl ServeFlags {
             s.engine.split_activations = m;
         }
         if let Some(b) = self.rotation_block {
-            s.engine.rotation_block = Some(b);
+            s.engine.rotation_block = b;
         }
         if let Some(p) = &self.sensitive_layers {
             s.engine.sensitive_layers = Some(p.clone());

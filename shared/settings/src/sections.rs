@@ -337,7 +337,7 @@ impl Settings {
             self.engine.split_activations = parse("QUANTMESH_SPLIT_ACTIVATIONS", v)?;
         }
         if let Some(v) = get("QUANTMESH_ROTATION_BLOCK") {
-            self.engine.rotation_block = Some(parse("QUANTMESH_ROTATION_BLOCK", v)?);
+            self.engine.rotation_block = parse("QUANTMESH_ROTATION_BLOCK", v)?;
         }
         if let Some(v) = get("QUANTMESH_API_KEYS") {
             self.server.api_keys = v
@@ -562,7 +562,7 @@ mod tests {
             toml::from_str("[engine]\nsplit_activations = \"auto\"\nrotation_block = 32\n")
                 .unwrap();
         assert_eq!(s.engine.split_activations, SplitActivations::Auto);
-        assert_eq!(s.engine.rotation_block, Some(32));
+        assert_eq!(s.engine.rotation_block, 32);
         assert!(
             toml::from_str::<Settings>("[engine]\nrotation_block = 48\n")
                 .unwrap()

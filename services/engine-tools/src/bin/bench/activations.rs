@@ -8,7 +8,7 @@ use crate::steps::watch_with;
 use quantmesh_engine::backend::cpu::LlamaModel;
 use quantmesh_engine::backend::{EmbeddingDtype, FloatDtype, Forms, SplitActivations};
 use quantmesh_model::ModelConfig;
-use quantmesh_types::{Residency, SensitiveLayers};
+use quantmesh_types::Residency;
 use std::path::{Path, PathBuf};
 
 /// One table row per (split, rotation, held-out text): mean, median and p99 next-token KL
@@ -24,7 +24,6 @@ pub(crate) fn activation_table(
     traffic: &[PathBuf],
     args: &Args,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    use quantmesh_engine::plan::resolve;
     if held_out.is_empty() || traffic.is_empty() {
         return Err("--activation-table needs --held-out FILE and --traffic FILE".into());
     }
@@ -51,14 +50,7 @@ pub(crate) fn activation_table(
     }
     requests.truncate(args.traffic_requests);
     let ck = quantmesh_model::Checkpoint::open(dir)?;
-    let shape = quantmesh_model::model_shape(&ck, cfg)?;
-    let plan = SensitiveLayers::parse_for(&std::fs::read(plan_path)?, &shape)
-        .map_err(|e| format!("{}: {e}", plan_path.display()))?;
-    let base = quantmesh_engine::EngineConfig {
-        float_budget: args.float_budget,
-        ..Default::default()
-    };
-    let live = resolve(&base, cfg, Some((&plan, "plan")));
+    let (base, live) = crate::steps::served_plan(&ck, cfg, plan_path, args.float_budget)?;
     let reference = LlamaModel::load(dir, cfg, &|_| Residency::Float)?;
     println!();
     println!(
@@ -76,8 +68,17 @@ pub(crate) fn activation_table(
         args.ppl_tokens
     );
     println!();
-    println!("| activations | rotation block | held-out text | mean KL | median KL | p99 KL | top-1 agreement % | perplexity |");
-    println!("|---|---|---|---|---|---|---|---|");
+    println!(
+        "Activation spikes count in the monitor {}.",
+        if args.spikes_only_8bit {
+            "only where activations are 8-bit (off, copyless): the engine's earlier rule"
+        } else {
+            "under every width (the engine's rule)"
+        }
+    );
+    println!();
+    println!("| activations | rotation block | held-out text | mean KL | median KL | p99 KL | top-1 agreement % | perplexity | served tok/s (b1, one token per step) |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for &split in &args.splits {
         for &rotation in &args.rotations {
             let forms = Forms {
@@ -100,13 +101,13 @@ pub(crate) fn activation_table(
                 shadow_sample_rate: 0.0,
                 ..Default::default()
             };
-            let spikes = args.spikes_always || split != SplitActivations::All;
+            let spikes = !args.spikes_only_8bit || split != SplitActivations::All;
             let mask = watch_with(&model, cfg, mcfg, &requests, 1, spikes)?.1;
             for (path, ids) in &texts {
                 let s = teacher_forced_top1(&model, &reference, cfg, ids, &mask, true)?;
                 let k = KlSummary::of(&s.kls);
                 println!(
-                    "| {} | {} | {} | {:.5} | {:.5} | {:.4} | {:.1} | {:.3} |",
+                    "| {} | {} | {} | {:.5} | {:.5} | {:.4} | {:.1} | {:.3} | {:.1} |",
                     split.as_str(),
                     if rotation == 0 {
                         "none".to_string()
@@ -121,7 +122,8 @@ pub(crate) fn activation_table(
                     k.median,
                     k.p99,
                     100.0 * s.top1_agree as f64 / s.kls.len().max(1) as f64,
-                    s.perplexity
+                    s.perplexity,
+                    s.kls.len() as f64 / s.served_seconds.max(f64::MIN_POSITIVE)
                 );
             }
         }

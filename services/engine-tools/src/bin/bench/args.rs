@@ -99,15 +99,16 @@ pub(crate) struct Args {
     /// Activation widths of the activation table (comma-separated: off, copyless, all).
     #[arg(long, value_delimiter = ',', default_value = "off,copyless,all")]
     pub(crate) splits: Vec<SplitActivations>,
-    /// Let activation spikes count in the activation table's monitor under `all` too (the
-    /// engine counts them only where activations are 8-bit).
+    /// Let activation spikes count in the activation table's monitor only where
+    /// activations are 8-bit (`off`, `copyless`): the engine's earlier rule, for comparison
+    /// (the engine counts them under every width).
     #[arg(long)]
-    pub(crate) spikes_always: bool,
+    pub(crate) spikes_only_8bit: bool,
     /// Rotation blocks of the activation table (comma-separated; 0 = none).
     #[arg(long, value_delimiter = ',', default_value = "0,32,64,128")]
     pub(crate) rotations: Vec<u32>,
     /// The Hadamard rotation block of the other sections' quantized paths (0 = none)
-    /// [default: the engine's for --split-activations].
+    /// [default: the engine's].
     #[arg(long)]
     pub(crate) rotation_block: Option<u32>,
 }
@@ -119,12 +120,9 @@ impl Args {
             float: self.float_dtype,
             embeddings: self.embeddings.unwrap_or_default(),
             split: self.split.unwrap_or_default(),
-            rotation: quantmesh_engine::EngineConfig {
-                split_activations: self.split.unwrap_or_default(),
-                rotation_block: self.rotation_block,
-                ..Default::default()
-            }
-            .rotation(),
+            rotation: self
+                .rotation_block
+                .unwrap_or(quantmesh_engine::EngineConfig::default().rotation_block),
         }
     }
 }

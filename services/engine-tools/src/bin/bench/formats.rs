@@ -234,13 +234,15 @@ pub(crate) type Run<'a> = (&'a LlamaModel, &'a PathMask, bool);
 
 /// `ids` in windows of `KL_WINDOW` tokens, each from an empty cache, one token per step
 /// through every run: `each(next, logits)` gets the token that follows and each run's
-/// next-token logits, for every position of a window that has a next token.
+/// next-token logits, for every position of a window that has a next token. Returns the
+/// seconds each run's steps took (batch-1 decode steps, the mask's routing included).
 pub(crate) fn walk_windows(
     cfg: &ModelConfig,
     ids: &[u32],
     runs: &[Run<'_>],
     mut each: impl FnMut(u32, &[Vec<f32>]) -> Result<(), Box<dyn std::error::Error>>,
-) -> Result<(), Box<dyn std::error::Error>> {
+) -> Result<Vec<f64>, Box<dyn std::error::Error>> {
+    let mut seconds = vec![0f64; runs.len()];
     let page = 16;
     let mut runners: Vec<StepRunner> = runs.iter().map(|_| StepRunner::default()).collect();
     for (wi, window) in ids.chunks(KL_WINDOW).enumerate() {
@@ -253,17 +255,22 @@ pub(crate) fn walk_windows(
         }
         for pair in window.windows(2) {
             let mut logits = Vec::with_capacity(runs.len());
-            for (((model, mask, kv_int8), runner), (kv, bm)) in
-                runs.iter().zip(&mut runners).zip(&mut caches)
+            for ((((model, mask, kv_int8), runner), (kv, bm)), secs) in runs
+                .iter()
+                .zip(&mut runners)
+                .zip(&mut caches)
+                .zip(&mut seconds)
             {
                 let step = step_for(bm, &[(id, vec![pair[0]])]);
+                let t = std::time::Instant::now();
                 let mut out = runner.run(*model, &step, mask, kv, *kv_int8)?.logits;
+                *secs += t.elapsed().as_secs_f64();
                 logits.push(out.remove(0).1);
             }
             each(pair[1], &logits)?;
         }
     }
-    Ok(())
+    Ok(seconds)
 }
 
 /// Teacher-forced perplexity of `ids` on `model` under `mask`, and every token's next-token
@@ -288,6 +295,8 @@ pub(crate) struct Scored {
     pub(crate) kls: Vec<f64>,
     /// Positions whose most likely next token is the reference's.
     pub(crate) top1_agree: usize,
+    /// Seconds the served model's steps took (batch 1, one token per step).
+    pub(crate) served_seconds: f64,
 }
 
 /// [`teacher_forced`], and how often the served model's most likely next token is the
@@ -309,7 +318,7 @@ pub(crate) fn teacher_forced_top1(
             .max_by(|a, b| a.1.total_cmp(b.1))
             .map(|(i, _)| i)
     };
-    walk_windows(cfg, ids, &runs, |next, logits| {
+    let seconds = walk_windows(cfg, ids, &runs, |next, logits| {
         nll += quantmesh_model::ops::nll_logits(&logits[0], next);
         kls.push(quantmesh_model::ops::kl_logits(&logits[1], &logits[0]));
         agree += usize::from(argmax(&logits[0]) == argmax(&logits[1]));
@@ -320,6 +329,7 @@ pub(crate) fn teacher_forced_top1(
         perplexity: (nll / n).exp(),
         kls,
         top1_agree: agree,
+        served_seconds: seconds[0],
     })
 }
 

@@ -30,7 +30,6 @@ pub(crate) fn memory_table(
     args: &Args,
 ) -> Result<(), Box<dyn std::error::Error>> {
     use quantmesh_engine::backend::{EmbeddingDtype, Forms, SplitActivations};
-    use quantmesh_engine::plan::resolve;
     /// Which mask a row runs under: the monitor's after watching the text, every group
     /// wanting float, or none (every group on its resident quantized form).
     #[derive(PartialEq)]
@@ -39,19 +38,12 @@ pub(crate) fn memory_table(
         AllFloat,
         Nothing,
     }
-    use quantmesh_types::{GroupId, SensitiveLayers};
+    use quantmesh_types::GroupId;
     let tok = quantmesh_model::tokenizer::TextTokenizer::load(dir)?;
     let mut ids = tok.encode(&std::fs::read_to_string(text)?, true)?;
     ids.truncate(args.ppl_tokens);
     let ck = quantmesh_model::Checkpoint::open(dir)?;
-    let shape = quantmesh_model::model_shape(&ck, cfg)?;
-    let plan = SensitiveLayers::parse_for(&std::fs::read(plan_path)?, &shape)
-        .map_err(|e| format!("{}: {e}", plan_path.display()))?;
-    let base = quantmesh_engine::EngineConfig {
-        float_budget: args.float_budget,
-        ..Default::default()
-    };
-    let live = resolve(&base, cfg, Some((&plan, "plan")));
+    let (base, live) = crate::steps::served_plan(&ck, cfg, plan_path, args.float_budget)?;
     let q = Forms {
         float: FloatDtype::F16,
         embeddings: EmbeddingDtype::Q8_0,

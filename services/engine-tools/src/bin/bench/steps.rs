@@ -101,3 +101,29 @@ pub(crate) fn watch_with(
     monitor.apply_to(&mut mask);
     Ok((monitor, mask))
 }
+
+/// The plan at `plan_path`, validated against the checkpoint and resolved as the engine
+/// serves it with `float_budget` (every other setting the engine's default): the settings
+/// and the plan in force.
+pub(crate) fn served_plan(
+    ck: &quantmesh_model::Checkpoint,
+    cfg: &ModelConfig,
+    plan_path: &std::path::Path,
+    float_budget: quantmesh_engine::budget::FloatBudget,
+) -> Result<
+    (
+        quantmesh_engine::EngineConfig,
+        quantmesh_engine::plan::LivePlan,
+    ),
+    Box<dyn std::error::Error>,
+> {
+    let shape = quantmesh_model::model_shape(ck, cfg)?;
+    let plan = quantmesh_types::SensitiveLayers::parse_for(&std::fs::read(plan_path)?, &shape)
+        .map_err(|e| format!("{}: {e}", plan_path.display()))?;
+    let base = quantmesh_engine::EngineConfig {
+        float_budget,
+        ..Default::default()
+    };
+    let live = quantmesh_engine::plan::resolve(&base, cfg, Some((&plan, "plan")));
+    Ok((base, live))
+}

@@ -214,8 +214,8 @@ pub struct DecisionCount {
 
 pub struct Monitor {
     cfg: MonitorConfig,
-    /// Whether activation spikes count (the rows on the quantized path quantize their
-    /// activations to 8 bits); off where every such row carries split activations.
+    /// Whether activation spikes count (the engine counts them under every activation
+    /// width; a test or tool can turn them off).
     activation_spikes: bool,
     /// Whether a row that wants float in a group without a float copy is served with
     /// ≈ 16-bit activations instead (`split_activations = "copyless"`): its per-token
@@ -384,10 +384,11 @@ impl Monitor {
         self.config_md5 = config_md5;
     }
 
-    /// Whether the quantized path quantizes activations to 8 bits (`split_activations` other
-    /// than `all`): only then is an activation spike material for the quantizer. With every
-    /// quantized row split the activations carry ≈ 16 bits, a spike costs only what the
-    /// weights' error does to it, and that is what the harm test measures.
+    /// Whether activation spikes count as outliers. The engine counts them under every
+    /// activation width: under `all` a spike no longer coarsens the 16-bit activations, but
+    /// a spiking row sent to a float copy leaves the weights' error behind too, and on
+    /// SmolLM2 that halved the served model's KL to the float one (the harm test alone did
+    /// not catch those rows).
     pub fn set_activation_spikes(&mut self, on: bool) {
         self.activation_spikes = on;
     }

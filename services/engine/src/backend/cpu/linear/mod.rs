@@ -149,6 +149,17 @@ thread_local! {
     static ACTIVATIONS: std::cell::RefCell<Activations> = std::cell::RefCell::new(Activations::new());
 }
 
+/// `x` `[rows, in]` with every row rotated in Hadamard blocks of `rotation` (1: as it is).
+fn rotate_rows(x: &Tensor, rotation: usize) -> Result<Tensor> {
+    if rotation <= 1 {
+        return Ok(x.clone());
+    }
+    let dims = x.dims2()?;
+    let mut v = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    quantmesh_kernels::hadamard_blocks(&mut v, rotation)?;
+    Ok(Tensor::from_vec(v, dims, x.device())?)
+}
+
 /// A linear group's quantized weight and the kernel that multiplies by it.
 ///
 /// Q8_0 and `q4_s8` weights run on quantmesh's own kernels (`quantmesh-kernels`: tiles
@@ -220,6 +231,28 @@ impl QuantKernel {
         Ok(ColumnError::from_weights(&w, &q, in_dim))
     }
 
+    /// [`QuantKernel::forward`] (`split`: [`QuantKernel::split_forward`]) of `x` rotated in
+    /// Hadamard blocks of `rotation` (1: none). quantmesh's kernels rotate the rows on the
+    /// way into the quantizer, in one reused buffer; candle's get a rotated tensor.
+    pub fn rotated_forward(&self, x: &Tensor, rotation: usize, split: bool) -> Result<Tensor> {
+        let bits = if split {
+            ActBits::Sixteen
+        } else {
+            ActBits::Eight
+        };
+        match self {
+            QuantKernel::Q8(p) => q8_rotated(p, x, bits, rotation),
+            QuantKernel::Q4(p) => q4_rotated(p, x, bits, rotation),
+            QuantKernel::Candle { .. } => {
+                let x = rotate_rows(x, rotation)?;
+                match split {
+                    true => self.split_forward(&x),
+                    false => self.forward(&x),
+                }
+            }
+        }
+    }
+
     /// `x · deq(W)ᵀ` through the kernel, activations quantized to 8 bits on the fly (W8A8).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
@@ -273,30 +306,73 @@ impl QuantKernel {
 
 /// `x · deq(p)ᵀ` on quantmesh's kernels, `x` `[rows, in]`, activations quantized to `bits`.
 pub(crate) fn q8_product(p: &PackedQ8, x: &Tensor, bits: ActBits) -> Result<Tensor> {
-    kernel_product(x, bits, p.rows(), |a| {
+    q8_rotated(p, x, bits, 1)
+}
+
+/// As [`q8_product`], the rows rotated in Hadamard blocks of `rotation` first (1: none).
+fn q8_rotated(p: &PackedQ8, x: &Tensor, bits: ActBits, rotation: usize) -> Result<Tensor> {
+    kernel_product(x, bits, rotation, p.rows(), |a| {
         p.matmul_vec(a, Isa::current(), Pool::global())
     })
 }
 
 /// As [`q8_product`], for 4-bit weights.
 pub(crate) fn q4_product(p: &PackedQ4, x: &Tensor, bits: ActBits) -> Result<Tensor> {
-    kernel_product(x, bits, p.rows(), |a| {
+    q4_rotated(p, x, bits, 1)
+}
+
+/// As [`q8_rotated`], for 4-bit weights.
+fn q4_rotated(p: &PackedQ4, x: &Tensor, bits: ActBits, rotation: usize) -> Result<Tensor> {
+    kernel_product(x, bits, rotation, p.rows(), |a| {
         p.matmul_vec(a, Isa::current(), Pool::global())
     })
 }
 
-/// `x` quantized to `bits` into this thread's activations buffer, multiplied by `product`
-/// (`[rows, out]`).
+/// Rotate the rows of `r` (`cols` wide) in Hadamard blocks of `rotation`, a prefill's
+/// rows shared out over the kernels' pool.
+fn rotate_on_pool(r: &mut [f32], cols: usize, rotation: usize) -> Result<()> {
+    let pool = Pool::global();
+    let rows = r.len() / cols.max(1);
+    if rows < 2 * pool.threads() || cols == 0 || !cols.is_multiple_of(rotation) {
+        return Ok(quantmesh_kernels::hadamard_blocks(r, rotation)?);
+    }
+    let per = rows.div_ceil(pool.threads()) * cols;
+    let mut parts: Vec<&mut [f32]> = r.chunks_mut(per).collect();
+    // Every part is whole rows of a width `rotation` divides: the call cannot fail.
+    pool.for_each_mut(&mut parts, |p| {
+        let _ = quantmesh_kernels::hadamard_blocks(p, rotation);
+    });
+    Ok(())
+}
+
+thread_local! {
+    /// The rows of the current product rotated, when the group rotates (reused like
+    /// [`ACTIVATIONS`]).
+    static ROTATED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `x` (rotated in Hadamard blocks of `rotation` when > 1) quantized to `bits` into this
+/// thread's activations buffer, multiplied by `product` (`[rows, out]`).
 fn kernel_product(
     x: &Tensor,
     bits: ActBits,
+    rotation: usize,
     out: usize,
     product: impl FnOnce(&Activations) -> quantmesh_kernels::Result<Vec<f32>>,
 ) -> Result<Tensor> {
     let (rows, cols) = x.dims2()?;
     let y = with_f32_rows(x, |x| {
         ACTIVATIONS.with_borrow_mut(|a| -> Result<Vec<f32>> {
-            a.quantize(x, rows, cols, bits)?;
+            if rotation > 1 {
+                ROTATED.with_borrow_mut(|r| -> Result<()> {
+                    r.clear();
+                    r.extend_from_slice(x);
+                    rotate_on_pool(r, cols, rotation)?;
+                    Ok(a.quantize(r, rows, cols, bits)?)
+                })?;
+            } else {
+                a.quantize(x, rows, cols, bits)?;
+            }
             Ok(product(a)?)
         })
     })?;
@@ -401,17 +477,6 @@ impl DualLinear {
         self.rotation
     }
 
-    /// `x` as the quantized path multiplies it: rotated when the group rotates.
-    fn quantized_input(&self, x: &Tensor) -> Result<Tensor> {
-        if self.rotation <= 1 {
-            return Ok(x.clone());
-        }
-        let dims = x.dims2()?;
-        let mut v = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        quantmesh_kernels::hadamard_blocks(&mut v, self.rotation)?;
-        Ok(Tensor::from_vec(v, dims, x.device())?)
-    }
-
     pub fn residency(&self) -> Residency {
         match (self.int8.is_some(), self.float.is_some()) {
             (true, true) => Residency::Dual,
@@ -467,7 +532,7 @@ impl DualLinear {
         let Some(k) = &self.int8 else {
             return Ok(None);
         };
-        Ok(Some(k.forward(&self.quantized_input(x)?)?))
+        Ok(Some(k.rotated_forward(x, self.rotation, false)?))
     }
 
     /// The quantized weights with split activations ([`QuantKernel::split_forward`]).
@@ -475,7 +540,7 @@ impl DualLinear {
         let Some(k) = &self.int8 else {
             return Ok(None);
         };
-        Ok(Some(k.split_forward(&self.quantized_input(x)?)?))
+        Ok(Some(k.rotated_forward(x, self.rotation, true)?))
     }
 
     /// Every row through one path: float when `want_float` and a copy is resident; else the
