@@ -46,12 +46,8 @@ pub fn load_parts(
             )));
         }
     }
-    // `auto` measured on the model's widest product (gate/up), before anything is loaded.
-    let width = crate::backend::cpu::width::choose(
-        cfg.split_activations,
-        2 * mcfg.intermediate_size,
-        mcfg.hidden_size,
-    )?;
+    // `auto` measured before anything is loaded.
+    let width = crate::backend::cpu::width::choose_for(cfg.split_activations, &mcfg)?;
     let cfg = &EngineConfig {
         split_activations: width.mode,
         ..cfg.clone()

@@ -259,25 +259,6 @@ impl Engine {
                 .await
                 .map_err(|e| EngineError::Config(format!("model loading task failed: {e}")))??;
         let load_seconds = t0.elapsed().as_secs_f64();
-        let width = parts.width;
-        match width.ratio {
-            Some(ratio) => tracing::info!(
-                mode = width.mode.as_str(),
-                ratio,
-                forced = width.forced,
-                threshold = crate::backend::cpu::width::CHEAPER_BY,
-                "activation width chosen (engine.split_activations = \"auto\"): 16-bit activations cost {ratio:.2}x the 8-bit product here, so the quantized path runs {}",
-                match width.mode {
-                    SplitActivations::Copyless => "8-bit activations, the rows the monitor wants at higher precision carried at 16 bits",
-                    _ => "16-bit activations on every row",
-                }
-            ),
-            None => tracing::info!(mode = width.mode.as_str(), "activation width as configured (engine.split_activations)"),
-        }
-        let cfg = EngineConfig {
-            split_activations: width.mode,
-            ..cfg
-        };
         tracing::info!(
             model = start.name,
             seconds = load_seconds,
@@ -306,13 +287,32 @@ impl Engine {
             model_config: mcfg,
             shape,
             live,
-            width: parts_width,
+            width,
         } = parts;
+        // The activation width in force (`auto` resolved by `load_parts`), said once.
+        match width.ratio {
+            Some(ratio) => tracing::info!(
+                mode = width.mode.as_str(),
+                ratio,
+                forced = width.forced,
+                threshold = crate::backend::cpu::width::CHEAPER_BY,
+                "activation width chosen (engine.split_activations = \"auto\"): 16-bit activations cost {ratio:.2}x the 8-bit product here, so the quantized path runs {}",
+                match width.mode {
+                    SplitActivations::Copyless => "8-bit activations, the rows the monitor wants at higher precision carried at 16 bits",
+                    _ => "16-bit activations on every row",
+                }
+            ),
+            None => tracing::info!(mode = width.mode.as_str(), "activation width as configured (engine.split_activations)"),
+        }
+        let cfg = EngineConfig {
+            split_activations: width.mode,
+            ..cfg
+        };
         // Later plans (hot reload) resolve against the same settings as this one; a plan
         // whose tables resolve to another form rebuilds them.
         let registry = start.registry.clone().unwrap_or_default();
         let wiring = Wiring::new(&start, &registry, &cfg, &mcfg, backend.as_ref())?;
-        wiring.metrics.set_activation_width(&parts_width);
+        wiring.metrics.set_activation_width(&width);
         if let Ok(mut st) = wiring.config_status.lock() {
             crate::reload::describe(&mut st, &live, &cfg);
         }

@@ -60,11 +60,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let cfg = ModelConfig::load(&dir)?;
     // `auto` resolved as the engine resolves it, on this model's widest product.
-    let width = quantmesh_engine::backend::cpu::width::choose(
-        args.split.unwrap_or_default(),
-        2 * cfg.intermediate_size,
-        cfg.hidden_size,
-    )?;
+    let width =
+        quantmesh_engine::backend::cpu::width::choose_for(args.split.unwrap_or_default(), &cfg)?;
     args.split = Some(width.mode);
     println!(
         "activation width {} ({}), rotation block {}",

@@ -55,8 +55,8 @@ pub(crate) fn watch(
     watch_with(model, cfg, mcfg, requests, rounds, true)
 }
 
-/// As [`watch`]; `spikes`: whether activation spikes count as outliers (the engine turns
-/// them off where every quantized row carries ≈ 16-bit activations).
+/// As [`watch`]; `spikes`: whether activation spikes count as outliers (the engine counts
+/// them under every activation width; off reproduces its earlier rule for `all`).
 pub(crate) fn watch_with(
     model: &LlamaModel,
     cfg: &ModelConfig,

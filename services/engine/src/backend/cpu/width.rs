@@ -32,6 +32,15 @@ pub struct WidthChoice {
     pub forced: bool,
 }
 
+/// [`choose`] for `model`, timed on its widest product (`gate_up`: `[2 · intermediate,
+/// hidden]`).
+pub fn choose_for(
+    setting: SplitActivations,
+    model: &quantmesh_model::ModelConfig,
+) -> Result<WidthChoice> {
+    choose(setting, 2 * model.intermediate_size, model.hidden_size)
+}
+
 /// Resolve `setting` for a model whose widest linear group is `[out, in]`: an explicit
 /// mode stands; `auto` measures (or reads [`RATIO_ENV`]) and decides by [`decide`].
 pub fn choose(setting: SplitActivations, out: usize, input: usize) -> Result<WidthChoice> {

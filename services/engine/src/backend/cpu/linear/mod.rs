@@ -216,19 +216,18 @@ impl QuantKernel {
     }
 
     /// What this quantization does to each input column of `weight` (the f32 `[out, in]` it
-    /// was made from).
-    pub fn column_error(&self, weight: &Tensor) -> Result<ColumnError> {
+    /// was made from, before its rows were rotated in Hadamard blocks of `rotation`; 1:
+    /// not rotated): the quantized weights are turned back first (the rotation is its own
+    /// inverse), so the error is seen from the unrotated input.
+    pub fn column_error(&self, weight: &Tensor, rotation: usize) -> Result<ColumnError> {
         let in_dim = weight.dim(1)?;
         let w = weight.flatten_all()?.to_vec1::<f32>()?;
-        let q = match self {
-            QuantKernel::Q8(p) => p.dequantize(),
-            QuantKernel::Q4(p) => p.dequantize(),
-            QuantKernel::Candle { q, .. } => q
-                .dequantize(&Device::Cpu)?
-                .flatten_all()?
-                .to_vec1::<f32>()?,
-        };
-        Ok(ColumnError::from_weights(&w, &q, in_dim))
+        let seen = rotate_rows(&self.dequantize()?, rotation)?;
+        Ok(ColumnError::from_weights(
+            &w,
+            &seen.flatten_all()?.to_vec1::<f32>()?,
+            in_dim,
+        ))
     }
 
     /// [`QuantKernel::forward`] (`split`: [`QuantKernel::split_forward`]) of `x` rotated in
@@ -434,26 +433,12 @@ impl DualLinear {
             0 => 1,
             b => quantmesh_kernels::rotation_block(in_dim, b as usize),
         };
-        let (int8, column_error) = if !residency.has_int8() {
-            (None, None)
-        } else if block == 1 {
-            let k = QuantKernel::quantize(&weight, form.quant)?;
-            let e = k.column_error(&weight)?;
+        let (int8, column_error) = if residency.has_int8() {
+            let k = QuantKernel::quantize(&rotate_rows(&weight, block)?, form.quant)?;
+            let e = k.column_error(&weight, block)?;
             (Some(k), Some(Arc::new(e)))
         } else {
-            let w = weight.flatten_all()?.to_vec1::<f32>()?;
-            let mut turned = w.clone();
-            quantmesh_kernels::hadamard_blocks(&mut turned, block)?;
-            let k = QuantKernel::quantize(
-                &Tensor::from_vec(turned, (out_dim, in_dim), &Device::Cpu)?,
-                form.quant,
-            )?;
-            // What the quantized path multiplies by, seen from the unrotated input: its
-            // weights turned back (the rotation is its own inverse).
-            let mut seen = k.dequantize()?.flatten_all()?.to_vec1::<f32>()?;
-            quantmesh_kernels::hadamard_blocks(&mut seen, block)?;
-            let e = ColumnError::from_weights(&w, &seen, in_dim);
-            (Some(k), Some(Arc::new(e)))
+            (None, None)
         };
         let float = if residency.has_float() {
             Some(weight.to_dtype(crate::backend::candle_dtype(float_dtype))?)
