@@ -13,7 +13,8 @@
 # the bundled medium model's shape (hidden 1024, 8 layers, 16 heads, 8 for K/V, feed-forward
 # 2816) and SmolLM2's vocabulary. `Q4_K_M` (not run
 # unless named): llama-server on the Q4_1 file requantized to Q4_K_M by llama-quantize, against
-# quantmesh serving the Q4_1 checkpoint at the same bytes (`--weight-budget` = that file's size:
+# quantmesh serving the Q4_1 checkpoint at the same bytes (`--weight-budget` = that file's
+# tensor bytes, read with llama.cpp's gguf-py: the file without its header and metadata:
 # the pre-screen's mix of 4- and 8-bit groups; the first round includes its one-off pre-screen
 # in the start-up wait). scripts/bench-q4km.sh compares their quality.
 # Rows: decode tok/s at batch 1 (one stream of 128 tokens); prefill tok/s of unique 128- and
@@ -84,11 +85,12 @@ if [[ " $FILES " == *" Q4_K_M "* ]] && [ ! -f "${FILE[Q4_K_M]}" ]; then
   mv "${FILE[Q4_K_M]}.partial" "${FILE[Q4_K_M]}"
 fi
 # What quantmesh serves for each file: the file itself, except for Q4_K_M (the checkpoint at
-# that file's bytes).
+# that file's tensor bytes: tensors against tensors, the tokenizer's metadata left out).
 declare -A SERVE_ARGS=()
 for tag in $FILES; do SERVE_ARGS[$tag]="--model ${FILE[$tag]}"; done
 if [[ " $FILES " == *" Q4_K_M "* ]]; then
-  SERVE_ARGS[Q4_K_M]="--model ${FILE[Q4_1]} --weight-budget $(stat -c %s "${FILE[Q4_K_M]}")"
+  Q4KM_TENSORS="$(PYTHONPATH="$LLAMA_DIR/gguf-py" python3 -c 'import sys; from gguf import GGUFReader; print(sum(int(t.n_bytes) for t in GGUFReader(sys.argv[1]).tensors))' "${FILE[Q4_K_M]}")"
+  SERVE_ARGS[Q4_K_M]="--model ${FILE[Q4_1]} --weight-budget $Q4KM_TENSORS"
 fi
 # The random-weight shapes (scripts/wide-gguf.py's arguments), written in f16 and quantized
 # to Q8_0 by llama-quantize.
@@ -183,7 +185,7 @@ cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.start
 about = {"Q8_0": "SmolLM2-135M-Instruct Q8_0", "Q4_1": "SmolLM2-135M-Instruct Q4_1",
          "W2048": "W2048 = random-weight llama, hidden 2048, 4 layers, Q8_0",
          "W1024": "W1024 = random-weight llama of the bundled medium model's shape (hidden 1024, 8 layers), Q8_0",
-         "Q4_K_M": "Q4_K_M = llama-server on SmolLM2's Q4_K_M file, quantmesh on the checkpoint at that file's bytes"}
+         "Q4_K_M": "Q4_K_M = llama-server on SmolLM2's Q4_K_M file, quantmesh on the checkpoint at that file's tensor bytes"}
 print(f"{'; '.join(about[t] for t in files)} on {cpu}, {threads} threads each, median of {rounds} interleaved rounds; ratio = quantmesh ÷ llama-server\n")
 print("| file | metric | quantmesh | llama-server | ratio |\n|---|---|---|---|---|")
 names = {"decode_b1": "decode tok/s, batch 1 (128 tokens)", "prefill_128": "prefill tok/s, 128-token prompt",

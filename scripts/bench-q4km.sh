@@ -21,10 +21,10 @@
 # Rows:
 #   llama.cpp Q4_K_M   the checkpoint quantized by llama.cpp's own quantizer (ftype 15,
 #                      Q4_K_M; where 256 does not divide a width it falls back to Q5_0/Q8_0),
-#                      run by llama.cpp (llama-cpp-python) on the same token ids; bytes = the
-#                      file's size
-#   quantmesh at the Q4_K_M file's bytes
-#                      `quantmesh prescreen --weight-budget <that size>`, served as `quantmesh
+#                      run by llama.cpp (llama-cpp-python) on the same token ids; bytes = its
+#                      tensors' (llama_model_size: the file without header and metadata)
+#   quantmesh at the Q4_K_M tensors' bytes
+#                      `quantmesh prescreen --weight-budget <those bytes>`, served as `quantmesh
 #                      serve --weight-budget` would (monitor-driven, split activations; the
 #                      vocabulary tables 4- or 8-bit as the budget's knapsack chose); where
 #                      that is below quantmesh's smallest plan, its smallest plan, named as such
@@ -79,12 +79,16 @@ if [ ! -f "$Q4KM" ]; then
   printf '{"op": "quantize", "model": "%s", "out": "%s.partial", "type": "q4_k_m"}' "$SRC" "$Q4KM" | ref >/dev/null
   mv "$Q4KM.partial" "$Q4KM"
 fi
-BYTES="$(stat -c %s "$Q4KM")"
+# Bytes compare tensors with tensors: the Q4_K_M file's tensor bytes (llama_model_size),
+# not its size, which also holds the header and the tokenizer's metadata; quantmesh's bytes
+# are its resident weights.
+FILE_BYTES="$(stat -c %s "$Q4KM")"
+BYTES="$(printf '{"op": "size", "model": "%s"}' "$Q4KM" | ref | python3 -c 'import json,sys; print(json.load(sys.stdin)["tensor_bytes"])')"
 rm -rf "$OUT"; mkdir -p "$OUT"
 
-log "pre-screen: the default plan and the plan at the Q4_K_M file's $BYTES bytes"
+log "pre-screen: the default plan and the plan at the Q4_K_M tensors' $BYTES bytes (file: $FILE_BYTES)"
 "$BIN/quantmesh" prescreen --model "$SRC" --out "$OUT/plan-default.json" --quiet >"$OUT/prescreen-default.txt"
-OURS="$BYTES"; OURS_LABEL="quantmesh at the Q4_K_M file's bytes"
+OURS="$BYTES"; OURS_LABEL="quantmesh at the Q4_K_M tensors' bytes"
 if ! "$BIN/quantmesh" prescreen --model "$SRC" --out "$OUT/plan-budget.json" --weight-budget "$BYTES" --quiet \
   >"$OUT/prescreen-budget.txt" 2>"$OUT/prescreen-budget.err"; then
   # Below our smallest plan (every group and the tables in 4 bits): the smallest plan
@@ -113,7 +117,8 @@ def run(req):
 ids = run({"op": "tokenize", "model": gguf, "texts": [open(text).read()]})["ids"][0][:n]
 run({"op": "logits", "model": gguf, "ids": ids, "ctx": 256, "out": stem + ".f32"})
 speed = run({"op": "bench", "model": gguf, "ids": ids[:128], "prompt_lens": [128], "decode": 128})
-json.dump({"name": label, "bytes": os.path.getsize(gguf), "ids": ids, "window": 256,
+size = run({"op": "size", "model": gguf})["tensor_bytes"]
+json.dump({"name": label, "bytes": size, "ids": ids, "window": 256,
            "logits": os.path.basename(stem) + ".f32", "prefill_tok_s": speed["prefill"]["128"],
            "decode_tok_s": speed["decode_b1"]}, open(stem + ".json", "w"))
 PY
@@ -128,17 +133,19 @@ PY
     --memory-table "$OUT/plan-default.json" --memory-rows 9,4 >"$OUT/table-$name-default.txt"
 done
 
-PYTHONPATH=scripts python3 - "$OUT" "$TEXTS" "$BYTES" "$THREADS" "$TITLE" "$OURS_LABEL" "$OURS" <<'PY'
+PYTHONPATH=scripts python3 - "$OUT" "$TEXTS" "$BYTES" "$THREADS" "$TITLE" "$OURS_LABEL" "$OURS" "$FILE_BYTES" <<'PY'
 import os, sys
 out, texts, q4km_bytes, threads, title, ours_label = sys.argv[1], sys.argv[2].split(), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6]
-ours_bytes = int(sys.argv[7])
+ours_bytes, file_bytes = int(sys.argv[7]), int(sys.argv[8])
 from memory_table import rows, cpu
 cpu = cpu()
 label = {"first-load plan, monitor-driven, split activations everywhere": None, "INT8 only": "all-8-bit (Q8_0, no monitor)"}
 print(f"{title} on {cpu}, {threads} threads; KL and perplexity against the f32 float model "
       f"(the checkpoint's exact values), teacher-forced in windows of 256 tokens; tok/s in-process, batch 1, "
       f"128-token prefill and 128 decode steps (one run each: they swing from run to run on a shared VM; "
-      f"scripts/bench-llamacpp.sh measures served speed in interleaved rounds). Q4_K_M file: {q4km_bytes} bytes.\n")
+      f"scripts/bench-llamacpp.sh measures served speed in interleaved rounds). MiB: tensor bytes on both sides "
+      f"(llama.cpp: llama_model_size, the file without its metadata; quantmesh: resident weights). "
+      f"Q4_K_M tensors: {q4km_bytes} bytes (file: {file_bytes}).\n")
 summary = {}
 for text in texts:
     name = os.path.basename(text)
@@ -166,6 +173,6 @@ if ours and theirs:
     ratios = ", ".join(f"{a / b:.2f}×" for a, b in zip(ours, theirs))
     print(f"Mean KL, {ours_label} ÷ llama.cpp Q4_K_M, per text: {ratios} "
           f"({'below on every text' if verdict else 'NOT below on every text'}"
-          + (f"; at {ours_bytes / q4km_bytes:.2f}× the Q4_K_M file's bytes" if ours_bytes > q4km_bytes else "") + ").")
+          + (f"; at {ours_bytes / q4km_bytes:.2f}× the Q4_K_M tensors' bytes" if ours_bytes > q4km_bytes else "") + ").")
 print(f"Raw tables: {out}/table-*.txt")
 PY

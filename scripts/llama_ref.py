@@ -20,6 +20,9 @@ and benchmarks. One JSON request on stdin, one JSON answer on stdout.
     {"op": "quantize", "model": PATH, "out": PATH, "type": "q8_0"}
         -> {"out": PATH}                  llama_model_quantize (requantize the file; q8_0,
                                           q4_k_m or f16)
+    {"op": "size", "model": PATH}
+        -> {"tensor_bytes": int}          the tensors' bytes (llama_model_size): the file
+                                          without its header and metadata
     {"op": "bench", "model": PATH, "prompt_lens": [128, 512], "decode": 64, "batch": [8, 32]}
         -> prefill / decode tok/s in-process (see scripts/bench-llamacpp.sh)
 
@@ -129,6 +132,15 @@ def op_quantize(req):
     return {"out": req["out"]}
 
 
+def op_size(req):
+    """The bytes of the model's tensors (llama.cpp's llama_model_size): the file without its
+    header and metadata (the tokenizer's vocabulary and merges among them)."""
+    import llama_cpp
+
+    llm = load(req["model"], n_ctx=64)
+    return {"tensor_bytes": int(llama_cpp.llama_model_size(llm._model.model))}
+
+
 def op_bench(req):
     """Prefill tok/s for each prompt length, decode tok/s at batch 1, in-process."""
     llm = load(req["model"], n_ctx=2048, n_batch=512)
@@ -163,7 +175,7 @@ def op_bench(req):
 def main():
     req = json.load(sys.stdin)
     ops = {"tokenize": op_tokenize, "greedy": op_greedy, "perplexity": op_perplexity,
-           "logits": op_logits, "quantize": op_quantize, "bench": op_bench}
+           "logits": op_logits, "quantize": op_quantize, "bench": op_bench, "size": op_size}
     if req.get("op") not in ops:
         raise SystemExit(f"unknown op {req.get('op')!r}; one of {sorted(ops)}")
     json.dump(ops[req["op"]](req), sys.stdout)

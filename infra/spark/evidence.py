@@ -89,17 +89,22 @@ def parse_time(s):
 
 
 def load_table(spark, lake, name, ddl):
-    """The table's Parquet files (model and date discovered from the model=…/date=…
-    directories), or an empty table of its schema when it has none yet."""
+    """The table's `*.parquet` files read with the lake's own schema (`ddl`, from
+    lake-tables.json, plus the model=…/date=… directories as strings), or an empty table of
+    that schema when it has none yet. Exactly what `quantmesh evolve` reads with DataFusion:
+    a leftover staging file (any other name) is not read, and a column a file has beyond the
+    schema is not seen, so neither changes the answer (Spark alone would otherwise infer the
+    schema from some file and read every file of the folder)."""
     from pyspark.errors import AnalysisException
 
+    schema = ddl + ", model STRING, date STRING"
     path = lake.rstrip("/") + "/" + name
     try:
-        return spark.read.parquet(path)
+        return spark.read.schema(schema).option("pathGlobFilter", "*.parquet").parquet(path)
     except AnalysisException as e:
         if e.getCondition() not in ("PATH_NOT_FOUND", "UNABLE_TO_INFER_SCHEMA"):
             raise
-        return spark.createDataFrame([], ddl + ", model STRING, date STRING")
+        return spark.createDataFrame([], schema)
 
 
 def main(argv=None):

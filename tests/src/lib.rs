@@ -2,13 +2,15 @@
 //! binary's): one wait on a condition, one metrics scraper that fails on a missing series,
 //! one server-process builder, the real parts (tansu broker, Prometheus, free ports), one SSE
 //! parser, the admin API's JSON reads, and a stand-in for a git forge's REST API
-//! (`forge_stub`, where no real forge can be installed), and the check that keeps a
+//! (`forge_stub`, where no real forge can be installed), a git server over HTTP that requires
+//! credentials (`git_http`: git's own http-backend), and the check that keeps a
 //! document's generated block current (`generated`).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed step fails the test
 
 pub mod forge_stub;
 pub mod generated;
+pub mod git_http;
 pub mod metrics;
 pub mod parts;
 pub mod process;

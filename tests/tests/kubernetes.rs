@@ -1,84 +1,21 @@
-//! The Kubernetes manifests (`infra/k8s/`): every object validates against the API schema of
-//! a stated Kubernetes version (kubernetes-validate, which bundles the schemas; the
-//! prometheus-operator's CRDs are skipped by name and checked here by structure instead),
+//! The Kubernetes manifests as a cluster would receive them: what `kubectl kustomize` renders
+//! from `infra/k8s` (and from the CronJob overlay `infra/k8s-weekly-cronjob`) validates
+//! strictly against the API schema of a stated Kubernetes version (kubernetes-validate, which
+//! bundles the schemas; the prometheus-operator's CRDs are skipped by name and checked here by
+//! structure instead), the image is set in one place, every ConfigMap and Secret key a
+//! container reads exists or is documented as the user's, the pods are hardened and spread,
 //! and the objects match the compose stack they mirror — the same commands, ports,
-//! environment, health checks and stop grace — so the two cannot drift. No cluster runs
-//! here: what a cluster would add (scheduling, volumes, DNS) is not checked.
+//! environment, health checks, written paths and stop grace — so the two cannot drift. No
+//! cluster runs here: what a cluster would add (scheduling, volumes, DNS) is not checked.
 
+#[path = "k8s/render.rs"]
+mod render;
+
+use render::*;
 use serde_yaml::{Mapping, Value};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-
-/// The Kubernetes version the manifests are written for and validated against.
-const KUBERNETES_VERSION: &str = "1.34.0";
-
-/// Kinds without a bundled schema: the prometheus-operator's CRDs (checked below) and the
-/// kustomization itself.
-const SKIPPED_KINDS: &[&str] = &["ServiceMonitor", "PrometheusRule", "Kustomization"];
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn read(p: &Path) -> String {
-    std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
-}
-
-fn manifests() -> Vec<PathBuf> {
-    let kust: Value = serde_yaml::from_str(&read(&root().join("infra/k8s/kustomization.yaml")))
-        .unwrap_or_else(|e| panic!("kustomization.yaml: {e}"));
-    let list: Vec<PathBuf> = kust["resources"]
-        .as_sequence()
-        .unwrap_or_else(|| panic!("kustomization.yaml lists no resources"))
-        .iter()
-        .filter_map(Value::as_str)
-        .map(|f| root().join("infra/k8s").join(f))
-        .collect();
-    // Every manifest in the folder is in the kustomization.
-    let on_disk: BTreeSet<PathBuf> = std::fs::read_dir(root().join("infra/k8s"))
-        .unwrap_or_else(|e| panic!("{e}"))
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
-        .filter(|p| !p.ends_with("kustomization.yaml"))
-        .collect();
-    assert_eq!(
-        on_disk,
-        list.iter().cloned().collect::<BTreeSet<_>>(),
-        "the kustomization's resources are not the folder's manifests"
-    );
-    list
-}
-
-/// Every object of every manifest.
-fn objects() -> Vec<Value> {
-    let mut out = Vec::new();
-    for f in manifests() {
-        let text = read(&f);
-        let mut doc = String::new();
-        for line in text.lines().chain(std::iter::once("---")) {
-            if line.trim_end() == "---" {
-                let v: Value =
-                    serde_yaml::from_str(&doc).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
-                if !v.is_null() {
-                    out.push(v);
-                }
-                doc.clear();
-            } else {
-                doc.push_str(line);
-                doc.push('\n');
-            }
-        }
-    }
-    out
-}
-
-fn find<'a>(objects: &'a [Value], kind: &str, name: &str) -> &'a Value {
-    objects
-        .iter()
-        .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
-        .unwrap_or_else(|| panic!("no {kind} {name} in infra/k8s"))
-}
 
 /// `kubernetes-validate`, from the PATH or pip's user scripts.
 fn validator() -> Command {
@@ -109,356 +46,386 @@ fn validate(files: &[PathBuf]) -> (bool, String) {
 }
 
 #[test]
-fn every_manifest_validates_against_the_kubernetes_schema() {
-    let mut files = manifests();
-    files.push(root().join("infra/k8s/kustomization.yaml"));
-    let (ok, text) = validate(&files);
-    assert!(ok, "kubernetes-validate {KUBERNETES_VERSION}:\n{text}");
-    // Only the named kinds may lack a schema.
-    for line in text.lines().filter(|l| l.contains("Couldn't find schema")) {
+fn every_rendered_object_validates_against_the_kubernetes_schema() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    for (name, folder) in [("base", BASE), ("cronjob", CRONJOB_OVERLAY)] {
+        let file = dir.path().join(format!("{name}.yaml"));
+        std::fs::write(&file, render_text(&root().join(folder))).unwrap_or_else(|e| panic!("{e}"));
+        let (ok, text) = validate(&[file]);
         assert!(
-            SKIPPED_KINDS
-                .iter()
-                .any(|k| line.contains(&format!("kind {k} "))),
-            "a kind without a schema that is not skipped by name: {line}"
+            ok,
+            "kubernetes-validate {KUBERNETES_VERSION}, {folder}:\n{text}"
         );
-    }
-    // The validator does refuse what the schema forbids.
-    let dir = std::env::temp_dir().join(format!("quantmesh-k8s-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));
-    let bad = dir.join("bad.yaml");
-    let engine = read(&root().join("infra/k8s/engine.yaml")).replacen(
-        "terminationGracePeriodSeconds: 40",
-        "terminationGracePeriod: 40",
-        1,
-    );
-    std::fs::write(&bad, engine).unwrap_or_else(|e| panic!("{e}"));
-    let (ok, text) = validate(&[bad]);
-    assert!(
-        !ok && text.contains("terminationGracePeriod"),
-        "an unknown field passed: {text}"
-    );
-    let _ = std::fs::remove_dir_all(dir);
-}
-
-/// The compose file with its `<<` merge keys applied.
-fn compose() -> Value {
-    let mut v: Value = serde_yaml::from_str(&read(&root().join("docker-compose.yml")))
-        .unwrap_or_else(|e| panic!("docker-compose.yml: {e}"));
-    v.apply_merge().unwrap_or_else(|e| panic!("{e}"));
-    // Merge keys nest (`environment: <<: *engine-env`): apply until none is left.
-    for _ in 0..4 {
-        v.apply_merge().unwrap_or_else(|e| panic!("{e}"));
-    }
-    v
-}
-
-/// What compose's `${NAME:-default}` gives when NAME is unset (`None` for a required
-/// `${NAME:?…}`, a secret the user must set).
-fn compose_value(v: &str) -> Option<String> {
-    let mut out = String::new();
-    let mut rest = v;
-    while let Some(i) = rest.find("${") {
-        out.push_str(&rest[..i]);
-        let end = rest[i..].find('}').map(|e| i + e)?;
-        let inner = &rest[i + 2..end];
-        if inner.contains(":?") {
-            return None;
-        }
-        out.push_str(inner.split_once(":-").map(|(_, d)| d).unwrap_or(""));
-        rest = &rest[end + 1..];
-    }
-    out.push_str(rest);
-    Some(out)
-}
-
-/// A container's environment: name → value (`None` for a secret), `$(NAME)` references
-/// expanded, ConfigMap keys read.
-fn k8s_env(objects: &[Value], container: &Value) -> BTreeMap<String, Option<String>> {
-    let configmap = |name: &Value| -> &Mapping {
-        find(objects, "ConfigMap", name.as_str().unwrap_or(""))["data"]
-            .as_mapping()
-            .unwrap_or_else(|| panic!("ConfigMap {name:?} has no data"))
-    };
-    let mut env = BTreeMap::new();
-    for from in container["envFrom"].as_sequence().into_iter().flatten() {
-        for (k, v) in configmap(&from["configMapRef"]["name"]) {
-            env.insert(
-                k.as_str().unwrap_or("").to_string(),
-                v.as_str().map(str::to_string),
+        // Only the named kinds may lack a schema.
+        for line in text.lines().filter(|l| l.contains("Couldn't find schema")) {
+            assert!(
+                SKIPPED_KINDS
+                    .iter()
+                    .any(|k| line.contains(&format!("kind {k} "))),
+                "a kind without a schema that is not skipped by name: {line}"
             );
         }
     }
-    for e in container["env"].as_sequence().into_iter().flatten() {
-        let name = e["name"].as_str().unwrap_or("").to_string();
-        let value = if let Some(v) = e["value"].as_str() {
-            let mut v = v.to_string();
-            for (k, known) in &env {
-                if let Some(known) = known {
-                    v = v.replace(&format!("$({k})"), known);
-                }
+    // The validator does refuse what the schema forbids.
+    let bad = dir.path().join("bad.yaml");
+    let text = render_text(&root().join(BASE)).replacen(
+        "readOnlyRootFilesystem: true",
+        "readOnlyRootFilesystm: true",
+        1,
+    );
+    std::fs::write(&bad, text).unwrap_or_else(|e| panic!("{e}"));
+    let (ok, text) = validate(&[bad]);
+    assert!(
+        !ok && text.contains("readOnlyRootFilesystm"),
+        "an unknown field passed: {text}"
+    );
+}
+
+/// The image the component `infra/k8s/image` sets: `newName:newTag`.
+fn configured_image() -> String {
+    let c: Value = serde_yaml::from_str(&read(&root().join(BASE).join("image/kustomization.yaml")))
+        .unwrap_or_else(|e| panic!("image/kustomization.yaml: {e}"));
+    let entries = c["images"].as_sequence().cloned().unwrap_or_default();
+    assert_eq!(entries.len(), 1, "one image entry: {entries:?}");
+    let e = &entries[0];
+    assert_eq!(e["name"], "quantmesh");
+    format!(
+        "{}:{}",
+        e["newName"].as_str().unwrap_or(""),
+        e["newTag"].as_str().unwrap_or("")
+    )
+}
+
+/// Every container whose image is not `image`, or that would pull on every start.
+fn image_problems(objects: &[Value], image: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for (what, pod) in pods(objects) {
+        for c in containers(pod) {
+            let name = c["name"].as_str().unwrap_or("?");
+            if c["image"].as_str() != Some(image) {
+                out.push(format!(
+                    "{what} {name}: image {:?}, not {image}",
+                    c["image"]
+                ));
             }
-            Some(v)
-        } else if let Some(r) = e["valueFrom"]["configMapKeyRef"].as_mapping() {
-            let key = r.get("key").and_then(Value::as_str).unwrap_or("");
-            configmap(&e["valueFrom"]["configMapKeyRef"]["name"])
-                .get(key)
-                .and_then(Value::as_str)
-                .map(str::to_string)
-        } else {
-            None
-        };
-        env.insert(name, value);
+            if c["imagePullPolicy"] != "IfNotPresent" {
+                out.push(format!(
+                    "{what} {name}: imagePullPolicy {:?}",
+                    c["imagePullPolicy"]
+                ));
+            }
+        }
     }
-    env
+    out
 }
 
-/// The container of a workload.
-fn container(workload: &Value) -> &Value {
-    &workload["spec"]["template"]["spec"]["containers"][0]
-}
-
-/// Values that name the cluster's own addresses (or pods), which differ from compose's by
-/// design.
-const ADDRESSES: &[&str] = &[
-    "QUANTMESH_KAFKA_BROKERS",
-    "AWS_ENDPOINT",
-    "OTEL_EXPORTER_OTLP_ENDPOINT",
-    "QUANTMESH_ENGINES",
-    "QUANTMESH_ENGINE_NAME",
-];
-
-/// The health check compose relies on for a service: its own `healthcheck`, else the
-/// image's `HEALTHCHECK` — as (path, port).
-fn compose_health(service: &Value) -> (String, u16) {
-    let test = match service["healthcheck"]["test"].as_sequence() {
-        Some(t) => t
-            .iter()
-            .filter_map(Value::as_str)
-            .collect::<Vec<_>>()
-            .join(" "),
-        None => read(&root().join("Dockerfile"))
-            .split("HEALTHCHECK")
-            .nth(1)
-            .and_then(|s| s.split("\nSTOPSIGNAL").next())
-            .unwrap_or_else(|| panic!("the Dockerfile has no HEALTHCHECK"))
-            .replace("${QUANTMESH_PORT:-8080}", "8080"),
-    };
-    let path = test
-        .split("GET ")
-        .nth(1)
-        .and_then(|s| s.split_whitespace().next())
-        .unwrap_or_else(|| panic!("no path in {test}"))
-        .to_string();
-    let port = test
-        .split("/dev/tcp/127.0.0.1/")
-        .nth(1)
-        .map(|s| {
-            s.chars()
-                .take_while(char::is_ascii_digit)
-                .collect::<String>()
-        })
-        .and_then(|p| p.parse().ok())
-        .unwrap_or_else(|| panic!("no port in {test}"));
-    (path, port)
+/// Copy a folder tree (the manifests, to change one in a test).
+fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap_or_else(|e| panic!("{e}"));
+    for e in std::fs::read_dir(from).unwrap_or_else(|e| panic!("{e}")) {
+        let e = e.unwrap_or_else(|e| panic!("{e}"));
+        let target = to.join(e.file_name());
+        if e.path().is_dir() {
+            copy_tree(&e.path(), &target);
+        } else {
+            std::fs::copy(e.path(), target).unwrap_or_else(|e| panic!("{e}"));
+        }
+    }
 }
 
 #[test]
-fn the_manifests_match_the_compose_stack() {
+fn the_image_is_set_in_one_place() {
+    let image = configured_image();
+    // The tag is the workspace's version, so a release changes it with the code.
+    let version = read(&root().join("Cargo.toml"))
+        .lines()
+        .find_map(|l| l.strip_prefix("version = \""))
+        .map(|v| v.trim_end_matches('"').to_string())
+        .unwrap_or_else(|| panic!("no workspace version"));
+    assert_eq!(image, format!("quantmesh:{version}"));
+    for folder in [BASE, CRONJOB_OVERLAY] {
+        let problems = image_problems(&render(&root().join(folder)), &image);
+        assert!(problems.is_empty(), "{folder}: {problems:#?}");
+    }
+    // Every manifest names the image only as `quantmesh`, for the component to set.
+    for folder in [BASE, CRONJOB_OVERLAY] {
+        for e in std::fs::read_dir(root().join(folder)).unwrap_or_else(|e| panic!("{e}")) {
+            let p = e.unwrap_or_else(|e| panic!("{e}")).path();
+            if p.extension().is_some_and(|x| x == "yaml") {
+                for l in read(&p)
+                    .lines()
+                    .filter(|l| l.trim_start().starts_with("image:"))
+                {
+                    assert_eq!(l.trim(), "image: quantmesh", "{}", p.display());
+                }
+            }
+        }
+    }
+    // An image changed in one manifest only is found.
+    let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let copy = tmp.path().join("k8s");
+    copy_tree(&root().join(BASE), &copy);
+    let gateway = copy.join("gateway.yaml");
+    std::fs::write(
+        &gateway,
+        read(&gateway).replacen(
+            "image: quantmesh\n",
+            "image: registry.example/quantmesh:2\n",
+            1,
+        ),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let problems = image_problems(&render(&copy), &image);
+    assert!(
+        problems.len() == 1 && problems[0].contains("registry.example/quantmesh:2"),
+        "{problems:#?}"
+    );
+}
+
+/// The Secret keys docs/kubernetes.md tells the user to create.
+fn documented_secret_keys() -> BTreeSet<String> {
+    read(&root().join("docs/kubernetes.md"))
+        .split("--from-literal=")
+        .skip(1)
+        .filter_map(|s| s.split('=').next())
+        .map(str::to_string)
+        .collect()
+}
+
+/// Every ConfigMap key a container reads that no rendered ConfigMap has, and every Secret key
+/// that docs/kubernetes.md does not tell the user to create. An `optional: true` reference
+/// must still name a key that exists or is documented: optional is for "may be unset", not
+/// for a typo.
+fn reference_problems(objects: &[Value], secret_keys: &BTreeSet<String>) -> Vec<String> {
+    let configmap = |name: &str| -> Option<&Mapping> {
+        objects
+            .iter()
+            .find(|o| o["kind"] == "ConfigMap" && o["metadata"]["name"] == name)
+            .and_then(|o| o["data"].as_mapping())
+    };
+    let mut out = Vec::new();
+    for (what, pod) in pods(objects) {
+        for c in containers(pod) {
+            let cname = c["name"].as_str().unwrap_or("?");
+            for from in c["envFrom"].as_sequence().into_iter().flatten() {
+                if let Some(n) = from["configMapRef"]["name"].as_str() {
+                    if configmap(n).is_none() {
+                        out.push(format!("{what} {cname}: no ConfigMap {n}"));
+                    }
+                }
+                if from["secretRef"].is_mapping() {
+                    out.push(format!("{what} {cname}: a whole Secret as envFrom"));
+                }
+            }
+            for e in c["env"].as_sequence().into_iter().flatten() {
+                let var = e["name"].as_str().unwrap_or("?");
+                let cm = &e["valueFrom"]["configMapKeyRef"];
+                if let (Some(n), Some(k)) = (cm["name"].as_str(), cm["key"].as_str()) {
+                    if !configmap(n).is_some_and(|m| m.contains_key(k)) {
+                        out.push(format!(
+                            "{what} {cname} {var}: ConfigMap {n} has no key {k}"
+                        ));
+                    }
+                }
+                let sk = &e["valueFrom"]["secretKeyRef"];
+                if let (Some(n), Some(k)) = (sk["name"].as_str(), sk["key"].as_str()) {
+                    if n != "quantmesh-secrets" || !secret_keys.contains(k) {
+                        out.push(format!(
+                            "{what} {cname} {var}: Secret {n} key {k} is not in docs/kubernetes.md"
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn every_configmap_and_secret_key_a_container_reads_exists_or_is_documented() {
+    let keys = documented_secret_keys();
+    assert!(keys.contains("aws-access-key-id"), "{keys:?}");
+    for folder in [BASE, CRONJOB_OVERLAY] {
+        let problems = reference_problems(&render(&root().join(folder)), &keys);
+        assert!(problems.is_empty(), "{folder}: {problems:#?}");
+    }
+    // A key missing from the ConfigMap is found, in an init container's reference too.
+    let mut objects = objects();
+    for o in objects.iter_mut().filter(|o| o["kind"] == "ConfigMap") {
+        if let Some(m) = o["data"].as_mapping_mut() {
+            m.remove("QUANTMESH_MODEL");
+        }
+    }
+    let problems = reference_problems(&objects, &keys);
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.contains("fetch-model") && p.contains("no key QUANTMESH_MODEL")),
+        "{problems:#?}"
+    );
+    // A Secret key the docs do not name is found.
+    let mut fewer = keys.clone();
+    fewer.remove("forge-token");
+    let problems = reference_problems(&self::objects(), &fewer);
+    assert!(
+        problems.iter().any(|p| p.contains("key forge-token")),
+        "{problems:#?}"
+    );
+}
+
+#[test]
+fn the_pods_are_hardened_spread_and_left_to_the_autoscaler() {
     let objects = objects();
-    let compose = compose();
-    // compose service → (workload kind, name)
-    let pairs = [
-        ("gateway", "Deployment", "quantmesh-gateway"),
-        ("engine-1", "StatefulSet", "quantmesh-engine"),
-        ("evolution", "Deployment", "quantmesh-evolution"),
-    ];
-    for (service, kind, name) in pairs {
-        let svc = &compose["services"][service];
-        let workload = find(&objects, kind, name);
-        let c = container(workload);
-        let why = format!("compose {service} vs {kind} {name}");
-        // The same image and command.
-        assert_eq!(c["image"], svc["image"], "{why}: image");
-        assert_eq!(c["args"], svc["command"], "{why}: command");
-        // The same environment, by name, and the same values where they are not addresses.
-        let k8s = k8s_env(&objects, c);
-        let ours: BTreeMap<String, Option<String>> = svc["environment"]
-            .as_mapping()
-            .unwrap_or_else(|| panic!("{why}: no environment"))
-            .iter()
-            .map(|(k, v)| {
-                let v = match v {
-                    Value::String(s) => compose_value(s),
-                    Value::Null => None,
-                    other => Some(
-                        serde_yaml::to_string(other)
-                            .unwrap_or_default()
-                            .trim()
-                            .to_string(),
-                    ),
-                };
-                (k.as_str().unwrap_or("").to_string(), v)
-            })
-            .collect();
-        assert_eq!(
-            ours.keys().collect::<Vec<_>>(),
-            k8s.keys().collect::<Vec<_>>(),
-            "{why}: environment variables"
-        );
-        for (k, v) in &ours {
-            let theirs = &k8s[k];
-            match (v, theirs) {
-                _ if ADDRESSES.contains(&k.as_str()) => {}
-                // A secret on one side is a secret (or an empty default) on the other.
-                (None, None) | (Some(_), None) | (None, Some(_)) => {}
-                (Some(a), Some(b)) => assert_eq!(a, b, "{why}: {k}"),
-            }
-        }
-        // The same port, and a readiness probe on the path compose's health check asks.
-        let (path, port) = compose_health(svc);
-        let http = c["ports"]
-            .as_sequence()
-            .and_then(|p| p.iter().find(|p| p["name"] == "http"))
-            .unwrap_or_else(|| panic!("{why}: no port named http"));
-        assert_eq!(
-            http["containerPort"].as_u64(),
-            Some(u64::from(port)),
-            "{why}: port"
-        );
-        assert_eq!(
-            c["readinessProbe"]["httpGet"]["path"],
-            path.as_str(),
-            "{why}: readiness"
-        );
-        assert_eq!(
-            c["readinessProbe"]["httpGet"]["port"], "http",
-            "{why}: readiness"
-        );
-        // The same stop grace where compose sets one.
-        if let Some(grace) = svc["stop_grace_period"].as_str() {
-            let secs: u64 = grace
-                .trim_end_matches('s')
-                .parse()
-                .unwrap_or_else(|e| panic!("{grace}: {e}"));
+    let account = find(&objects, "ServiceAccount", "quantmesh");
+    assert_eq!(account["automountServiceAccountToken"], false);
+    for folder in [BASE, CRONJOB_OVERLAY] {
+        let objects = render(&root().join(folder));
+        for (what, pod) in pods(&objects) {
+            assert_eq!(pod["serviceAccountName"], "quantmesh", "{what}");
+            assert_eq!(pod["automountServiceAccountToken"], false, "{what}");
+            assert_eq!(pod["securityContext"]["runAsNonRoot"], true, "{what}");
             assert_eq!(
-                workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"].as_u64(),
-                Some(secs),
-                "{why}: grace"
+                pod["securityContext"]["seccompProfile"]["type"], "RuntimeDefault",
+                "{what}"
             );
-        }
-        // Not root, no privilege escalation, resources bounded.
-        let pod_sc = &workload["spec"]["template"]["spec"]["securityContext"];
-        assert_eq!(pod_sc["runAsNonRoot"], true, "{why}");
-        assert_eq!(
-            c["securityContext"]["allowPrivilegeEscalation"], false,
-            "{why}"
-        );
-        for r in ["requests", "limits"] {
-            for k in ["cpu", "memory"] {
-                assert!(c["resources"][r][k].is_string(), "{why}: {r}.{k}");
+            for c in containers(pod) {
+                let sc = &c["securityContext"];
+                let why = format!("{what} {:?}", c["name"]);
+                assert_eq!(sc["readOnlyRootFilesystem"], true, "{why}");
+                assert_eq!(sc["allowPrivilegeEscalation"], false, "{why}");
+                assert_eq!(sc["capabilities"]["drop"][0], "ALL", "{why}");
+                for r in ["requests", "limits"] {
+                    if c["resources"].is_mapping() {
+                        assert!(c["resources"][r]["memory"].is_string(), "{why}: {r}");
+                    }
+                }
             }
         }
-        // A Service exposes the workload's port.
-        let selector = &workload["spec"]["selector"]["matchLabels"];
-        let service_obj = objects
-            .iter()
-            .find(|o| o["kind"] == "Service" && o["spec"]["selector"] == *selector)
-            .unwrap_or_else(|| panic!("{why}: no Service selects it"));
-        assert_eq!(
-            service_obj["spec"]["ports"][0]["targetPort"], "http",
-            "{why}"
+    }
+    // What the autoscaler scales carries no replica count of its own.
+    for hpa in objects
+        .iter()
+        .filter(|o| o["kind"] == "HorizontalPodAutoscaler")
+    {
+        let t = &hpa["spec"]["scaleTargetRef"];
+        let target = find(
+            &objects,
+            t["kind"].as_str().unwrap_or(""),
+            t["name"].as_str().unwrap_or(""),
+        );
+        assert!(
+            target["spec"]["replicas"].is_null(),
+            "{t:?} sets spec.replicas under an autoscaler"
         );
     }
-
-    // The gateway finds the engines through a headless Service on the engines' port.
-    let gateway = container(find(&objects, "Deployment", "quantmesh-gateway"));
-    let engines = k8s_env(&objects, gateway)["QUANTMESH_ENGINES"]
-        .clone()
-        .unwrap_or_default();
-    let host_port = engines
-        .strip_prefix("dns+http://")
-        .unwrap_or_else(|| panic!("QUANTMESH_ENGINES = {engines}: not dns+http://"));
-    let (host, port) = host_port.split_once(':').unwrap_or((host_port, "80"));
-    let headless = find(&objects, "Service", host);
-    assert_eq!(
-        headless["spec"]["clusterIP"], "None",
-        "{host} is not headless"
-    );
-    assert_eq!(
-        headless["spec"]["ports"][0]["port"].as_u64(),
-        port.parse().ok()
-    );
-    let engine = find(&objects, "StatefulSet", "quantmesh-engine");
-    assert_eq!(
-        headless["spec"]["selector"],
-        engine["spec"]["selector"]["matchLabels"]
-    );
-    assert_eq!(engine["spec"]["serviceName"], host);
-
-    // Every PodDisruptionBudget and the autoscaler point at a workload that exists.
+    // Disruption budgets by maxUnavailable (an autoscaled count makes minAvailable drift).
     for pdb in objects
         .iter()
         .filter(|o| o["kind"] == "PodDisruptionBudget")
     {
-        let sel = &pdb["spec"]["selector"]["matchLabels"];
+        assert!(pdb["spec"]["minAvailable"].is_null(), "{pdb:?}");
+        assert_eq!(pdb["spec"]["maxUnavailable"].as_u64(), Some(1), "{pdb:?}");
+    }
+    // Engines and gateways spread over nodes, each selecting its own pods.
+    for (kind, name) in [
+        ("StatefulSet", "quantmesh-engine"),
+        ("Deployment", "quantmesh-gateway"),
+    ] {
+        let w = find(&objects, kind, name);
+        let spread = w["spec"]["template"]["spec"]["topologySpreadConstraints"]
+            .as_sequence()
+            .cloned()
+            .unwrap_or_default();
         assert!(
-            objects
+            spread
                 .iter()
-                .any(|o| o["spec"]["selector"]["matchLabels"] == *sel
-                    && o["kind"] != "PodDisruptionBudget"),
-            "{pdb:?} selects nothing"
+                .any(|c| c["topologyKey"] == "kubernetes.io/hostname"
+                    && c["labelSelector"]["matchLabels"] == w["spec"]["selector"]["matchLabels"]),
+            "{name}: no spread over nodes"
         );
     }
+    // The engines' outbox volumes are kept when the set shrinks or is deleted.
+    let engine = find(&objects, "StatefulSet", "quantmesh-engine");
+    let keep = &engine["spec"]["persistentVolumeClaimRetentionPolicy"];
+    assert_eq!(keep["whenScaled"], "Retain");
+    assert_eq!(keep["whenDeleted"], "Retain");
+    // The common operator setups select the monitoring objects.
+    for kind in SKIPPED_KINDS {
+        let o = find(&objects, kind, "quantmesh");
+        assert!(
+            o["metadata"]["labels"]["release"].is_string(),
+            "{kind}: no release label"
+        );
+    }
+    // The autoscaler's metric is one the adapter rule serves, from the engines' series.
     let hpa = find(&objects, "HorizontalPodAutoscaler", "quantmesh-engine");
-    let target = &hpa["spec"]["scaleTargetRef"];
-    find(
-        &objects,
-        target["kind"].as_str().unwrap_or(""),
-        target["name"].as_str().unwrap_or(""),
-    );
-    // The metric it scales on is one the engines export.
     let metric = hpa["spec"]["metrics"][0]["pods"]["metric"]["name"]
         .as_str()
         .unwrap_or("");
-    assert!(
-        read(&root().join("services/engine/src/metrics.rs")).contains(&format!("\"{metric}\"")),
-        "the engines export no {metric}"
-    );
-
-    // The CRDs, checked by structure: the rules are alerts.yml's, and scraping selects every
-    // workload's Service by its http port.
-    let rules = find(&objects, "PrometheusRule", "quantmesh");
-    let alerts: Value = serde_yaml::from_str(&read(&root().join("infra/prometheus/alerts.yml")))
-        .unwrap_or_else(|e| panic!("alerts.yml: {e}"));
-    assert_eq!(
-        rules["spec"]["groups"], alerts["groups"],
-        "PrometheusRule ≠ alerts.yml"
-    );
-    let monitor = find(&objects, "ServiceMonitor", "quantmesh");
-    assert_eq!(monitor["spec"]["endpoints"][0]["port"], "http");
-    assert_eq!(monitor["spec"]["endpoints"][0]["path"], "/metrics");
-    let scraped: BTreeSet<&str> = monitor["spec"]["selector"]["matchExpressions"][0]["values"]
+    let adapter: Value = serde_yaml::from_str(&read(
+        &root()
+            .join(BASE)
+            .join("addons/prometheus-adapter-values.yaml"),
+    ))
+    .unwrap_or_else(|e| panic!("{e}"));
+    let rules = adapter["rules"]["custom"]
         .as_sequence()
-        .into_iter()
-        .flatten()
-        .filter_map(Value::as_str)
-        .collect();
-    let services: BTreeSet<&str> = objects
-        .iter()
-        .filter(|o| o["kind"] == "Service")
-        .filter_map(|o| o["metadata"]["labels"]["app.kubernetes.io/name"].as_str())
-        .collect();
-    assert_eq!(
-        scraped, services,
-        "the ServiceMonitor does not scrape every Service"
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        rules.iter().any(|r| r["name"]["as"] == metric
+            && r["seriesQuery"]
+                .as_str()
+                .is_some_and(|q| q.starts_with(&format!("{metric}{{")))
+            && r["resources"]["overrides"]["pod"]["resource"] == "pod"),
+        "no prometheus-adapter rule serves {metric}: {rules:?}"
     );
 }
 
 #[test]
-fn compose_values_read_as_compose_reads_them() {
-    assert_eq!(compose_value("${A:-x}/latest").as_deref(), Some("x/latest"));
-    assert_eq!(compose_value("${A:-}").as_deref(), Some(""));
-    assert_eq!(compose_value("plain").as_deref(), Some("plain"));
-    assert_eq!(compose_value("${A:?set it}"), None);
+fn the_cronjob_overlay_runs_the_evolution_pod_once() {
+    let base = objects();
+    let overlay = render(&root().join(CRONJOB_OVERLAY));
+    assert!(
+        !overlay
+            .iter()
+            .any(|o| o["metadata"]["name"] == "quantmesh-evolution"
+                && (o["kind"] == "Deployment" || o["kind"] == "Service")),
+        "the overlay keeps the long-running evolution service"
+    );
+    let cron = find(&overlay, "CronJob", "quantmesh-evolution");
+    let deployment = find(&base, "Deployment", "quantmesh-evolution");
+    assert_eq!(
+        cron["spec"]["schedule"],
+        k8s_env(&base, container(deployment))["QUANTMESH_EVOLUTION_SCHEDULE"]
+            .clone()
+            .map(Value::String)
+            .unwrap_or(Value::Null),
+        "the CronJob's schedule is the service's"
+    );
+    assert_eq!(cron["spec"]["concurrencyPolicy"], "Forbid");
+    // The same pod, but for what a run-once job has no use for.
+    let mut job_pod = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"].clone();
+    let mut service_pod = deployment["spec"]["template"]["spec"].clone();
+    assert_eq!(job_pod["restartPolicy"], "OnFailure");
+    if let Some(m) = job_pod.as_mapping_mut() {
+        m.remove("restartPolicy");
+    }
+    let job = &mut job_pod["containers"][0];
+    assert_eq!(
+        job["args"],
+        serde_yaml::from_str::<Value>("[evolve, --once]").unwrap_or_default()
+    );
+    let service = &mut service_pod["containers"][0];
+    for c in [job, service] {
+        if let Some(m) = c.as_mapping_mut() {
+            for k in ["args", "ports", "readinessProbe", "livenessProbe"] {
+                m.remove(k);
+            }
+        }
+    }
+    assert_eq!(
+        job_pod, service_pod,
+        "the CronJob's pod is not the service's"
+    );
 }

@@ -10,6 +10,10 @@ pub enum EngineError {
     Model(#[from] ModelError),
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// A plan whose weights would not fit `engine.weight_budget` (refused; the plan in force
+    /// stays).
+    #[error("the plan does not fit engine.weight_budget: {0}")]
+    OverBudget(String),
     #[error("tensor op failed: {0}")]
     Tensor(#[from] candle_core::Error),
     /// A kernel was handed a shape it cannot multiply (a bug or a malformed checkpoint).

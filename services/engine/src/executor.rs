@@ -11,6 +11,7 @@ use crate::monitor::Observe;
 use crate::precision::{MaskHandle, StepOutput, StepRunner};
 use crate::stats::StatsCell;
 use actix::prelude::*;
+use quantmesh_types::WeightBudget;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -27,6 +28,10 @@ pub struct Execute(pub StepInput);
 pub struct SwapWeights {
     pub groups: Vec<PreparedGroup>,
     pub tables: Option<PreparedTables>,
+    /// Refuse the swap (nothing replaced) when the weights would then take more than this
+    /// share of the all-16-bit model (`engine.weight_budget`); `None` for no limit (and for
+    /// a rollback to weights that were in force).
+    pub within: Option<WeightBudget>,
 }
 
 /// Everything the executor owns. Behind a mutex only so the sync arbiter's factory can
@@ -195,6 +200,19 @@ impl Handler<SwapWeights> for ExecutorActor {
         let mut guard = self.state();
         let st = &mut *guard;
         contained(|| {
+            if let Some(budget) = msg.within {
+                let limit = budget.bytes(st.backend.weight_bytes().all_f16 as u64);
+                let after = st
+                    .backend
+                    .resident_bytes_after(&msg.groups, msg.tables.as_ref())
+                    as u64;
+                if after > limit {
+                    return Err(EngineError::OverBudget(format!(
+                        "its weights would take {after} bytes, over the {limit} of \
+                         weight_budget {budget}"
+                    )));
+                }
+            }
             st.backend.replace_weights(msg.groups, msg.tables)?;
             let (resident, linear) = (st.backend.resident_bytes(), st.backend.linear_bytes());
             let weights = st.backend.weight_bytes();

@@ -207,3 +207,90 @@ async fn a_reload_changes_the_tables_form_and_keeps_serving() {
         assert_eq!(r.await.unwrap(), 24, "a request across the reload");
     }
 }
+
+/// `engine.weight_budget` is a promise on every plan the engine takes: a reload whose
+/// weights would take more is refused before anything is swapped in (rejected, counted, the
+/// error naming the budget; the same version is not built again on the next poll), the plan
+/// and weights in force stay, and a plan within the budget is applied after it.
+#[actix_rt::test]
+async fn a_plan_over_the_weight_budget_is_refused_and_the_old_one_kept() {
+    use quantmesh_engine::reload::ReloadOutcome;
+    use quantmesh_engine::Engine;
+    let dir = tempfile::tempdir().unwrap();
+    init_model(dir.path(), &InitOptions::default()).unwrap();
+    let cfg = ModelConfig::load(dir.path()).unwrap();
+    // Every group 4-bit, no float copies: the plan the budget is measured on.
+    let plan_with = |raised: Option<&str>, k: u32| {
+        let groups: Vec<String> = (0..cfg.num_hidden_layers)
+            .flat_map(|l| GroupKind::ALL.map(move |kind| format!("layers.{l}.{}", kind.name())))
+            .map(|g| {
+                let class = if Some(g.as_str()) == raised {
+                    "w8a8"
+                } else {
+                    "w4a16"
+                };
+                format!(r#""{g}": {{"class": "{class}", "residency": "int8"}}"#)
+            })
+            .collect();
+        format!(
+            r#"{{"schema_version": 1, "thresholds": {{"k": {k}}}, "groups": {{{}}}}}"#,
+            groups.join(", ")
+        )
+    };
+    let plan = dir.path().join("plan.json");
+    std::fs::write(&plan, plan_with(None, 6)).unwrap();
+    let start = |budget| {
+        Engine::start(
+            dir.path(),
+            EngineConfig {
+                default_residency: Residency::Int8,
+                sensitive_layers: Some(plan.display().to_string()),
+                reload_interval: std::time::Duration::from_secs(3600),
+                weight_budget: budget,
+                ..Default::default()
+            },
+            "t",
+        )
+    };
+    let resident = |e: &Engine| e.config_status().weights.unwrap().total();
+    // The budget: exactly what the all-4-bit plan takes.
+    let measured = resident(&start(None).await.unwrap());
+    let e = start(Some(quantmesh_types::WeightBudget::Bytes(measured as u64)))
+        .await
+        .unwrap();
+    assert_eq!(resident(&e), measured);
+    let md5 = e.config_status().md5;
+
+    // One group raised to 8 bits with nothing lowered: over by that group's extra bytes.
+    std::fs::write(&plan, plan_with(Some("layers.0.down"), 6)).unwrap();
+    for _ in 0..2 {
+        let outcome = e.reload_config().await.unwrap();
+        let ReloadOutcome::Rejected { error, .. } = &outcome else {
+            panic!("an over-budget plan was not rejected: {outcome:?}");
+        };
+        assert!(
+            error.contains("weight_budget") && error.contains(&measured.to_string()),
+            "{error}"
+        );
+    }
+    let st = e.config_status();
+    assert_eq!(st.rejected_total, 1, "rejected once, then recognised");
+    assert_eq!(st.md5, md5, "the plan in force stays");
+    assert_eq!(resident(&e), measured, "the weights in force stay");
+    assert_eq!(
+        st.quant_format.get("layers.0.down"),
+        Some(&quantmesh_engine::backend::QuantFormat::Q4S8),
+        "{:?}",
+        st.quant_format
+    );
+
+    // Within the budget (the same bytes, another threshold): applied.
+    std::fs::write(&plan, plan_with(None, 7)).unwrap();
+    let outcome = e.reload_config().await.unwrap();
+    assert!(
+        matches!(outcome, ReloadOutcome::Applied { .. }),
+        "{outcome:?}"
+    );
+    assert_eq!(e.config_status().k, 7.0);
+    assert_eq!(resident(&e), measured);
+}

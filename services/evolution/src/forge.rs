@@ -66,12 +66,21 @@ impl PrOutcome {
     }
 }
 
-fn git(dir: &Path, args: &[&str]) -> Result<String, ForgeError> {
-    let out = Command::new("git")
-        .arg("-C")
-        .arg(dir)
+/// Run git (in `dir`, when given) with `env` added to its environment; its stdout, or its
+/// stderr as the error.
+fn run_git(
+    dir: Option<&Path>,
+    args: &[&str],
+    env: &[(String, String)],
+) -> Result<String, ForgeError> {
+    let mut cmd = Command::new("git");
+    if let Some(dir) = dir {
+        cmd.arg("-C").arg(dir);
+    }
+    let out = cmd
         .args(args)
         .env("GIT_TERMINAL_PROMPT", "0")
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .output()
         .map_err(|e| ForgeError::Git(args.join(" "), format!("cannot run git: {e}")))?;
     if !out.status.success() {
@@ -83,6 +92,59 @@ fn git(dir: &Path, args: &[&str]) -> Result<String, ForgeError> {
     Ok(String::from_utf8_lossy(&out.stdout).to_string())
 }
 
+fn git(dir: &Path, args: &[&str]) -> Result<String, ForgeError> {
+    run_git(Some(dir), args, &[])
+}
+
+/// How git authenticates to an HTTPS remote: when the variable `evolution.git.token_env`
+/// holds a token, a credential helper given to git in its environment
+/// (`GIT_CONFIG_COUNT`/`GIT_CONFIG_KEY_n`/`GIT_CONFIG_VALUE_n`) answers git's question with
+/// `evolution.git.username` and the token. The helper's text names the variable, not the
+/// token; the shell that runs it reads the variable git inherited and prints it with a
+/// builtin. So the token is in no file (not the clone's config, not the remote URL), no
+/// process's arguments and no log. Any helper configured before is cleared for these calls.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GitAuth {
+    env: Vec<(String, String)>,
+}
+
+impl GitAuth {
+    /// The helper for `s`, or none when the variable is unset or empty (git's own
+    /// credentials then: SSH keys, a local path).
+    pub fn from_settings(s: &GitSettings) -> Result<Self, ForgeError> {
+        s.validate().map_err(ForgeError::Settings)?;
+        let set = !s.token_env.is_empty()
+            && std::env::var_os(&s.token_env).is_some_and(|v| !v.is_empty());
+        if !set {
+            return Ok(Self::default());
+        }
+        let helper = format!(
+            "!f() {{ test \"$1\" = get || exit 0; echo username={}; echo \"password=${}\"; }}; f",
+            s.username, s.token_env
+        );
+        let env = [
+            ("GIT_CONFIG_COUNT", "2".to_string()),
+            ("GIT_CONFIG_KEY_0", "credential.helper".into()),
+            ("GIT_CONFIG_VALUE_0", String::new()),
+            ("GIT_CONFIG_KEY_1", "credential.helper".into()),
+            ("GIT_CONFIG_VALUE_1", helper),
+        ];
+        Ok(Self {
+            env: env.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
+        })
+    }
+
+    /// Whether a token will be offered.
+    pub fn has_token(&self) -> bool {
+        !self.env.is_empty()
+    }
+
+    /// What git's environment gains.
+    pub fn env(&self) -> &[(String, String)] {
+        &self.env
+    }
+}
+
 fn git_ok(dir: &Path, args: &[&str]) -> bool {
     git(dir, args).is_ok()
 }
@@ -91,6 +153,7 @@ fn git_ok(dir: &Path, args: &[&str]) -> bool {
 pub struct Checkout {
     dir: PathBuf,
     s: GitSettings,
+    auth: GitAuth,
 }
 
 impl Checkout {
@@ -101,28 +164,27 @@ impl Checkout {
                 "evolution.git.remote is empty: nothing to push to (use --dry-run)".into(),
             ));
         }
+        let auth = GitAuth::from_settings(s)?;
         let dir = s.checkout.clone();
         if !dir.join(".git").exists() {
             if let Some(parent) = dir.parent() {
                 std::fs::create_dir_all(parent)
                     .map_err(|e| ForgeError::Git("clone".into(), e.to_string()))?;
             }
-            let out = Command::new("git")
-                .args(["clone", "--quiet", &s.remote])
-                .arg(&dir)
-                .env("GIT_TERMINAL_PROMPT", "0")
-                .output()
-                .map_err(|e| ForgeError::Git("clone".into(), format!("cannot run git: {e}")))?;
-            if !out.status.success() {
-                return Err(ForgeError::Git(
-                    "clone".into(),
-                    String::from_utf8_lossy(&out.stderr).trim().to_string(),
-                ));
-            }
+            let target = dir.to_string_lossy();
+            run_git(None, &["clone", "--quiet", &s.remote, &target], auth.env())?;
         }
         git(&dir, &["remote", "set-url", "origin", &s.remote])?;
-        git(&dir, &["fetch", "--quiet", "--prune", "origin"])?;
-        Ok(Self { dir, s: s.clone() })
+        run_git(
+            Some(&dir),
+            &["fetch", "--quiet", "--prune", "origin"],
+            auth.env(),
+        )?;
+        Ok(Self {
+            dir,
+            s: s.clone(),
+            auth,
+        })
     }
 
     /// The plan file on the base branch (what the proposal starts from), if there is one.
@@ -183,8 +245,8 @@ impl Checkout {
                 "-c", &name, "-c", &email, "commit", "--quiet", "-m", message,
             ],
         )?;
-        git(
-            &self.dir,
+        run_git(
+            Some(&self.dir),
             &[
                 "push",
                 "--quiet",
@@ -192,6 +254,7 @@ impl Checkout {
                 "origin",
                 &format!("{branch}:{branch}"),
             ],
+            self.auth.env(),
         )?;
         Ok((branch, Some(true)))
     }

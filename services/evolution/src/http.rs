@@ -1,10 +1,11 @@
-//! The long-running service's HTTP surface: `GET /metrics` (Prometheus text) and
-//! `GET /health`; anything else is a JSON 404.
+//! The long-running service's HTTP surface: `GET /metrics` (Prometheus text),
+//! `GET /health` and `GET /runbooks` (the alerts' runbooks); anything else is a JSON 404.
 
 use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::Router;
+use quantmesh_telemetry::runbooks;
 
 /// The router over `registry`.
 pub fn router(registry: prometheus::Registry) -> Router {
@@ -35,6 +36,15 @@ pub fn router(registry: prometheus::Registry) -> Router {
         .route(
             "/health",
             get(|| async { axum::Json(serde_json::json!({"status": "ok"})) }),
+        )
+        .route(
+            runbooks::PATH,
+            get(|| async {
+                (
+                    [(header::CONTENT_TYPE, runbooks::CONTENT_TYPE)],
+                    runbooks::html(),
+                )
+            }),
         )
         .fallback(|| async { error(StatusCode::NOT_FOUND, "not_found", "not found") })
 }

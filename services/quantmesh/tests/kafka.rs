@@ -453,15 +453,27 @@ async fn full_outbox_drops_the_newest_counts_and_fires_the_alert() {
         .unwrap();
     assert_eq!(r.status(), 200);
 
-    // The alert fires in a real Prometheus.
+    // The alert fires in a real Prometheus, and its runbook link resolves: the engine it
+    // scraped serves the section the link names.
     let t0 = Instant::now();
     loop {
-        let firing = prom.alerts(&client).await.into_iter().any(|a| {
+        let firing = prom.alerts(&client).await.into_iter().find(|a| {
             a["labels"]["alertname"] == "QuantmeshEventsDropped"
                 && a["labels"]["reason"] == "outbox_full"
                 && a["state"] == "firing"
         });
-        if firing {
+        if let Some(alert) = firing {
+            let url = alert["annotations"]["runbook_url"].as_str().unwrap_or("");
+            let (page, anchor) = url
+                .split_once('#')
+                .unwrap_or_else(|| panic!("runbook_url {url:?} has no anchor"));
+            let r = client.get(page).send().await.unwrap();
+            assert_eq!(r.status(), 200, "{url}");
+            let body = r.text().await.unwrap();
+            assert!(
+                body.contains(&format!("<h2 id=\"{anchor}\">QuantmeshEventsDropped</h2>")),
+                "{url}: no such section"
+            );
             break;
         }
         assert!(

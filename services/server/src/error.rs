@@ -140,6 +140,7 @@ impl From<EngineError> for ApiError {
             EngineError::Model(ModelError::InvalidInput(m)) => ApiError::BadRequest(m),
             e @ (EngineError::Model(_)
             | EngineError::Config(_)
+            | EngineError::OverBudget(_)
             | EngineError::Tensor(_)
             | EngineError::Kernel(_)
             | EngineError::StepPanicked(_)) => ApiError::Internal(e.to_string()),

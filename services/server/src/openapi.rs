@@ -132,6 +132,15 @@ pub fn document(api_keys: bool, admin: bool) -> Value {
             errors: &[],
         },
         Route {
+            path: "/runbooks",
+            method: "get",
+            summary: "The runbook of every alert (HTML; each alert's section is anchored by its lower-cased name, where the alert rules' runbook_url points).",
+            access: Access::Public,
+            request: None,
+            ok: Body::Text("text/html"),
+            errors: &[],
+        },
+        Route {
             path: "/openapi.json",
             method: "get",
             summary: "This document.",

@@ -120,7 +120,37 @@ impl EvolutionSettings {
         self.schedule
             .parse::<croner::Cron>()
             .map_err(|e| format!("evolution.schedule {:?}: {e}", self.schedule))?;
+        self.git.validate()?;
         self.rules.validate()
+    }
+}
+
+impl GitSettings {
+    /// The token variable and the username go into git's credential helper: a variable name
+    /// and a plain account name, nothing a shell would read as more.
+    pub fn validate(&self) -> Result<(), String> {
+        let name = |c: char| c.is_ascii_alphanumeric() || c == '_';
+        if !self.token_env.is_empty()
+            && (!self.token_env.chars().all(name)
+                || self.token_env.starts_with(|c: char| c.is_ascii_digit()))
+        {
+            return Err(format!(
+                "evolution.git.token_env {:?} is not an environment variable name",
+                self.token_env
+            ));
+        }
+        if self.username.is_empty()
+            || !self
+                .username
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "._@+-".contains(c))
+        {
+            return Err(format!(
+                "evolution.git.username {:?}: letters, digits and . _ @ + - only",
+                self.username
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -140,6 +170,13 @@ pub struct GitSettings {
     pub branch_prefix: String,
     pub author_name: String,
     pub author_email: String,
+    /// Name of the environment variable holding the token git pushes with over HTTPS (set:
+    /// git gets it from a credential helper in its environment, never from a file, the URL or
+    /// an argument; unset or empty: git's own credentials, e.g. SSH keys or a local path).
+    pub token_env: String,
+    /// The username sent with that token (`x-access-token` for GitHub's tokens; Gitea and
+    /// Forgejo take the token's owner).
+    pub username: String,
 }
 
 impl Default for GitSettings {
@@ -152,6 +189,8 @@ impl Default for GitSettings {
             branch_prefix: "quantmesh/evolve/".into(),
             author_name: "quantmesh-evolve".into(),
             author_email: "quantmesh-evolve@localhost".into(),
+            token_env: "QUANTMESH_FORGE_TOKEN".into(),
+            username: "x-access-token".into(),
         }
     }
 }

@@ -272,6 +272,8 @@ pub struct PreparedGroup {
     /// What the new quantized form does to each input column (for the monitor's harm
     /// statistic; `None` without a quantized form).
     pub column_error: Option<Arc<ColumnError>>,
+    /// Resident bytes of the group in its new form (weights, copies, bias).
+    pub bytes: usize,
     pub(crate) inner: Box<dyn Any + Send>,
 }
 
@@ -284,6 +286,8 @@ pub type GroupLoader =
 /// The vocabulary tables built off the serving thread in a new form, waiting to be swapped
 /// in with the groups by [`Backend::replace_weights`].
 pub struct PreparedTables {
+    /// Resident bytes of the tables in their new form.
+    pub bytes: usize,
     pub(crate) inner: Box<dyn Any + Send>,
 }
 
@@ -316,6 +320,13 @@ pub trait Backend: Send + 'static {
     fn resident_bytes(&self) -> usize;
     /// Resident weight bytes by form, and the all-f16 baseline.
     fn weight_bytes(&self) -> WeightBytes;
+    /// All resident weight bytes once `groups` and `tables` replace what they replace: the
+    /// figure [`Backend::replace_weights`] would leave, known before anything is built in.
+    fn resident_bytes_after(
+        &self,
+        groups: &[PreparedGroup],
+        tables: Option<&PreparedTables>,
+    ) -> usize;
     /// How this backend stores float copies.
     fn float_dtype(&self) -> FloatDtype;
     /// Put prepared groups (and tables, when their form changes) in place, all or nothing

@@ -37,7 +37,7 @@ use quantmesh_model::{Checkpoint, ModelConfig};
 use quantmesh_store::Location;
 use quantmesh_types::{
     now_ms, ConfigAction, ConfigEvent, GroupId, ModelShape, Residency, SensitiveLayers,
-    CONFIG_EVENT_SCHEMA_VERSION,
+    WeightBudget, CONFIG_EVENT_SCHEMA_VERSION,
 };
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -344,6 +344,14 @@ impl Reloader {
                     seconds,
                 }
             }
+            // A plan over the weight budget is refused like an invalid one: the same version
+            // is not built again on every poll.
+            Err(e @ EngineError::OverBudget(_)) => {
+                let error = e.to_string();
+                self.refuse(ConfigAction::Rejected, &md5, previous, &error);
+                state.rejected = Some((md5.clone(), error.clone()));
+                ReloadOutcome::Rejected { md5, error }
+            }
             Err(e) => {
                 let error = e.to_string();
                 self.refuse(ConfigAction::Failed, &md5, previous, &error);
@@ -390,7 +398,8 @@ impl Reloader {
         let column_errors = if changed.is_empty() && tables.is_none() {
             Vec::new()
         } else {
-            self.swap(changed.clone(), tables).await?
+            self.swap(changed.clone(), tables, self.base.weight_budget)
+                .await?
         };
         if let Err(e) = self.reconfigure(new, column_errors).await {
             if !changed.is_empty() || tables.is_some() {
@@ -399,7 +408,7 @@ impl Reloader {
                     .map(|(g, _)| (*g, old.form(*g, default)))
                     .collect();
                 let old_tables = tables.map(|_| old.embeddings);
-                match self.swap(back, old_tables).await {
+                match self.swap(back, old_tables, None).await {
                     Ok(_) => {
                         tracing::warn!(error = %e, "reconfiguring the monitor failed: the previous weights are back")
                     }
@@ -420,6 +429,7 @@ impl Reloader {
         &self,
         groups: Vec<(GroupId, GroupForm)>,
         tables: Option<EmbeddingDtype>,
+        within: Option<WeightBudget>,
     ) -> Result<Vec<(GroupId, Option<Arc<ColumnError>>)>> {
         let dir = self.model_dir.clone();
         let mcfg = self.model_config.clone();
@@ -444,6 +454,7 @@ impl Reloader {
             .send(SwapWeights {
                 groups: built,
                 tables,
+                within,
             })
             .await
             .map_err(|_| EngineError::Stopped)??;

@@ -504,6 +504,10 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
     cfg.route("/health", web::get().to(health))
         .route("/ready", web::get().to(ready))
         .route("/metrics", web::get().to(metrics))
+        .route(
+            quantmesh_telemetry::runbooks::PATH,
+            web::get().to(quantmesh_server::routes::runbooks_page),
+        )
         .route("/v1/models", web::get().to(from_any_engine))
         .route("/openapi.json", web::get().to(from_any_engine))
         .route("/v1/completions", web::post().to(generate))

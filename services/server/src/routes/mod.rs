@@ -10,6 +10,7 @@ use crate::error::ApiError;
 use crate::openai::{ChatRequest, CompletionRequest, HealthBody, ModelCard, ModelList, ReadyBody};
 use crate::state::AppState;
 use actix_web::{web, HttpRequest, HttpResponse};
+use quantmesh_telemetry::runbooks;
 
 mod admin;
 mod door;
@@ -24,6 +25,7 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
     cfg.route("/health", web::get().to(health))
         .route("/ready", web::get().to(ready))
         .route("/metrics", web::get().to(metrics))
+        .route(runbooks::PATH, web::get().to(runbooks_page))
         .route("/openapi.json", web::get().to(openapi))
         .route("/v1/models", web::get().to(models))
         .route(
@@ -55,6 +57,13 @@ async fn not_found(req: HttpRequest) -> Result<HttpResponse, ApiError> {
         req.method(),
         req.path()
     )))
+}
+
+/// `GET /runbooks`: the alerts' runbooks, as every quantmesh process serves them.
+pub async fn runbooks_page() -> HttpResponse {
+    HttpResponse::Ok()
+        .content_type(runbooks::CONTENT_TYPE)
+        .body(runbooks::html())
 }
 
 async fn health() -> HttpResponse {

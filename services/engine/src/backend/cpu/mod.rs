@@ -144,6 +144,7 @@ fn prepare_group(
         group: g,
         form,
         column_error: lin.column_error(),
+        bytes: lin.resident_bytes(),
         inner: Box::new(lin),
     })
 }
@@ -175,9 +176,21 @@ fn prepare_tables(
     cfg: &ModelConfig,
     form: EmbeddingDtype,
 ) -> Result<PreparedTables> {
+    let (embed, lm_head) = load_tables(ck, cfg, form)?;
+    let bytes = table_pair_bytes(&embed, &lm_head);
     Ok(PreparedTables {
-        inner: Box::new(load_tables(ck, cfg, form)?),
+        bytes,
+        inner: Box::new((embed, lm_head)),
     })
+}
+
+/// Resident bytes of the vocabulary tables (one, when shared).
+fn table_pair_bytes(embed: &Arc<Table>, lm_head: &Arc<Table>) -> usize {
+    if Arc::ptr_eq(embed, lm_head) {
+        embed.bytes()
+    } else {
+        embed.bytes() + lm_head.bytes()
+    }
 }
 
 struct Layer {
@@ -355,6 +368,22 @@ impl Backend for LlamaModel {
     /// Linear groups + float embeddings, norms, lm_head.
     fn resident_bytes(&self) -> usize {
         self.weight_bytes().total()
+    }
+
+    fn resident_bytes_after(
+        &self,
+        groups: &[PreparedGroup],
+        tables: Option<&PreparedTables>,
+    ) -> usize {
+        let mut bytes = self.resident_bytes();
+        for p in groups {
+            bytes -= self.layers[p.group.layer].groups[p.group.kind.index()].resident_bytes();
+            bytes += p.bytes;
+        }
+        if let Some(t) = tables {
+            bytes = bytes - table_pair_bytes(&self.embed, &self.lm_head) + t.bytes;
+        }
+        bytes
     }
 
     fn weight_bytes(&self) -> WeightBytes {
