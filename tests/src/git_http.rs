@@ -5,7 +5,7 @@
 //! the tests to check. Requests are read with `Content-Length` or chunked bodies; answers
 //! close the connection.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -69,7 +69,7 @@ pub async fn start(root: &Path, user: &str, token: &str) -> GitHttp {
 
 async fn serve_one(
     mut sock: tokio::net::TcpStream,
-    root: &PathBuf,
+    root: &Path,
     user: &str,
     expected: &str,
     seen: &Mutex<Vec<String>>,

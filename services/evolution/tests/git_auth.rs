@@ -103,9 +103,14 @@ async fn evolve_pushes_to_a_remote_that_requires_a_token_from_the_environment() 
     let err = open
         .expect_err("a clone without credentials succeeded")
         .to_string();
+    // git asked for credentials (the server's 401) and, with none to give, stopped.
     assert!(
-        err.contains("401") || err.to_lowercase().contains("authentication"),
+        err.contains("could not read Username") || err.to_lowercase().contains("authentication"),
         "{err}"
+    );
+    assert!(
+        server.auth_seen.lock().unwrap().iter().all(String::is_empty),
+        "credentials were sent without a token"
     );
 
     // With the token in the environment, as a Secret's env var provides it.
