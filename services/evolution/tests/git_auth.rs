@@ -109,7 +109,12 @@ async fn evolve_pushes_to_a_remote_that_requires_a_token_from_the_environment() 
         "{err}"
     );
     assert!(
-        server.auth_seen.lock().unwrap().iter().all(String::is_empty),
+        server
+            .auth_seen
+            .lock()
+            .unwrap()
+            .iter()
+            .all(String::is_empty),
         "credentials were sent without a token"
     );
 

