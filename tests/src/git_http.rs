@@ -1,4 +1,5 @@
-//! A real git server over HTTP that requires credentials: git's own `git http-backend` (the
+//! Real git repositories for the tests: a bare plan repository (`plan_repo`), and a real git
+//! server over HTTP that requires credentials: git's own `git http-backend` (the
 //! smart-HTTP CGI program that ships with git) behind a small HTTP front that asks for Basic
 //! authentication and refuses every request without the expected user and token, as a forge
 //! does for a private repository. The front records each request's `Authorization` header for
@@ -9,6 +10,50 @@ use std::path::Path;
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// Run git in `dir`; its stdout (a failure fails the test, with git's stderr).
+pub fn git(dir: &Path, args: &[&str]) -> String {
+    let out = std::process::Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "git {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).to_string()
+}
+
+/// A bare repository `root/plans.git` whose `main` holds `sensitive_layers.json` with
+/// `plan` (committed through a clone in `root/seed`). Returns its path.
+pub fn plan_repo(root: &Path, plan: &str) -> std::path::PathBuf {
+    git(
+        root,
+        &["init", "--quiet", "--bare", "-b", "main", "plans.git"],
+    );
+    git(root, &["clone", "--quiet", "plans.git", "seed"]);
+    let seed = root.join("seed");
+    std::fs::write(seed.join("sensitive_layers.json"), plan).unwrap();
+    git(&seed, &["add", "."]);
+    git(
+        &seed,
+        &[
+            "-c",
+            "user.name=t",
+            "-c",
+            "user.email=t@t",
+            "commit",
+            "--quiet",
+            "-m",
+            "plan",
+        ],
+    );
+    git(&seed, &["push", "--quiet", "origin", "HEAD:main"]);
+    root.join("plans.git")
+}
 
 /// The server: `url(repo)` is the clone URL of `root/repo`.
 pub struct GitHttp {

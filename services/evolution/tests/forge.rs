@@ -7,6 +7,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use quantmesh_testkit::forge_stub::{self, start_stub};
+use quantmesh_testkit::git_http::{self, git};
 
 use quantmesh_evolution::analysis::Span;
 use quantmesh_evolution::forge::{ForgeKind, PrOutcome};
@@ -17,64 +18,18 @@ use quantmesh_evolution::EvolutionSettings;
 use quantmesh_kafka::KafkaSettings;
 use quantmesh_types::{WindowEvent, WindowGroup};
 use std::path::Path;
-use std::process::Command;
 use std::sync::Arc;
 
 const T0: u64 = 1_790_000_000_000;
 
-fn git(dir: &Path, args: &[&str]) -> String {
-    let out = Command::new("git")
-        .arg("-C")
-        .arg(dir)
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "git {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).to_string()
-}
-
 /// A bare repository whose `main` holds a plan with `layers.1.down` INT8-only.
 fn plan_repo(root: &Path) -> String {
-    let bare = root.join("plans.git");
-    let out = Command::new("git")
-        .args(["init", "--quiet", "--bare", "-b", "main"])
-        .arg(&bare)
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    let seed = root.join("seed");
-    let out = Command::new("git")
-        .args(["clone", "--quiet"])
-        .arg(&bare)
-        .arg(&seed)
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    std::fs::write(
-        seed.join("sensitive_layers.json"),
+    git_http::plan_repo(
+        root,
         r#"{"schema_version": 1, "groups": {"layers.1.down": {"class": "w8a8"}}}"#,
     )
-    .unwrap();
-    git(&seed, &["add", "."]);
-    git(
-        &seed,
-        &[
-            "-c",
-            "user.name=t",
-            "-c",
-            "user.email=t@t",
-            "commit",
-            "--quiet",
-            "-m",
-            "plan",
-        ],
-    );
-    git(&seed, &["push", "--quiet", "origin", "HEAD:main"]);
-    bare.display().to_string()
+    .display()
+    .to_string()
 }
 
 /// 40 windows: `layers.1.down` (INT8-only) wanted float in every other one; `kl` per window.

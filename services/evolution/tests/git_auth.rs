@@ -8,59 +8,11 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use quantmesh_evolution::forge::{Checkout, GitAuth, GitSettings};
-use quantmesh_testkit::git_http;
+use quantmesh_testkit::git_http::{self, git};
 use std::path::Path;
-use std::process::Command;
 
 const TOKEN: &str = "qm-test-token-7f3a9c2e51";
 const USER: &str = "x-access-token";
-
-fn git(dir: &Path, args: &[&str]) -> String {
-    let out = Command::new("git")
-        .arg("-C")
-        .arg(dir)
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "git {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).to_string()
-}
-
-/// `root/plans.git`, a bare repository whose `main` holds a plan.
-fn bare_repo(root: &Path) {
-    let bare = root.join("plans.git");
-    git(
-        root,
-        &["init", "--quiet", "--bare", "-b", "main", "plans.git"],
-    );
-    let seed = root.join("seed");
-    git(root, &["clone", "--quiet", "plans.git", "seed"]);
-    std::fs::write(
-        seed.join("sensitive_layers.json"),
-        "{\"schema_version\": 1}\n",
-    )
-    .unwrap();
-    git(&seed, &["add", "."]);
-    git(
-        &seed,
-        &[
-            "-c",
-            "user.name=t",
-            "-c",
-            "user.email=t@t",
-            "commit",
-            "--quiet",
-            "-m",
-            "plan",
-        ],
-    );
-    git(&seed, &["push", "--quiet", "origin", "HEAD:main"]);
-    assert!(bare.join("refs/heads/main").exists() || bare.join("packed-refs").exists());
-}
 
 /// Every file under `dir` that holds `needle`.
 fn files_holding(dir: &Path, needle: &[u8]) -> Vec<String> {
@@ -85,7 +37,7 @@ async fn evolve_pushes_to_a_remote_that_requires_a_token_from_the_environment() 
     let tmp = tempfile::tempdir().unwrap();
     let repos = tmp.path().join("repos");
     std::fs::create_dir_all(&repos).unwrap();
-    bare_repo(&repos);
+    git_http::plan_repo(&repos, "{\"schema_version\": 1}\n");
     let server = git_http::start(&repos, USER, TOKEN).await;
     let var = format!("QM_TEST_GIT_TOKEN_{}", std::process::id());
     let settings = |checkout: &str| GitSettings {

@@ -560,6 +560,14 @@ pub async fn run_gateway(
             }
         }
     }
+    // Serve once an engine is up (its first health check passed), for at most
+    // `mesh.connect_timeout`: a gateway that answered at once would refuse with 503 "no
+    // engine is up" the requests that arrive while it discovers engines it is about to find
+    // (a restart under load). Connections that arrive meanwhile wait in the listener's queue.
+    let settle = Instant::now() + settings.mesh.connect_timeout;
+    while mesh.up() == 0 && Instant::now() < settle {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
     let timeout = settings.server.shutdown_timeout_secs;
     let state = web::Data::new(MeshState {
         admission: Arc::new(Semaphore::new(settings.server.max_concurrent_requests)),

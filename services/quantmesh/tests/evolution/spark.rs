@@ -3,6 +3,9 @@
 
 use std::process::{Command, Stdio};
 
+/// `quantmesh ARGS` with extra environment: whether it succeeded, and what it printed.
+pub type Cli = fn(&[&str], &[(&str, &str)]) -> (bool, String);
+
 /// What a lake holds beside the files its writer made: a leftover staging copy of one
 /// (`….parquet.tmp`, its rows again if it were read), and that file rewritten by a newer
 /// writer with a column the table's schema does not have (same rows). Returns what it did.
@@ -62,7 +65,7 @@ pub async fn same_evidence_and_proposal_on_spark(
     cfg: &str,
     served: &str,
     pushed_plan: &str,
-    quantmesh: fn(&[&str], &[(&str, &str)]) -> (bool, String),
+    quantmesh: Cli,
 ) {
     use quantmesh_evolution::analysis::EvidenceFile;
     let has_pyspark = Command::new("python3")
