@@ -219,19 +219,11 @@ async fn served_windows_land_in_the_lake_once_across_a_sigkill_between_write_and
 
 use quantmesh_testkit::forge_stub;
 
+/// The test kit's git, its output trimmed (revisions are passed on as arguments).
 fn git(dir: &std::path::Path, args: &[&str]) -> String {
-    let out = Command::new("git")
-        .arg("-C")
-        .arg(dir)
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "git {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
+    quantmesh_testkit::git_http::git(dir, args)
+        .trim()
+        .to_string()
 }
 
 fn quantmesh(args: &[&str], env: &[(&str, &str)]) -> (bool, String) {

@@ -394,13 +394,11 @@ impl Backend for LlamaModel {
                 .iter()
                 .map(|l| l.input_norm.elem_count() + l.post_norm.elem_count())
                 .sum::<usize>();
-        let (tables, table_params) = if tied {
-            (self.embed.bytes(), self.embed.elem_count())
+        let tables = table_pair_bytes(&self.embed, &self.lm_head);
+        let table_params = if tied {
+            self.embed.elem_count()
         } else {
-            (
-                self.embed.bytes() + self.lm_head.bytes(),
-                self.embed.elem_count() + self.lm_head.elem_count(),
-            )
+            self.embed.elem_count() + self.lm_head.elem_count()
         };
         let other_params = norms + table_params;
         let mut wb = WeightBytes {
