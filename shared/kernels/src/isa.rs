@@ -23,6 +23,9 @@ pub enum Isa {
     /// of (activation rows × output rows) — prefill chunks and batched decode steps; the
     /// rows left over, and every other kernel, run as under [`Isa::Avx512`].
     Amx,
+    /// aarch64 Advanced SIMD (NEON), part of every ARMv8-A core: the Q8_0 and 4-bit
+    /// products; the other kernels run their portable form.
+    Neon,
 }
 
 impl Isa {
@@ -32,6 +35,7 @@ impl Isa {
             Isa::Avx2 => "avx2",
             Isa::Avx512 => "avx512",
             Isa::Amx => "amx",
+            Isa::Neon => "neon",
         }
     }
 
@@ -42,12 +46,13 @@ impl Isa {
             Isa::Avx2 => avx2_available(),
             Isa::Avx512 => avx2_available() && avx512_vnni_available(),
             Isa::Amx => Isa::Avx512.available() && amx_granted(),
+            Isa::Neon => neon_available(),
         }
     }
 
     /// Every instruction set this CPU can run, the best last.
     pub fn all_available() -> Vec<Isa> {
-        [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Amx]
+        [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Amx, Isa::Neon]
             .into_iter()
             .filter(|i| i.available())
             .collect()
@@ -76,6 +81,7 @@ impl Isa {
     }
 
     /// Whether the x86 SIMD kernels (AVX2 and up) run under `self`.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(crate) fn x86_simd(self) -> bool {
         matches!(self, Isa::Avx2 | Isa::Avx512 | Isa::Amx)
     }
@@ -87,7 +93,7 @@ impl Isa {
     }
 
     /// The best this CPU runs, unless `QUANTMESH_KERNEL` names another (`scalar`, `avx2`,
-    /// `avx512`, `amx`;
+    /// `avx512`, `amx`, `neon`;
     /// `auto` or unset: detect). A name the CPU cannot run, or an unknown one, falls back
     /// to detection with a message on stderr (once). Decided once per process.
     pub fn detect() -> Isa {
@@ -124,8 +130,9 @@ impl std::str::FromStr for Isa {
             "avx2" => Ok(Isa::Avx2),
             "avx512" => Ok(Isa::Avx512),
             "amx" => Ok(Isa::Amx),
+            "neon" => Ok(Isa::Neon),
             other => Err(format!(
-                "{other:?} is not scalar, avx2, avx512, amx or auto"
+                "{other:?} is not scalar, avx2, avx512, amx, neon or auto"
             )),
         }
     }
@@ -162,5 +169,15 @@ fn amx_granted() -> bool {
 
 #[cfg(not(target_arch = "x86_64"))]
 fn amx_granted() -> bool {
+    false
+}
+
+#[cfg(target_arch = "aarch64")]
+fn neon_available() -> bool {
+    std::arch::is_aarch64_feature_detected!("neon")
+}
+
+#[cfg(not(target_arch = "aarch64"))]
+fn neon_available() -> bool {
     false
 }

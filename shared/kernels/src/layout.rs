@@ -11,12 +11,12 @@
 //!   the 32-value blocks of the tile's rows interleaved (`[tile][block][row in tile][32]`);
 //!   a row's block is one run of 32 bytes, what the AMX tiles (and `vpdpbusd` for the rows
 //!   they leave over) take.
-//! - [`Q8Layout::PairColumns`] (AVX2) and [`Q8Layout::WidePairColumns`] (AVX-512 VNNI):
-//!   tiles of 8 or 16 rows, each block stored by pairs of columns
+//! - [`Q8Layout::PairColumns`] (AVX2, NEON) and [`Q8Layout::WidePairColumns`] (AVX-512
+//!   VNNI): tiles of 8 or 16 rows, each block stored by pairs of columns
 //!   (`[tile][block][pair][row in tile][2]`): one 16- or 32-byte load widened to 16 bits is
-//!   the pair for all the tile's rows, and `vpmaddwd` / `vpdpwssd` against an activation
-//!   pair broadcast to every lane leaves each row's partial sum in its own lane, with no
-//!   horizontal sums, for 8- and 16-bit activations at one cost.
+//!   the pair for all the tile's rows, and `vpmaddwd` / `vpdpwssd` (NEON: `smlal` and one
+//!   pairwise add per block) against an activation pair broadcast to every lane leaves each
+//!   row's partial sum in its own lane, for 8- and 16-bit activations at one cost.
 //!
 //! The f16 scales are kept in the tiles' order (`[tile][block][row in tile]`). The bytes are
 //! Q8_0's own (34 per 32 weights); a row count the tile height does not divide is padded

@@ -5,8 +5,9 @@
 //!
 //! - [`PackedQ8`]: Q8_0 weights (8-bit values, one scale per 32) repacked at load into tiles
 //!   of output rows, each tile one contiguous run with its scales, in the order the
-//!   instruction set's kernel reads ([`Q8Layout`]: whole blocks per row for AVX-512 VNNI and
-//!   AMX, column pairs across 8 rows for AVX2), so one pass streams every weight once
+//!   instruction set's kernel reads ([`Q8Layout`]: whole blocks per row for AMX, column
+//!   pairs across 16 rows for AVX-512 VNNI, across 8 rows for AVX2 and NEON), so one pass
+//!   streams every weight once
 //!   whatever the number of rows.
 //! - [`PackedQ4`]: 4-bit weights (16 levels `d · q + m` per block of 32, `d` and `m` as
 //!   8-bit fractions of f16 values shared by up to 8 blocks), in the AVX2 kernel's
@@ -24,7 +25,7 @@
 //! - [`attention`]: causal attention of a chunk's query rows over a sequence's keys and
 //!   values, every (row, head) pair a work item on the pool.
 //! - [`Isa`]: the instruction set the kernels run with, detected at run time
-//!   (`QUANTMESH_KERNEL=scalar|avx2|avx512|amx` forces one; the scalar path is the reference every
+//!   (`QUANTMESH_KERNEL=scalar|avx2|avx512|amx|neon` forces one; the scalar path is the reference every
 //!   SIMD kernel is tested against).
 //! - [`ColumnError`]: what a quantization does to each input column, and the output
 //!   noise-to-signal ratio that gives one input row (the monitor's harm statistic).
@@ -46,6 +47,8 @@ mod f16;
 mod hadamard;
 mod isa;
 mod layout;
+#[cfg(target_arch = "aarch64")]
+mod neon;
 mod pool;
 mod q4;
 mod q4_product;

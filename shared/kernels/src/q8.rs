@@ -15,7 +15,7 @@ impl Q8Layout {
     /// The order `isa`'s Q8_0 kernel reads (the scalar reference reads every order).
     pub fn for_isa(isa: Isa) -> Self {
         match isa {
-            Isa::Avx2 => Q8Layout::PairColumns,
+            Isa::Avx2 | Isa::Neon => Q8Layout::PairColumns,
             Isa::Avx512 => Q8Layout::WidePairColumns,
             Isa::Scalar | Isa::Amx => Q8Layout::RowTiles,
         }
@@ -108,6 +108,11 @@ impl PackedQ8 {
                 // SAFETY: `isa.available()` checked AVX2, FMA and F16C (AVX-512 implies them).
                 (isa, Q8Layout::PairColumns) if isa.x86_simd() => unsafe {
                     crate::x86::q8_tiles(self, a, tiles, dst.0)
+                },
+                #[cfg(target_arch = "aarch64")]
+                // SAFETY: `isa.available()` checked NEON.
+                (Isa::Neon, Q8Layout::PairColumns) => unsafe {
+                    crate::neon::q8_tiles(self, a, tiles, dst.0)
                 },
                 _ => scalar::q8_tiles(self, a, tiles, dst.0),
             }

@@ -159,6 +159,53 @@ fn both_layouts_hold_the_same_weights() {
     assert_eq!(Q8Layout::for_isa(Isa::Avx2), Q8Layout::PairColumns);
     assert_eq!(Q8Layout::for_isa(Isa::Avx512), Q8Layout::WidePairColumns);
     assert_eq!(Q8Layout::for_isa(Isa::Amx), Q8Layout::RowTiles);
+    assert_eq!(Q8Layout::for_isa(Isa::Neon), Q8Layout::PairColumns);
+}
+
+/// The NEON kernel scales each block's integer sums as the scalar reference does (separate
+/// multiplies and adds, in its order): on aarch64 it equals the reference bit for bit, on
+/// random operands of model and odd shapes, both widths, one thread and several. (The
+/// test command runs the kernel tests for aarch64 under qemu-user; elsewhere NEON is not
+/// available and this checks that no instruction set claims it.)
+#[test]
+fn neon_equals_the_reference_bit_for_bit() {
+    if !Isa::Neon.available() {
+        assert!(
+            !cfg!(target_arch = "aarch64"),
+            "every aarch64 core has NEON"
+        );
+        return;
+    }
+    assert_eq!(Isa::detect(), Isa::Neon, "the best this CPU runs");
+    for (i, &(rows, cols, m)) in [
+        (960, 576, 1),
+        (37, 5 * BLOCK, 7),
+        (576, 1536, 3),
+        (9, 64, 70),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let wf = rand_vec(rows * cols, 40 + i as u64, 0.1);
+        let xf = rand_vec(m * cols, 50 + i as u64, 1.0);
+        for bits in [ActBits::Eight, ActBits::Sixteen] {
+            let mut a = Activations::new();
+            a.quantize_with(&xf, m, cols, bits, Isa::Scalar).unwrap();
+            for threads in [1, 3] {
+                let pool = Pool::new(threads);
+                let w = PackedQ8::quantize_in(&wf, rows, cols, Q8Layout::PairColumns).unwrap();
+                let reference = product(&w, &a, Isa::Scalar, &pool);
+                let neon = product(&w, &a, Isa::Neon, &pool);
+                assert!(
+                    reference
+                        .iter()
+                        .zip(&neon)
+                        .all(|(r, n)| r.to_bits() == n.to_bits()),
+                    "[{rows}x{cols}] m={m} {bits:?} threads={threads}"
+                );
+            }
+        }
+    }
 }
 
 /// 16-bit activations leave the weights' error alone: against the product with the f32
