@@ -51,7 +51,9 @@ pub enum FallbackAction {
     /// Float was wanted, the group holds no float copy, and the rows were served with
     /// ≈ 16-bit activations on its quantized weights instead (`split_activations =
     /// "copyless"`, where every other row runs 8-bit activations): a fallback that costs no
-    /// memory. Added in v1 (consumers that list the actions must accept it).
+    /// memory — per token, or per layer (every row of the group) when its outlier rate
+    /// passed the trigger; such a layer fallback ends with `exit`. Added in v1 (consumers
+    /// that list the actions must accept it).
     Split,
 }
 
@@ -238,7 +240,8 @@ pub struct WindowGroup {
     /// Whether the group ran its float path at the window's end (fallback, coupled or
     /// forced, holding a float copy).
     pub in_float: bool,
-    /// Whether the group wanted float in this window but holds no float copy.
+    /// Whether the group wanted float in this window but holds no float copy (also when
+    /// its rows were served split instead, under `split_activations = "copyless"`).
     pub wanted_unavailable: bool,
     /// The group's residency (`int8`, `dual`, `float`).
     pub residency: String,

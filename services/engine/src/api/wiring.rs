@@ -289,6 +289,13 @@ impl Engine {
             live,
             width,
         } = parts;
+        // The kernels this process runs (detected, or `QUANTMESH_KERNEL`), said once: what a
+        // benchmark records beside its figures.
+        tracing::info!(
+            isa = quantmesh_kernels::Isa::detect().as_str(),
+            threads = quantmesh_kernels::Pool::global().threads(),
+            "kernels chosen"
+        );
         // The activation width in force (`auto` resolved by `load_parts`), said once.
         match width.ratio {
             Some(ratio) => tracing::info!(

@@ -125,6 +125,10 @@ struct GroupState {
     /// Per-token bound published to the executor; refreshed when the group becomes ready
     /// and at every window end (not every step, so the mask is not republished per step).
     token_bound: f32,
+    /// Rows that want float in this group, which holds no float copy, are served with
+    /// ≈ 16-bit activations on its quantized weights (`split_activations = "copyless"`):
+    /// its fallbacks, per token and per layer, are `split` rather than `unavailable`.
+    split: bool,
 }
 
 impl GroupState {
@@ -135,11 +139,32 @@ impl GroupState {
     fn bound(&self, k: f64) -> f64 {
         (self.mean + k * self.sigma()).max(self.mean * (1.0 + self.min_excess))
     }
+    /// Whether the group has a better path than its 8-bit activations to fall back to: a
+    /// float copy, or (copyless) 16-bit activations on its quantized weights.
+    fn can_fall_back(&self) -> bool {
+        self.residency.has_float() || self.split
+    }
+    /// The action a fallback of this group is: `enter` onto its float copy, `split` onto
+    /// 16-bit activations, `unavailable` when it has neither.
+    fn fallback_action(&self) -> FallbackAction {
+        if self.residency.has_float() {
+            FallbackAction::Enter
+        } else if self.split {
+            FallbackAction::Split
+        } else {
+            FallbackAction::Unavailable
+        }
+    }
+    /// In fallback: every row on the group's better path (float, or 16-bit activations).
     fn in_float(&self) -> bool {
         matches!(
             self.mode,
             GroupMode::Fallback | GroupMode::Coupled | GroupMode::ForcedFloat
-        ) && self.residency.has_float()
+        ) && self.can_fall_back()
+    }
+    /// In fallback on a float copy (what moves the layer's KV cache to float too).
+    fn on_float_copy(&self) -> bool {
+        self.in_float() && self.residency.has_float()
     }
 }
 
@@ -315,6 +340,7 @@ impl Monitor {
                         reason: None,
                         wanted_unavailable: false,
                         token_bound: f32::INFINITY,
+                        split: false,
                     },
                 )
             })
@@ -356,13 +382,16 @@ impl Monitor {
         residencies: &[(GroupId, Residency)],
         config_md5: Option<String>,
     ) {
+        let split = self.split_fallback;
         for (g, r) in residencies {
             if let Some(s) = self.groups.get_mut(g) {
-                if s.residency.has_float() && !r.has_float() && s.in_float() {
+                let was_float = s.in_float();
+                s.residency = *r;
+                s.split = split && r.has_int8() && !r.has_float();
+                if was_float && !s.in_float() {
                     s.mode = GroupMode::Int8;
                     s.wanted_unavailable = true;
                 }
-                s.residency = *r;
             }
         }
         for (g, s) in self.groups.iter_mut() {
@@ -394,9 +423,19 @@ impl Monitor {
     }
 
     /// Whether rows that want float in a group without a float copy are served split
-    /// (`split_activations = "copyless"`): their per-token decisions become `split`.
+    /// (`split_activations = "copyless"`): their per-token decisions become `split`, and a
+    /// group whose outlier rate passes its trigger falls back per layer onto 16-bit
+    /// activations (a `split` layer decision) instead of reporting `unavailable`.
     pub fn set_split_fallback(&mut self, on: bool) {
         self.split_fallback = on;
+        for s in self.groups.values_mut() {
+            let was_float = s.in_float();
+            s.split = on && s.residency.has_int8() && !s.residency.has_float();
+            if was_float && !s.in_float() {
+                s.mode = GroupMode::Int8;
+                s.wanted_unavailable = true;
+            }
+        }
     }
 
     /// What each group's quantized weights do to its input columns (at start, and for the
@@ -497,7 +536,13 @@ impl Monitor {
             .filter(|(_, s)| s.in_float())
             .map(|(g, _)| *g)
             .collect();
-        mask.kv_float_layers = mask.float_groups.iter().map(|g| g.layer).collect();
+        // A split group's rows keep their quantized weights: its layer's KV stays as it is.
+        mask.kv_float_layers = self
+            .groups
+            .iter()
+            .filter(|(_, s)| s.on_float_copy())
+            .map(|(g, _)| g.layer)
+            .collect();
         mask.float_requests = self.float_requests.clone();
         mask.float_batch = self.batch_float;
         mask.detector = self.detector_params();
@@ -581,15 +626,8 @@ impl Monitor {
                     }
                 }
                 let group = obs.group;
-                let has_float = s.residency.has_float();
+                let action = s.fallback_action();
                 for (seq, (toks, pos)) in by_seq {
-                    let action = if has_float {
-                        FallbackAction::Enter
-                    } else if self.split_fallback {
-                        FallbackAction::Split
-                    } else {
-                        FallbackAction::Unavailable
-                    };
                     let mut ev = self.event(
                         Some(group),
                         Granularity::Token,

@@ -452,3 +452,120 @@ fn per_token_decisions_name_what_the_row_got() {
         );
     }
 }
+
+/// Copyless: a group without a float copy whose outlier rate passes the trigger falls back
+/// per layer onto 16-bit activations — a `split` layer decision that routes every row of
+/// the group (the mask's float groups) but leaves its layer's KV cache alone — and returns
+/// with `exit` after quiet windows. Without copyless the same evidence is `unavailable`.
+/// A `down` in split fallback takes its INT8-only `gate_up` along, split too.
+#[test]
+fn a_copyless_group_over_its_trigger_falls_back_per_layer_split() {
+    let mut gs = groups();
+    for (g, r) in gs.iter_mut() {
+        if g.layer == 1 {
+            *r = Residency::Int8;
+        }
+    }
+    let hot = GroupId::new(1, GroupKind::O);
+    let down = GroupId::new(1, GroupKind::Down);
+    let gu = GroupId::new(1, GroupKind::GateUp);
+    for split in [false, true] {
+        let mut m = Monitor::new(cfg(), "t", &gs);
+        m.set_split_fallback(split);
+        warm(&mut m);
+        m.observe(&step(100, Some(hot), 10, 1));
+        let ev = m.end_window();
+        let layer: Vec<(Option<String>, FallbackAction)> = ev
+            .iter()
+            .filter(|e| e.granularity == Granularity::Layer)
+            .map(|e| (e.group.clone(), e.action))
+            .collect();
+        let mut mask = PathMask::default();
+        m.apply_to(&mut mask);
+        if !split {
+            assert_eq!(
+                layer,
+                vec![(Some(hot.to_string()), FallbackAction::Unavailable)]
+            );
+            assert!(mask.float_groups.is_empty());
+            assert!(m
+                .report()
+                .groups
+                .iter()
+                .any(|g| g.wanted_fallback_unavailable));
+            continue;
+        }
+        assert_eq!(layer, vec![(Some(hot.to_string()), FallbackAction::Split)]);
+        assert_eq!(m.mode(hot), Some(GroupMode::Fallback));
+        assert_eq!(
+            mask.float_groups.iter().copied().collect::<Vec<_>>(),
+            vec![hot]
+        );
+        assert!(
+            mask.kv_float_layers.is_empty(),
+            "split keeps the KV cache as it was"
+        );
+        assert!(!m
+            .report()
+            .groups
+            .iter()
+            .any(|g| g.wanted_fallback_unavailable));
+        let windows = m.take_windows();
+        let w = windows.last().unwrap();
+        assert!(
+            w.groups.iter().all(|g| !g.in_float),
+            "no group ran a float copy"
+        );
+        assert!(
+            w.groups
+                .iter()
+                .any(|g| g.group == hot.to_string() && g.wanted_unavailable),
+            "the weekly analysis still sees a group that wanted float and had no copy"
+        );
+        // `down` over its trigger: split, and its gate_up coupled, split too.
+        m.observe(&step(100, Some(down), 10, 2));
+        let ev = m.end_window();
+        let mut got: Vec<(Option<String>, FallbackAction)> = ev
+            .iter()
+            .filter(|e| e.granularity == Granularity::Layer)
+            .map(|e| (e.group.clone(), e.action))
+            .collect();
+        got.sort();
+        assert_eq!(
+            got,
+            vec![
+                (Some(down.to_string()), FallbackAction::Split),
+                (Some(gu.to_string()), FallbackAction::Split)
+            ]
+        );
+        assert_eq!(m.mode(gu), Some(GroupMode::Coupled));
+        // Quiet windows: every split group returns to 8-bit activations with `exit`.
+        let mut exits = Vec::new();
+        for i in 0..3 {
+            m.observe(&step(100, None, 0, 10 + i));
+            exits.extend(
+                m.end_window()
+                    .into_iter()
+                    .filter(|e| e.action == FallbackAction::Exit)
+                    .filter_map(|e| e.group),
+            );
+        }
+        exits.sort();
+        let mut want = vec![hot.to_string(), down.to_string(), gu.to_string()];
+        want.sort();
+        assert_eq!(exits, want);
+        m.apply_to(&mut mask);
+        assert!(mask.float_groups.is_empty());
+        // Turning copyless off takes a split group out of fallback, marked wanted.
+        m.observe(&step(100, Some(hot), 10, 20));
+        m.end_window();
+        assert_eq!(m.mode(hot), Some(GroupMode::Fallback));
+        m.set_split_fallback(false);
+        assert_eq!(m.mode(hot), Some(GroupMode::Int8));
+        assert!(m
+            .report()
+            .groups
+            .iter()
+            .any(|g| g.wanted_fallback_unavailable));
+    }
+}

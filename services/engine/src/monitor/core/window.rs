@@ -42,6 +42,7 @@ impl Monitor {
                 Counted {
                     tokens: s.window_tokens,
                     outliers: s.window_outliers,
+                    // (a split group too: it wanted float, and the weekly analysis weighs a copy)
                     wanted_unavailable: decided && above && !s.residency.has_float(),
                     mean_nsr,
                 },
@@ -65,11 +66,12 @@ impl Monitor {
             let mut ev = None;
             match s.mode {
                 GroupMode::Int8 if above => {
-                    if s.residency.has_float() {
+                    if s.can_fall_back() {
+                        // onto the float copy (`enter`), or 16-bit activations (`split`)
                         s.mode = GroupMode::Fallback;
                         s.quiet = 0;
                         s.reason = Some(FallbackReason::OutlierRate);
-                        ev = Some((FallbackAction::Enter, FallbackReason::OutlierRate));
+                        ev = Some((s.fallback_action(), FallbackReason::OutlierRate));
                     } else {
                         s.wanted_unavailable = true;
                         s.reason = Some(FallbackReason::OutlierRate);
@@ -127,7 +129,7 @@ impl Monitor {
                     group: g.to_string(),
                     tokens: c.tokens,
                     outliers: c.outliers,
-                    in_float: s.in_float(),
+                    in_float: s.on_float_copy(),
                     wanted_unavailable: c.wanted_unavailable,
                     residency: wire_name(&s.residency),
                     mean_nsr: c.mean_nsr,
@@ -171,9 +173,9 @@ impl Monitor {
                 continue;
             };
             let change = match (g.mode, down_auto_float) {
-                (GroupMode::Int8, true) if g.residency.has_float() => Some((
+                (GroupMode::Int8, true) if g.can_fall_back() => Some((
                     GroupMode::Coupled,
-                    FallbackAction::Enter,
+                    g.fallback_action(),
                     FallbackReason::OutlierRate,
                 )),
                 (GroupMode::Coupled, false) => Some((
