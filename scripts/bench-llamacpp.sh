@@ -19,11 +19,20 @@
 # in the start-up wait). scripts/bench-q4km.sh compares their quality.
 # Rows: decode tok/s at batch 1 (one stream of 128 tokens); prefill tok/s of unique 128- and
 # 512-token prompts (`max_tokens` 1, prompt tokens ÷ request time); total output tok/s with 8
-# and 32 concurrent streams of 64 tokens. Ratio = quantmesh ÷ llama.cpp.
+# and 32 concurrent streams of 64 tokens. Both sides decode greedily (temperature 0, EOS
+# ignored). llama-server runs in two KV configurations, its default f16 cache and
+# `-fa on -ctk q8_0 -ctv q8_0` (8-bit like quantmesh's), and the better of the two per row is
+# the peer: ratio = quantmesh ÷ that. Every round runs the servers in a fresh random order.
+# A request that failed, or came back with fewer tokens than asked, is counted; a row with
+# any is marked. Printed beside the table (scripts/bench_table.py): the CPU, llama.cpp's
+# build id and flags, the kernels quantmesh chose, and the machine's read bandwidth (the
+# kernel bench's STREAM-like read) with batch-1 decode as a share of the bound it sets
+# (bandwidth ÷ the weight bytes a token reads: the file's tensors for llama-server,
+# quantmesh's resident 8- and 4-bit tables and other weights, float copies left out).
 #
 # llama-server is built once from the llama.cpp that the llama-cpp-python 0.3.36 source
 # package (PyPI) vendors, with scripts/llama-cpp-cmake-args.sh's flags, into $LLAMA_DIR.
-# Settings: BENCH_THREADS (default: all cores), BENCH_ROUNDS (3), QUANTMESH_BENCH_MODELS (models),
+# Settings: BENCH_THREADS (default: all cores), BENCH_ROUNDS (5), QUANTMESH_BENCH_MODELS (models),
 # BENCH_FILES ("Q8_0 Q4_1"; also W2048, W1024, Q4_K_M), BENCH_OUT (target/bench-llamacpp), LLAMA_DIR.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +40,7 @@ log() { printf '\033[1m[bench]\033[0m %s\n' "$*" >&2; }
 
 MODELS="${QUANTMESH_BENCH_MODELS:-models}"
 THREADS="${BENCH_THREADS:-$(nproc)}"
-ROUNDS="${BENCH_ROUNDS:-3}"
+ROUNDS="${BENCH_ROUNDS:-5}"
 FILES="${BENCH_FILES:-Q8_0 Q4_1}"
 # llama-server runs its AVX-512/VNNI kernels, never its AMX ones (scripts/llama-cpp-cmake-args.sh):
 # built with GGML_AMX_INT8 on an AMX host that grants the tile state (2026-11-26, Intel Xeon,
@@ -44,6 +53,7 @@ OUT="${BENCH_OUT:-target/bench-llamacpp}"
 
 log "building release binaries"
 cargo build --release --quiet -p quantmesh -p quantmesh-gateway --bin quantmesh --bin quantmesh-loadgen
+cargo build --release --quiet -p quantmesh-kernels --example kernel-bench
 BIN=target/release
 
 LLAMA_SERVER="$LLAMA_DIR/build/bin/llama-server"
@@ -84,12 +94,14 @@ if [[ " $FILES " == *" Q4_K_M "* ]] && [ ! -f "${FILE[Q4_K_M]}" ]; then
   "$LLAMA_QUANTIZE" --allow-requantize "${FILE[Q4_1]}" "${FILE[Q4_K_M]}.partial" Q4_K_M "$THREADS" >/dev/null 2>&1
   mv "${FILE[Q4_K_M]}.partial" "${FILE[Q4_K_M]}"
 fi
+# A GGUF file's tensor bytes (llama.cpp's gguf-py): the file without its header and metadata.
+tensor_bytes() { PYTHONPATH="$LLAMA_DIR/gguf-py" python3 -c 'import sys; from gguf import GGUFReader; print(sum(int(t.n_bytes) for t in GGUFReader(sys.argv[1]).tensors))' "$1"; }
 # What quantmesh serves for each file: the file itself, except for Q4_K_M (the checkpoint at
 # that file's tensor bytes: tensors against tensors, the tokenizer's metadata left out).
 declare -A SERVE_ARGS=()
 for tag in $FILES; do SERVE_ARGS[$tag]="--model ${FILE[$tag]}"; done
 if [[ " $FILES " == *" Q4_K_M "* ]]; then
-  Q4KM_TENSORS="$(PYTHONPATH="$LLAMA_DIR/gguf-py" python3 -c 'import sys; from gguf import GGUFReader; print(sum(int(t.n_bytes) for t in GGUFReader(sys.argv[1]).tensors))' "${FILE[Q4_K_M]}")"
+  Q4KM_TENSORS="$(tensor_bytes "${FILE[Q4_K_M]}")"
   SERVE_ARGS[Q4_K_M]="--model ${FILE[Q4_1]} --weight-budget $Q4KM_TENSORS"
 fi
 # The random-weight shapes (scripts/wide-gguf.py's arguments), written in f16 and quantized
@@ -129,76 +141,72 @@ words = pathlib.Path("/usr/share/common-licenses/Apache-2.0").read_text().split(
 print(f"Request {salt}: " + " ".join(words[: int(n * 0.72)]))
 PY
 }
-# prefill tok/s of one unique prompt of about $2 tokens against server $1
+# "tok/s failed short" of one unique prompt of about $2 tokens against server $1 (prefill
+# tok/s = prompt tokens ÷ request time; a non-200 answer or one without usage is failed).
 prefill() {
   local body
   body="$(python3 -c 'import json,sys; print(json.dumps({"prompt": sys.stdin.read(), "max_tokens": 1, "temperature": 0}))' <<<"$(prompt "$2")")"
-  curl -s -o "$OUT/prefill.json" -w '%{time_total}' -H 'content-type: application/json' -d "$body" "$1/v1/completions" \
-    | python3 -c 'import json,sys; t=float(sys.stdin.read()); u=json.load(open(sys.argv[1]))["usage"]; print(u["prompt_tokens"]/t)' "$OUT/prefill.json"
+  curl -s -o "$OUT/prefill.json" -w '%{http_code} %{time_total}' -H 'content-type: application/json' -d "$body" "$1/v1/completions" \
+    | python3 -c '
+import json, sys
+code, t = sys.stdin.read().split()
+try:
+    assert code == "200"
+    print(json.load(open(sys.argv[1]))["usage"]["prompt_tokens"] / float(t), 0, 0)
+except Exception:
+    print("nan", 1, 0)' "$OUT/prefill.json"
 }
-loadgen() { # url, concurrency, max tokens -> output tok/s (the table's last row)
-  "$BIN/quantmesh-loadgen" --url "$1" --concurrency "$2" --requests "$(( $2 * 2 ))" --max-tokens "$3" 2>&1 \
-    | tail -1 | awk -F'|' '{gsub(/ /,"",$7); print $7}'
+loadgen() { # url, concurrency, max tokens -> "output tok/s failed short" (the table's last row)
+  "$BIN/quantmesh-loadgen" --url "$1" --concurrency "$2" --requests "$(( $2 * 2 ))" --max-tokens "$3" --temperature 0 2>&1 \
+    | tail -1 | awk -F'|' '{gsub(/ /,"",$3); gsub(/ /,"",$7); split($3, n, "/"); print $7, n[2]+0, n[3]+0}'
 }
-measure() { # who, tag, url -> lines "who tag metric value"
+measure() { # who, tag, url -> lines "who tag metric value failed short"
   local url="$3"
   "$BIN/quantmesh-loadgen" --url "$url" --concurrency 1 --requests 1 --max-tokens 8 >/dev/null 2>&1 || true # warm-up
   echo "$1 $2 decode_b1 $(loadgen "$url" 1 128)"
   for n in 128 512; do echo "$1 $2 prefill_$n $(prefill "$url" "$n")"; done
   for c in 8 32; do echo "$1 $2 streams_$c $(loadgen "$url" "$c" 64)"; done
 }
+# llama-server's two KV configurations (the better per row is the peer).
+declare -A LLAMA_KV=([llama-f16]="" [llama-q8kv]="-fa on -ctk q8_0 -ctv q8_0")
+
+log "measuring the read bandwidth (kernel-bench --bandwidth-only, $THREADS threads)"
+QUANTMESH_THREADS="$THREADS" target/release/examples/kernel-bench --bandwidth-only \
+  | awk '/read bandwidth/ {print "bandwidth", $3}' >>"$OUT/about.txt"
+echo "llama_build $("$LLAMA_SERVER" --version 2>&1 | grep -m1 -i 'version' | tr ' ' '_')" >>"$OUT/about.txt"
+for tag in $FILES; do echo "llama_bytes $tag $(tensor_bytes "${FILE[$tag]}")" >>"$OUT/about.txt"; done
 
 for round in $(seq 1 "$ROUNDS"); do
   for tag in $FILES; do
     file="${FILE[$tag]}"
-    log "round $round/$ROUNDS, $tag: quantmesh serve"
-    port="$(free_port)"
-    # shellcheck disable=SC2086
-    QUANTMESH_THREADS="$THREADS" "$BIN/quantmesh" serve ${SERVE_ARGS[$tag]} --port "$port" --log-format json \
-      >"$OUT/serve-$tag-$round.log" 2>&1 &
-    pid=$!
-    wait_ready "http://127.0.0.1:$port/ready" 600 || { tail -20 "$OUT/serve-$tag-$round.log"; exit 1; }
-    measure quantmesh "$tag" "http://127.0.0.1:$port" >>"$OUT/results.txt"
-    kill -TERM "$pid"; wait "$pid" || true
-    log "round $round/$ROUNDS, $tag: llama-server"
-    port="$(free_port)"
-    "$LLAMA_SERVER" -m "$file" -t "$THREADS" -tb "$THREADS" -np 32 -c 32768 --host 127.0.0.1 --port "$port" \
-      >"$OUT/llama-server-$tag-$round.log" 2>&1 &
-    pid=$!
-    wait_ready "http://127.0.0.1:$port/health" 180 || { tail -20 "$OUT/llama-server-$tag-$round.log"; exit 1; }
-    measure llama.cpp "$tag" "http://127.0.0.1:$port" >>"$OUT/results.txt"
-    kill -TERM "$pid"; wait "$pid" 2>/dev/null || true
+    for who in $(printf '%s\n' quantmesh llama-f16 llama-q8kv | shuf); do
+      log "round $round/$ROUNDS, $tag: $who"
+      port="$(free_port)"
+      if [ "$who" = quantmesh ]; then
+        # shellcheck disable=SC2086
+        QUANTMESH_THREADS="$THREADS" "$BIN/quantmesh" serve ${SERVE_ARGS[$tag]} --port "$port" --log-format json \
+          >"$OUT/serve-$tag-$round.log" 2>&1 &
+        pid=$!
+        wait_ready "http://127.0.0.1:$port/ready" 600 || { tail -20 "$OUT/serve-$tag-$round.log"; exit 1; }
+        measure quantmesh "$tag" "http://127.0.0.1:$port" >>"$OUT/results.txt"
+        # The weight bytes a decode step reads (float copies are read only in fallback).
+        curl -fs "http://127.0.0.1:$port/metrics" | awk -v tag="$tag" \
+          '/^quantmesh_weight_bytes\{/ && !/form="float"/ {s += $2} END {print "quantmesh_bytes", tag, s}' >>"$OUT/about.txt"
+        grep -m1 'kernels chosen' "$OUT/serve-$tag-$round.log" \
+          | python3 -c 'import json,sys; f=json.loads(sys.stdin.read()).get("fields",{}); print("kernels", f.get("isa"), f.get("threads"))' >>"$OUT/about.txt" || true
+        grep -m1 'activation width' "$OUT/serve-$tag-$round.log" \
+          | python3 -c 'import json,sys; f=json.loads(sys.stdin.read()).get("fields",{}); print("width", f.get("mode"), f.get("ratio"))' >>"$OUT/about.txt" || true
+      else
+        # shellcheck disable=SC2086 # the KV settings are a list of arguments
+        "$LLAMA_SERVER" -m "$file" -t "$THREADS" -tb "$THREADS" -np 32 -c 32768 ${LLAMA_KV[$who]} \
+          --host 127.0.0.1 --port "$port" >"$OUT/$who-$tag-$round.log" 2>&1 &
+        pid=$!
+        wait_ready "http://127.0.0.1:$port/health" 180 || { tail -20 "$OUT/$who-$tag-$round.log"; exit 1; }
+        measure "$who" "$tag" "http://127.0.0.1:$port" >>"$OUT/results.txt"
+      fi
+      kill -TERM "$pid"; wait "$pid" 2>/dev/null || true
+    done
   done
 done
 
-python3 - "$OUT/results.txt" "$THREADS" "$ROUNDS" "$FILES" <<'EOF'
-import sys, statistics, collections, platform, subprocess
-path, threads, rounds, files = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split()
-v = collections.defaultdict(list)
-for line in open(path):
-    who, tag, metric, value = (line.split() + ["nan"])[:4]
-    try:
-        v[who, tag, metric].append(float(value))
-    except ValueError:
-        v[who, tag, metric].append(float("nan"))
-cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.processor())
-about = {"Q8_0": "SmolLM2-135M-Instruct Q8_0", "Q4_1": "SmolLM2-135M-Instruct Q4_1",
-         "W2048": "W2048 = random-weight llama, hidden 2048, 4 layers, Q8_0",
-         "W1024": "W1024 = random-weight llama of the bundled medium model's shape (hidden 1024, 8 layers), Q8_0",
-         "Q4_K_M": "Q4_K_M = llama-server on SmolLM2's Q4_K_M file, quantmesh on the checkpoint at that file's tensor bytes"}
-print(f"{'; '.join(about[t] for t in files)} on {cpu}, {threads} threads each, median of {rounds} interleaved rounds; ratio = quantmesh ÷ llama-server\n")
-print("| file | metric | quantmesh | llama-server | ratio |\n|---|---|---|---|---|")
-names = {"decode_b1": "decode tok/s, batch 1 (128 tokens)", "prefill_128": "prefill tok/s, 128-token prompt",
-         "prefill_512": "prefill tok/s, 512-token prompt", "streams_8": "output tok/s, 8 concurrent streams",
-         "streams_32": "output tok/s, 32 concurrent streams"}
-for tag in files:
-    for m, name in names.items():
-        a = statistics.median(v["quantmesh", tag, m] or [float("nan")])
-        b = statistics.median(v["llama.cpp", tag, m] or [float("nan")])
-        print(f"| {tag} | {name} | {a:.0f} | {b:.0f} | {a / b:.2f}× |")
-for tag in files:
-    b1 = statistics.median(v["quantmesh", tag, "decode_b1"] or [float("nan")])
-    s32 = statistics.median(v["quantmesh", tag, "streams_32"] or [float("nan")])
-    print(f"\nquantmesh, {tag}: 32 streams ÷ its own batch-1 decode = {s32 / b1:.1f}×", end="")
-print(f"\nRaw lines: {path}")
-EOF
+python3 scripts/bench_table.py "$OUT" "$THREADS" "$ROUNDS" "$FILES" "$LLAMA_FLAGS"

@@ -1,6 +1,8 @@
 //! `quantmesh-loadgen`: a small load generator for a running quantmesh (or any
 //! OpenAI-compatible) server. Sends streaming completions from N concurrent clients and
-//! prints TTFT, inter-token latency and throughput as a table.
+//! prints TTFT, inter-token latency and throughput as a table, with the requests that
+//! failed and those that came back short (fewer tokens than asked for; EOS is ignored, so a
+//! short answer means the server cut it off).
 //!
 //! ```text
 //! quantmesh-loadgen --url http://127.0.0.1:8080 --concurrency 8 --requests 64 --max-tokens 64
@@ -24,6 +26,11 @@ struct Args {
     /// Tokens to generate per request (EOS ignored).
     #[arg(long, default_value_t = 64)]
     max_tokens: usize,
+    /// Sampling temperature sent with every request: 0 (the default) is greedy decoding,
+    /// which every OpenAI-compatible server does the same way, so servers compared with one
+    /// command sample alike.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f64,
     /// Prompt text.
     #[arg(
         long,
@@ -51,7 +58,7 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
 }
 
 async fn one(client: &reqwest::Client, a: &Args) -> anyhow::Result<Sample> {
-    let body = serde_json::json!({"prompt": a.prompt, "max_tokens": a.max_tokens, "stream": true, "ignore_eos": true, "temperature": 0.8});
+    let body = serde_json::json!({"prompt": a.prompt, "max_tokens": a.max_tokens, "stream": true, "ignore_eos": true, "temperature": a.temperature});
     let mut req = client.post(format!("{}/v1/completions", a.url)).json(&body);
     if let Some(k) = &a.api_key {
         req = req.bearer_auth(k);
@@ -122,13 +129,15 @@ async fn main() -> anyhow::Result<()> {
         .map(|s| s.total.as_secs_f64() * 1e3)
         .collect();
     let tokens: usize = samples.iter().map(|s| s.tokens).sum();
-    println!("| concurrency | requests ok / failed | TTFT p50 / p90 ms | ITL p50 / p90 ms | e2e p50 ms | output tok/s |");
+    let short = samples.iter().filter(|s| s.tokens < a.max_tokens).count();
+    println!("| concurrency | requests ok / failed / short | TTFT p50 / p90 ms | ITL p50 / p90 ms | e2e p50 ms | output tok/s |");
     println!("|---|---|---|---|---|---|");
     println!(
-        "| {} | {} / {} | {:.1} / {:.1} | {:.2} / {:.2} | {:.0} | {:.0} |",
+        "| {} | {} / {} / {} | {:.1} / {:.1} | {:.2} / {:.2} | {:.0} | {:.0} |",
         a.concurrency,
         samples.len(),
         errs.len(),
+        short,
         pct(&mut ttft, 0.5),
         pct(&mut ttft, 0.9),
         pct(&mut itl, 0.5),
