@@ -227,12 +227,7 @@ fn bytes_and_bad_shapes() {
 /// command; elsewhere it checks that no instruction set claims NEON.
 #[test]
 fn neon_equals_the_reference_bit_for_bit() {
-    if !Isa::Neon.available() {
-        assert_ne!(
-            std::env::consts::ARCH,
-            "aarch64",
-            "every aarch64 core has NEON"
-        );
+    if !common::neon_here() {
         return;
     }
     for (i, &(rows, cols, m)) in [
@@ -250,22 +245,6 @@ fn neon_equals_the_reference_bit_for_bit() {
             row.iter_mut().for_each(|v| *v += shift);
         }
         let w = PackedQ4::quantize(&wf, rows, cols).unwrap();
-        let xf = rand_vec(m * cols, 70 + i as u64, 1.0);
-        for bits in [ActBits::Eight, ActBits::Sixteen] {
-            let mut a = Activations::new();
-            a.quantize_with(&xf, m, cols, bits, Isa::Scalar).unwrap();
-            for threads in [1, 3] {
-                let pool = Pool::new(threads);
-                let reference = product(&w, &a, Isa::Scalar, &pool);
-                let neon = product(&w, &a, Isa::Neon, &pool);
-                assert!(
-                    reference
-                        .iter()
-                        .zip(&neon)
-                        .all(|(r, n)| r.to_bits() == n.to_bits()),
-                    "[{rows}x{cols}] m={m} {bits:?} threads={threads}"
-                );
-            }
-        }
+        common::neon_equals_reference_bitwise(&w, &rand_vec(m * cols, 70 + i as u64, 1.0), m);
     }
 }

@@ -2,7 +2,7 @@
 //! operands, and each weight form's two product calls checked against each other.
 #![allow(clippy::unwrap_used, dead_code)]
 
-use quantmesh_kernels::{Activations, Isa, PackedQ4, PackedQ8, Pool, Result};
+use quantmesh_kernels::{ActBits, Activations, Isa, PackedQ4, PackedQ8, Pool, Result};
 use rand::{Rng, SeedableRng};
 
 /// `n` values in `±scale`, with a few loud channels (×20), as real activations have.
@@ -90,4 +90,42 @@ pub fn exact(w: &impl Weights, a: &Activations) -> (Vec<f64>, Vec<f64>) {
         }
     }
     (sum, magnitude)
+}
+
+/// Whether this machine runs the NEON kernels (aarch64; the test command runs the kernel
+/// tests there under qemu-user). Elsewhere it checks that no instruction set claims NEON.
+pub fn neon_here() -> bool {
+    if !Isa::Neon.available() {
+        assert_ne!(
+            std::env::consts::ARCH,
+            "aarch64",
+            "every aarch64 core has NEON"
+        );
+        return false;
+    }
+    assert_eq!(Isa::detect(), Isa::Neon, "the best this CPU runs");
+    true
+}
+
+/// The NEON product of `w` equals the scalar reference's bit for bit, on the activations
+/// `xf` (`m` rows) quantized to both widths, on one thread and on three.
+pub fn neon_equals_reference_bitwise(w: &impl Weights, xf: &[f32], m: usize) {
+    for bits in [ActBits::Eight, ActBits::Sixteen] {
+        let mut a = Activations::new();
+        a.quantize_with(xf, m, w.cols(), bits, Isa::Scalar).unwrap();
+        for threads in [1, 3] {
+            let pool = Pool::new(threads);
+            let reference = product(w, &a, Isa::Scalar, &pool);
+            let neon = product(w, &a, Isa::Neon, &pool);
+            assert!(
+                reference
+                    .iter()
+                    .zip(&neon)
+                    .all(|(r, n)| r.to_bits() == n.to_bits()),
+                "[{}x{}] m={m} {bits:?} threads={threads}",
+                w.rows(),
+                w.cols()
+            );
+        }
+    }
 }
