@@ -72,7 +72,7 @@ def main(out, threads, rounds, files, flags):
     print("Sampling: greedy on both sides (temperature 0, EOS ignored). KV cache: quantmesh INT8; "
           "llama-server f16, and q8_0 with flash attention.")
     print(f"quantmesh kernels (isa, threads): {', '.join(kernels)}; activation width (mode, ratio): {', '.join(width)}.")
-    print(f"llama.cpp: {build}; flags {flags}.")
+    print(f"llama.cpp: as vendored by llama-cpp-python 0.3.36, `llama-server --version`: {build}; flags {flags}.")
     print(f"Read bandwidth (STREAM-like, {threads} threads): {bw:.1f} GB/s.\n")
     print("| file | metric | quantmesh | llama-server f16 KV | llama-server q8_0 KV + FA | ratio to the better | failed / short |")
     print("|---|---|---|---|---|---|---|")
