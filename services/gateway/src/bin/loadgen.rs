@@ -106,7 +106,12 @@ async fn one(client: &reqwest::Client, a: &Args) -> anyhow::Result<Sample> {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let a = Args::parse();
-    let client = reqwest::Client::new();
+    // A fresh connection per request: a pooled keep-alive connection that the server closed
+    // while idle fails the next request sent on it ("error sending request"), which would
+    // count against whichever server closes idle connections first.
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()?;
     let started = Instant::now();
     let results: Vec<anyhow::Result<Sample>> = futures::stream::iter(0..a.requests)
         .map(|_| one(&client, &a))
