@@ -166,6 +166,18 @@ impl GroupState {
     fn on_float_copy(&self) -> bool {
         self.in_float() && self.residency.has_float()
     }
+    /// Serve the group as `residency`, its copyless rows split when `split_fallback` says
+    /// so; a group whose fallback path went away leaves fallback, marked "wanted,
+    /// unavailable".
+    fn serve_as(&mut self, residency: Residency, split_fallback: bool) {
+        let was_float = self.in_float();
+        self.residency = residency;
+        self.split = split_fallback && residency.has_int8() && !residency.has_float();
+        if was_float && !self.in_float() {
+            self.mode = GroupMode::Int8;
+            self.wanted_unavailable = true;
+        }
+    }
 }
 
 /// A group's state for the admin API and metrics.
@@ -375,23 +387,16 @@ impl Monitor {
     /// Hot reload: new thresholds and residencies. Learned state (running statistics,
     /// learned channels, modes) is kept. `k` applies from the next observation, the
     /// trigger rate and window size at the next window end; a group that lost its float
-    /// copy leaves fallback and is marked "wanted, unavailable".
+    /// copy (and is not served split) leaves fallback and is marked "wanted, unavailable".
     pub fn reconfigure(
         &mut self,
         cfg: MonitorConfig,
         residencies: &[(GroupId, Residency)],
         config_md5: Option<String>,
     ) {
-        let split = self.split_fallback;
         for (g, r) in residencies {
             if let Some(s) = self.groups.get_mut(g) {
-                let was_float = s.in_float();
-                s.residency = *r;
-                s.split = split && r.has_int8() && !r.has_float();
-                if was_float && !s.in_float() {
-                    s.mode = GroupMode::Int8;
-                    s.wanted_unavailable = true;
-                }
+                s.serve_as(*r, self.split_fallback);
             }
         }
         for (g, s) in self.groups.iter_mut() {
@@ -429,12 +434,7 @@ impl Monitor {
     pub fn set_split_fallback(&mut self, on: bool) {
         self.split_fallback = on;
         for s in self.groups.values_mut() {
-            let was_float = s.in_float();
-            s.split = on && s.residency.has_int8() && !s.residency.has_float();
-            if was_float && !s.in_float() {
-                s.mode = GroupMode::Int8;
-                s.wanted_unavailable = true;
-            }
+            s.serve_as(s.residency, on);
         }
     }
 
