@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Activation width and rotation on a real model, quality and speed, one run:
-#   1. the first-load plan (`quantmesh prescreen`, as the engine makes it on first load);
+# Activation width, rotation and scale migration on a real model, quality and speed, one run:
+#   1. the first-load plan (`quantmesh prescreen`, as the engine makes it on first load; it
+#      carries the pre-screen's scale-migration factors for the groups it smoothed);
 #   2. the quality table: every --split-activations mode (off, copyless, all) × rotation
-#      block (none, 32, 128), each serving that plan with the monitor on, fed first by
-#      traffic texts that are never scored, then scored teacher-forced on held-out texts
+#      block (none, 128) × scale migration (none, the plan's) × monitor (on, off), each
+#      serving that plan; with the monitor on, it is fed first by traffic texts that are
+#      never scored; then every configuration is scored teacher-forced on held-out texts
 #      against the f32 float model (the checkpoint's exact dequantization, float
 #      activations): mean / median / p99 KL, top-1 agreement, perplexity;
 #   3. the speed table: the INT8-only model's prefill and decode (`quantmesh-engine-bench`,
@@ -14,8 +16,9 @@
 #
 #   ./scripts/bench-activations.sh [MODEL_DIR_OR_GGUF]
 #
-# Env: TOKENS per held-out text (512), ROUNDS (3), BENCH_OUT (a temp dir), SPEED_ONLY=1 (step 3
-# alone).
+# Env: BENCH_BIN (a folder holding built quantmesh and quantmesh-engine-bench: no build), TOKENS per held-out text (512), ROUNDS (3), BENCH_OUT (a temp dir), SPEED_ONLY=1 (step 3
+# alone); the quality table's axes: SPLITS (off,copyless,all), ROTATIONS (0,128), SMOOTHINGS
+# (none,plan), MONITORS (on,off).
 # Held-out texts: GPL-3, Apache-2.0, MPL-2.0; traffic: LGPL-2.1, Artistic (all under
 # /usr/share/common-licenses on every Debian machine).
 set -euo pipefail
@@ -30,20 +33,28 @@ OUT="${BENCH_OUT:-$(mktemp -d)}"
 L=/usr/share/common-licenses
 mkdir -p "$OUT"
 
-log "building (release)"
-cargo build --release -q -p quantmesh -p quantmesh-engine-tools --bin quantmesh --bin quantmesh-engine-bench
-BIN=target/release
+if [ -n "${BENCH_BIN:-}" ]; then
+  # Binaries built elsewhere (e.g. target/debug: the same numbers for quality, not for speed).
+  BIN="$BENCH_BIN"
+else
+  log "building (release)"
+  cargo build --release -q -p quantmesh -p quantmesh-engine-tools --bin quantmesh --bin quantmesh-engine-bench
+  BIN=target/release
+fi
 [ -e "$M" ] || "$BIN/quantmesh" model fetch smollm2-135m-instruct --dir "$CACHE" --quiet
 
 if [ "${SPEED_ONLY:-0}" != 1 ]; then
   log "1. the first-load plan"
   "$BIN/quantmesh" prescreen --model "$M" --out "$OUT/plan.json" --quiet > "$OUT/prescreen.txt"
 
-  log "2. quality: off / copyless / all x rotation none / 32 / 128"
+  SPLITS="${SPLITS:-off,copyless,all}" ROTATIONS="${ROTATIONS:-0,128}"
+  SMOOTHINGS="${SMOOTHINGS:-none,plan}" MONITORS="${MONITORS:-on,off}"
+  log "2. quality: activations $SPLITS x rotation $ROTATIONS x smoothing $SMOOTHINGS x monitor $MONITORS"
   "$BIN/quantmesh-engine-bench" --model "$M" --activation-table "$OUT/plan.json" \
     --held-out "$L/GPL-3" --held-out "$L/Apache-2.0" --held-out "$L/MPL-2.0" \
     --traffic "$L/LGPL-2.1" --traffic "$L/Artistic" --ppl-tokens "$TOKENS" \
-    --splits off,copyless,all --rotations 0,32,128 | tee "$OUT/quality.txt"
+    --splits "$SPLITS" --rotations "$ROTATIONS" --smoothings "$SMOOTHINGS" --monitors "$MONITORS" \
+    | tee "$OUT/quality.txt"
 fi
 
 log "3. speed: all, copyless and auto, $ROUNDS interleaved rounds"

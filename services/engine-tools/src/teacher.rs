@@ -87,10 +87,7 @@ impl Reference {
     pub fn load_class(dir: &Path, class: PrecisionClass, split: SplitActivations) -> Result<Self> {
         let cfg = ModelConfig::load(dir)?;
         let ck = quantmesh_model::Checkpoint::open(dir)?;
-        let form = |_: GroupId| GroupForm {
-            residency: Residency::Dual,
-            quant: QuantFormat::for_class(class),
-        };
+        let form = |_: GroupId| GroupForm::new(Residency::Dual, QuantFormat::for_class(class));
         let forms = Forms {
             float: FloatDtype::F32,
             embeddings: EmbeddingDtype::F32,

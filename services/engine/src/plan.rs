@@ -21,6 +21,9 @@ pub struct LivePlan {
     /// How each group's quantized form is stored: the class's format (`w4a16` → `q4_s8`),
     /// Q8_0 for every group the file does not class.
     pub quant: BTreeMap<GroupId, QuantFormat>,
+    /// The groups whose quantized path smooths its input: the exponents of their factors
+    /// (validated against the input width when the file was).
+    pub smoothing: BTreeMap<GroupId, std::sync::Arc<[i8]>>,
     /// What `engine.float_budget` did to the residencies (and the tables).
     pub budget: BudgetOutcome,
     /// How the vocabulary tables are stored (`engine.embeddings` resolved; never `auto`).
@@ -39,6 +42,7 @@ impl LivePlan {
         GroupForm {
             residency: self.residency.get(&g).copied().unwrap_or(default),
             quant: self.quant.get(&g).copied().unwrap_or_default(),
+            smoothing: self.smoothing.get(&g).cloned(),
         }
     }
 }
@@ -77,6 +81,7 @@ pub fn resolve(
     let num_layers = cfg.num_hidden_layers;
     let mut residency = BTreeMap::new();
     let mut quant = BTreeMap::new();
+    let mut smoothing = BTreeMap::new();
     for l in 0..num_layers {
         for kind in GroupKind::ALL {
             let g = GroupId::new(l, kind);
@@ -113,6 +118,14 @@ pub fn resolve(
         for (g, entry) in &plan.groups {
             residency.insert(*g, entry.effective_residency());
             quant.insert(*g, QuantFormat::for_class(entry.class));
+            let width = member_shapes(cfg, g.kind)[0][1];
+            if let Some(e) = entry
+                .smoothing
+                .as_ref()
+                .and_then(|s| s.exponents(width).ok())
+            {
+                smoothing.insert(*g, e.into());
+            }
             let has_override = entry.monitor.is_some() || !entry.massive_channels.is_empty();
             if has_override {
                 let o: &mut GroupOverride = monitor.overrides.entry(g.to_string()).or_default();
@@ -159,6 +172,7 @@ pub fn resolve(
         monitor,
         residency,
         quant,
+        smoothing,
         budget,
         embeddings,
     }
@@ -352,13 +366,32 @@ mod tests {
         assert_eq!(form("layers.0.down").residency, Residency::Int8);
         assert_eq!(
             form("layers.1.down"),
-            GroupForm {
-                residency: Residency::Dual,
-                quant: QuantFormat::Q4S8
-            }
+            GroupForm::new(Residency::Dual, QuantFormat::Q4S8)
         );
         assert_eq!(form("layers.0.o").quant, QuantFormat::Q8_0);
         assert_eq!(form("layers.1.qkv").quant, QuantFormat::Q8_0);
+    }
+
+    /// A group's smoothing factors reach its form; a group without keeps none.
+    #[test]
+    fn smoothing_factors_reach_the_group_form() {
+        let exps: Vec<i8> = (0..64).map(|i| (i % 5) as i8 - 2).collect();
+        let sm = quantmesh_types::Smoothing::new(0.5, &exps);
+        let text = format!(
+            r#"{{"schema_version": 1, "groups": {{
+            "layers.0.o": {{"class": "w8a8", "smoothing": {{"alpha": 0.5, "log2_factors": "{}"}}}}}}}}"#,
+            sm.log2_factors
+        );
+        let plan = SensitiveLayers::parse_for(text.as_bytes(), &shape()).unwrap();
+        let live = resolve(&EngineConfig::default(), &model(), Some((&plan, "m")));
+        let g = |s: &str| s.parse::<GroupId>().unwrap();
+        assert_eq!(
+            live.form(g("layers.0.o"), Residency::Int8)
+                .smoothing
+                .as_deref(),
+            Some(&exps[..])
+        );
+        assert_eq!(live.form(g("layers.1.o"), Residency::Int8).smoothing, None);
     }
 
     /// Served-traffic evidence outranks the pre-screen's: a group the evolution service

@@ -12,6 +12,7 @@ pub mod metrics;
 pub mod quant;
 pub mod rules;
 pub mod scan;
+pub mod smoothing;
 pub mod tables;
 
 pub use error::PrescreenError;
@@ -493,5 +494,35 @@ pub fn summary_table(o: &Outcome) -> String {
         mib(o.bytes_served),
         o.bytes_served / o.bytes_all_fp16.max(1.0),
     ));
+    s.push_str(&smoothing_line(&o.file));
     s
+}
+
+/// How many groups carry scale migration, and what it did to their served W8A8 error.
+pub fn smoothing_line(file: &SensitiveLayers) -> String {
+    let measured: Vec<(bool, f64, f64)> = file
+        .groups
+        .values()
+        .filter_map(|e| {
+            let a = e.metrics.as_ref()?.act8_nsr.as_ref()?;
+            Some((e.smoothing.is_some(), a.plain, a.smoothed))
+        })
+        .collect();
+    if measured.is_empty() {
+        return "scale migration: off\n".into();
+    }
+    let kept: Vec<_> = measured.iter().filter(|m| m.0).collect();
+    let sum = |v: &mut dyn Iterator<Item = f64>| v.sum::<f64>();
+    let (plain, served) = (
+        sum(&mut measured.iter().map(|m| m.1)),
+        sum(&mut measured.iter().map(|m| if m.0 { m.2 } else { m.1 })),
+    );
+    format!(
+        "scale migration: {} of {} groups smoothed; their served W8A8 output error (noise-to-signal, \
+         calibration rows) {:.3e} -> {:.3e} summed over every group\n",
+        kept.len(),
+        measured.len(),
+        plain,
+        served
+    )
 }

@@ -34,6 +34,16 @@ pub struct Rules {
     /// channel (residual-stream groups only: qkv, gate_up). The monitor uses the same rule.
     pub massive_channel_share: f64,
     pub massive_channel_ratio: f32,
+    /// Scale migration (SmoothQuant): its strength α in [0, 1) (0: none). Each group's
+    /// factors come from its calibration activations and weights; they are kept where they
+    /// bring the served 8-bit-activation product's output error to at most `smoothing_gain`
+    /// times the unsmoothed one.
+    pub smoothing_alpha: f64,
+    /// See `smoothing_alpha` (in (0, 1]).
+    pub smoothing_gain: f64,
+    /// The Hadamard block the engine rotates quantized activations by
+    /// (`engine.rotation_block`; 0: none): the served error is measured under it.
+    pub rotation_block: u32,
     /// Hook thresholds written to the output's `thresholds` (the spec's defaults).
     pub hook: HookDefaults,
 }
@@ -77,6 +87,9 @@ impl Default for Rules {
             aggressive: Format::W8a8,
             massive_channel_share: quantmesh_model::massive::DEFAULT_MASSIVE_SHARE,
             massive_channel_ratio: quantmesh_model::massive::DEFAULT_MASSIVE_RATIO,
+            smoothing_alpha: 0.5,
+            smoothing_gain: 0.9,
+            rotation_block: quantmesh_types::DEFAULT_ROTATION_BLOCK,
             hook: HookDefaults::default(),
         }
     }
@@ -121,6 +134,17 @@ impl Rules {
         }
         if !(self.massive_channel_ratio.is_finite() && self.massive_channel_ratio > 1.0) {
             return Err("massive_channel_ratio must be > 1".into());
+        }
+        if !(0.0..1.0).contains(&self.smoothing_alpha) {
+            return Err("smoothing_alpha must be in [0, 1) (0: no scale migration)".into());
+        }
+        if !(self.smoothing_gain > 0.0 && self.smoothing_gain <= 1.0) {
+            return Err("smoothing_gain must be in (0, 1]".into());
+        }
+        if self.rotation_block > 4096
+            || (self.rotation_block != 0 && !self.rotation_block.is_power_of_two())
+        {
+            return Err("rotation_block must be 0 (none) or a power of two up to 4096".into());
         }
         Ok(())
     }
@@ -191,6 +215,9 @@ impl Rules {
                 "massive_channel_ratio".into(),
                 f64::from(self.massive_channel_ratio),
             ),
+            ("smoothing_alpha".into(), self.smoothing_alpha),
+            ("smoothing_gain".into(), self.smoothing_gain),
+            ("rotation_block".into(), f64::from(self.rotation_block)),
         ])
     }
 

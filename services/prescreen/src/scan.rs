@@ -8,13 +8,14 @@
 use crate::metrics::{activation_stats, dispersion, kl_hist, Gram, Hist, Quantiles, Range};
 use crate::quant::{fake_quant, Format};
 use crate::rules::{Rules, Scores};
+use crate::smoothing::{self, ColumnMax, ServedError};
 use crate::PrescreenError;
 use candle_core::{Device, Tensor};
 use quantmesh_kernels::{ColumnError, ColumnErrorSum, PackedQ8, Q8Layout};
 use quantmesh_model::ops::{causal_attention, member_shapes, rms_norm, rope, rope_tables, swiglu};
 use quantmesh_model::{names, Checkpoint, ModelConfig, ModelError};
 use quantmesh_types::sensitive::{
-    ActivationStats, GroupMetrics, HarmByBits, KlByFormat, ResidualByBits,
+    Act8Nsr, ActivationStats, GroupMetrics, HarmByBits, KlByFormat, ResidualByBits, Smoothing,
 };
 use quantmesh_types::{GroupEntry, GroupId, GroupKind, PrecisionClass};
 
@@ -240,6 +241,7 @@ fn score_group(
         quant_all_rows: (g.kind == GroupKind::Qkv).then(|| [Vec::new(), Vec::new()]),
     };
     let mut stored_bytes = 0;
+    let mut weight_max = ColumnMax::new(in_dim);
     for (m, b) in ms.iter().zip(&biases) {
         stored_bytes += check_shape(ck, m)?;
         let (out, _) = (m.shape[0], m.shape[1]);
@@ -249,6 +251,7 @@ fn score_group(
         for blk in blocks(out) {
             let w = rows(ck, m, blk.0, blk.1)?;
             range.add(&w);
+            weight_max.add(&w);
             if in_dim <= total_out {
                 gram.add_rows(&w)?;
             }
@@ -378,7 +381,36 @@ fn score_group(
             w8a8: round12(eight),
             w4a16: round12(four),
         });
+    let mut act_max = ColumnMax::new(in_dim);
+    act_max.add(&xs);
     drop(xs);
+    // Pass 4 (with scale migration on): the served W8A8 error, unsmoothed and smoothed.
+    let (act8_nsr, smoothing) = if rules.smoothing_alpha > 0.0 {
+        let exps =
+            smoothing::exponents(act_max.values(), weight_max.values(), rules.smoothing_alpha);
+        let block = quantmesh_kernels::rotation_block(in_dim, rules.rotation_block.max(1) as usize);
+        match ServedError::new(&x_kl, exps, block)? {
+            Some(mut served) => {
+                for ((m, b), float) in ms.iter().zip(&biases).zip(&probe.float) {
+                    let w = rows(ck, m, 0, m.shape[0])?;
+                    served.add(&w, m.shape[0], b.as_ref(), float)?;
+                    ck.release(&m.weight);
+                }
+                let ((plain, smoothed), exps) = served.finish();
+                let keep = smoothed <= rules.smoothing_gain * plain;
+                (
+                    Some(Act8Nsr {
+                        plain: round12(plain),
+                        smoothed: round12(smoothed),
+                    }),
+                    keep.then(|| Smoothing::new(rules.smoothing_alpha, &exps)),
+                )
+            }
+            None => (None, None),
+        }
+    } else {
+        (None, None)
+    };
     let residual_input = matches!(g.kind, GroupKind::Qkv | GroupKind::GateUp);
     let entry = GroupEntry {
         class,
@@ -396,6 +428,7 @@ fn score_group(
             residual: None,
             max_nsr_w4a16: max_nsr_w4a16.map(round9),
             nsr,
+            act8_nsr,
         }),
         activations: Some(ActivationStats {
             absmax: round6(act.absmax),
@@ -414,6 +447,7 @@ fn score_group(
             Vec::new()
         },
         observed: None,
+        smoothing,
     };
     Ok((
         outputs,

@@ -351,3 +351,65 @@ fn the_tables_cost_more_in_four_bits_than_in_eight() {
         assert!(t.bytes4 * 10 < t.bytes8 * 6, "{t:?}");
     }
 }
+
+/// Scale migration on the bundled checkpoint: the groups whose input carries the planted
+/// every-token massive channel (qkv and gate_up, where the residual stream enters) are
+/// smoothed, that channel gets the largest factor, every kept choice lowered the served W8A8
+/// error by the rules' gain, and `smoothing_alpha = 0` writes neither factors nor the
+/// measurement.
+#[test]
+fn groups_fed_by_a_massive_channel_are_smoothed_and_alpha_zero_smooths_none() {
+    let (dir, planted) = model(1);
+    let out = run(&opts(dir.path()), &Count(AtomicUsize::new(0))).unwrap();
+    let rules = quantmesh_prescreen::rules::Rules::default();
+    let massive = planted.massive_channels[0];
+    for (name, entry) in &out.file.groups {
+        let a = entry
+            .metrics
+            .as_ref()
+            .and_then(|m| m.act8_nsr.as_ref())
+            .unwrap_or_else(|| panic!("{name}: no served W8A8 error"));
+        assert!(a.plain > 0.0 && a.smoothed > 0.0, "{name}: {a:?}");
+        let g: GroupId = name.parse().unwrap();
+        let width = if matches!(
+            g.kind,
+            quantmesh_types::GroupKind::Qkv | quantmesh_types::GroupKind::GateUp
+        ) {
+            let s = entry
+                .smoothing
+                .as_ref()
+                .unwrap_or_else(|| panic!("{name} reads the massive channel: {a:?}"));
+            let e = s.exponents(s.log2_factors.split(' ').count()).unwrap();
+            let top = *e.iter().max().unwrap();
+            assert_eq!(e[massive], top, "{name}: {e:?}");
+            e.len()
+        } else {
+            0
+        };
+        if let Some(s) = &entry.smoothing {
+            assert!(
+                a.smoothed <= rules.smoothing_gain * a.plain,
+                "{name}: kept without gain {a:?}"
+            );
+            assert_eq!(s.alpha, rules.smoothing_alpha);
+            assert!(width == 0 || s.exponents(width).is_ok());
+        } else {
+            assert!(a.smoothed > rules.smoothing_gain * a.plain, "{name}: {a:?}");
+        }
+    }
+    let mut off = opts(dir.path());
+    off.rules.smoothing_alpha = 0.0;
+    let plain = run(&off, &Count(AtomicUsize::new(0))).unwrap();
+    assert!(
+        plain
+            .file
+            .groups
+            .values()
+            .all(|e| e.smoothing.is_none()
+                && e.metrics.as_ref().is_some_and(|m| m.act8_nsr.is_none()))
+    );
+    // Smoothing changes no class: the classes come from the weights' own metrics.
+    for (name, e) in &plain.file.groups {
+        assert_eq!(e.class, out.file.groups[name].class, "{name}");
+    }
+}

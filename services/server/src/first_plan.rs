@@ -140,19 +140,27 @@ impl quantmesh_prescreen::scan::Progress for LogProgress {
 
 /// The cached plan for `model`, computing it first when there is none for these bytes.
 /// `prompts`: calibration prompts the pre-screen uses (0 = the whole bundled set);
-/// `weight_budget`: fit each group's bits to it (a plan per budget, cached apart).
+/// `weight_budget`: fit each group's bits to it (a plan per budget, cached apart);
+/// `rotation_block`: the engine's (`engine.rotation_block`), under which the pre-screen
+/// measures the served W8A8 error its scale migration is chosen by (a plan per block other
+/// than the default, cached apart).
 pub fn ensure(
     model: &Path,
     prompts: usize,
     weight_budget: Option<quantmesh_types::WeightBudget>,
+    rotation_block: u32,
 ) -> anyhow::Result<FirstPlan> {
     let t0 = Instant::now();
     let files = weight_files(model)?;
     let dir = cache_dir(model);
     let md5 = stamped_md5(&files, &dir)?;
+    let rotation = match rotation_block {
+        quantmesh_types::DEFAULT_ROTATION_BLOCK => String::new(),
+        b => format!(".rotation-{b}"),
+    };
     let path = match weight_budget {
-        None => dir.join(format!("sensitive_layers.{md5}.json")),
-        Some(b) => dir.join(format!("sensitive_layers.{md5}.budget-{b}.json")),
+        None => dir.join(format!("sensitive_layers.{md5}{rotation}.json")),
+        Some(b) => dir.join(format!("sensitive_layers.{md5}{rotation}.budget-{b}.json")),
     };
     if path.is_file() {
         let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
@@ -191,7 +199,10 @@ pub fn ensure(
     let opts = quantmesh_prescreen::Options {
         model: model.to_path_buf(),
         calibration: None,
-        rules: Default::default(),
+        rules: quantmesh_prescreen::rules::Rules {
+            rotation_block,
+            ..Default::default()
+        },
         max_prompts: prompts,
         max_tokens_per_prompt: 64,
         kl_tokens: 1024,
@@ -241,7 +252,7 @@ mod tests {
     fn cached_plan_follows_the_model_bytes() {
         let dir = tempfile::tempdir().unwrap();
         init_model(dir.path(), &InitOptions::default()).unwrap();
-        let first = ensure(dir.path(), 8, None).unwrap();
+        let first = ensure(dir.path(), 8, None, quantmesh_types::DEFAULT_ROTATION_BLOCK).unwrap();
         assert!(first.computed);
         assert!(first.path.starts_with(dir.path().join(".quantmesh")));
         let bytes = std::fs::read(&first.path).unwrap();
@@ -254,7 +265,7 @@ mod tests {
         let files = weight_files(dir.path()).unwrap();
         assert_eq!(first.model_md5, model_md5(&files).unwrap());
         assert!(dir.path().join(".quantmesh/weights.md5.json").is_file());
-        let again = ensure(dir.path(), 8, None).unwrap();
+        let again = ensure(dir.path(), 8, None, quantmesh_types::DEFAULT_ROTATION_BLOCK).unwrap();
         assert!(!again.computed, "same bytes: the cached plan is reused");
         assert_eq!(again.path, first.path);
         assert_eq!(std::fs::read(&again.path).unwrap(), bytes);
@@ -264,7 +275,11 @@ mod tests {
         old.thresholds.k = Some(9.0);
         old.thresholds.window_requests = Some(10);
         std::fs::write(&first.path, serde_json::to_vec(&old).unwrap()).unwrap();
-        assert!(!ensure(dir.path(), 8, None).unwrap().computed);
+        assert!(
+            !ensure(dir.path(), 8, None, quantmesh_types::DEFAULT_ROTATION_BLOCK)
+                .unwrap()
+                .computed
+        );
         let cleaned =
             quantmesh_types::SensitiveLayers::parse(&std::fs::read(&first.path).unwrap()).unwrap();
         assert_eq!(cleaned, plan);
@@ -277,7 +292,7 @@ mod tests {
             },
         )
         .unwrap();
-        let other = ensure(dir.path(), 8, None).unwrap();
+        let other = ensure(dir.path(), 8, None, quantmesh_types::DEFAULT_ROTATION_BLOCK).unwrap();
         assert!(other.computed);
         assert_ne!(other.model_md5, first.model_md5);
         assert_eq!(
@@ -288,6 +303,10 @@ mod tests {
         assert_ne!(other.path, first.path);
         // A damaged cache file is recomputed, not trusted.
         std::fs::write(&other.path, b"{").unwrap();
-        assert!(ensure(dir.path(), 8, None).unwrap().computed);
+        assert!(
+            ensure(dir.path(), 8, None, quantmesh_types::DEFAULT_ROTATION_BLOCK)
+                .unwrap()
+                .computed
+        );
     }
 }

@@ -61,11 +61,12 @@ async fn first_load_plan(
     engine_cfg: &mut quantmesh_engine::api::EngineConfig,
 ) -> anyhow::Result<std::path::PathBuf> {
     let (model, prompts) = (dir.to_path_buf(), settings.model.plan_prompts);
-    let budget = engine_cfg.weight_budget;
-    let plan = tokio::task::spawn_blocking(move || first_plan::ensure(&model, prompts, budget))
-        .await
-        .context("first-load plan task")?
-        .context("computing the first-load precision plan (`--plan none` skips it)")?;
+    let (budget, rotation) = (engine_cfg.weight_budget, engine_cfg.rotation_block);
+    let plan =
+        tokio::task::spawn_blocking(move || first_plan::ensure(&model, prompts, budget, rotation))
+            .await
+            .context("first-load plan task")?
+            .context("computing the first-load precision plan (`--plan none` skips it)")?;
     if engine_cfg.float_budget == FloatBudget::Unlimited {
         engine_cfg.float_budget = settings.model.plan_float_budget;
     }

@@ -5,11 +5,7 @@ use crate::kv::{KvFloatDtype, KvScale};
 use quantmesh_types::{FloatBudget, Residency, WeightBudget};
 use serde::{Deserialize, Serialize};
 
-/// The Hadamard block the quantized path rotates activations by unless `rotation_block`
-/// says otherwise: on SmolLM2's first-load plan, three held-out texts, it halved plain
-/// W8A8's mean KL to the float model, and cut `all`'s by 12–20 % and `copyless`'s by 7–13 %
-/// (docs/MEASUREMENTS.md, "Activation width and rotation"); 32 did about as well.
-pub const DEFAULT_ROTATION_BLOCK: u32 = 128;
+pub use quantmesh_types::DEFAULT_ROTATION_BLOCK;
 
 /// How the engine runs: cache geometry, batching limits and the default precision plan.
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -18,12 +18,12 @@ pub use events::{
     Granularity, KlReference, WindowEvent, WindowGroup, CONFIG_EVENT_SCHEMA_VERSION,
     FALLBACK_EVENT_SCHEMA_VERSION, MAX_WINDOW_KL_SAMPLES, WINDOW_EVENT_SCHEMA_VERSION,
 };
-pub use forms::EmbeddingDtype;
+pub use forms::{EmbeddingDtype, DEFAULT_ROTATION_BLOCK};
 pub use generation::{
     FinishReason, SamplingError, SamplingParams, TokenLogprobs, Usage, MAX_TOP_LOGPROBS,
 };
 pub use precision::{GroupId, GroupKind, PrecisionClass, Residency};
 pub use sensitive::{
-    GroupEntry, ModelShape, SensitiveLayers, SensitiveLayersError, ValidatedPlan,
+    GroupEntry, ModelShape, SensitiveLayers, SensitiveLayersError, Smoothing, ValidatedPlan,
     SENSITIVE_LAYERS_SCHEMA_VERSION,
 };

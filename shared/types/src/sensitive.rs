@@ -158,6 +158,68 @@ pub struct GroupEntry {
     /// those with pre-screen evidence only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed: Option<ObservedUse>,
+    /// Scale migration (SmoothQuant) on the group's quantized path: per input channel a
+    /// power-of-two factor moved from the activations into the quantized weights' columns,
+    /// so an activation outlier channel no longer sets its block's step alone. Absent: none.
+    /// The float copy stays the checkpoint's weight (optional, added in v1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub smoothing: Option<Smoothing>,
+}
+
+/// [`GroupEntry::smoothing`]: the factors `2^e` of every input channel. The quantized path
+/// multiplies channel `j` of the input by `2^-e_j` before it is rotated and quantized, and
+/// the weights' column `j` by `2^e_j` before they are: the same function in float, exactly
+/// (powers of two scale without rounding).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Smoothing {
+    /// The migration strength α the factors were computed with:
+    /// `e_j = round(log2(max|x_j|^α / max|W_:,j|^(1-α)))` over the calibration rows.
+    pub alpha: f64,
+    /// `e_j` of every input channel in order, as space-separated integers in
+    /// [-[`MAX_SMOOTHING_EXPONENT`], [`MAX_SMOOTHING_EXPONENT`]].
+    pub log2_factors: String,
+}
+
+/// The largest |exponent| a smoothing factor may have (factors within 2^±20).
+pub const MAX_SMOOTHING_EXPONENT: i32 = 20;
+
+impl Smoothing {
+    /// Encode exponents.
+    pub fn new(alpha: f64, exponents: &[i8]) -> Self {
+        let log2_factors = exponents
+            .iter()
+            .map(|e| e.to_string())
+            .collect::<Vec<_>>()
+            .join(" ");
+        Self {
+            alpha,
+            log2_factors,
+        }
+    }
+
+    /// The exponents, checked: each an integer within the range, `width` of them.
+    pub fn exponents(&self, width: usize) -> Result<Vec<i8>, String> {
+        let mut out = Vec::with_capacity(width);
+        for (i, tok) in self.log2_factors.split_ascii_whitespace().enumerate() {
+            let e: i32 = tok
+                .parse()
+                .map_err(|_| format!("log2_factors[{i}] = {tok:?} is not an integer"))?;
+            if e.abs() > MAX_SMOOTHING_EXPONENT {
+                return Err(format!(
+                    "log2_factors[{i}] = {e} is outside ±{MAX_SMOOTHING_EXPONENT}"
+                ));
+            }
+            out.push(e as i8);
+        }
+        if out.len() != width {
+            return Err(format!(
+                "log2_factors holds {} factors; the group's input width is {width}",
+                out.len()
+            ));
+        }
+        Ok(out)
+    }
 }
 
 /// Served-traffic evidence for a group's float copy.
@@ -242,6 +304,20 @@ pub struct GroupMetrics {
     /// served harm by, to scale the bits costs to the traffic the engines saw.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nsr: Option<HarmByBits>,
+    /// The served 8-bit-activation product's output noise-to-signal ratio on the calibration
+    /// rows (Q8_0 weights, activations quantized per block of 32, both rotated as the engine
+    /// rotates them): what W8A8 costs the group, activations included, unsmoothed and with
+    /// its candidate smoothing factors (optional, added in v1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub act8_nsr: Option<Act8Nsr>,
+}
+
+/// [`GroupMetrics::act8_nsr`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Act8Nsr {
+    pub plain: f64,
+    pub smoothed: f64,
 }
 
 /// [`GroupMetrics::nsr`]: the calibration rows' mean harm in each served width.
@@ -476,6 +552,14 @@ impl SensitiveLayers {
                     errs.push(format!("groups.{key}.monitor.max_nsr must be >= 0"));
                 }
             }
+            if let Some(sm) = &entry.smoothing {
+                if !unit(sm.alpha) {
+                    errs.push(format!("groups.{key}.smoothing.alpha must be in [0, 1]"));
+                }
+                if let Err(e) = sm.exponents(dim) {
+                    errs.push(format!("groups.{key}.smoothing: {e}"));
+                }
+            }
             if let Some(o) = &entry.observed {
                 if !unit(o.wanted_float_share) {
                     errs.push(format!(
@@ -494,6 +578,7 @@ impl SensitiveLayers {
                     .chain(measured)
                     .chain(m.max_nsr_w4a16)
                     .chain(m.nsr.iter().flat_map(|n| [n.w8a8, n.w4a16]))
+                    .chain(m.act8_nsr.iter().flat_map(|n| [n.plain, n.smoothed]))
                     .any(|v| !v.is_finite() || v < 0.0)
                 {
                     errs.push(format!(
@@ -571,6 +656,37 @@ mod tests {
             panic!("expected Invalid")
         };
         assert_eq!(errs.len(), 8, "{errs:#?}");
+    }
+
+    #[test]
+    fn smoothing_factors_are_checked_against_the_input_width() {
+        let ok = Smoothing::new(0.5, &[0; 64]);
+        assert_eq!(ok.exponents(64).unwrap(), vec![0i8; 64]);
+        let mut short = Smoothing::new(0.5, &[1, -2, 3]);
+        assert_eq!(short.exponents(3).unwrap(), vec![1, -2, 3]);
+        assert!(short
+            .exponents(64)
+            .unwrap_err()
+            .contains("input width is 64"));
+        short.log2_factors = "1 x 3".into();
+        assert!(short.exponents(3).unwrap_err().contains("log2_factors[1]"));
+        short.log2_factors = "1 21 3".into();
+        assert!(short.exponents(3).unwrap_err().contains("outside"));
+        let text = format!(
+            r#"{{"schema_version": 1, "groups": {{
+            "layers.0.qkv": {{"class": "w8a8", "smoothing": {{"alpha": 0.5, "log2_factors": "{}"}}}},
+            "layers.1.down": {{"class": "w8a8", "smoothing": {{"alpha": 2, "log2_factors": "1 2"}}}}}}}}"#,
+            ok.log2_factors
+        );
+        let SensitiveLayersError::Invalid(errs) =
+            SensitiveLayers::parse_for(text.as_bytes(), &shape()).unwrap_err()
+        else {
+            panic!("expected Invalid")
+        };
+        assert_eq!(errs.len(), 2, "{errs:#?}");
+        assert!(errs
+            .iter()
+            .all(|e| e.starts_with("groups.layers.1.down.smoothing")));
     }
 
     #[test]

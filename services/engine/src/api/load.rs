@@ -132,7 +132,7 @@ pub(super) fn log_plan(live: &LivePlan, cfg: &EngineConfig, w: &crate::backend::
          | float copies | | {:.1} |\n\
          | embeddings, norms, lm_head (tables {}) | | {:.1} |\n\
          | total | | {:.1} = {:.2}× all-f16 ({:.1}) |\n\
-         split activations: {}\n\
+         split activations: {}; rotation block {}; scale migration in {} group(s)\n\
          float budget {budget}: tables {:.1} MiB beyond Q8_0, {} group(s) over it are INT8-only{}",
         count(Residency::Int8),
         cfg.float_dtype.as_str(),
@@ -151,6 +151,11 @@ pub(super) fn log_plan(live: &LivePlan, cfg: &EngineConfig, w: &crate::backend::
         w.ratio_to_f16(),
         mib(w.all_f16),
         cfg.split_activations.as_str(),
+        cfg.rotation_block,
+        live.smoothing
+            .keys()
+            .filter(|g| live.residency[*g].has_int8())
+            .count(),
         mib(live.budget.table_bytes),
         live.budget.demoted.len(),
         if live.budget.demoted.is_empty() {

@@ -219,20 +219,29 @@ impl QuantFormat {
     }
 }
 
-/// What the plan decides for one linear group: which forms stay resident and how the
-/// quantized one is stored.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// What the plan decides for one linear group: which forms stay resident, how the
+/// quantized one is stored, and the scale migration its quantized path applies.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GroupForm {
     pub residency: Residency,
     pub quant: QuantFormat,
+    /// Smoothing factors' exponents, one per input channel (`None`: none); see
+    /// `quantmesh_types::Smoothing`.
+    pub smoothing: Option<std::sync::Arc<[i8]>>,
 }
 
 impl GroupForm {
-    /// `residency` with the default (Q8_0) quantized form.
+    /// `residency` with the default (Q8_0) quantized form, no smoothing.
     pub fn q8(residency: Residency) -> Self {
+        Self::new(residency, QuantFormat::Q8_0)
+    }
+
+    /// `residency` and `quant`, no smoothing.
+    pub fn new(residency: Residency, quant: QuantFormat) -> Self {
         Self {
             residency,
-            quant: QuantFormat::Q8_0,
+            quant,
+            smoothing: None,
         }
     }
 }

@@ -131,6 +131,7 @@ fn bare_entry(r: Residency) -> GroupEntry {
         monitor: None,
         massive_channels: Vec::new(),
         observed: None,
+        smoothing: None,
     }
 }
 

@@ -2,7 +2,7 @@
 //! first-load plan to the checkpoint's exact function, on held-out texts, with the monitor
 //! on and fed by other traffic.
 
-use crate::args::Args;
+use crate::args::{Args, MonitorChoice, SmoothingChoice};
 use crate::formats::{teacher_forced_top1, KlSummary};
 use crate::steps::watch_with;
 use quantmesh_engine::backend::cpu::LlamaModel;
@@ -77,55 +77,78 @@ pub(crate) fn activation_table(
         }
     );
     println!();
-    println!("| activations | rotation block | held-out text | mean KL | median KL | p99 KL | top-1 agreement % | perplexity | served tok/s (b1, one token per step) |");
-    println!("|---|---|---|---|---|---|---|---|---|");
-    for &split in &args.splits {
-        for &rotation in &args.rotations {
-            let forms = Forms {
-                float: FloatDtype::F16,
-                embeddings: match live.embeddings {
-                    EmbeddingDtype::Auto => EmbeddingDtype::Q8_0,
-                    e => e,
-                },
-                split,
-                rotation,
-            };
-            let model = LlamaModel::load_planned(
-                &ck,
-                cfg,
-                &|g| live.form(g, base.default_residency),
-                forms,
-            )?;
-            let mcfg = quantmesh_engine::monitor::MonitorConfig {
-                window_requests: 4,
-                shadow_sample_rate: 0.0,
-                ..Default::default()
-            };
-            let spikes = !args.spikes_only_8bit || split != SplitActivations::All;
-            let mask = watch_with(&model, cfg, mcfg, &requests, 1, spikes)?.1;
-            for (path, ids) in &texts {
-                let s = teacher_forced_top1(&model, &reference, cfg, ids, &mask, true)?;
-                let k = KlSummary::of(&s.kls);
-                println!(
-                    "| {} | {} | {} | {:.5} | {:.5} | {:.4} | {:.1} | {:.3} | {:.1} |",
-                    split.as_str(),
-                    if rotation == 0 {
-                        "none".to_string()
-                    } else {
-                        rotation.to_string()
-                    },
-                    path.file_name().map_or_else(
-                        || path.display().to_string(),
-                        |n| n.to_string_lossy().into()
-                    ),
-                    k.mean,
-                    k.median,
-                    k.p99,
-                    100.0 * s.top1_agree as f64 / s.kls.len().max(1) as f64,
-                    s.perplexity,
-                    s.kls.len() as f64 / s.served_seconds.max(f64::MIN_POSITIVE)
-                );
+    let smoothed = live.smoothing.len();
+    println!("Scale migration: `plan` = the plan's smoothing factors ({smoothed} of its groups carry them), `none` = the same plan without. Monitor `off`: no monitor, every row on the plan's paths.");
+    println!();
+    println!("| activations | rotation block | smoothing | monitor | held-out text | mean KL | median KL | p99 KL | top-1 agreement % | perplexity | served tok/s (b1, one token per step) |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    let configs = args.splits.iter().flat_map(|&split| {
+        args.rotations.iter().flat_map(move |&rotation| {
+            args.smoothings.iter().flat_map(move |&smoothing| {
+                args.monitors
+                    .iter()
+                    .map(move |&monitor| (split, rotation, smoothing, monitor))
+            })
+        })
+    });
+    for (split, rotation, smoothing, monitor) in configs {
+        let forms = Forms {
+            float: FloatDtype::F16,
+            embeddings: match live.embeddings {
+                EmbeddingDtype::Auto => EmbeddingDtype::Q8_0,
+                e => e,
+            },
+            split,
+            rotation,
+        };
+        let form = |g| {
+            let mut f = live.form(g, base.default_residency);
+            if smoothing == SmoothingChoice::None {
+                f.smoothing = None;
             }
+            f
+        };
+        let model = LlamaModel::load_planned(&ck, cfg, &form, forms)?;
+        let mcfg = quantmesh_engine::monitor::MonitorConfig {
+            window_requests: 4,
+            shadow_sample_rate: 0.0,
+            ..Default::default()
+        };
+        let spikes = !args.spikes_only_8bit || split != SplitActivations::All;
+        let mask = match monitor {
+            MonitorChoice::On => watch_with(&model, cfg, mcfg, &requests, 1, spikes)?.1,
+            MonitorChoice::Off => Default::default(),
+        };
+        for (path, ids) in &texts {
+            let s = teacher_forced_top1(&model, &reference, cfg, ids, &mask, true)?;
+            let k = KlSummary::of(&s.kls);
+            println!(
+                "| {} | {} | {} | {} | {} | {:.5} | {:.5} | {:.4} | {:.1} | {:.3} | {:.1} |",
+                split.as_str(),
+                if rotation == 0 {
+                    "none".to_string()
+                } else {
+                    rotation.to_string()
+                },
+                match smoothing {
+                    SmoothingChoice::None => "none",
+                    SmoothingChoice::Plan => "plan",
+                },
+                match monitor {
+                    MonitorChoice::On => "on",
+                    MonitorChoice::Off => "off",
+                },
+                path.file_name().map_or_else(
+                    || path.display().to_string(),
+                    |n| n.to_string_lossy().into()
+                ),
+                k.mean,
+                k.median,
+                k.p99,
+                100.0 * s.top1_agree as f64 / s.kls.len().max(1) as f64,
+                s.perplexity,
+                s.kls.len() as f64 / s.served_seconds.max(f64::MIN_POSITIVE)
+            );
         }
     }
     Ok(())

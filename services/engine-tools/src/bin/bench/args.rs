@@ -107,6 +107,14 @@ pub(crate) struct Args {
     /// Rotation blocks of the activation table (comma-separated; 0 = none).
     #[arg(long, value_delimiter = ',', default_value = "0,32,64,128")]
     pub(crate) rotations: Vec<u32>,
+    /// Scale migration in the activation table (comma-separated: `plan` = the plan's
+    /// smoothing factors, `none` = the same plan without them).
+    #[arg(long, value_delimiter = ',', default_value = "none,plan")]
+    pub(crate) smoothings: Vec<SmoothingChoice>,
+    /// The activation table's monitor (comma-separated: `on` = fed by --traffic, its mask in
+    /// force while scoring; `off` = every row on the plan's paths, no monitor).
+    #[arg(long, value_delimiter = ',', default_value = "on")]
+    pub(crate) monitors: Vec<MonitorChoice>,
     /// The Hadamard rotation block of the other sections' quantized paths (0 = none)
     /// [default: the engine's].
     #[arg(long)]
@@ -149,4 +157,18 @@ pub(crate) fn kv_scale(s: &str) -> Result<KvScale, String> {
         "head" => Ok(KvScale::Head),
         other => Err(format!("{other:?}: token or head")),
     }
+}
+
+/// [`Args::smoothings`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum SmoothingChoice {
+    None,
+    Plan,
+}
+
+/// [`Args::monitors`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum MonitorChoice {
+    On,
+    Off,
 }

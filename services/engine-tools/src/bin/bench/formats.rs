@@ -208,10 +208,7 @@ pub(crate) fn quant_format_section(
         ("q4_0 everywhere", &|_| QuantFormat::Q4_0),
     ];
     for (label, quant) in rows {
-        let form = |g: GroupId| GroupForm {
-            residency: Residency::Int8,
-            quant: quant(g),
-        };
+        let form = |g: GroupId| GroupForm::new(Residency::Int8, quant(g));
         let model = LlamaModel::load_planned(&ck, cfg, &form, Default::default())?;
         let w = model.weight_bytes();
         let (ppl, kls) = teacher_forced(&model, &reference, cfg, &ids, &PathMask::default(), true)?;

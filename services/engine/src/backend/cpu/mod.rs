@@ -139,7 +139,7 @@ fn prepare_group(
     form: GroupForm,
     forms: Forms,
 ) -> Result<PreparedGroup> {
-    let lin = load_group(ck, cfg, g, form, forms)?;
+    let lin = load_group(ck, cfg, g, form.clone(), forms)?;
     Ok(PreparedGroup {
         group: g,
         form,

@@ -149,15 +149,105 @@ thread_local! {
     static ACTIVATIONS: std::cell::RefCell<Activations> = std::cell::RefCell::new(Activations::new());
 }
 
-/// `x` `[rows, in]` with every row rotated in Hadamard blocks of `rotation` (1: as it is).
-fn rotate_rows(x: &Tensor, rotation: usize) -> Result<Tensor> {
-    if rotation <= 1 {
-        return Ok(x.clone());
+/// How the quantized path sees its input: every channel multiplied by the inverse of its
+/// smoothing factor (scale migration, a power of two), then every row rotated in Hadamard
+/// blocks of `rotation`; the quantized weights hold the opposite change (columns multiplied
+/// by the factors, rows rotated alike), so the product is the same function in float. The
+/// identity (no factors, block 1) leaves the input as it is.
+#[derive(Debug, Clone)]
+pub struct InputTransform {
+    /// Per input channel `(2^e, 2^-e)`; `None`: no smoothing.
+    factors: Option<(Arc<[f32]>, Arc<[f32]>)>,
+    /// Hadamard block (1: none).
+    rotation: usize,
+}
+
+impl InputTransform {
+    /// Rotation alone, in blocks of `rotation` (1: none).
+    pub fn rotation(rotation: usize) -> Self {
+        Self {
+            factors: None,
+            rotation: rotation.max(1),
+        }
     }
-    let dims = x.dims2()?;
-    let mut v = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    quantmesh_kernels::hadamard_blocks(&mut v, rotation)?;
-    Ok(Tensor::from_vec(v, dims, x.device())?)
+
+    /// Smoothing by the factors `2^e` of `exponents` (one per input channel), then rotation.
+    pub fn new(exponents: Option<&[i8]>, rotation: usize) -> Self {
+        let factors = exponents.map(|e| {
+            let f: Arc<[f32]> = e.iter().map(|&e| (e as f32).exp2()).collect();
+            let inv: Arc<[f32]> = e.iter().map(|&e| (-(e as f32)).exp2()).collect();
+            (f, inv)
+        });
+        Self {
+            factors,
+            rotation: rotation.max(1),
+        }
+    }
+
+    pub fn block(&self) -> usize {
+        self.rotation
+    }
+
+    pub fn smooths(&self) -> bool {
+        self.factors.is_some()
+    }
+
+    /// Rows of `cols` values with channel `j` multiplied by `by[j]` (when given).
+    fn scale_columns(v: &mut [f32], cols: usize, by: Option<&[f32]>) {
+        if let Some(by) = by.filter(|b| b.len() == cols) {
+            for row in v.chunks_exact_mut(cols) {
+                for (x, f) in row.iter_mut().zip(by) {
+                    *x *= f;
+                }
+            }
+        }
+    }
+
+    /// The weight `[out, in]` as the quantized form stores it: columns multiplied by the
+    /// factors, rows rotated.
+    fn weight_in(&self, w: &Tensor) -> Result<Tensor> {
+        self.map_rows(w, |v, cols| {
+            Self::scale_columns(v, cols, self.factors.as_ref().map(|f| &f.0[..]));
+            Ok(quantmesh_kernels::hadamard_blocks(v, self.rotation)?)
+        })
+    }
+
+    /// The inverse of [`InputTransform::weight_in`] (the rotation is its own inverse): the
+    /// stored weights seen from the untransformed input.
+    fn weight_out(&self, w: &Tensor) -> Result<Tensor> {
+        self.map_rows(w, |v, cols| {
+            quantmesh_kernels::hadamard_blocks(v, self.rotation)?;
+            Self::scale_columns(v, cols, self.factors.as_ref().map(|f| &f.1[..]));
+            Ok(())
+        })
+    }
+
+    /// The input `[rows, in]` as the quantized path multiplies it (a tensor: candle's
+    /// kernels; quantmesh's transform in [`kernel_product`]'s buffer).
+    fn input(&self, x: &Tensor) -> Result<Tensor> {
+        self.map_rows(x, |v, cols| self.input_rows(v, cols))
+    }
+
+    /// [`InputTransform::input`] in place on row-major values, a prefill's rows rotated on
+    /// the kernels' pool.
+    fn input_rows(&self, v: &mut [f32], cols: usize) -> Result<()> {
+        Self::scale_columns(v, cols, self.factors.as_ref().map(|f| &f.1[..]));
+        rotate_on_pool(v, cols, self.rotation)
+    }
+
+    fn map_rows(
+        &self,
+        x: &Tensor,
+        f: impl FnOnce(&mut [f32], usize) -> Result<()>,
+    ) -> Result<Tensor> {
+        if self.factors.is_none() && self.rotation <= 1 {
+            return Ok(x.clone());
+        }
+        let dims = x.dims2()?;
+        let mut v = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        f(&mut v, dims.1)?;
+        Ok(Tensor::from_vec(v, dims, x.device())?)
+    }
 }
 
 /// A linear group's quantized weight and the kernel that multiplies by it.
@@ -216,13 +306,12 @@ impl QuantKernel {
     }
 
     /// What this quantization does to each input column of `weight` (the f32 `[out, in]` it
-    /// was made from, before its rows were rotated in Hadamard blocks of `rotation`; 1:
-    /// not rotated): the quantized weights are turned back first (the rotation is its own
-    /// inverse), so the error is seen from the unrotated input.
-    pub fn column_error(&self, weight: &Tensor, rotation: usize) -> Result<ColumnError> {
+    /// was made from, before `t` changed it): the quantized weights are turned back first,
+    /// so the error is seen from the untransformed input.
+    pub fn column_error(&self, weight: &Tensor, t: &InputTransform) -> Result<ColumnError> {
         let in_dim = weight.dim(1)?;
         let w = weight.flatten_all()?.to_vec1::<f32>()?;
-        let seen = rotate_rows(&self.dequantize()?, rotation)?;
+        let seen = t.weight_out(&self.dequantize()?)?;
         Ok(ColumnError::from_weights(
             &w,
             &seen.flatten_all()?.to_vec1::<f32>()?,
@@ -230,20 +319,29 @@ impl QuantKernel {
         ))
     }
 
-    /// [`QuantKernel::forward`] (`split`: [`QuantKernel::split_forward`]) of `x` rotated in
-    /// Hadamard blocks of `rotation` (1: none). quantmesh's kernels rotate the rows on the
-    /// way into the quantizer, in one reused buffer; candle's get a rotated tensor.
-    pub fn rotated_forward(&self, x: &Tensor, rotation: usize, split: bool) -> Result<Tensor> {
+    /// [`QuantKernel::forward`] (`split`: [`QuantKernel::split_forward`]) of `x` changed by
+    /// `t` (smoothed, rotated). quantmesh's kernels change the rows on the way into the
+    /// quantizer, in one reused buffer; candle's get a changed tensor.
+    pub fn transformed_forward(
+        &self,
+        x: &Tensor,
+        t: &InputTransform,
+        split: bool,
+    ) -> Result<Tensor> {
         let bits = if split {
             ActBits::Sixteen
         } else {
             ActBits::Eight
         };
         match self {
-            QuantKernel::Q8(p) => q8_rotated(p, x, bits, rotation),
-            QuantKernel::Q4(p) => q4_rotated(p, x, bits, rotation),
+            QuantKernel::Q8(p) => kernel_product(x, bits, t, p.rows(), |a| {
+                p.matmul_vec(a, Isa::current(), Pool::global())
+            }),
+            QuantKernel::Q4(p) => kernel_product(x, bits, t, p.rows(), |a| {
+                p.matmul_vec(a, Isa::current(), Pool::global())
+            }),
             QuantKernel::Candle { .. } => {
-                let x = rotate_rows(x, rotation)?;
+                let x = t.input(x)?;
                 match split {
                     true => self.split_forward(&x),
                     false => self.forward(&x),
@@ -305,24 +403,14 @@ impl QuantKernel {
 
 /// `x · deq(p)ᵀ` on quantmesh's kernels, `x` `[rows, in]`, activations quantized to `bits`.
 pub(crate) fn q8_product(p: &PackedQ8, x: &Tensor, bits: ActBits) -> Result<Tensor> {
-    q8_rotated(p, x, bits, 1)
-}
-
-/// As [`q8_product`], the rows rotated in Hadamard blocks of `rotation` first (1: none).
-fn q8_rotated(p: &PackedQ8, x: &Tensor, bits: ActBits, rotation: usize) -> Result<Tensor> {
-    kernel_product(x, bits, rotation, p.rows(), |a| {
+    kernel_product(x, bits, &InputTransform::rotation(1), p.rows(), |a| {
         p.matmul_vec(a, Isa::current(), Pool::global())
     })
 }
 
 /// As [`q8_product`], for 4-bit weights.
 pub(crate) fn q4_product(p: &PackedQ4, x: &Tensor, bits: ActBits) -> Result<Tensor> {
-    q4_rotated(p, x, bits, 1)
-}
-
-/// As [`q8_rotated`], for 4-bit weights.
-fn q4_rotated(p: &PackedQ4, x: &Tensor, bits: ActBits, rotation: usize) -> Result<Tensor> {
-    kernel_product(x, bits, rotation, p.rows(), |a| {
+    kernel_product(x, bits, &InputTransform::rotation(1), p.rows(), |a| {
         p.matmul_vec(a, Isa::current(), Pool::global())
     })
 }
@@ -330,6 +418,9 @@ fn q4_rotated(p: &PackedQ4, x: &Tensor, bits: ActBits, rotation: usize) -> Resul
 /// Rotate the rows of `r` (`cols` wide) in Hadamard blocks of `rotation`, a prefill's
 /// rows shared out over the kernels' pool.
 fn rotate_on_pool(r: &mut [f32], cols: usize, rotation: usize) -> Result<()> {
+    if rotation <= 1 {
+        return Ok(());
+    }
     let pool = Pool::global();
     let rows = r.len() / cols.max(1);
     if rows < 2 * pool.threads() || cols == 0 || !cols.is_multiple_of(rotation) {
@@ -345,28 +436,28 @@ fn rotate_on_pool(r: &mut [f32], cols: usize, rotation: usize) -> Result<()> {
 }
 
 thread_local! {
-    /// The rows of the current product rotated, when the group rotates (reused like
-    /// [`ACTIVATIONS`]).
-    static ROTATED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// The rows of the current product transformed, when the group smooths or rotates
+    /// (reused like [`ACTIVATIONS`]).
+    static TRANSFORMED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// `x` (rotated in Hadamard blocks of `rotation` when > 1) quantized to `bits` into this
-/// thread's activations buffer, multiplied by `product` (`[rows, out]`).
+/// `x` (changed by `t`: smoothed, rotated) quantized to `bits` into this thread's
+/// activations buffer, multiplied by `product` (`[rows, out]`).
 fn kernel_product(
     x: &Tensor,
     bits: ActBits,
-    rotation: usize,
+    t: &InputTransform,
     out: usize,
     product: impl FnOnce(&Activations) -> quantmesh_kernels::Result<Vec<f32>>,
 ) -> Result<Tensor> {
     let (rows, cols) = x.dims2()?;
     let y = with_f32_rows(x, |x| {
         ACTIVATIONS.with_borrow_mut(|a| -> Result<Vec<f32>> {
-            if rotation > 1 {
-                ROTATED.with_borrow_mut(|r| -> Result<()> {
+            if t.rotation > 1 || t.smooths() {
+                TRANSFORMED.with_borrow_mut(|r| -> Result<()> {
                     r.clear();
                     r.extend_from_slice(x);
-                    rotate_on_pool(r, cols, rotation)?;
+                    t.input_rows(r, cols)?;
                     Ok(a.quantize(r, rows, cols, bits)?)
                 })?;
             } else {
@@ -388,9 +479,9 @@ pub struct DualLinear {
     bias: Option<Tensor>,
     out_dim: usize,
     in_dim: usize,
-    /// The Hadamard block the quantized path rotates activations by (`int8` holds the
-    /// weights rotated to match); 1: no rotation.
-    rotation: usize,
+    /// How the quantized path changes its input (smoothing, rotation; `int8` holds the
+    /// weights changed to match).
+    transform: InputTransform,
 }
 
 impl DualLinear {
@@ -418,8 +509,9 @@ impl DualLinear {
 
     /// As [`DualLinear::with_form`], the quantized path rotating activations in Hadamard
     /// blocks of up to `rotation` channels (the widest power of two up to it that divides
-    /// the input width; 0: none) and its weights rotated to match, so its product is the
-    /// same function in float. The float copy is the checkpoint's weight, unrotated.
+    /// the input width; 0: none) and, when `form.smoothing` holds factors, dividing each
+    /// channel by its factor first; its weights changed to match, so its product is the
+    /// same function in float. The float copy is the checkpoint's weight, unchanged.
     pub fn rotated(
         weight: Tensor,
         bias: Option<Tensor>,
@@ -433,9 +525,18 @@ impl DualLinear {
             0 => 1,
             b => quantmesh_kernels::rotation_block(in_dim, b as usize),
         };
+        let exponents = form.smoothing.as_deref();
+        if let Some(e) = exponents.filter(|e| e.len() != in_dim) {
+            return Err(candle_core::Error::Msg(format!(
+                "{} smoothing factors for an input width of {in_dim}",
+                e.len()
+            ))
+            .into());
+        }
+        let transform = InputTransform::new(exponents, block);
         let (int8, column_error) = if residency.has_int8() {
-            let k = QuantKernel::quantize(&rotate_rows(&weight, block)?, form.quant)?;
-            let e = k.column_error(&weight, block)?;
+            let k = QuantKernel::quantize(&transform.weight_in(&weight)?, form.quant)?;
+            let e = k.column_error(&weight, &transform)?;
             (Some(k), Some(Arc::new(e)))
         } else {
             (None, None)
@@ -453,13 +554,18 @@ impl DualLinear {
             bias,
             out_dim,
             in_dim,
-            rotation: block,
+            transform,
         })
     }
 
     /// The Hadamard block the quantized path rotates activations by (1: none).
     pub fn rotation(&self) -> usize {
-        self.rotation
+        self.transform.block()
+    }
+
+    /// Whether the quantized path smooths its input (scale migration).
+    pub fn smooths(&self) -> bool {
+        self.transform.smooths()
     }
 
     pub fn residency(&self) -> Residency {
@@ -517,7 +623,7 @@ impl DualLinear {
         let Some(k) = &self.int8 else {
             return Ok(None);
         };
-        Ok(Some(k.rotated_forward(x, self.rotation, false)?))
+        Ok(Some(k.transformed_forward(x, &self.transform, false)?))
     }
 
     /// The quantized weights with split activations ([`QuantKernel::split_forward`]).
@@ -525,7 +631,7 @@ impl DualLinear {
         let Some(k) = &self.int8 else {
             return Ok(None);
         };
-        Ok(Some(k.rotated_forward(x, self.rotation, true)?))
+        Ok(Some(k.transformed_forward(x, &self.transform, true)?))
     }
 
     /// Every row through one path: float when `want_float` and a copy is resident; else the

@@ -100,10 +100,7 @@ fn four_bit_form_is_four_bit_and_keeps_the_float_copy_exact() {
         let n = want.sqr().unwrap().sum_all().unwrap();
         (d.to_scalar::<f32>().unwrap() / n.to_scalar::<f32>().unwrap()).sqrt()
     };
-    let form = |quant| GroupForm {
-        residency: Residency::Dual,
-        quant,
-    };
+    let form = |quant| GroupForm::new(Residency::Dual, quant);
     let q8 =
         DualLinear::with_form(w.clone(), None, form(QuantFormat::Q8_0), FloatDtype::F32).unwrap();
     let q4 =
@@ -167,10 +164,7 @@ fn split_activations_remove_the_activation_error() {
     ];
     for (fmt, in_dim) in cases {
         let w = rand(64, in_dim, 1);
-        let form = GroupForm {
-            residency: Residency::Int8,
-            quant: fmt,
-        };
+        let form = GroupForm::new(Residency::Int8, fmt);
         let lin = DualLinear::with_form(w.clone(), None, form, FloatDtype::F32).unwrap();
         let deq = QuantKernel::quantize(&w, fmt)
             .unwrap()
@@ -217,10 +211,7 @@ fn column_error_predicts_the_output_error() {
         QuantFormat::Q4_0,
         QuantFormat::Q4K,
     ] {
-        let form = GroupForm {
-            residency: Residency::Dual,
-            quant: fmt,
-        };
+        let form = GroupForm::new(Residency::Dual, fmt);
         let lin = DualLinear::with_form(w.clone(), None, form, FloatDtype::F32).unwrap();
         let ce = lin.column_error().unwrap();
         assert_eq!(ce.in_dim(), in_dim);
@@ -371,7 +362,7 @@ fn a_rotated_group_keeps_its_function_and_spreads_an_outlier() {
         (d.to_scalar::<f32>().unwrap() / n.to_scalar::<f32>().unwrap()).sqrt()
     };
     let form = GroupForm::q8(Residency::Dual);
-    let plain = DualLinear::rotated(w.clone(), None, form, FloatDtype::F32, 0).unwrap();
+    let plain = DualLinear::rotated(w.clone(), None, form.clone(), FloatDtype::F32, 0).unwrap();
     let turned = DualLinear::rotated(w.clone(), None, form, FloatDtype::F32, 64).unwrap();
     assert_eq!((plain.rotation(), turned.rotation()), (1, 64));
     let (f, _) = turned
@@ -424,10 +415,115 @@ fn a_rotated_group_keeps_its_function_and_spreads_an_outlier() {
     );
     assert_eq!(*ce, direct);
     // A 4-bit rotated group keeps the same contract.
-    let q4 = GroupForm {
-        residency: Residency::Int8,
-        quant: QuantFormat::Q4S8,
-    };
+    let q4 = GroupForm::new(Residency::Int8, QuantFormat::Q4S8);
     let t4 = DualLinear::rotated(w.clone(), None, q4, FloatDtype::F32, 32).unwrap();
     assert!(rel(&run(&t4, SplitActivations::All)) < 0.1);
+}
+
+/// Scale migration: the smoothed group's quantized path is exactly the plain kernel on the
+/// migrated operands (weights' columns × 2^e, input ÷ 2^e: powers of two, so bit for bit),
+/// its float copy stays the checkpoint's, an outlier channel costs the smoothed W8A8 product
+/// less, the column error is seen from the unsmoothed input, and factors of the wrong width
+/// are refused.
+#[test]
+fn a_smoothed_group_is_the_plain_kernel_on_migrated_operands() {
+    let (out, inp) = (32, 64);
+    let w = rand(out, inp, 31);
+    let mut xv = rand(5, inp, 32)
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    for r in 0..5 {
+        xv[r * inp + 5] = 80.0 * if r % 2 == 0 { 1.0 } else { -1.0 };
+    }
+    let x = Tensor::from_vec(xv.clone(), (5, inp), &Device::Cpu).unwrap();
+    let exps: Vec<i8> = (0..inp)
+        .map(|j| if j == 5 { 4 } else { (j % 3) as i8 - 1 })
+        .collect();
+    let scale = |v: &mut [f32], sign: f32| {
+        for row in v.chunks_exact_mut(inp) {
+            for (x, e) in row.iter_mut().zip(&exps) {
+                *x *= (sign * f32::from(*e)).exp2();
+            }
+        }
+    };
+    let mut wv = w.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    scale(&mut wv, 1.0);
+    let w_migrated = Tensor::from_vec(wv, (out, inp), &Device::Cpu).unwrap();
+    scale(&mut xv, -1.0);
+    let x_migrated = Tensor::from_vec(xv, (5, inp), &Device::Cpu).unwrap();
+    for quant in [QuantFormat::Q8_0, QuantFormat::Q4S8] {
+        let mut form = GroupForm::new(Residency::Dual, quant);
+        form.smoothing = Some(exps.clone().into());
+        let smoothed = DualLinear::rotated(w.clone(), None, form, FloatDtype::F32, 0).unwrap();
+        assert!(smoothed.smooths());
+        let plain = DualLinear::with_form(
+            w_migrated.clone(),
+            None,
+            GroupForm::new(Residency::Int8, quant),
+            FloatDtype::F32,
+        )
+        .unwrap();
+        for split in [SplitActivations::Off, SplitActivations::All] {
+            let (a, _) = smoothed.forward(&x, &RowPath::AllInt8, split).unwrap();
+            let (b, _) = plain
+                .forward(&x_migrated, &RowPath::AllInt8, split)
+                .unwrap();
+            assert_eq!(
+                a.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                b.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                "{quant:?} {split:?}"
+            );
+        }
+        let (f, _) = smoothed
+            .forward(&x, &RowPath::AllFloat, SplitActivations::Off)
+            .unwrap();
+        let want = x.matmul(&w.t().unwrap()).unwrap();
+        assert_eq!(
+            f.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            want.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        );
+        // The column error of the migrated weights, turned back to the input's channels.
+        let mut seen = plain
+            .int8
+            .as_ref()
+            .unwrap()
+            .dequantize()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        scale(&mut seen, -1.0);
+        let direct = ColumnError::from_weights(
+            &w.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            &seen,
+            inp,
+        );
+        assert_eq!(*smoothed.column_error().unwrap(), direct, "{quant:?}");
+    }
+    // The outlier channel's W8A8 cost, plain against smoothed (8-bit weights).
+    let want = x.matmul(&w.t().unwrap()).unwrap();
+    let rel = |y: &Tensor| {
+        let d = (y - &want).unwrap().sqr().unwrap().sum_all().unwrap();
+        let n = want.sqr().unwrap().sum_all().unwrap();
+        (d.to_scalar::<f32>().unwrap() / n.to_scalar::<f32>().unwrap()).sqrt()
+    };
+    let mut form = GroupForm::q8(Residency::Int8);
+    let plain = DualLinear::with_form(w.clone(), None, form.clone(), FloatDtype::F32).unwrap();
+    form.smoothing = Some(exps.clone().into());
+    let smoothed = DualLinear::rotated(w.clone(), None, form.clone(), FloatDtype::F32, 0).unwrap();
+    let run = |lin: &DualLinear| {
+        lin.forward(&x, &RowPath::AllInt8, SplitActivations::Off)
+            .unwrap()
+            .0
+    };
+    let (p8, s8) = (rel(&run(&plain)), rel(&run(&smoothed)));
+    assert!(
+        s8 < 0.7 * p8,
+        "smoothing must cut the outlier's W8A8 error: {s8} vs {p8}"
+    );
+    form.smoothing = Some(exps[1..].to_vec().into());
+    assert!(DualLinear::rotated(w, None, form, FloatDtype::F32, 0).is_err());
 }
