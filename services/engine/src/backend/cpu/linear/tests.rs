@@ -4,6 +4,39 @@
 use super::*;
 use candle_core::{DType, Device};
 
+/// `rows` random rows of `cols` values with one channel per row set: `spike(row)` gives the
+/// channel and its value (the massive activations real residual streams carry).
+fn spiked_rows(
+    rows: usize,
+    cols: usize,
+    seed: u64,
+    spike: impl Fn(usize) -> (usize, f32),
+) -> Vec<f32> {
+    let mut v = rand(rows, cols, seed)
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    for r in 0..rows {
+        let (c, x) = spike(r);
+        v[r * cols + c] = x;
+    }
+    v
+}
+
+/// The quantized form's weights as the kernel multiplies them, row-major.
+fn stored_weights(lin: &DualLinear) -> Vec<f32> {
+    let w = lin.int8.as_ref().unwrap().dequantize().unwrap();
+    w.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+}
+
+/// `‖y − want‖ / ‖want‖`.
+fn rel_error(y: &Tensor, want: &Tensor) -> f32 {
+    let d = (y - want).unwrap().sqr().unwrap().sum_all().unwrap();
+    let n = want.sqr().unwrap().sum_all().unwrap();
+    (d.to_scalar::<f32>().unwrap() / n.to_scalar::<f32>().unwrap()).sqrt()
+}
+
 fn rand(rows: usize, cols: usize, seed: u64) -> Tensor {
     use rand::{Rng, SeedableRng};
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
@@ -95,11 +128,7 @@ fn four_bit_form_is_four_bit_and_keeps_the_float_copy_exact() {
     let w = rand(64, 128, 8);
     let x = rand(5, 128, 9);
     let want = x.matmul(&w.t().unwrap()).unwrap();
-    let err = |y: &Tensor| {
-        let d = (y - &want).unwrap().sqr().unwrap().sum_all().unwrap();
-        let n = want.sqr().unwrap().sum_all().unwrap();
-        (d.to_scalar::<f32>().unwrap() / n.to_scalar::<f32>().unwrap()).sqrt()
-    };
+    let err = |y: &Tensor| rel_error(y, &want);
     let form = |quant| GroupForm::new(Residency::Dual, quant);
     let q8 =
         DualLinear::with_form(w.clone(), None, form(QuantFormat::Q8_0), FloatDtype::F32).unwrap();
@@ -173,11 +202,7 @@ fn split_activations_remove_the_activation_error() {
         for rows in [1, 5] {
             let x = rand(rows, in_dim, 2);
             let want = x.matmul(&deq.t().unwrap()).unwrap();
-            let err = |y: &Tensor| {
-                let d = (y - &want).unwrap().sqr().unwrap().sum_all().unwrap();
-                let n = want.sqr().unwrap().sum_all().unwrap();
-                (d.to_scalar::<f32>().unwrap() / n.to_scalar::<f32>().unwrap()).sqrt()
-            };
+            let err = |y: &Tensor| rel_error(y, &want);
             let plain = err(&lin.int8_mm(&x).unwrap().unwrap());
             let split = err(&lin.split_mm(&x).unwrap().unwrap());
             assert!(
@@ -346,21 +371,10 @@ fn a_rotated_group_keeps_its_function_and_spreads_an_outlier() {
     let (out, inp) = (48, 256);
     let w = rand(out, inp, 21);
     // Rows with one massive channel each (different channels), as real residual streams have.
-    let mut xv = rand(6, inp, 22)
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
-    for r in 0..6 {
-        xv[r * inp + 7 + 40 * r] = 60.0;
-    }
+    let xv = spiked_rows(6, inp, 22, |r| (7 + 40 * r, 60.0));
     let x = Tensor::from_vec(xv, (6, inp), &Device::Cpu).unwrap();
     let want = x.matmul(&w.t().unwrap()).unwrap();
-    let rel = |y: &Tensor| {
-        let d = (y - &want).unwrap().sqr().unwrap().sum_all().unwrap();
-        let n = want.sqr().unwrap().sum_all().unwrap();
-        (d.to_scalar::<f32>().unwrap() / n.to_scalar::<f32>().unwrap()).sqrt()
-    };
+    let rel = |y: &Tensor| rel_error(y, &want);
     let form = GroupForm::q8(Residency::Dual);
     let plain = DualLinear::rotated(w.clone(), None, form.clone(), FloatDtype::F32, 0).unwrap();
     let turned = DualLinear::rotated(w.clone(), None, form, FloatDtype::F32, 64).unwrap();
@@ -395,16 +409,7 @@ fn a_rotated_group_keeps_its_function_and_spreads_an_outlier() {
     // predicts for a row equals the measured weight-only error of that row.
     let ce = turned.column_error().unwrap();
     let deq = {
-        let mut v = turned
-            .int8
-            .as_ref()
-            .unwrap()
-            .dequantize()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
+        let mut v = stored_weights(&turned);
         quantmesh_kernels::hadamard_blocks(&mut v, 64).unwrap();
         Tensor::from_vec(v, (out, inp), &Device::Cpu).unwrap()
     };
@@ -429,14 +434,7 @@ fn a_rotated_group_keeps_its_function_and_spreads_an_outlier() {
 fn a_smoothed_group_is_the_plain_kernel_on_migrated_operands() {
     let (out, inp) = (32, 64);
     let w = rand(out, inp, 31);
-    let mut xv = rand(5, inp, 32)
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
-    for r in 0..5 {
-        xv[r * inp + 5] = 80.0 * if r % 2 == 0 { 1.0 } else { -1.0 };
-    }
+    let mut xv = spiked_rows(5, inp, 32, |r| (5, if r % 2 == 0 { 80.0 } else { -80.0 }));
     let x = Tensor::from_vec(xv.clone(), (5, inp), &Device::Cpu).unwrap();
     let exps: Vec<i8> = (0..inp)
         .map(|j| if j == 5 { 4 } else { (j % 3) as i8 - 1 })
@@ -485,16 +483,7 @@ fn a_smoothed_group_is_the_plain_kernel_on_migrated_operands() {
             want.flatten_all().unwrap().to_vec1::<f32>().unwrap()
         );
         // The column error of the migrated weights, turned back to the input's channels.
-        let mut seen = plain
-            .int8
-            .as_ref()
-            .unwrap()
-            .dequantize()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
+        let mut seen = stored_weights(&plain);
         scale(&mut seen, -1.0);
         let direct = ColumnError::from_weights(
             &w.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
@@ -505,11 +494,7 @@ fn a_smoothed_group_is_the_plain_kernel_on_migrated_operands() {
     }
     // The outlier channel's W8A8 cost, plain against smoothed (8-bit weights).
     let want = x.matmul(&w.t().unwrap()).unwrap();
-    let rel = |y: &Tensor| {
-        let d = (y - &want).unwrap().sqr().unwrap().sum_all().unwrap();
-        let n = want.sqr().unwrap().sum_all().unwrap();
-        (d.to_scalar::<f32>().unwrap() / n.to_scalar::<f32>().unwrap()).sqrt()
-    };
+    let rel = |y: &Tensor| rel_error(y, &want);
     let mut form = GroupForm::q8(Residency::Int8);
     let plain = DualLinear::with_form(w.clone(), None, form.clone(), FloatDtype::F32).unwrap();
     form.smoothing = Some(exps.clone().into());
