@@ -149,6 +149,10 @@ thread_local! {
     static ACTIVATIONS: std::cell::RefCell<Activations> = std::cell::RefCell::new(Activations::new());
 }
 
+/// Smoothing factors per input channel: `.0` = `2^e` (the weights' columns), `.1` = `2^-e`
+/// (the input's channels).
+type Factors = (Arc<[f32]>, Arc<[f32]>);
+
 /// How the quantized path sees its input: every channel multiplied by the inverse of its
 /// smoothing factor (scale migration, a power of two), then every row rotated in Hadamard
 /// blocks of `rotation`; the quantized weights hold the opposite change (columns multiplied
@@ -156,8 +160,8 @@ thread_local! {
 /// identity (no factors, block 1) leaves the input as it is.
 #[derive(Debug, Clone)]
 pub struct InputTransform {
-    /// Per input channel `(2^e, 2^-e)`; `None`: no smoothing.
-    factors: Option<(Arc<[f32]>, Arc<[f32]>)>,
+    /// Per input channel `2^e` and `2^-e`; `None`: no smoothing.
+    factors: Option<Factors>,
     /// Hadamard block (1: none).
     rotation: usize,
 }
