@@ -511,16 +511,13 @@ pub fn smoothing_line(file: &SensitiveLayers) -> String {
     if measured.is_empty() {
         return "scale migration: off\n".into();
     }
-    let kept: Vec<_> = measured.iter().filter(|m| m.0).collect();
-    let sum = |v: &mut dyn Iterator<Item = f64>| v.sum::<f64>();
-    let (plain, served) = (
-        sum(&mut measured.iter().map(|m| m.1)),
-        sum(&mut measured.iter().map(|m| if m.0 { m.2 } else { m.1 })),
-    );
+    let kept = measured.iter().filter(|m| m.0).count();
+    let plain: f64 = measured.iter().map(|m| m.1).sum();
+    let served: f64 = measured.iter().map(|m| if m.0 { m.2 } else { m.1 }).sum();
     format!(
         "scale migration: {} of {} groups smoothed; their served W8A8 output error (noise-to-signal, \
          calibration rows) {:.3e} -> {:.3e} summed over every group\n",
-        kept.len(),
+        kept,
         measured.len(),
         plain,
         served

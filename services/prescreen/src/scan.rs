@@ -1,7 +1,9 @@
 //! The walk: calibration tokens go through the float model one layer at a time, and each
 //! linear group is scored when its input is known. Weights are read from the memory-mapped
 //! checkpoint one member tensor at a time (three short passes per tensor: range + output,
-//! histograms, quantile refinement) and their pages released after each pass, so peak
+//! histograms, quantile refinement; a fourth, the whole tensor at once, when scale migration
+//! is on: the served W8A8 error with and without the factors) and their pages released after
+//! each pass, so peak
 //! memory is about one tensor in f32 plus the calibration activations — never a layer, never
 //! the model.
 

@@ -167,14 +167,6 @@ pub struct InputTransform {
 }
 
 impl InputTransform {
-    /// Rotation alone, in blocks of `rotation` (1: none).
-    pub fn rotation(rotation: usize) -> Self {
-        Self {
-            factors: None,
-            rotation: rotation.max(1),
-        }
-    }
-
     /// Smoothing by the factors `2^e` of `exponents` (one per input channel), then rotation.
     pub fn new(exponents: Option<&[i8]>, rotation: usize) -> Self {
         let factors = exponents.map(|e| {
@@ -194,6 +186,11 @@ impl InputTransform {
 
     pub fn smooths(&self) -> bool {
         self.factors.is_some()
+    }
+
+    /// Neither smoothing nor rotation: the input goes to the quantizer as it is.
+    fn is_identity(&self) -> bool {
+        !self.smooths() && self.rotation <= 1
     }
 
     /// Rows of `cols` values with channel `j` multiplied by `by[j]` (when given).
@@ -244,7 +241,7 @@ impl InputTransform {
         x: &Tensor,
         f: impl FnOnce(&mut [f32], usize) -> Result<()>,
     ) -> Result<Tensor> {
-        if self.factors.is_none() && self.rotation <= 1 {
+        if self.is_identity() {
             return Ok(x.clone());
         }
         let dims = x.dims2()?;
@@ -338,12 +335,8 @@ impl QuantKernel {
             ActBits::Eight
         };
         match self {
-            QuantKernel::Q8(p) => kernel_product(x, bits, t, p.rows(), |a| {
-                p.matmul_vec(a, Isa::current(), Pool::global())
-            }),
-            QuantKernel::Q4(p) => kernel_product(x, bits, t, p.rows(), |a| {
-                p.matmul_vec(a, Isa::current(), Pool::global())
-            }),
+            QuantKernel::Q8(p) => q8_transformed(p, x, bits, t),
+            QuantKernel::Q4(p) => q4_transformed(p, x, bits, t),
             QuantKernel::Candle { .. } => {
                 let x = t.input(x)?;
                 match split {
@@ -407,14 +400,24 @@ impl QuantKernel {
 
 /// `x · deq(p)ᵀ` on quantmesh's kernels, `x` `[rows, in]`, activations quantized to `bits`.
 pub(crate) fn q8_product(p: &PackedQ8, x: &Tensor, bits: ActBits) -> Result<Tensor> {
-    kernel_product(x, bits, &InputTransform::rotation(1), p.rows(), |a| {
+    q8_transformed(p, x, bits, &InputTransform::new(None, 1))
+}
+
+/// As [`q8_product`], the rows changed by `t` (smoothed, rotated) first.
+fn q8_transformed(p: &PackedQ8, x: &Tensor, bits: ActBits, t: &InputTransform) -> Result<Tensor> {
+    kernel_product(x, bits, t, p.rows(), |a| {
         p.matmul_vec(a, Isa::current(), Pool::global())
     })
 }
 
 /// As [`q8_product`], for 4-bit weights.
 pub(crate) fn q4_product(p: &PackedQ4, x: &Tensor, bits: ActBits) -> Result<Tensor> {
-    kernel_product(x, bits, &InputTransform::rotation(1), p.rows(), |a| {
+    q4_transformed(p, x, bits, &InputTransform::new(None, 1))
+}
+
+/// As [`q8_transformed`], for 4-bit weights.
+fn q4_transformed(p: &PackedQ4, x: &Tensor, bits: ActBits, t: &InputTransform) -> Result<Tensor> {
+    kernel_product(x, bits, t, p.rows(), |a| {
         p.matmul_vec(a, Isa::current(), Pool::global())
     })
 }
@@ -457,7 +460,7 @@ fn kernel_product(
     let (rows, cols) = x.dims2()?;
     let y = with_f32_rows(x, |x| {
         ACTIVATIONS.with_borrow_mut(|a| -> Result<Vec<f32>> {
-            if t.rotation > 1 || t.smooths() {
+            if !t.is_identity() {
                 TRANSFORMED.with_borrow_mut(|r| -> Result<()> {
                     r.clear();
                     r.extend_from_slice(x);
