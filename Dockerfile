@@ -30,7 +30,10 @@ WORKDIR /var/lib/quantmesh
 VOLUME ["/models", "/var/lib/quantmesh/outbox", "/var/lib/quantmesh/lake"]
 EXPOSE 8080
 # /ready is 200 once the model is loaded (503 while loading); bash's /dev/tcp needs no curl.
-HEALTHCHECK --interval=5s --timeout=3s --start-period=120s --retries=3 \
+# A first start fetches the model and pre-screens it for its first-load plan (minutes on a
+# small CPU): failures in the first 10 minutes do not count (the Kubernetes startupProbe
+# allows the same), and the first success marks the container healthy at once.
+HEALTHCHECK --interval=5s --timeout=3s --start-period=600s --retries=3 \
   CMD ["bash", "-c", "exec 3<>/dev/tcp/127.0.0.1/${QUANTMESH_PORT:-8080} && printf 'GET /ready HTTP/1.0\\r\\n\\r\\n' >&3 && head -1 <&3 | grep -q ' 200 '"]
 STOPSIGNAL SIGTERM
 USER quantmesh
