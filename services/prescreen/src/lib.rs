@@ -58,6 +58,11 @@ pub struct Options {
 /// its `float_budget` (with the `fp16` groups' bytes) so the engine keeps within it.
 pub const FLOAT_RESERVE_PERCENT: f64 = 10.0;
 
+/// What the pre-screen chooses, versioned: raised when a release changes its choices for the
+/// same model and rules (2: scale migration). The first-load plan's cache is keyed by it, so
+/// an upgrade pre-screens once more rather than serving an earlier revision's plan.
+pub const PLAN_REVISION: u32 = 2;
+
 /// What the weight budget chose.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BitsOutcome {

@@ -2,7 +2,8 @@
 //! runs the pre-screen on the loaded model once (bundled calibration prompts, progress in
 //! the log), writes the result beside the model keyed by the md5 of the model's weight
 //! files, and serves with it; the next start with the same files finds it and starts at
-//! once. Different bytes (a new download, a re-quantized file) get a new plan.
+//! once. Different bytes (a new download, a re-quantized file) get a new plan, and so does a
+//! release whose pre-screen chooses differently (`quantmesh_prescreen::PLAN_REVISION`).
 
 use anyhow::Context;
 use std::io::Read;
@@ -12,7 +13,7 @@ use std::time::Instant;
 /// What [`ensure`] found or made.
 #[derive(Debug, Clone)]
 pub struct FirstPlan {
-    /// The plan file (`<model dir>/.quantmesh/sensitive_layers.<md5>.json`).
+    /// The plan file (`<model dir>/.quantmesh/sensitive_layers.<md5>.r<revision>.json`).
     pub path: PathBuf,
     /// The md5 of the model's weight files the plan is keyed by.
     pub model_md5: String,
@@ -158,22 +159,19 @@ pub fn ensure(
         quantmesh_types::DEFAULT_ROTATION_BLOCK => String::new(),
         b => format!(".rotation-{b}"),
     };
+    let stem = format!(
+        "sensitive_layers.{md5}.r{}{rotation}",
+        quantmesh_prescreen::PLAN_REVISION
+    );
     let path = match weight_budget {
-        None => dir.join(format!("sensitive_layers.{md5}{rotation}.json")),
-        Some(b) => dir.join(format!("sensitive_layers.{md5}{rotation}.budget-{b}.json")),
+        None => dir.join(format!("{stem}.json")),
+        Some(b) => dir.join(format!("{stem}.budget-{b}.json")),
     };
     if path.is_file() {
         let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
         match quantmesh_types::SensitiveLayers::parse(&bytes) {
-            Ok(mut plan) => {
+            Ok(_) => {
                 tracing::info!(plan = %path.display(), model_md5 = %md5, "first-load plan: reusing the cached plan");
-                if plan.thresholds != Default::default() {
-                    // Cached by a version whose first-load plan wrote the pre-screen's default
-                    // thresholds, which overrode `engine.monitor`: dropped, once.
-                    plan.thresholds = Default::default();
-                    write_plan(&dir, &md5, &path, &plan.to_bytes()?)?;
-                    tracing::info!(plan = %path.display(), "first-load plan: dropped the cached plan's hook thresholds; `engine.monitor` applies");
-                }
                 return Ok(FirstPlan {
                     path,
                     model_md5: md5,
@@ -269,20 +267,25 @@ mod tests {
         assert!(!again.computed, "same bytes: the cached plan is reused");
         assert_eq!(again.path, first.path);
         assert_eq!(std::fs::read(&again.path).unwrap(), bytes);
-        // A plan cached by a version that wrote thresholds into it: they are dropped, the
-        // rest kept, the plan not recomputed.
-        let mut old = plan.clone();
-        old.thresholds.k = Some(9.0);
-        old.thresholds.window_requests = Some(10);
-        std::fs::write(&first.path, serde_json::to_vec(&old).unwrap()).unwrap();
+        // A plan an earlier revision of the pre-screen cached (its name has no revision, or
+        // another one) is not served: this release pre-screens once more.
+        std::fs::remove_file(&first.path).unwrap();
+        let name = first
+            .path
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .to_string();
+        let revision = format!(".r{}", quantmesh_prescreen::PLAN_REVISION);
+        assert!(name.contains(&revision), "{name}");
+        let earlier = first.path.with_file_name(name.replace(&revision, ""));
+        std::fs::write(&earlier, &bytes).unwrap();
+        let again = ensure(dir.path(), 8, None, quantmesh_types::DEFAULT_ROTATION_BLOCK).unwrap();
         assert!(
-            !ensure(dir.path(), 8, None, quantmesh_types::DEFAULT_ROTATION_BLOCK)
-                .unwrap()
-                .computed
+            again.computed,
+            "an earlier revision's plan must not be reused"
         );
-        let cleaned =
-            quantmesh_types::SensitiveLayers::parse(&std::fs::read(&first.path).unwrap()).unwrap();
-        assert_eq!(cleaned, plan);
+        assert_eq!(again.path, first.path);
         // Other weights in the same place (another seed): a new md5, a new plan.
         init_model(
             dir.path(),

@@ -161,8 +161,8 @@ pub struct ModelSettings {
     pub fetch_if_missing: bool,
     /// The precision plan when no `engine.sensitive_layers` is given: `auto` runs the
     /// pre-screen on the model on first load and caches the result beside it
-    /// (`.quantmesh/sensitive_layers.<md5>.json`); `none` serves `engine.default_residency`
-    /// everywhere. `--residency` implies `none`.
+    /// (`.quantmesh/sensitive_layers.<md5>.r<revision>.json`); `none` serves
+    /// `engine.default_residency` everywhere. `--residency` implies `none`.
     pub plan: PlanMode,
     /// Calibration prompts the first-load pre-screen uses (0 = all 304 bundled prompts).
     pub plan_prompts: usize,
