@@ -34,7 +34,8 @@ pub struct Rules {
     /// channel (residual-stream groups only: qkv, gate_up). The monitor uses the same rule.
     pub massive_channel_share: f64,
     pub massive_channel_ratio: f32,
-    /// Scale migration (SmoothQuant): its strength α in [0, 1) (0: none). Each group's
+    /// Scale migration (SmoothQuant): its strength α in [0, 1) (0: none; 0.75 measured best
+    /// on SmolLM2 among 0.5, 0.75 and 0.9, docs/MEASUREMENTS.md). Each group's
     /// factors come from its calibration activations and weights; they are kept where they
     /// bring the served 8-bit-activation product's output error to at most `smoothing_gain`
     /// times the unsmoothed one.
@@ -87,7 +88,7 @@ impl Default for Rules {
             aggressive: Format::W8a8,
             massive_channel_share: quantmesh_model::massive::DEFAULT_MASSIVE_SHARE,
             massive_channel_ratio: quantmesh_model::massive::DEFAULT_MASSIVE_RATIO,
-            smoothing_alpha: 0.5,
+            smoothing_alpha: 0.75,
             smoothing_gain: 0.9,
             rotation_block: quantmesh_types::DEFAULT_ROTATION_BLOCK,
             hook: HookDefaults::default(),
