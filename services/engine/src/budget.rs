@@ -8,13 +8,9 @@
 //! off the top; the groups share the rest.
 //!
 //! Ranking (most deserving first): `float` groups (their class says INT8 is not good
-//! enough at all), then `dual` groups the monitor saw wanting float in served traffic, then
-//! `dual` groups by the pre-screen's evidence: where the quantized path runs 8-bit
-//! activations (`split_activations` `off` or `copyless`) first by the served W8A8 output
-//! error (`metrics.act8_nsr`, of the form served: smoothed where the plan smooths), which
-//! counts what activation quantization does; then by the KL of the INT8 weights
-//! (`w8a8_per_channel`, closest to Q8_0's per-block scales), then by R; groups without
-//! pre-screen evidence last, in layer order. Greedy in rank order: a group is kept
+//! enough at all), then `dual` groups by the pre-screen's KL of the INT8 form the engine
+//! serves (`w8a8_per_channel`, closest to Q8_0's per-block scales), then by R; groups
+//! without pre-screen evidence last, in layer order. Greedy in rank order: a group is kept
 //! when its float copy still fits, so a large group that does not fit does not block
 //! smaller ones behind it.
 
@@ -33,9 +29,6 @@ pub struct Rank {
     tier: u8,
     /// Share of monitor windows the group wanted float (tier 2).
     wanted: f64,
-    /// Served W8A8 output error (noise-to-signal) when the quantized path runs 8-bit
-    /// activations; 0 otherwise or without the measurement.
-    act8: f64,
     kl: f64,
     r: f64,
 }
@@ -43,10 +36,8 @@ pub struct Rank {
 /// The rank of a group from its plan entry (`None`: no evidence). Served-traffic evidence
 /// outranks the pre-screen's: a group the monitor kept wanting in float is what a float copy
 /// is for, whatever its weights' offline KL — without this a group the evolution service
-/// promoted could lose its new copy to the budget at the next reload. `eight_bit`: the
-/// quantized path runs 8-bit activations, so the served W8A8 error ranks before the
-/// weights' KL.
-pub fn rank(residency: Residency, entry: Option<&GroupEntry>, eight_bit: bool) -> Rank {
+/// promoted could lose its new copy to the budget at the next reload.
+pub fn rank(residency: Residency, entry: Option<&GroupEntry>) -> Rank {
     let metrics = entry.and_then(|e| e.metrics.as_ref());
     let wanted = entry
         .and_then(|e| e.observed.as_ref())
@@ -58,15 +49,9 @@ pub fn rank(residency: Residency, entry: Option<&GroupEntry>, eight_bit: bool) -
         _ => 0,
     };
     let finite = |v: f64| if v.is_finite() { v } else { f64::MAX };
-    let act8 = match (eight_bit, metrics.and_then(|m| m.act8_nsr.as_ref())) {
-        (true, Some(a)) if entry.is_some_and(|e| e.smoothing.is_some()) => a.smoothed,
-        (true, Some(a)) => a.plain,
-        _ => 0.0,
-    };
     Rank {
         tier,
         wanted: finite(wanted),
-        act8: finite(act8),
         kl: metrics.map_or(0.0, |m| finite(m.kl.w8a8_per_channel)),
         r: metrics.map_or(0.0, |m| finite(m.r)),
     }
@@ -190,7 +175,7 @@ mod tests {
                 let g = gid(i);
                 residency.insert(g, [Residency::Int8, Residency::Dual, Residency::Float][*r as usize]);
                 sizes.insert(g, *size);
-                ranks.insert(g, Rank { tier: 1, wanted: 0.0, act8: 0.0, kl: *kl as f64, r: 0.0 });
+                ranks.insert(g, Rank { tier: 1, wanted: 0.0, kl: *kl as f64, r: 0.0 });
             }
             let before = residency.clone();
             let out = apply(&mut residency, Some(budget), &|g| sizes[&g], &|g| ranks[&g]);
@@ -221,55 +206,11 @@ mod tests {
         let out = apply(&mut residency, Some(100), &|_| 60, &|g| Rank {
             tier: 1,
             wanted: 0.0,
-            act8: 0.0,
             kl: kl[g.kind.index()],
             r: 0.0,
         });
         assert_eq!(out.demoted, vec![gid(0), gid(2)]);
         assert_eq!(residency[&gid(1)], Residency::Dual);
         assert_eq!(out.float_bytes, 60);
-    }
-
-    /// With 8-bit activations the served W8A8 error decides before the weights' KL (of the
-    /// smoothed form where the plan smooths); with 16-bit ones it is not looked at.
-    #[test]
-    fn eight_bit_activations_rank_by_the_served_error() {
-        use quantmesh_types::sensitive::{Act8Nsr, Smoothing};
-        let entry = |kl: f64, plain: f64, smoothed: Option<f64>| -> GroupEntry {
-            let mut e: GroupEntry = serde_json::from_value(serde_json::json!({
-                "class": "w8a8",
-                "metrics": {"r": 1.0, "energy": 0.5,
-                    "kl": {"w8a8": kl, "w8a8_per_channel": kl, "w4a16": kl}}
-            }))
-            .unwrap();
-            let m = e.metrics.as_mut().unwrap();
-            m.act8_nsr = Some(Act8Nsr {
-                plain,
-                smoothed: smoothed.unwrap_or(plain),
-            });
-            e.smoothing = smoothed.map(|_| Smoothing::new(0.5, &[1, -1]));
-            e
-        };
-        // Group 0: worst weights' KL, mild served error; group 1: mild KL, the activation
-        // error that hurts; group 2: its plain served error the worst, but it is smoothed.
-        let entries = [
-            entry(0.5, 0.001, None),
-            entry(0.01, 0.02, None),
-            entry(0.02, 0.05, Some(0.0005)),
-        ];
-        let keep = |eight_bit: bool| {
-            let mut residency: BTreeMap<GroupId, Residency> =
-                (0..3).map(|i| (gid(i), Residency::Dual)).collect();
-            apply(&mut residency, Some(100), &|_| 60, &|g| {
-                rank(Residency::Dual, Some(&entries[g.kind.index()]), eight_bit)
-            });
-            residency
-                .iter()
-                .filter(|(_, r)| r.has_float())
-                .map(|(g, _)| *g)
-                .collect::<Vec<_>>()
-        };
-        assert_eq!(keep(true), vec![gid(1)]);
-        assert_eq!(keep(false), vec![gid(0)]);
     }
 }

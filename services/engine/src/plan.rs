@@ -6,7 +6,6 @@ use crate::backend::{EmbeddingDtype, Forms, GroupForm, QuantFormat};
 use crate::budget::{self, BudgetOutcome};
 use crate::config::EngineConfig;
 use crate::monitor::{GroupOverride, MonitorConfig};
-use quantmesh_config::SplitActivations;
 use quantmesh_model::ops::member_shapes;
 use quantmesh_model::ModelConfig;
 use quantmesh_types::{GroupId, GroupKind, Residency, ValidatedPlan};
@@ -153,11 +152,6 @@ pub fn resolve(
         .and_then(|(p, _)| p.file.float_budget)
         .unwrap_or(base.float_budget);
     let budget_bytes = setting.bytes(int8_bytes);
-    // 8-bit activations on the quantized path: the served W8A8 error ranks the copies.
-    let eight_bit = matches!(
-        base.split_activations,
-        SplitActivations::Off | SplitActivations::Copyless
-    );
     // The plan's tables win over the engine's setting (a weight budget writes them).
     let tables = file
         .and_then(|(p, _)| p.file.tables)
@@ -168,13 +162,7 @@ pub fn resolve(
         &mut residency,
         budget_bytes.map(|b| b.saturating_sub(table_bytes)),
         &|g| group_params(cfg, g.kind) * float_size,
-        &|g| {
-            budget::rank(
-                wanted[&g],
-                file.and_then(|(p, _)| p.groups.get(&g)),
-                eight_bit,
-            )
-        },
+        &|g| budget::rank(wanted[&g], file.and_then(|(p, _)| p.groups.get(&g))),
     );
     budget.setting = setting;
     budget.budget_bytes = budget_bytes;

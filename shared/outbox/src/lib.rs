@@ -405,8 +405,19 @@ mod tests {
             ob.flush().unwrap();
         }
         // A new process: the unacked records are still there, in order, and new records
-        // get later sequence numbers.
-        let ob = Outbox::open(dir.path(), 1 << 20, FullPolicy::DropNewest).unwrap();
+        // get later sequence numbers. In one process, sled's flusher thread (a tick every
+        // 500 ms) holds the file lock until it sees the last handle gone: wait for it, as a
+        // restarted process never has to.
+        let reopened = || Outbox::open(dir.path(), 1 << 20, FullPolicy::DropNewest);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        let ob = loop {
+            match reopened() {
+                Err(OutboxError::Locked { .. }) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(std::time::Duration::from_millis(50))
+                }
+                other => break other.unwrap(),
+            }
+        };
         assert_eq!(ob.depth(), 8);
         let first = ob.peek(1).pop().unwrap().unwrap();
         assert_eq!(first, (2, rec(2)));

@@ -50,13 +50,7 @@ pub(crate) fn activation_table(
     }
     requests.truncate(args.traffic_requests);
     let ck = quantmesh_model::Checkpoint::open(dir)?;
-    let (base, live) = crate::steps::served_plan(
-        &ck,
-        cfg,
-        plan_path,
-        args.float_budget,
-        SplitActivations::All,
-    )?;
+    let (base, live) = crate::steps::served_plan(&ck, cfg, plan_path, args.float_budget)?;
     let reference = LlamaModel::load(dir, cfg, &|_| Residency::Float)?;
     println!();
     println!(
@@ -98,9 +92,6 @@ pub(crate) fn activation_table(
         })
     });
     for (split, rotation, smoothing, monitor) in configs {
-        // Each width's own resolution: with 8-bit activations the served W8A8 error ranks
-        // the float copies.
-        let (_, live) = crate::steps::served_plan(&ck, cfg, plan_path, args.float_budget, split)?;
         let forms = Forms {
             float: FloatDtype::F16,
             embeddings: match live.embeddings {

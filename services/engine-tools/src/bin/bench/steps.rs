@@ -110,7 +110,6 @@ pub(crate) fn served_plan(
     cfg: &ModelConfig,
     plan_path: &std::path::Path,
     float_budget: quantmesh_engine::budget::FloatBudget,
-    split: quantmesh_engine::backend::SplitActivations,
 ) -> Result<
     (
         quantmesh_engine::EngineConfig,
@@ -121,10 +120,8 @@ pub(crate) fn served_plan(
     let shape = quantmesh_model::model_shape(ck, cfg)?;
     let plan = quantmesh_types::SensitiveLayers::parse_for(&std::fs::read(plan_path)?, &shape)
         .map_err(|e| format!("{}: {e}", plan_path.display()))?;
-    // The activation width decides how the float budget ranks the copies, as in the engine.
     let base = quantmesh_engine::EngineConfig {
         float_budget,
-        split_activations: split,
         ..Default::default()
     };
     let live = quantmesh_engine::plan::resolve(&base, cfg, Some((&plan, "plan")));
