@@ -3,9 +3,8 @@
 //! checkpoint one member tensor at a time (three short passes per tensor: range + output,
 //! histograms, quantile refinement; a fourth, the whole tensor at once, when scale migration
 //! is on: the served W8A8 error with and without the factors) and their pages released after
-//! each pass, so peak
-//! memory is about one tensor in f32 plus the calibration activations — never a layer, never
-//! the model.
+//! each pass, so peak memory is about one tensor in f32 plus the calibration activations —
+//! never a layer, never the model.
 
 use crate::metrics::{activation_stats, dispersion, kl_hist, Gram, Hist, Quantiles, Range};
 use crate::quant::{fake_quant, Format};
