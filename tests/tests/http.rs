@@ -14,7 +14,7 @@ use std::time::Duration;
 #[actix_rt::test]
 async fn completion_chat_and_models() {
     let s = Server::start(settings()).await;
-    let r = s.post("/v1/completions", json!({"model": "quantmesh-tiny", "prompt": "Hello", "max_tokens": 8, "temperature": 0})).await;
+    let r = s.post("/v1/completions", json!({"model": "quantmesh-tiny", "prompt": "Hello", "max_tokens": 8, "temperature": 0, "ignore_eos": true})).await;
     assert_eq!(r.status(), 200);
     assert!(r.headers().contains_key("x-request-id"));
     let b: serde_json::Value = r.json().await.unwrap();
@@ -60,9 +60,9 @@ async fn streaming_is_incremental_and_matches_non_streaming() {
     let s = Server::start(settings()).await;
     for path in ["/v1/completions", "/v1/chat/completions"] {
         let mut body = if path == "/v1/completions" {
-            json!({"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0.9, "seed": 42})
+            json!({"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0.9, "seed": 42, "ignore_eos": true})
         } else {
-            json!({"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 24, "temperature": 0.9, "seed": 42})
+            json!({"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 24, "temperature": 0.9, "seed": 42, "ignore_eos": true})
         };
         let plain: serde_json::Value = s.post(path, body.clone()).await.json().await.unwrap();
         body["stream"] = json!(true);
