@@ -59,9 +59,10 @@ pub struct Options {
 pub const FLOAT_RESERVE_PERCENT: f64 = 10.0;
 
 /// What the pre-screen chooses, versioned: raised when a release changes its choices for the
-/// same model and rules (2: scale migration). The first-load plan's cache is keyed by it, so
+/// same model and rules (2: scale migration; 3: none from fewer than `smoothing_min_tokens`
+/// calibration tokens). The first-load plan's cache is keyed by it, so
 /// an upgrade pre-screens once more rather than serving an earlier revision's plan.
-pub const PLAN_REVISION: u32 = 2;
+pub const PLAN_REVISION: u32 = 3;
 
 /// What the weight budget chose.
 #[derive(Debug, Clone, PartialEq)]
@@ -514,7 +515,25 @@ pub fn smoothing_line(file: &SensitiveLayers) -> String {
         })
         .collect();
     if measured.is_empty() {
-        return "scale migration: off\n".into();
+        let generator = file.generator.as_ref();
+        let rule = |k: &str| generator?.rules.as_ref()?.get(k).copied();
+        let tokens = generator
+            .and_then(|g| g.calibration.as_ref())
+            .map(|c| c.tokens);
+        return match (
+            rule("smoothing_alpha"),
+            rule("smoothing_min_tokens"),
+            tokens,
+        ) {
+            (Some(alpha), Some(min), Some(tokens)) if alpha > 0.0 && (tokens as f64) < min => {
+                format!(
+                    "scale migration: off: {tokens} calibration tokens, fewer than the \
+                     {min} its factors need (smoothing_min_tokens; `quantmesh prescreen` with \
+                     the whole bundled set has enough)\n"
+                )
+            }
+            _ => "scale migration: off\n".into(),
+        };
     }
     let kept = measured.iter().filter(|m| m.0).count();
     let plain: f64 = measured.iter().map(|m| m.1).sum();

@@ -386,7 +386,9 @@ fn score_group(
     act_max.add(&xs);
     drop(xs);
     // Pass 4 (with scale migration on): the served W8A8 error, unsmoothed and smoothed.
-    let (act8_nsr, smoothing) = if rules.smoothing_alpha > 0.0 {
+    let (act8_nsr, smoothing) = if rules.smoothing_alpha > 0.0
+        && batch.tokens.len() >= rules.smoothing_min_tokens
+    {
         let exps =
             smoothing::exponents(act_max.values(), weight_max.values(), rules.smoothing_alpha);
         let block = quantmesh_kernels::rotation_block(in_dim, rules.rotation_block.max(1) as usize);

@@ -359,10 +359,10 @@ fn the_tables_cost_more_in_four_bits_than_in_eight() {
 /// Scale migration on the bundled checkpoint: the groups whose input carries the planted
 /// every-token massive channel (qkv and gate_up, where the residual stream enters) are
 /// smoothed, that channel gets the largest factor, every kept choice lowered the served W8A8
-/// error by the rules' gain, and `smoothing_alpha = 0` writes neither factors nor the
-/// measurement.
+/// error by the rules' gain, and `smoothing_alpha = 0`, or fewer calibration tokens than
+/// `smoothing_min_tokens`, writes neither factors nor the measurement.
 #[test]
-fn groups_fed_by_a_massive_channel_are_smoothed_and_alpha_zero_smooths_none() {
+fn groups_fed_by_a_massive_channel_are_smoothed_and_alpha_zero_or_too_few_tokens_smooth_none() {
     let (dir, planted) = model(1);
     let out = run(&opts(dir.path()), &Count(AtomicUsize::new(0))).unwrap();
     let rules = quantmesh_prescreen::rules::Rules::default();
@@ -416,4 +416,42 @@ fn groups_fed_by_a_massive_channel_are_smoothed_and_alpha_zero_smooths_none() {
     for (name, e) in &plain.file.groups {
         assert_eq!(e.class, out.file.groups[name].class, "{name}");
     }
+    assert!(quantmesh_prescreen::smoothing_line(&out.file).contains("groups smoothed"));
+    assert_eq!(
+        quantmesh_prescreen::smoothing_line(&plain.file),
+        "scale migration: off\n"
+    );
+    // From fewer calibration tokens than the rule asks for: no factors, and the line says why.
+    let tokens = out
+        .file
+        .generator
+        .as_ref()
+        .unwrap()
+        .calibration
+        .as_ref()
+        .unwrap()
+        .tokens;
+    let mut few = opts(dir.path());
+    few.rules.smoothing_min_tokens = tokens + 1;
+    let few = run(&few, &Count(AtomicUsize::new(0))).unwrap();
+    assert!(
+        few.file
+            .groups
+            .values()
+            .all(|e| e.smoothing.is_none()
+                && e.metrics.as_ref().is_some_and(|m| m.act8_nsr.is_none()))
+    );
+    let line = quantmesh_prescreen::smoothing_line(&few.file);
+    assert!(
+        line.contains(&format!(
+            "{tokens} calibration tokens, fewer than the {}",
+            tokens + 1
+        )),
+        "{line}"
+    );
+    // Exactly enough tokens: the factors are computed.
+    let mut enough = opts(dir.path());
+    enough.rules.smoothing_min_tokens = tokens;
+    let enough = run(&enough, &Count(AtomicUsize::new(0))).unwrap();
+    assert_eq!(enough.file.groups, out.file.groups);
 }
