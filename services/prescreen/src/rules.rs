@@ -43,11 +43,13 @@ pub struct Rules {
     /// See `smoothing_alpha` (in (0, 1]).
     pub smoothing_gain: f64,
     /// The fewest calibration tokens scale migration is computed from; with fewer the
-    /// pre-screen writes no factors (and says so). The factors come from each channel's
-    /// largest calibration activation: from too few tokens a channel's peak is missed, its
-    /// weights' column is shrunk, and a real peak is then served with that column's coarse
-    /// weights. Measured on SmolLM2 under 16-bit activations: factors from 903 tokens made the
-    /// mean KL 5.3–7.4× that of no factors, from 4 747 tokens 0.60–0.65× (docs/MEASUREMENTS.md).
+    /// pre-screen writes no factors (and says so). Measured on SmolLM2 under 16-bit
+    /// activations (rotation 128, monitor on, three held-out texts): factors from 903 tokens
+    /// made the mean KL 5.3–7.4× that of no factors, from 4 747 tokens 0.60–0.65×
+    /// (docs/MEASUREMENTS.md). 4096 lies between those two sizes; the boundary itself was not
+    /// measured. The likely cause, not isolated: the factors come from each channel's largest
+    /// calibration activation, and a peak the few tokens missed shrinks that channel's weight
+    /// column, which then serves the real peak coarsely.
     pub smoothing_min_tokens: usize,
     /// The Hadamard block the engine rotates quantized activations by
     /// (`engine.rotation_block`; 0: none): the served error is measured under it.
