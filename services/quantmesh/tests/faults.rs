@@ -1,5 +1,6 @@
 //! The fault suite: the compose test stack in real containers (gateway, two engines serving
-//! the real model, tansu for Kafka, Prometheus, the S3 server), with one fault at a time
+//! the real model, tansu for Kafka with its log in an S3 server of its own (kept across the
+//! broker's restarts), Prometheus, the S3 server), with one fault at a time
 //! under load, each with its stated expectation and a measured result:
 //!
 //! - **engine SIGKILL** with requests in flight: requests that had received no byte are
@@ -28,7 +29,9 @@
 //!
 //! Events are the admin-forced fallbacks, known by identity: every admin answer names the
 //! `event_id`s it made, and after each fault the topic is read and the fault's ids are
-//! looked up there (delivered, duplicates) — a missing id is either allowed by its fault
+//! looked up there (delivered, duplicates); after the last fault the whole topic is read
+//! once more, and every id delivered under any fault must still be on it (the broker was
+//! restarted three times in between) — a missing id is either allowed by its fault
 //! (refused on a full disk and counted; not yet durable at a kill) or lost, and lost must be
 //! 0; an admin event in a fault's window that no answer named is a stray, and strays must be
 //! 0.
@@ -78,6 +81,7 @@ async fn the_stack_loses_nothing_under_faults() {
     run(&mut stack.cmd(&["up", "-d", "--no-build", "gateway", "prometheus"]));
     let services = [
         "minio",
+        "kafka-log",
         "kafka",
         "engine-1",
         "engine-2",
@@ -96,14 +100,22 @@ async fn the_stack_loses_nothing_under_faults() {
         toggler: Toggler { groups, calls: 0 },
         tmp: tmp.path(),
     };
-    // Each fault's events are looked up on the topic right after it (the test broker keeps
-    // its log in memory: a later fault that restarts it starts an empty log).
+    // Each fault's events are looked up on the topic right after it, and once more after
+    // the last fault: the test broker keeps its log (tansu, the log in S3), so what was
+    // delivered must still be there after the broker restarts that later faults make.
     let mut all: HashSet<String> = HashSet::new();
-    let mut rows: Vec<(Row, Option<Events>)> = Vec::new();
+    let mut rows: Vec<(Row, Option<(Events, HashSet<String>)>)> = Vec::new();
     let mut settle = |row: Row, all: &mut HashSet<String>| {
         let events = row.events.as_ref().map(|m| {
             all.extend(m.created.iter().cloned());
-            Events::account(&topic_events(&stack), m, all)
+            let topic = topic_events(&stack);
+            let delivered: HashSet<String> = m
+                .created
+                .iter()
+                .filter(|id| topic.contains_key(*id))
+                .cloned()
+                .collect();
+            (Events::account(&topic, m, all), delivered)
         });
         rows.push((row, events));
     };
@@ -123,16 +135,31 @@ async fn the_stack_loses_nothing_under_faults() {
     settle(rows::gateway_restarted_under_load(&mut cx).await, &mut all);
     settle(rows::plan_store_faults(&mut cx).await, &mut all);
 
+    // The whole topic once more, after every fault (the broker was restarted by three).
+    let at_end = topic_events(&stack);
+    let kept = |delivered: &HashSet<String>| {
+        delivered
+            .iter()
+            .filter(|id| at_end.contains_key(*id))
+            .count()
+    };
     let mut table = String::from(
-        "| fault | expectation | requests sent | failed | events created | delivered | dropped (counted) | not durable at the kill | lost | duplicates before dedup | strays |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| fault | expectation | requests sent | failed | events created | delivered | dropped (counted) | not durable at the kill | lost | duplicates before dedup | strays | still on the topic at the end |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for (r, events) in &rows {
         let cells = match events {
-            Some(e) => format!(
-                "{} | {} | {} | {} | {} | {} | {}",
-                e.created, e.delivered, e.dropped, e.not_durable, e.lost, e.duplicates, e.strays
+            Some((e, delivered)) => format!(
+                "{} | {} | {} | {} | {} | {} | {} | {}",
+                e.created,
+                e.delivered,
+                e.dropped,
+                e.not_durable,
+                e.lost,
+                e.duplicates,
+                e.strays,
+                kept(delivered)
             ),
-            None => "— | — | — | — | — | — | —".into(),
+            None => "— | — | — | — | — | — | — | —".into(),
         };
         table.push_str(&format!(
             "| {} | {} | {} | {} | {cells} |\n",
@@ -145,8 +172,14 @@ async fn the_stack_loses_nothing_under_faults() {
     );
     for (r, e) in &rows {
         let fault = r.fault;
-        if let Some(e) = e {
+        if let Some((e, delivered)) = e {
             assert_eq!(e.lost, 0, "events lost under '{fault}':\n{table}");
+            assert_eq!(
+                kept(delivered),
+                e.delivered,
+                "delivered under '{fault}' but gone from the topic by the end (the broker's \
+                 restarts lost them):\n{table}"
+            );
             assert_eq!(e.strays, 0, "stray events under '{fault}':\n{table}");
             // At-least-once: a record sent but not yet acknowledged when its relay or broker
             // went away is sent again, at most once per fault here.
