@@ -14,6 +14,13 @@ pub enum Isa {
     Scalar,
     /// x86-64 AVX2 + FMA + F16C (every x86 server since 2013, AVX-512 machines included).
     Avx2,
+    /// x86-64 AVX-VNNI (the VEX-encoded `vpdpwssd` on 256 bits) on top of [`Isa::Avx2`]:
+    /// Intel since Alder Lake (clients) and Sierra Forest (E-core Xeons, which have no
+    /// AVX-512), AMD since Zen 5. The Q8_0 and 4-bit products fuse each pair
+    /// multiply-add into one instruction (`vpmaddwd` + `vpaddd` under AVX2); the other
+    /// kernels run their AVX2 form. Below [`Isa::Avx512`] in preference: a CPU with both
+    /// runs the 512-bit kernels.
+    AvxVnni,
     /// x86-64 AVX-512 F/BW with VNNI (`vpdpwssd`), on top of [`Isa::Avx2`]: Intel since
     /// Cascade Lake, AMD since Zen 4. The Q8_0 product uses it; the other kernels run their
     /// AVX2 form.
@@ -33,6 +40,7 @@ impl Isa {
         match self {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2",
+            Isa::AvxVnni => "avxvnni",
             Isa::Avx512 => "avx512",
             Isa::Amx => "amx",
             Isa::Neon => "neon",
@@ -44,6 +52,7 @@ impl Isa {
         match self {
             Isa::Scalar => true,
             Isa::Avx2 => avx2_available(),
+            Isa::AvxVnni => avx2_available() && avx_vnni_available(),
             Isa::Avx512 => avx2_available() && avx512_vnni_available(),
             Isa::Amx => Isa::Avx512.available() && amx_granted(),
             Isa::Neon => neon_available(),
@@ -52,10 +61,17 @@ impl Isa {
 
     /// Every instruction set this CPU can run, the best last.
     pub fn all_available() -> Vec<Isa> {
-        [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Amx, Isa::Neon]
-            .into_iter()
-            .filter(|i| i.available())
-            .collect()
+        [
+            Isa::Scalar,
+            Isa::Avx2,
+            Isa::AvxVnni,
+            Isa::Avx512,
+            Isa::Amx,
+            Isa::Neon,
+        ]
+        .into_iter()
+        .filter(|i| i.available())
+        .collect()
     }
 
     /// What a kernel call made on this thread uses: the [`Isa::scoped`] choice inside one,
@@ -83,7 +99,7 @@ impl Isa {
     /// Whether the x86 SIMD kernels (AVX2 and up) run under `self`.
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(crate) fn x86_simd(self) -> bool {
-        matches!(self, Isa::Avx2 | Isa::Avx512 | Isa::Amx)
+        matches!(self, Isa::Avx2 | Isa::AvxVnni | Isa::Avx512 | Isa::Amx)
     }
 
     /// Whether the Q8_0 product takes its activations as bytes as well (the AMX tiles, and
@@ -93,7 +109,7 @@ impl Isa {
     }
 
     /// The best this CPU runs, unless `QUANTMESH_KERNEL` names another (`scalar`, `avx2`,
-    /// `avx512`, `amx`, `neon`;
+    /// `avxvnni`, `avx512`, `amx`, `neon`;
     /// `auto` or unset: detect). A name the CPU cannot run, or an unknown one, falls back
     /// to detection with a message on stderr (once). Decided once per process.
     pub fn detect() -> Isa {
@@ -128,11 +144,12 @@ impl std::str::FromStr for Isa {
         match s {
             "scalar" => Ok(Isa::Scalar),
             "avx2" => Ok(Isa::Avx2),
+            "avxvnni" => Ok(Isa::AvxVnni),
             "avx512" => Ok(Isa::Avx512),
             "amx" => Ok(Isa::Amx),
             "neon" => Ok(Isa::Neon),
             other => Err(format!(
-                "{other:?} is not scalar, avx2, avx512, amx, neon or auto"
+                "{other:?} is not scalar, avx2, avxvnni, avx512, amx, neon or auto"
             )),
         }
     }
@@ -147,6 +164,16 @@ fn avx2_available() -> bool {
 
 #[cfg(not(target_arch = "x86_64"))]
 fn avx2_available() -> bool {
+    false
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx_vnni_available() -> bool {
+    is_x86_feature_detected!("avxvnni")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn avx_vnni_available() -> bool {
     false
 }
 

@@ -25,7 +25,7 @@
 //! - [`attention`]: causal attention of a chunk's query rows over a sequence's keys and
 //!   values, every (row, head) pair a work item on the pool.
 //! - [`Isa`]: the instruction set the kernels run with, detected at run time
-//!   (`QUANTMESH_KERNEL=scalar|avx2|avx512|amx|neon` forces one; the scalar path is the reference every
+//!   (`QUANTMESH_KERNEL=scalar|avx2|avxvnni|avx512|amx|neon` forces one; the scalar path is the reference every
 //!   SIMD kernel is tested against).
 //! - [`ColumnError`]: what a quantization does to each input column, and the output
 //!   noise-to-signal ratio that gives one input row (the monitor's harm statistic).

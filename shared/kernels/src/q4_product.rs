@@ -1,6 +1,6 @@
 //! The 4-bit product: [`PackedQ4`]'s tiles handed out to the pool's threads, each running
-//! the AVX-512 kernel (tiles two at a time) or the AVX2 one where the instruction set
-//! includes it, the NEON one on aarch64, else the scalar reference (the
+//! the AVX-512 kernel (tiles two at a time), the AVX-VNNI or the AVX2 one where the
+//! instruction set includes it, the NEON one on aarch64, else the scalar reference (the
 //! weights and their quantization are in `q4.rs`).
 
 use crate::layout::{check_product, Activations, Out};
@@ -11,7 +11,8 @@ use std::ops::Range;
 
 impl PackedQ4 {
     /// `out = a · deq(self)ᵀ` (`a.rows() × self.rows()`, row-major), on `pool`'s threads.
-    /// AVX-512 and AMX run the AVX-512 kernel, AVX2 and NEON their own; scalar the reference.
+    /// AVX-512 and AMX run the AVX-512 kernel, AVX-VNNI, AVX2 and NEON their own; scalar the
+    /// reference.
     pub fn matmul(&self, a: &Activations, out: &mut [f32], isa: Isa, pool: &Pool) -> Result<()> {
         check_product(a, self.rows, self.cols, Some(out.len()))?;
         if a.rows == 0 || self.rows == 0 {
@@ -36,6 +37,11 @@ impl PackedQ4 {
                 // each range of tiles is claimed by one thread, which writes only those
                 // tiles' output columns.
                 Isa::Avx512 | Isa::Amx => unsafe { crate::avx512::q4_tiles(self, a, tiles, dst.0) },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `isa.available()` checked AVX-VNNI and AVX2, FMA, F16C; each range
+                // of tiles is claimed by one thread, which writes only those tiles' output
+                // columns.
+                Isa::AvxVnni => unsafe { crate::x86::q4_tiles_vnni(self, a, tiles, dst.0) },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `isa.available()` checked AVX2, FMA and F16C; each range of tiles
                 // is claimed by one thread, which writes only those tiles' output columns.

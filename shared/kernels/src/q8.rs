@@ -15,7 +15,7 @@ impl Q8Layout {
     /// The order `isa`'s Q8_0 kernel reads (the scalar reference reads every order).
     pub fn for_isa(isa: Isa) -> Self {
         match isa {
-            Isa::Avx2 | Isa::Neon => Q8Layout::PairColumns,
+            Isa::Avx2 | Isa::AvxVnni | Isa::Neon => Q8Layout::PairColumns,
             Isa::Avx512 => Q8Layout::WidePairColumns,
             Isa::Scalar | Isa::Amx => Q8Layout::RowTiles,
         }
@@ -103,6 +103,11 @@ impl PackedQ8 {
                 // SAFETY: `isa.available()` checked AVX-512 F/BW/VNNI and AVX2, FMA, F16C.
                 (Isa::Avx512 | Isa::Amx, Q8Layout::WidePairColumns) => unsafe {
                     crate::avx512::q8_pair_tiles(self, a, tiles, dst.0)
+                },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `isa.available()` checked AVX-VNNI and AVX2, FMA, F16C.
+                (Isa::AvxVnni, Q8Layout::PairColumns) => unsafe {
+                    crate::x86::q8_tiles_vnni(self, a, tiles, dst.0)
                 },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `isa.available()` checked AVX2, FMA and F16C (AVX-512 implies them).

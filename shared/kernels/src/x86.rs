@@ -10,6 +10,10 @@
 //! 2³¹). Per block the 8 integer sums are converted to f32 and added with the scales'
 //! products (`vfmadd`). A register tile is 8 weight rows × up to 4 activation rows: 4
 //! integer and 4 float accumulators, the widened weights and the broadcast pair.
+//!
+//! The Q8_0 and 4-bit products are also made for AVX-VNNI (`q8_tiles_vnni`, `q4_tiles_vnni`;
+//! the caller checks [`crate::Isa::AvxVnni`]): `vpdpwssd` does the multiply and the add in
+//! one instruction, with the same sums.
 
 #![allow(clippy::needless_range_loop)] // lane- and row-indexed loops mirror the register tiles
 
@@ -20,28 +24,253 @@ use crate::q4::{
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-/// As [`crate::scalar::q8_tiles`], for weights in [`crate::Q8Layout::PairColumns`].
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn q8_tiles(w: &PackedQ8, a: &Activations, tiles: Range<usize>, out: *mut f32) {
-    let mut m0 = 0;
-    while m0 < a.rows {
-        let m1 = (m0 + ROW_BLOCK).min(a.rows);
-        for t in tiles.clone() {
-            let mut m = m0;
-            while m + 4 <= m1 {
-                q8_tile::<4>(w, a, t, m, out);
-                m += 4;
-            }
-            match m1 - m {
-                3 => q8_tile::<3>(w, a, t, m, out),
-                2 => q8_tile::<2>(w, a, t, m, out),
-                1 => q8_tile::<1>(w, a, t, m, out),
-                _ => {}
+/// `acc + a0·b0 + a1·b1` over 16-bit pairs into 32-bit lanes (AVX2): two `vpmaddwd`, two
+/// `vpaddd`; only the last add depends on `acc`, so the loop carries a one-cycle chain.
+macro_rules! madd2_avx2 {
+    ($acc:expr, $a0:expr, $b0:expr, $a1:expr, $b1:expr) => {
+        _mm256_add_epi32(
+            $acc,
+            _mm256_add_epi32(_mm256_madd_epi16($a0, $b0), _mm256_madd_epi16($a1, $b1)),
+        )
+    };
+}
+
+/// The same with AVX-VNNI: `vpmaddwd`, then `vpdpwssd` adds the second pair product into it,
+/// then one `vpaddd` (three instructions for four). The fused add stays off the loop's chain
+/// (its latency is the multiply's). Equal sums: a block's pair sums never overflow.
+macro_rules! madd2_vnni {
+    ($acc:expr, $a0:expr, $b0:expr, $a1:expr, $b1:expr) => {
+        _mm256_add_epi32(
+            $acc,
+            _mm256_dpwssd_avx_epi32(_mm256_madd_epi16($a0, $b0), $a1, $b1),
+        )
+    };
+}
+
+/// The Q8_0 and 4-bit products for one set of target features and one pair multiply-add:
+/// written once, made for AVX2 and for AVX-VNNI below.
+macro_rules! products {
+    ($features:literal, $madd2:ident, $q8_tiles:ident, $q8_tile:ident, $q4_tiles:ident, $q4_tile:ident) => {
+        /// As [`crate::scalar::q8_tiles`], for weights in [`crate::Q8Layout::PairColumns`].
+        #[target_feature(enable = $features)]
+        pub(crate) unsafe fn $q8_tiles(
+            w: &PackedQ8,
+            a: &Activations,
+            tiles: Range<usize>,
+            out: *mut f32,
+        ) {
+            let mut m0 = 0;
+            while m0 < a.rows {
+                let m1 = (m0 + ROW_BLOCK).min(a.rows);
+                for t in tiles.clone() {
+                    let mut m = m0;
+                    while m + 4 <= m1 {
+                        $q8_tile::<4>(w, a, t, m, out);
+                        m += 4;
+                    }
+                    match m1 - m {
+                        3 => $q8_tile::<3>(w, a, t, m, out),
+                        2 => $q8_tile::<2>(w, a, t, m, out),
+                        1 => $q8_tile::<1>(w, a, t, m, out),
+                        _ => {}
+                    }
+                }
+                m0 = m1;
             }
         }
-        m0 = m1;
-    }
+
+        /// Tile `t` (8 output columns) for activation rows `m .. m + M`.
+        #[target_feature(enable = $features)]
+        #[inline]
+        unsafe fn $q8_tile<const M: usize>(
+            w: &PackedQ8,
+            a: &Activations,
+            t: usize,
+            m: usize,
+            out: *mut f32,
+        ) {
+            const G: usize = PAIR_TILE_ROWS;
+            let n = w.rows;
+            let wq = w.qs.as_ptr().add(t * w.blocks * G * BLOCK);
+            // 8 f16 scales per block: one 16-byte load.
+            let wd = w.d.as_ptr().add(t * w.blocks * G) as *const __m128i;
+            let mut aq = [a.q.as_ptr(); M];
+            let mut ad = [a.d.as_ptr(); M];
+            for j in 0..M {
+                aq[j] = a.q.as_ptr().add((m + j) * a.cols);
+                ad[j] = a.d.as_ptr().add((m + j) * a.blocks);
+            }
+            let mut acc = [_mm256_setzero_ps(); M];
+            for b in 0..w.blocks {
+                let wb = wq.add(b * G * BLOCK);
+                let mut sum = [_mm256_setzero_si256(); M];
+                // Two column pairs at a time.
+                for p in (0..BLOCK / 2).step_by(2) {
+                    let wv0 =
+                        _mm256_cvtepi8_epi16(_mm_loadu_si128(wb.add(p * 2 * G) as *const __m128i));
+                    let wv1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(
+                        wb.add((p + 1) * 2 * G) as *const __m128i
+                    ));
+                    for j in 0..M {
+                        let pairs = aq[j].add(b * BLOCK + 2 * p) as *const i32;
+                        let b0 = _mm256_set1_epi32(pairs.read_unaligned());
+                        let b1 = _mm256_set1_epi32(pairs.add(1).read_unaligned());
+                        sum[j] = $madd2!(sum[j], wv0, b0, wv1, b1);
+                    }
+                }
+                let dw = _mm256_cvtph_ps(_mm_loadu_si128(wd.add(b)));
+                for j in 0..M {
+                    let s = _mm256_mul_ps(dw, _mm256_set1_ps(*ad[j].add(b)));
+                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[j]), s, acc[j]);
+                }
+            }
+            let c0 = t * G;
+            for j in 0..M {
+                let o = out.add((m + j) * n + c0);
+                if c0 + G <= n {
+                    _mm256_storeu_ps(o, acc[j]);
+                } else {
+                    let mut v = [0f32; G];
+                    _mm256_storeu_ps(v.as_mut_ptr(), acc[j]);
+                    for (r, &v) in v.iter().enumerate().take(n - c0) {
+                        *o.add(r) = v;
+                    }
+                }
+            }
+        }
+
+        /// As [`crate::scalar::q4_tiles`]: 4-bit weights in tiles of 8 rows, register tiles of 8
+        /// weight rows × up to 4 activation rows.
+        #[target_feature(enable = $features)]
+        pub(crate) unsafe fn $q4_tiles(
+            w: &PackedQ4,
+            a: &Activations,
+            tiles: Range<usize>,
+            out: *mut f32,
+        ) {
+            let mut m0 = 0;
+            while m0 < a.rows {
+                let m1 = (m0 + ROW_BLOCK).min(a.rows);
+                for t in tiles.clone() {
+                    let mut m = m0;
+                    while m + 4 <= m1 {
+                        $q4_tile::<4>(w, a, t, m, out);
+                        m += 4;
+                    }
+                    match m1 - m {
+                        3 => $q4_tile::<3>(w, a, t, m, out),
+                        2 => $q4_tile::<2>(w, a, t, m, out),
+                        1 => $q4_tile::<1>(w, a, t, m, out),
+                        _ => {}
+                    }
+                }
+                m0 = m1;
+            }
+        }
+
+        /// Tile `t` (8 output columns) of 4-bit weights for activation rows `m .. m + M`. Per quad
+        /// of columns, one 16-byte load holds two column pairs for the 8 rows, a nibble each: the
+        /// mask gives the first pair's bytes in the 8-bit kernel's order, the shift the second's.
+        #[target_feature(enable = $features)]
+        #[inline]
+        unsafe fn $q4_tile<const M: usize>(
+            w: &PackedQ4,
+            a: &Activations,
+            t: usize,
+            m: usize,
+            out: *mut f32,
+        ) {
+            const G: usize = Q4_TILE_ROWS;
+            let n = w.rows;
+            let wq = w.qs.as_ptr().add(t * w.blocks * Q4_TILE_BLOCK_BYTES);
+            let sc = w.sc.as_ptr().add(t * w.blocks * G);
+            let mn = w.mn.as_ptr().add(t * w.blocks * G);
+            let ds = w.ds.as_ptr().add(t * w.supers * G) as *const __m128i;
+            let ms = w.ms.as_ptr().add(t * w.supers * G) as *const __m128i;
+            let mut aq = [a.q.as_ptr(); M];
+            let mut ad = [a.d.as_ptr(); M];
+            let sums = a.block_sums().as_ptr();
+            let mut asum = [sums; M];
+            for j in 0..M {
+                aq[j] = a.q.as_ptr().add((m + j) * a.cols);
+                ad[j] = a.d.as_ptr().add((m + j) * a.blocks);
+                asum[j] = sums.add((m + j) * a.blocks);
+            }
+            let nibble = _mm_set1_epi8(0x0f);
+            let mut acc = [_mm256_setzero_ps(); M];
+            let (mut dmax, mut mmax) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+            for b in 0..w.blocks {
+                if b % SUPER_BLOCKS == 0 {
+                    let s = b / SUPER_BLOCKS;
+                    // In the units of the 8-bit step and offset, as `q4::step` and `q4::offset`.
+                    dmax = _mm256_mul_ps(
+                        _mm256_cvtph_ps(_mm_loadu_si128(ds.add(s))),
+                        _mm256_set1_ps(STEP_UNIT),
+                    );
+                    mmax = _mm256_mul_ps(
+                        _mm256_cvtph_ps(_mm_loadu_si128(ms.add(s))),
+                        _mm256_set1_ps(OFFSET_UNIT),
+                    );
+                }
+                let wb = wq.add(b * Q4_TILE_BLOCK_BYTES);
+                let mut sum = [_mm256_setzero_si256(); M];
+                for k in 0..BLOCK / 4 {
+                    let x = _mm_loadu_si128(wb.add(k * 2 * G) as *const __m128i);
+                    let w0 = _mm256_cvtepu8_epi16(_mm_and_si128(x, nibble));
+                    let w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(x, 4), nibble));
+                    for j in 0..M {
+                        let p = aq[j].add(b * BLOCK + 4 * k) as *const i32;
+                        let p0 = _mm256_set1_epi32(p.read_unaligned());
+                        let p1 = _mm256_set1_epi32(p.add(1).read_unaligned());
+                        sum[j] = $madd2!(sum[j], w0, p0, w1, p1);
+                    }
+                }
+                let steps = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                    sc.add(b * G) as *const __m128i,
+                )));
+                let offsets = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                    mn.add(b * G) as *const __m128i,
+                )));
+                let (dw, mw) = (_mm256_mul_ps(dmax, steps), _mm256_mul_ps(mmax, offsets));
+                for j in 0..M {
+                    let s = _mm256_mul_ps(dw, _mm256_set1_ps(*ad[j].add(b)));
+                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[j]), s, acc[j]);
+                    acc[j] = _mm256_fmadd_ps(mw, _mm256_set1_ps(*asum[j].add(b)), acc[j]);
+                }
+            }
+            let c0 = t * G;
+            for j in 0..M {
+                let o = out.add((m + j) * n + c0);
+                if c0 + G <= n {
+                    _mm256_storeu_ps(o, acc[j]);
+                } else {
+                    let mut v = [0f32; G];
+                    _mm256_storeu_ps(v.as_mut_ptr(), acc[j]);
+                    for (r, &v) in v.iter().enumerate().take(n - c0) {
+                        *o.add(r) = v;
+                    }
+                }
+            }
+        }
+    };
 }
+
+products!(
+    "avx2,fma,f16c",
+    madd2_avx2,
+    q8_tiles,
+    q8_tile,
+    q4_tiles,
+    q4_tile
+);
+products!(
+    "avx2,fma,f16c,avxvnni",
+    madd2_vnni,
+    q8_tiles_vnni,
+    q8_tile_vnni,
+    q4_tiles_vnni,
+    q4_tile_vnni
+);
 
 /// The sum of a vector's 8 lanes.
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -51,171 +280,6 @@ pub(crate) unsafe fn hsum(v: __m256) -> f32 {
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
     _mm_cvtss_f32(s)
-}
-
-/// Tile `t` (8 output columns) for activation rows `m .. m + M`.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn q8_tile<const M: usize>(
-    w: &PackedQ8,
-    a: &Activations,
-    t: usize,
-    m: usize,
-    out: *mut f32,
-) {
-    const G: usize = PAIR_TILE_ROWS;
-    let n = w.rows;
-    let wq = w.qs.as_ptr().add(t * w.blocks * G * BLOCK);
-    // 8 f16 scales per block: one 16-byte load.
-    let wd = w.d.as_ptr().add(t * w.blocks * G) as *const __m128i;
-    let mut aq = [a.q.as_ptr(); M];
-    let mut ad = [a.d.as_ptr(); M];
-    for j in 0..M {
-        aq[j] = a.q.as_ptr().add((m + j) * a.cols);
-        ad[j] = a.d.as_ptr().add((m + j) * a.blocks);
-    }
-    let mut acc = [_mm256_setzero_ps(); M];
-    for b in 0..w.blocks {
-        let wb = wq.add(b * G * BLOCK);
-        let mut sum = [_mm256_setzero_si256(); M];
-        for p in 0..BLOCK / 2 {
-            let wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(wb.add(p * 2 * G) as *const __m128i));
-            for j in 0..M {
-                let pair = (aq[j].add(b * BLOCK + 2 * p) as *const i32).read_unaligned();
-                sum[j] = _mm256_add_epi32(sum[j], _mm256_madd_epi16(wv, _mm256_set1_epi32(pair)));
-            }
-        }
-        let dw = _mm256_cvtph_ps(_mm_loadu_si128(wd.add(b)));
-        for j in 0..M {
-            let s = _mm256_mul_ps(dw, _mm256_set1_ps(*ad[j].add(b)));
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[j]), s, acc[j]);
-        }
-    }
-    let c0 = t * G;
-    for j in 0..M {
-        let o = out.add((m + j) * n + c0);
-        if c0 + G <= n {
-            _mm256_storeu_ps(o, acc[j]);
-        } else {
-            let mut v = [0f32; G];
-            _mm256_storeu_ps(v.as_mut_ptr(), acc[j]);
-            for (r, &v) in v.iter().enumerate().take(n - c0) {
-                *o.add(r) = v;
-            }
-        }
-    }
-}
-
-/// As [`crate::scalar::q4_tiles`]: 4-bit weights in tiles of 8 rows, register tiles of 8
-/// weight rows × up to 4 activation rows.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn q4_tiles(w: &PackedQ4, a: &Activations, tiles: Range<usize>, out: *mut f32) {
-    let mut m0 = 0;
-    while m0 < a.rows {
-        let m1 = (m0 + ROW_BLOCK).min(a.rows);
-        for t in tiles.clone() {
-            let mut m = m0;
-            while m + 4 <= m1 {
-                q4_tile::<4>(w, a, t, m, out);
-                m += 4;
-            }
-            match m1 - m {
-                3 => q4_tile::<3>(w, a, t, m, out),
-                2 => q4_tile::<2>(w, a, t, m, out),
-                1 => q4_tile::<1>(w, a, t, m, out),
-                _ => {}
-            }
-        }
-        m0 = m1;
-    }
-}
-
-/// Tile `t` (8 output columns) of 4-bit weights for activation rows `m .. m + M`. Per quad
-/// of columns, one 16-byte load holds two column pairs for the 8 rows, a nibble each: the
-/// mask gives the first pair's bytes in the 8-bit kernel's order, the shift the second's.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn q4_tile<const M: usize>(
-    w: &PackedQ4,
-    a: &Activations,
-    t: usize,
-    m: usize,
-    out: *mut f32,
-) {
-    const G: usize = Q4_TILE_ROWS;
-    let n = w.rows;
-    let wq = w.qs.as_ptr().add(t * w.blocks * Q4_TILE_BLOCK_BYTES);
-    let sc = w.sc.as_ptr().add(t * w.blocks * G);
-    let mn = w.mn.as_ptr().add(t * w.blocks * G);
-    let ds = w.ds.as_ptr().add(t * w.supers * G) as *const __m128i;
-    let ms = w.ms.as_ptr().add(t * w.supers * G) as *const __m128i;
-    let mut aq = [a.q.as_ptr(); M];
-    let mut ad = [a.d.as_ptr(); M];
-    let sums = a.block_sums().as_ptr();
-    let mut asum = [sums; M];
-    for j in 0..M {
-        aq[j] = a.q.as_ptr().add((m + j) * a.cols);
-        ad[j] = a.d.as_ptr().add((m + j) * a.blocks);
-        asum[j] = sums.add((m + j) * a.blocks);
-    }
-    let nibble = _mm_set1_epi8(0x0f);
-    let mut acc = [_mm256_setzero_ps(); M];
-    let (mut dmax, mut mmax) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-    for b in 0..w.blocks {
-        if b % SUPER_BLOCKS == 0 {
-            let s = b / SUPER_BLOCKS;
-            // In the units of the 8-bit step and offset, as `q4::step` and `q4::offset`.
-            dmax = _mm256_mul_ps(
-                _mm256_cvtph_ps(_mm_loadu_si128(ds.add(s))),
-                _mm256_set1_ps(STEP_UNIT),
-            );
-            mmax = _mm256_mul_ps(
-                _mm256_cvtph_ps(_mm_loadu_si128(ms.add(s))),
-                _mm256_set1_ps(OFFSET_UNIT),
-            );
-        }
-        let wb = wq.add(b * Q4_TILE_BLOCK_BYTES);
-        let mut sum = [_mm256_setzero_si256(); M];
-        for k in 0..BLOCK / 4 {
-            let x = _mm_loadu_si128(wb.add(k * 2 * G) as *const __m128i);
-            let w0 = _mm256_cvtepu8_epi16(_mm_and_si128(x, nibble));
-            let w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(x, 4), nibble));
-            for j in 0..M {
-                let p = aq[j].add(b * BLOCK + 4 * k) as *const i32;
-                let p0 = _mm256_set1_epi32(p.read_unaligned());
-                let p1 = _mm256_set1_epi32(p.add(1).read_unaligned());
-                sum[j] = _mm256_add_epi32(
-                    sum[j],
-                    _mm256_add_epi32(_mm256_madd_epi16(w0, p0), _mm256_madd_epi16(w1, p1)),
-                );
-            }
-        }
-        let steps = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
-            sc.add(b * G) as *const __m128i
-        )));
-        let offsets = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-            mn.add(b * G) as *const __m128i
-        )));
-        let (dw, mw) = (_mm256_mul_ps(dmax, steps), _mm256_mul_ps(mmax, offsets));
-        for j in 0..M {
-            let s = _mm256_mul_ps(dw, _mm256_set1_ps(*ad[j].add(b)));
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[j]), s, acc[j]);
-            acc[j] = _mm256_fmadd_ps(mw, _mm256_set1_ps(*asum[j].add(b)), acc[j]);
-        }
-    }
-    let c0 = t * G;
-    for j in 0..M {
-        let o = out.add((m + j) * n + c0);
-        if c0 + G <= n {
-            _mm256_storeu_ps(o, acc[j]);
-        } else {
-            let mut v = [0f32; G];
-            _mm256_storeu_ps(v.as_mut_ptr(), acc[j]);
-            for (r, &v) in v.iter().enumerate().take(n - c0) {
-                *o.add(r) = v;
-            }
-        }
-    }
 }
 
 /// One activation block quantized as [`crate::Activations::quantize`] does it: scale

@@ -157,6 +157,7 @@ fn both_layouts_hold_the_same_weights() {
         assert_eq!(packed.layout(), Q8Layout::for_isa(isa), "{isa:?}");
     }
     assert_eq!(Q8Layout::for_isa(Isa::Avx2), Q8Layout::PairColumns);
+    assert_eq!(Q8Layout::for_isa(Isa::AvxVnni), Q8Layout::PairColumns);
     assert_eq!(Q8Layout::for_isa(Isa::Avx512), Q8Layout::WidePairColumns);
     assert_eq!(Q8Layout::for_isa(Isa::Amx), Q8Layout::RowTiles);
     assert_eq!(Q8Layout::for_isa(Isa::Neon), Q8Layout::PairColumns);
