@@ -208,3 +208,41 @@ fn neon_available() -> bool {
 fn neon_available() -> bool {
     false
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn every_name_parses_back_and_sets_are_ordered_by_preference() {
+        let all = [
+            Isa::Scalar,
+            Isa::Avx2,
+            Isa::AvxVnni,
+            Isa::Avx512,
+            Isa::Amx,
+            Isa::Neon,
+        ];
+        for isa in all {
+            assert_eq!(isa.as_str().parse::<Isa>().unwrap(), isa);
+        }
+        assert!("avx3".parse::<Isa>().unwrap_err().contains("avxvnni"));
+        // A set is offered only with the sets it builds on.
+        let offered = Isa::all_available();
+        assert_eq!(offered[0], Isa::Scalar);
+        if offered.contains(&Isa::AvxVnni) || offered.contains(&Isa::Avx512) {
+            assert!(offered.contains(&Isa::Avx2), "{offered:?}");
+        }
+        #[cfg(target_arch = "x86_64")]
+        assert_eq!(
+            offered.contains(&Isa::AvxVnni),
+            is_x86_feature_detected!("avx2") && is_x86_feature_detected!("avxvnni"),
+            "{offered:?}"
+        );
+        // AVX-VNNI is preferred only where AVX-512 VNNI is absent.
+        if Isa::Avx512.available() {
+            assert_ne!(*offered.iter().rfind(|i| i.x86_simd()).unwrap(), Isa::AvxVnni);
+        }
+    }
+}
