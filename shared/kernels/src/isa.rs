@@ -242,7 +242,10 @@ mod tests {
         );
         // AVX-VNNI is preferred only where AVX-512 VNNI is absent.
         if Isa::Avx512.available() {
-            assert_ne!(*offered.iter().rfind(|i| i.x86_simd()).unwrap(), Isa::AvxVnni);
+            assert_ne!(
+                *offered.iter().rfind(|i| i.x86_simd()).unwrap(),
+                Isa::AvxVnni
+            );
         }
     }
 }
