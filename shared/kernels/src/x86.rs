@@ -40,11 +40,25 @@ macro_rules! madd2_avx2 {
 /// (its latency is the multiply's). Equal sums: a block's pair sums never overflow.
 macro_rules! madd2_vnni {
     ($acc:expr, $a0:expr, $b0:expr, $a1:expr, $b1:expr) => {
-        _mm256_add_epi32(
-            $acc,
-            _mm256_dpwssd_avx_epi32(_mm256_madd_epi16($a0, $b0), $a1, $b1),
-        )
+        _mm256_add_epi32($acc, dpwssd_vex(_mm256_madd_epi16($a0, $b0), $a1, $b1))
     };
+}
+
+/// `acc + a·b` over 16-bit pairs in one VEX-encoded `vpdpwssd`. Written as an instruction:
+/// LLVM turns the intrinsic back into `vpmaddwd` + `vpaddd` when it tunes for a generic
+/// x86-64 (seen in the built kernels), which would leave nothing for AVX-VNNI to do.
+#[target_feature(enable = "avx2,avxvnni")]
+#[inline]
+unsafe fn dpwssd_vex(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+    let mut acc = acc;
+    std::arch::asm!(
+        "{{vex}} vpdpwssd {acc}, {a}, {b}",
+        acc = inout(ymm_reg) acc,
+        a = in(ymm_reg) a,
+        b = in(ymm_reg) b,
+        options(pure, nomem, nostack, preserves_flags)
+    );
+    acc
 }
 
 /// The Q8_0 and 4-bit products for one set of target features and one pair multiply-add:
