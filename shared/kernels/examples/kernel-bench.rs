@@ -1,5 +1,6 @@
 //! Times the kernels alone on a model's shapes and prints GB/s (weights read) and
-//! GMAC/s per instruction set and row count, with a STREAM-like read of the same bytes
+//! GMAC/s per instruction set and row count, each time also as a ratio to the AVX2 kernel's in
+//! the same run, with a STREAM-like read of the same bytes
 //! as the bandwidth bound.
 //!
 //! ```text
@@ -76,7 +77,20 @@ fn main() {
     if bandwidth_only {
         return;
     }
-    println!("| kernel | shape | rows | µs | GB/s | GMAC/s |\n|---|---|---|---|---|---|");
+    println!(
+        "| kernel | shape | rows | µs | GB/s | GMAC/s | time vs avx2 |\n|---|---|---|---|---|---|---|"
+    );
+    // The AVX2 kernel's time per (product, activations, shape, rows): the column every other
+    // instruction set's row is compared with (measured in this run; "—" where AVX2 is absent).
+    let mut avx2_us: std::collections::HashMap<String, f64> = Default::default();
+    let mut vs_avx2 = |isa: Isa, key: String, us: f64| -> String {
+        if isa == Isa::Avx2 {
+            avx2_us.insert(key.clone(), us);
+        }
+        avx2_us
+            .get(&key)
+            .map_or("—".to_string(), |b| format!("{:.2}", us / b))
+    };
     for &(o, i) in &shapes {
         let w: Vec<f32> = (0..o * i)
             .map(|k| ((k * 7919) % 1000) as f32 / 1000.0 - 0.5)
@@ -115,9 +129,10 @@ fn main() {
                         run();
                     }
                     let s = t.elapsed().as_secs_f64() / iters as f64;
+                    let kind = if four { "q4" } else { "q8" };
+                    let ratio = vs_avx2(isa, format!("{kind} {bits:?} {o}x{i} {m}"), s);
                     println!(
-                        "| {} {} {:?} | {o}x{i} | {m} | {:.1} | {:.1} | {:.1} |",
-                        if four { "q4" } else { "q8" },
+                        "| {kind} {} {:?} | {o}x{i} | {m} | {:.1} | {:.1} | {:.1} | {ratio} |",
                         isa.as_str(),
                         bits,
                         s * 1e6,
@@ -132,8 +147,9 @@ fn main() {
                         .unwrap_or_else(|e| panic!("{e}"));
                 }
                 let s = t.elapsed().as_secs_f64() / iters as f64;
+                let ratio = vs_avx2(isa, format!("f16 {o}x{i} {m}"), s);
                 println!(
-                    "| f16 {} | {o}x{i} | {m} | {:.1} | {:.1} | {:.1} |",
+                    "| f16 {} | {o}x{i} | {m} | {:.1} | {:.1} | {:.1} | {ratio} |",
                     isa.as_str(),
                     s * 1e6,
                     (2 * o * i) as f64 / s / 1e9,
