@@ -282,7 +282,7 @@ const LAYERS: &[&[&str]] = &[
     &["quantmesh-server", "quantmesh-engine-tools"],
     &["quantmesh-gateway"],
     &["quantmesh"],
-    &["quantmesh-e2e"],
+    &["quantmesh-e2e", "quantmesh-s3-server"],
 ];
 
 /// A crate's package name and the workspace crates its `[dependencies]` name.
