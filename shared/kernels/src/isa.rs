@@ -59,19 +59,19 @@ impl Isa {
         }
     }
 
+    /// Every instruction set, in order of preference within an architecture (the best last).
+    pub const ALL: [Isa; 6] = [
+        Isa::Scalar,
+        Isa::Avx2,
+        Isa::AvxVnni,
+        Isa::Avx512,
+        Isa::Amx,
+        Isa::Neon,
+    ];
+
     /// Every instruction set this CPU can run, the best last.
     pub fn all_available() -> Vec<Isa> {
-        [
-            Isa::Scalar,
-            Isa::Avx2,
-            Isa::AvxVnni,
-            Isa::Avx512,
-            Isa::Amx,
-            Isa::Neon,
-        ]
-        .into_iter()
-        .filter(|i| i.available())
-        .collect()
+        Isa::ALL.into_iter().filter(|i| i.available()).collect()
     }
 
     /// What a kernel call made on this thread uses: the [`Isa::scoped`] choice inside one,
@@ -216,15 +216,7 @@ mod tests {
 
     #[test]
     fn every_name_parses_back_and_sets_are_ordered_by_preference() {
-        let all = [
-            Isa::Scalar,
-            Isa::Avx2,
-            Isa::AvxVnni,
-            Isa::Avx512,
-            Isa::Amx,
-            Isa::Neon,
-        ];
-        for isa in all {
+        for isa in Isa::ALL {
             assert_eq!(isa.as_str().parse::<Isa>().unwrap(), isa);
         }
         assert!("avx3".parse::<Isa>().unwrap_err().contains("avxvnni"));
