@@ -57,6 +57,9 @@ use harness::*;
 use rows::Ctx;
 use support::stack::{build_images, docker_available, model_copy, run, Stack};
 
+/// A fault's events as accounted right after it, and the ids it found delivered.
+type Settled = (Events, HashSet<String>);
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_stack_loses_nothing_under_faults() {
     if !docker_available() {
@@ -104,7 +107,7 @@ async fn the_stack_loses_nothing_under_faults() {
     // the last fault: the test broker keeps its log (tansu, the log in S3), so what was
     // delivered must still be there after the broker restarts that later faults make.
     let mut all: HashSet<String> = HashSet::new();
-    let mut rows: Vec<(Row, Option<(Events, HashSet<String>)>)> = Vec::new();
+    let mut rows: Vec<(Row, Option<Settled>)> = Vec::new();
     let mut settle = |row: Row, all: &mut HashSet<String>| {
         let events = row.events.as_ref().map(|m| {
             all.extend(m.created.iter().cloned());
