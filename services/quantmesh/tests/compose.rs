@@ -137,7 +137,8 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
     // Read from the beginning until both are there. The test broker (tansu, its log in S3)
     // moves a partition's high watermark before it stores the batch, so a reader at the tip
     // while both engines produce can be handed the later batch and pass the earlier one,
-    // which a later read from the beginning finds (docs/operations.md, "The test broker").
+    // which a later read from the beginning finds (docs/operations.md, "Operations: what a
+    // fault costs").
     let t_read = Instant::now();
     let events = loop {
         let events = stack.events(&["--limit", "2", "--idle-timeout", "15s"]);

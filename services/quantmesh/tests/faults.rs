@@ -57,9 +57,6 @@ use harness::*;
 use rows::Ctx;
 use support::stack::{build_images, docker_available, model_copy, run, Stack};
 
-/// A fault's events as accounted right after it, and the ids it found delivered.
-type Settled = (Events, HashSet<String>);
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_stack_loses_nothing_under_faults() {
     if !docker_available() {
@@ -107,18 +104,11 @@ async fn the_stack_loses_nothing_under_faults() {
     // the last fault: the test broker keeps its log (tansu, the log in S3), so what was
     // delivered must still be there after the broker restarts that later faults make.
     let mut all: HashSet<String> = HashSet::new();
-    let mut rows: Vec<(Row, Option<Settled>)> = Vec::new();
+    let mut rows: Vec<(Row, Option<Events>)> = Vec::new();
     let mut settle = |row: Row, all: &mut HashSet<String>| {
         let events = row.events.as_ref().map(|m| {
             all.extend(m.created.iter().cloned());
-            let topic = topic_events(&stack);
-            let delivered: HashSet<String> = m
-                .created
-                .iter()
-                .filter(|id| topic.contains_key(*id))
-                .cloned()
-                .collect();
-            (Events::account(&topic, m, all), delivered)
+            Events::account(&topic_events(&stack), m, all)
         });
         rows.push((row, events));
     };
@@ -151,7 +141,7 @@ async fn the_stack_loses_nothing_under_faults() {
     );
     for (r, events) in &rows {
         let cells = match events {
-            Some((e, delivered)) => format!(
+            Some(e) => format!(
                 "{} | {} | {} | {} | {} | {} | {} | {}",
                 e.created,
                 e.delivered,
@@ -160,7 +150,7 @@ async fn the_stack_loses_nothing_under_faults() {
                 e.lost,
                 e.duplicates,
                 e.strays,
-                kept(delivered)
+                kept(&e.delivered_ids)
             ),
             None => "— | — | — | — | — | — | — | —".into(),
         };
@@ -175,10 +165,10 @@ async fn the_stack_loses_nothing_under_faults() {
     );
     for (r, e) in &rows {
         let fault = r.fault;
-        if let Some((e, delivered)) = e {
+        if let Some(e) = e {
             assert_eq!(e.lost, 0, "events lost under '{fault}':\n{table}");
             assert_eq!(
-                kept(delivered),
+                kept(&e.delivered_ids),
                 e.delivered,
                 "delivered under '{fault}' but gone from the topic by the end (the broker's \
                  restarts lost them):\n{table}"

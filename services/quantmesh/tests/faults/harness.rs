@@ -339,6 +339,8 @@ impl Made {
 pub(crate) struct Events {
     pub(crate) created: usize,
     pub(crate) delivered: usize,
+    /// The ids counted in `delivered` (looked up again after the last fault).
+    pub(crate) delivered_ids: HashSet<String>,
     /// Missing, and counted as dropped by their engine (as the fault allows).
     pub(crate) dropped: usize,
     /// Missing, and not yet durable at a kill (as the fault allows).
@@ -383,9 +385,16 @@ impl Events {
             .iter()
             .filter(|(id, (_, t))| (from..=to).contains(t) && !all.contains(*id))
             .count();
+        let delivered_ids: HashSet<String> = made
+            .created
+            .iter()
+            .filter(|id| topic.contains_key(*id))
+            .cloned()
+            .collect();
         Events {
             created: made.created.len(),
-            delivered: made.created.len() - missing.len(),
+            delivered: delivered_ids.len(),
+            delivered_ids,
             dropped,
             not_durable,
             lost: missing.len() - dropped - not_durable,
