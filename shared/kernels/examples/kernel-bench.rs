@@ -102,43 +102,52 @@ fn main() {
                 .collect();
             let mut out = vec![0f32; m * o];
             for isa in Isa::all_available() {
-                // The weights in the order this instruction set's kernel reads.
-                let p = PackedQ8::quantize_in(&w, o, i, Q8Layout::for_isa(isa))
-                    .unwrap_or_else(|e| panic!("{e}"));
+                // The weights in the order this instruction set's kernel reads, and for
+                // AVX-512 also in the quad order its 8-bit-activation kernel reads.
                 let p4 = PackedQ4::quantize(&w, o, i).unwrap_or_else(|e| panic!("{e}"));
-                for (bits, four) in [
-                    (ActBits::Eight, false),
-                    (ActBits::Sixteen, false),
-                    (ActBits::Sixteen, true),
-                ] {
-                    let mut a = Activations::new();
-                    let mut run = || {
-                        a.quantize_with(&x, m, i, bits, isa)
-                            .unwrap_or_else(|e| panic!("{e}"));
-                        if four {
-                            p4.matmul(&a, &mut out, isa, pool)
-                        } else {
-                            p.matmul(&a, &mut out, isa, pool)
+                let mut layouts = vec![(Q8Layout::for_isa(isa), isa.as_str().to_string())];
+                if isa == Isa::Avx512 {
+                    layouts.push((Q8Layout::WideQuadColumns, "avx512-quad".to_string()));
+                }
+                for (li, (layout, name)) in layouts.iter().enumerate() {
+                    let p =
+                        PackedQ8::quantize_in(&w, o, i, *layout).unwrap_or_else(|e| panic!("{e}"));
+                    for (bits, four) in [
+                        (ActBits::Eight, false),
+                        (ActBits::Sixteen, false),
+                        (ActBits::Sixteen, true),
+                    ] {
+                        if four && li > 0 {
+                            continue;
                         }
-                        .unwrap_or_else(|e| panic!("{e}"));
-                    };
-                    run();
-                    let iters = (2e8 / (o * i * m) as f64).clamp(3.0, 2000.0) as usize;
-                    let t = Instant::now();
-                    for _ in 0..iters {
+                        let mut a = Activations::new();
+                        let mut run = || {
+                            a.quantize_with(&x, m, i, bits, isa)
+                                .unwrap_or_else(|e| panic!("{e}"));
+                            if four {
+                                p4.matmul(&a, &mut out, isa, pool)
+                            } else {
+                                p.matmul(&a, &mut out, isa, pool)
+                            }
+                            .unwrap_or_else(|e| panic!("{e}"));
+                        };
                         run();
+                        let iters = (2e8 / (o * i * m) as f64).clamp(3.0, 2000.0) as usize;
+                        let t = Instant::now();
+                        for _ in 0..iters {
+                            run();
+                        }
+                        let s = t.elapsed().as_secs_f64() / iters as f64;
+                        let kind = if four { "q4" } else { "q8" };
+                        let ratio = vs_avx2(isa, format!("{kind} {bits:?} {o}x{i} {m}"), s);
+                        println!(
+                            "| {kind} {name} {:?} | {o}x{i} | {m} | {:.1} | {:.1} | {:.1} | {ratio} |",
+                            bits,
+                            s * 1e6,
+                            if four { p4.bytes() } else { p.bytes() } as f64 / s / 1e9,
+                            (o * i * m) as f64 / s / 1e9
+                        );
                     }
-                    let s = t.elapsed().as_secs_f64() / iters as f64;
-                    let kind = if four { "q4" } else { "q8" };
-                    let ratio = vs_avx2(isa, format!("{kind} {bits:?} {o}x{i} {m}"), s);
-                    println!(
-                        "| {kind} {} {:?} | {o}x{i} | {m} | {:.1} | {:.1} | {:.1} | {ratio} |",
-                        isa.as_str(),
-                        bits,
-                        s * 1e6,
-                        if four { p4.bytes() } else { p.bytes() } as f64 / s / 1e9,
-                        (o * i * m) as f64 / s / 1e9
-                    );
                 }
                 let iters = (2e8 / (o * i * m) as f64).clamp(3.0, 2000.0) as usize;
                 let t = Instant::now();

@@ -266,6 +266,139 @@ unsafe fn pair_tile<const M: usize>(
     }
 }
 
+/// As [`crate::scalar::q8_tiles`], for weights in [`crate::Q8Layout::WideQuadColumns`] and
+/// activations as bytes (`hi`, `lo`: [`Activations::byte_form`]): per column quad, the 16
+/// rows' quads (one 64-byte load, a row per 32-bit lane) times the activation row's quad
+/// broadcast to every lane, `vpdpbusd`, add four products into row `i`'s lane: 64
+/// multiply-adds per instruction for 8-bit activations, twice the pair order's. The
+/// activations' bias of 128 comes off as in [`q8_tiles`]: each block's lanes start at
+/// `-128 · Σ w`, made once per block and register tile. 16-bit activations take the high
+/// bytes' pass, shifted left by 8, then the low bytes' (as [`q8_tiles`] does).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn q8_quad_tiles(
+    w: &PackedQ8,
+    a: &Activations,
+    (hi, lo, sixteen): (&[u8], &[u8], bool),
+    tiles: Range<usize>,
+    out: *mut f32,
+) {
+    let (hi, lo) = (hi.as_ptr(), lo.as_ptr());
+    let mut m0 = 0;
+    while m0 < a.rows {
+        let m1 = (m0 + ROW_BLOCK).min(a.rows);
+        for t in tiles.clone() {
+            match sixteen {
+                true => quad_rows::<true>(w, a, (hi, lo), t, m0..m1, out),
+                false => quad_rows::<false>(w, a, (hi, lo), t, m0..m1, out),
+            }
+        }
+        m0 = m1;
+    }
+}
+
+/// Tile `t` for activation rows `rows`, in register tiles of 8 rows and one of the rest.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn quad_rows<const SIXTEEN: bool>(
+    w: &PackedQ8,
+    a: &Activations,
+    bytes: (*const u8, *const u8),
+    t: usize,
+    rows: Range<usize>,
+    out: *mut f32,
+) {
+    let mut m = rows.start;
+    while m + 8 <= rows.end {
+        quad_tile::<8, SIXTEEN>(w, a, bytes, t, m, out);
+        m += 8;
+    }
+    match rows.end - m {
+        7 => quad_tile::<7, SIXTEEN>(w, a, bytes, t, m, out),
+        6 => quad_tile::<6, SIXTEEN>(w, a, bytes, t, m, out),
+        5 => quad_tile::<5, SIXTEEN>(w, a, bytes, t, m, out),
+        4 => quad_tile::<4, SIXTEEN>(w, a, bytes, t, m, out),
+        3 => quad_tile::<3, SIXTEEN>(w, a, bytes, t, m, out),
+        2 => quad_tile::<2, SIXTEEN>(w, a, bytes, t, m, out),
+        1 => quad_tile::<1, SIXTEEN>(w, a, bytes, t, m, out),
+        _ => {}
+    }
+}
+
+/// Tile `t` (16 output columns) for activation rows `m .. m + M`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn quad_tile<const M: usize, const SIXTEEN: bool>(
+    w: &PackedQ8,
+    a: &Activations,
+    (hi, lo): (*const u8, *const u8),
+    t: usize,
+    m: usize,
+    out: *mut f32,
+) {
+    const G: usize = WIDE_PAIR_TILE_ROWS;
+    const QUADS: usize = BLOCK / 4;
+    let n = w.rows;
+    let wq = w.qs.as_ptr().add(t * w.blocks * G * BLOCK);
+    // 16 f16 scales per block: one 32-byte load.
+    let wd = w.d.as_ptr().add(t * w.blocks * G) as *const __m256i;
+    let mut ahi = [hi; M];
+    let mut alo = [lo; M];
+    let mut ad = [a.d.as_ptr(); M];
+    for j in 0..M {
+        ahi[j] = hi.add((m + j) * a.cols);
+        if SIXTEEN {
+            alo[j] = lo.add((m + j) * a.cols);
+        }
+        ad[j] = a.d.as_ptr().add((m + j) * a.blocks);
+    }
+    let bias = _mm512_set1_epi8(-128);
+    let zero = _mm512_setzero_si512();
+    let mut acc = [_mm512_setzero_ps(); M];
+    for b in 0..w.blocks {
+        let wb = wq.add(b * G * BLOCK);
+        let mut wv = [zero; QUADS];
+        let mut biased = zero;
+        for q in 0..QUADS {
+            wv[q] = _mm512_loadu_si512(wb.add(q * 4 * G) as *const _);
+            biased = _mm512_dpbusd_epi32(biased, bias, wv[q]);
+        }
+        let start = _mm512_sub_epi32(zero, biased);
+        let mut sum = [start; M];
+        let quad = |p: *const u8, q: usize| {
+            _mm512_set1_epi32((p.add(b * BLOCK + 4 * q) as *const i32).read_unaligned())
+        };
+        for q in 0..QUADS {
+            for j in 0..M {
+                sum[j] = _mm512_dpbusd_epi32(sum[j], quad(ahi[j], q), wv[q]);
+            }
+        }
+        if SIXTEEN {
+            for j in 0..M {
+                sum[j] = _mm512_slli_epi32::<8>(sum[j]);
+            }
+            for q in 0..QUADS {
+                for j in 0..M {
+                    sum[j] = _mm512_dpbusd_epi32(sum[j], quad(alo[j], q), wv[q]);
+                }
+            }
+        }
+        let dw = _mm512_cvtph_ps(_mm256_loadu_si256(wd.add(b)));
+        for j in 0..M {
+            let s = _mm512_mul_ps(dw, _mm512_set1_ps(*ad[j].add(b)));
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[j]), s, acc[j]);
+        }
+    }
+    let c0 = t * G;
+    let keep: __mmask16 = if c0 + G <= n {
+        0xffff
+    } else {
+        (1u16 << (n - c0)) - 1
+    };
+    for j in 0..M {
+        _mm512_mask_storeu_ps(out.add((m + j) * n + c0), keep, acc[j]);
+    }
+}
+
 /// As [`crate::scalar::q4_tiles`], for [`PackedQ4`]: two of its 8-row tiles side by side
 /// fill a register (16 output columns), a register tile is those 16 rows × up to 8
 /// activation rows. Per quad of columns, the two tiles' 16-byte runs make one 32-byte

@@ -17,6 +17,12 @@
 //!   the pair for all the tile's rows, and `vpmaddwd` / `vpdpwssd` (NEON: `smlal` and one
 //!   pairwise add per block) against an activation pair broadcast to every lane leaves each
 //!   row's partial sum in its own lane, for 8- and 16-bit activations at one cost.
+//! - [`Q8Layout::WideQuadColumns`] (AVX-512 VNNI serving 8-bit activations): tiles of 16
+//!   rows, each block stored by quads of columns (`[tile][block][quad][row in tile][4]`):
+//!   one 64-byte load is the quad for all 16 rows, one 32-bit lane per row, and
+//!   `vpdpbusd` against the activation row's quad as bytes, broadcast to every lane, adds
+//!   four products into each row's lane: half the instructions of the pair order for 8-bit
+//!   activations (16-bit ones take their high and low bytes in two passes).
 //!
 //! The f16 scales are kept in the tiles' order (`[tile][block][row in tile]`). The bytes are
 //! Q8_0's own (34 per 32 weights); a row count the tile height does not divide is padded
@@ -31,7 +37,7 @@ pub const BLOCK: usize = 32;
 pub const TILE_ROWS: usize = 4;
 /// Output rows per tile of [`Q8Layout::PairColumns`].
 pub(crate) const PAIR_TILE_ROWS: usize = 8;
-/// Output rows per tile of [`Q8Layout::WidePairColumns`].
+/// Output rows per tile of [`Q8Layout::WidePairColumns`] and [`Q8Layout::WideQuadColumns`].
 pub(crate) const WIDE_PAIR_TILE_ROWS: usize = 16;
 /// Activation rows a thread walks per pass over its tiles (they stay in L2 meanwhile).
 pub(crate) const ROW_BLOCK: usize = 64;
@@ -46,6 +52,9 @@ pub enum Q8Layout {
     PairColumns,
     /// `[tile of 16 rows][block][column pair][row][2]`: the AVX-512 kernel's order.
     WidePairColumns,
+    /// `[tile of 16 rows][block][column quad][row][4]`: the AVX-512 kernel's order for
+    /// 8-bit activations (`vpdpbusd`).
+    WideQuadColumns,
 }
 
 impl Q8Layout {
@@ -54,7 +63,17 @@ impl Q8Layout {
         match self {
             Q8Layout::RowTiles => TILE_ROWS,
             Q8Layout::PairColumns => PAIR_TILE_ROWS,
-            Q8Layout::WidePairColumns => WIDE_PAIR_TILE_ROWS,
+            Q8Layout::WidePairColumns | Q8Layout::WideQuadColumns => WIDE_PAIR_TILE_ROWS,
+        }
+    }
+
+    /// Consecutive columns of one row stored side by side inside a block (RowTiles: the
+    /// whole block of 32).
+    fn group(self) -> usize {
+        match self {
+            Q8Layout::RowTiles => BLOCK,
+            Q8Layout::PairColumns | Q8Layout::WidePairColumns => 2,
+            Q8Layout::WideQuadColumns => 4,
         }
     }
 }
@@ -115,35 +134,33 @@ impl PackedQ8 {
     }
 
     /// Where row `r`'s block `b` lives: (offset of its first value in `qs`, the distance
-    /// between its values' pairs, offset of its scale in `d`). Value `j` of the block is at
-    /// `first + (j / 2) · pair_stride + j % 2`.
+    /// between its groups of [`Q8Layout::group`] values, offset of its scale in `d`). Value
+    /// `j` of the block is at `first + (j / g) · stride + j % g`.
     #[inline]
     fn at(&self, r: usize, b: usize) -> (usize, usize, usize) {
         let th = self.layout.tile_rows();
+        let g = self.layout.group();
         let (t, i) = (r / th, r % th);
         let first_row = (t * self.blocks + b) * th;
-        match self.layout {
-            Q8Layout::RowTiles => ((first_row + i) * BLOCK, 2, first_row + i),
-            Q8Layout::PairColumns | Q8Layout::WidePairColumns => {
-                (first_row * BLOCK + 2 * i, 2 * th, first_row + i)
-            }
-        }
+        (first_row * BLOCK + g * i, g * th, first_row + i)
     }
 
     /// Row `r`'s block `b`: its 32 values and its scale.
     pub(crate) fn block(&self, r: usize, b: usize) -> ([i8; BLOCK], f16) {
         let (first, stride, s) = self.at(r, b);
+        let g = self.layout.group();
         let mut q = [0i8; BLOCK];
-        for (p, pair) in q.chunks_exact_mut(2).enumerate() {
-            pair.copy_from_slice(&self.qs[first + p * stride..][..2]);
+        for (p, group) in q.chunks_exact_mut(g).enumerate() {
+            group.copy_from_slice(&self.qs[first + p * stride..][..g]);
         }
         (q, self.d[s])
     }
 
     fn set_block(&mut self, r: usize, b: usize, q: &[i8], d: f16) {
         let (first, stride, s) = self.at(r, b);
-        for (p, pair) in q.chunks_exact(2).enumerate() {
-            self.qs[first + p * stride..][..2].copy_from_slice(pair);
+        let g = self.layout.group();
+        for (p, group) in q.chunks_exact(g).enumerate() {
+            self.qs[first + p * stride..][..g].copy_from_slice(group);
         }
         self.d[s] = d;
     }
@@ -307,6 +324,35 @@ pub struct Activations {
     /// `[row][cols]`, for [`crate::Isa::Amx`] only (else empty): `h` itself, signed (`hi` without
     /// its bias).
     pub(crate) s8: Vec<i8>,
+    /// The width quantized to (`None` before the first quantization).
+    pub(crate) bits: Option<ActBits>,
+    /// The byte form made on demand, once per quantization, for a product whose weights are
+    /// in [`Q8Layout::WideQuadColumns`] when the activations were not quantized with it.
+    pub(crate) lazy_bytes: std::sync::OnceLock<ByteForm>,
+}
+
+/// Activation values as `vpdpbusd` takes them (the `hi` and `lo` fields of
+/// [`Activations`]).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct ByteForm {
+    pub(crate) hi: Vec<u8>,
+    pub(crate) lo: Vec<u8>,
+}
+
+impl ByteForm {
+    fn of(q: &[i16], bits: ActBits) -> Self {
+        let sixteen = bits == ActBits::Sixteen;
+        let hi = q
+            .iter()
+            .map(|&v| (if sixteen { v >> 8 } else { v } + 128) as u8)
+            .collect();
+        let lo = if sixteen {
+            q.iter().map(|&v| v as u8).collect()
+        } else {
+            Vec::new()
+        };
+        Self { hi, lo }
+    }
 }
 
 impl Activations {
@@ -325,18 +371,21 @@ impl Activations {
     /// The byte form of the quantized values (see the fields): a 16-bit value `v` is
     /// `256 · (v >> 8) + (v & 0xff)` exactly.
     pub(crate) fn fill_bytes(&mut self, bits: ActBits) {
-        let n = self.q.len();
-        let sixteen = bits == ActBits::Sixteen;
-        self.hi.resize(n, 0);
-        self.lo.resize(if sixteen { n } else { 0 }, 0);
-        for (h, &v) in self.hi.iter_mut().zip(&self.q) {
-            let high = if sixteen { v >> 8 } else { v };
-            *h = (high + 128) as u8;
-        }
-        for (l, &v) in self.lo.iter_mut().zip(&self.q) {
-            *l = v as u8;
-        }
+        let ByteForm { hi, lo } = ByteForm::of(&self.q, bits);
+        (self.hi, self.lo) = (hi, lo);
         self.bytes = Some(bits);
+    }
+
+    /// The byte form (`hi`, `lo`) and whether the values are 16-bit: the one filled at
+    /// quantization where there is one, else made now (once per quantization).
+    pub(crate) fn byte_form(&self) -> (&[u8], &[u8], bool) {
+        let bits = self.bits.unwrap_or(ActBits::Eight);
+        let sixteen = bits == ActBits::Sixteen;
+        if self.bytes.is_some() {
+            return (&self.hi, &self.lo, sixteen);
+        }
+        let f = self.lazy_bytes.get_or_init(|| ByteForm::of(&self.q, bits));
+        (&f.hi, &f.lo, sixteen)
     }
 
     /// Every block's sum `d · Σ q` (`[row][block]`), computed on the first call after a

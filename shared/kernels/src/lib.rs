@@ -6,17 +6,17 @@
 //! - [`PackedQ8`]: Q8_0 weights (8-bit values, one scale per 32) repacked at load into tiles
 //!   of output rows, each tile one contiguous run with its scales, in the order the
 //!   instruction set's kernel reads ([`Q8Layout`]: whole blocks per row for AMX, column
-//!   pairs across 16 rows for AVX-512 VNNI, across 8 rows for AVX2 and NEON), so one pass
-//!   streams every weight once
-//!   whatever the number of rows.
+//!   pairs across 16 rows for AVX-512 VNNI, or column quads when most activations are 8-bit
+//!   ([`set_packing_width`]), pairs across 8 rows for AVX2 and NEON), so one pass streams
+//!   every weight once whatever the number of rows.
 //! - [`PackedQ4`]: 4-bit weights (16 levels `d · q + m` per block of 32, `d` and `m` as
 //!   8-bit fractions of f16 values shared by up to 8 blocks), in the AVX2 kernel's
 //!   column-pair order, multiplied with the same 8- or 16-bit activations.
 //! - [`Activations`]: the rows quantized once per call, per block of 32, to 8 bits (W8A8,
 //!   llama.cpp's Q8_0 activations) or to 16 bits (W8A16: the weights' error alone). Both
-//!   are stored as `i16`, so one AVX2 kernel serves both at one cost; with AVX-512 VNNI
-//!   they are also split into bytes for `vpdpbusd` (one pass for 8 bits, two for 16), and
-//!   with AMX into the signed bytes of its tiles.
+//!   are stored as `i16`, so one AVX2 kernel serves both at one cost; for AVX-512 VNNI's
+//!   quad order they are also split into bytes for `vpdpbusd` (one pass for 8 bits, two for
+//!   16), and with AMX into the signed bytes of its tiles.
 //! - [`f16_matmul`]: the float path's product over f16 weights, widened in registers.
 //! - [`hadamard_blocks`]: block rotations of activation and weight rows (`H_b / √b`), which
 //!   keep a product exact and spread an outlier channel over its block before quantization.
@@ -69,6 +69,7 @@ pub use isa::Isa;
 pub use layout::{ActBits, Activations, PackedQ8, Q8Layout, BLOCK, TILE_ROWS};
 pub use pool::Pool;
 pub use q4::{PackedQ4, SUPER_BLOCKS};
+pub use q8::{packing_width, set_packing_width};
 pub use row_probe::{abs_max, probe_row, RowProbe};
 pub use rows::{dequantize_i8, rms_norm, rope, softmax_weights};
 pub use swiglu::swiglu;

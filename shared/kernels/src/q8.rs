@@ -6,10 +6,34 @@ use crate::layout::{check_product, quantize_act_block, Out};
 use crate::pool::Pool;
 use crate::{scalar, ActBits, Activations, Isa, KernelError, PackedQ8, Q8Layout, Result, BLOCK};
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Products with fewer multiply-adds than this run on the caller alone (not worth waking a
 /// second thread for).
 pub(crate) const SERIAL_BELOW: usize = 64 * 1024;
+
+/// Whether weights packed from now on are ordered for 8-bit activations
+/// ([`set_packing_width`]).
+static PACK_FOR_EIGHT_BITS: AtomicBool = AtomicBool::new(false);
+
+/// The activation width most of this process's Q8_0 products will run at: weights packed
+/// after this call ([`PackedQ8::quantize`], [`PackedQ8::from_q8_0`]) are in the order
+/// [`Q8Layout::for_width`] gives for it. A speed hint only: every kernel reads every order,
+/// so products of either width stay correct on weights packed for the other (16-bit
+/// activations on weights ordered for 8-bit ones cost about the same from 4 rows up, up to
+/// 1.25× at one row; measured in `docs/design/kernels.md`). The default is 16 bits.
+pub fn set_packing_width(bits: ActBits) {
+    PACK_FOR_EIGHT_BITS.store(bits == ActBits::Eight, Ordering::Relaxed);
+}
+
+/// The width [`set_packing_width`] last set (16 bits before any call).
+pub fn packing_width() -> ActBits {
+    if PACK_FOR_EIGHT_BITS.load(Ordering::Relaxed) {
+        ActBits::Eight
+    } else {
+        ActBits::Sixteen
+    }
+}
 
 impl Q8Layout {
     /// The order `isa`'s Q8_0 kernel reads (the scalar reference reads every order).
@@ -20,19 +44,32 @@ impl Q8Layout {
             Isa::Scalar | Isa::Amx => Q8Layout::RowTiles,
         }
     }
+
+    /// The order `isa`'s fastest kernel for activations of `bits` reads: under AVX-512 the
+    /// quad order for 8-bit ones (`vpdpbusd`, 64 multiply-adds per instruction, where the
+    /// pair order's `vpdpwssd` makes 32 whatever the width), else [`Q8Layout::for_isa`].
+    pub fn for_width(isa: Isa, bits: ActBits) -> Self {
+        match (isa, bits) {
+            (Isa::Avx512, ActBits::Eight) => Q8Layout::WideQuadColumns,
+            _ => Q8Layout::for_isa(isa),
+        }
+    }
 }
 
 impl PackedQ8 {
     /// Quantize the f32 weight `w` (`rows × cols`, row-major) to Q8_0, in the order this
-    /// thread's kernel reads ([`Isa::current`]).
+    /// thread's kernel reads for the [`packing_width`] ([`Isa::current`]).
     pub fn quantize(w: &[f32], rows: usize, cols: usize) -> Result<Self> {
-        Self::quantize_in(w, rows, cols, Q8Layout::for_isa(Isa::current()))
+        let layout = Q8Layout::for_width(Isa::current(), packing_width());
+        Self::quantize_in(w, rows, cols, layout)
     }
 
     /// From Q8_0 blocks as GGUF stores them (per block: f16 scale, 32 signed bytes; rows
-    /// one after another), in the order this thread's kernel reads ([`Isa::current`]).
+    /// one after another), in the order this thread's kernel reads for the
+    /// [`packing_width`] ([`Isa::current`]).
     pub fn from_q8_0(data: &[u8], rows: usize, cols: usize) -> Result<Self> {
-        Self::from_q8_0_in(data, rows, cols, Q8Layout::for_isa(Isa::current()))
+        let layout = Q8Layout::for_width(Isa::current(), packing_width());
+        Self::from_q8_0_in(data, rows, cols, layout)
     }
 
     /// `out = a · deq(self)ᵀ` (`a.rows() × self.rows()`, row-major), on `pool`'s threads,
@@ -82,6 +119,13 @@ impl PackedQ8 {
         // caller's (a test's `Isa::scoped` around a model loaded outside it) run on the
         // kernel for their order where the caller's set includes it (the AVX2 one under
         // AVX-512 or AMX), else on the scalar reference, which reads every order.
+        // The quad order's kernel takes the activations as bytes: made once, here, before
+        // the threads start.
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+        let quads = match (isa, self.layout) {
+            (Isa::Avx512 | Isa::Amx, Q8Layout::WideQuadColumns) => a.byte_form(),
+            _ => (&[][..], &[][..], false),
+        };
         let one = |tiles: Range<usize>| {
             // SAFETY: every unit of tiles is claimed by exactly one thread, which writes
             // only the output columns of those tiles.
@@ -103,6 +147,12 @@ impl PackedQ8 {
                 // SAFETY: `isa.available()` checked AVX-512 F/BW/VNNI and AVX2, FMA, F16C.
                 (Isa::Avx512 | Isa::Amx, Q8Layout::WidePairColumns) => unsafe {
                     crate::avx512::q8_pair_tiles(self, a, tiles, dst.0)
+                },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `isa.available()` checked AVX-512 F/BW/VNNI and AVX2, FMA, F16C;
+                // `quads` is the activations' byte form.
+                (Isa::Avx512 | Isa::Amx, Q8Layout::WideQuadColumns) => unsafe {
+                    crate::avx512::q8_quad_tiles(self, a, quads, tiles, dst.0)
                 },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `isa.available()` checked AVX-VNNI and AVX2, FMA, F16C.
@@ -184,6 +234,8 @@ impl Activations {
             }
         }
         self.sums.take();
+        self.lazy_bytes.take();
+        self.bits = Some(bits);
         self.bytes = None;
         self.s8.clear();
         if isa.byte_activations() && isa.available() {

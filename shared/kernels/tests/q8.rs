@@ -10,10 +10,11 @@ use rand::{Rng, SeedableRng};
 mod common;
 use common::{exact, product, rand_vec};
 
-const LAYOUTS: [Q8Layout; 3] = [
+const LAYOUTS: [Q8Layout; 4] = [
     Q8Layout::RowTiles,
     Q8Layout::PairColumns,
     Q8Layout::WidePairColumns,
+    Q8Layout::WideQuadColumns,
 ];
 
 /// Every instruction set on the weights in every layout: its own, and the others (a model
@@ -146,7 +147,11 @@ fn both_layouts_hold_the_same_weights() {
     let wf = rand_vec(rows * cols, 5, 0.1);
     let tiles = PackedQ8::quantize_in(&wf, rows, cols, Q8Layout::RowTiles).unwrap();
     assert_eq!(tiles.bytes(), 24 * 5 * 34, "tiles of 4 rows");
-    for (layout, padded) in [(Q8Layout::PairColumns, 24), (Q8Layout::WidePairColumns, 32)] {
+    for (layout, padded) in [
+        (Q8Layout::PairColumns, 24),
+        (Q8Layout::WidePairColumns, 32),
+        (Q8Layout::WideQuadColumns, 32),
+    ] {
         let pairs = PackedQ8::quantize_in(&wf, rows, cols, layout).unwrap();
         assert_eq!(pairs.layout(), layout);
         assert_eq!(tiles.dequantize(), pairs.dequantize(), "{layout:?}");
@@ -155,6 +160,28 @@ fn both_layouts_hold_the_same_weights() {
     for isa in Isa::all_available() {
         let packed = isa.scoped(|| PackedQ8::quantize(&wf, rows, cols).unwrap());
         assert_eq!(packed.layout(), Q8Layout::for_isa(isa), "{isa:?}");
+        // Packed for 8-bit activations: the order of that width's fastest kernel. (The
+        // only test that sets the packing width, and it sets it back.)
+        quantmesh_kernels::set_packing_width(ActBits::Eight);
+        let packed = isa.scoped(|| PackedQ8::quantize(&wf, rows, cols).unwrap());
+        quantmesh_kernels::set_packing_width(ActBits::Sixteen);
+        assert_eq!(
+            packed.layout(),
+            Q8Layout::for_width(isa, ActBits::Eight),
+            "{isa:?}"
+        );
+    }
+    assert_eq!(quantmesh_kernels::packing_width(), ActBits::Sixteen);
+    for isa in Isa::ALL {
+        assert_eq!(
+            Q8Layout::for_width(isa, ActBits::Sixteen),
+            Q8Layout::for_isa(isa)
+        );
+        let eight = Q8Layout::for_width(isa, ActBits::Eight);
+        match isa {
+            Isa::Avx512 => assert_eq!(eight, Q8Layout::WideQuadColumns),
+            _ => assert_eq!(eight, Q8Layout::for_isa(isa), "{isa:?}"),
+        }
     }
     assert_eq!(Q8Layout::for_isa(Isa::Avx2), Q8Layout::PairColumns);
     assert_eq!(Q8Layout::for_isa(Isa::AvxVnni), Q8Layout::PairColumns);

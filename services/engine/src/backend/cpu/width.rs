@@ -5,7 +5,7 @@
 
 use crate::error::Result;
 use quantmesh_config::SplitActivations;
-use quantmesh_kernels::{ActBits, Activations, Isa, PackedQ8, Pool};
+use quantmesh_kernels::{ActBits, Activations, Isa, PackedQ8, Pool, Q8Layout};
 use std::time::Instant;
 
 /// 16-bit activations must cost at least this many times the 8-bit product before `auto`
@@ -33,12 +33,24 @@ pub struct WidthChoice {
 }
 
 /// [`choose`] for `model`, timed on its widest product (`gate_up`: `[2 · intermediate,
-/// hidden]`).
+/// hidden]`); the weights loaded after it are packed in the order the kernel for the chosen
+/// width reads fastest ([`quantmesh_kernels::set_packing_width`]: 8-bit activations under
+/// `off` and `copyless`, 16-bit ones under `all`).
 pub fn choose_for(
     setting: SplitActivations,
     model: &quantmesh_model::ModelConfig,
 ) -> Result<WidthChoice> {
-    choose(setting, 2 * model.intermediate_size, model.hidden_size)
+    let choice = choose(setting, 2 * model.intermediate_size, model.hidden_size)?;
+    quantmesh_kernels::set_packing_width(packing_width(choice.mode));
+    Ok(choice)
+}
+
+/// The activation width most rows of `mode` run at.
+pub fn packing_width(mode: SplitActivations) -> ActBits {
+    match mode {
+        SplitActivations::Off | SplitActivations::Copyless => ActBits::Eight,
+        SplitActivations::All | SplitActivations::Auto => ActBits::Sixteen,
+    }
 }
 
 /// Resolve `setting` for a model whose widest linear group is `[out, in]`: an explicit
@@ -84,20 +96,24 @@ pub fn decide(ratio: f64) -> SplitActivations {
 }
 
 /// The 16-bit product's time over the 8-bit one for a `[out, in]` Q8_0 weight and
-/// [`ROWS`] rows on this machine's kernels: interleaved runs, the fastest of each kept
-/// (what the machine can do, not what a neighbour took from it).
+/// [`ROWS`] rows on this machine's kernels, each width on the weights ordered for it
+/// ([`Q8Layout::for_width`]): interleaved runs, the fastest of each kept (what the machine
+/// can do, not what a neighbour took from it).
 pub fn measure(out: usize, input: usize) -> Result<f64> {
     let input = input.next_multiple_of(quantmesh_kernels::BLOCK);
     let w: Vec<f32> = (0..out * input)
         .map(|i| ((i as f32) * 0.618_034).fract() - 0.5)
         .collect();
-    let packed = PackedQ8::quantize(&w, out, input)?;
+    let isa = Isa::current();
+    let packed = |bits| PackedQ8::quantize_in(&w, out, input, Q8Layout::for_width(isa, bits));
+    let (p8, p16) = (packed(ActBits::Eight)?, packed(ActBits::Sixteen)?);
     let x: Vec<f32> = (0..ROWS * input)
         .map(|i| ((i as f32) * 0.414_213_5).fract() * 2.0 - 1.0)
         .collect();
-    let (isa, pool) = (Isa::current(), Pool::global());
+    let pool = Pool::global();
     let mut a = Activations::new();
     let mut time = |bits: ActBits| -> Result<f64> {
+        let packed = if bits == ActBits::Eight { &p8 } else { &p16 };
         let t = Instant::now();
         a.quantize(&x, ROWS, input, bits)?;
         std::hint::black_box(packed.matmul_vec(&a, isa, pool)?);
