@@ -341,17 +341,23 @@ pub(crate) struct ByteForm {
 
 impl ByteForm {
     fn of(q: &[i16], bits: ActBits) -> Self {
+        let mut f = Self::default();
+        Self::fill(q, bits, &mut f.hi, &mut f.lo);
+        f
+    }
+
+    /// `hi` and `lo` for the values `q` (reusing their allocations).
+    fn fill(q: &[i16], bits: ActBits, hi: &mut Vec<u8>, lo: &mut Vec<u8>) {
         let sixteen = bits == ActBits::Sixteen;
-        let hi = q
-            .iter()
-            .map(|&v| (if sixteen { v >> 8 } else { v } + 128) as u8)
-            .collect();
-        let lo = if sixteen {
-            q.iter().map(|&v| v as u8).collect()
-        } else {
-            Vec::new()
-        };
-        Self { hi, lo }
+        hi.clear();
+        hi.extend(
+            q.iter()
+                .map(|&v| (if sixteen { v >> 8 } else { v } + 128) as u8),
+        );
+        lo.clear();
+        if sixteen {
+            lo.extend(q.iter().map(|&v| v as u8));
+        }
     }
 }
 
@@ -371,8 +377,7 @@ impl Activations {
     /// The byte form of the quantized values (see the fields): a 16-bit value `v` is
     /// `256 · (v >> 8) + (v & 0xff)` exactly.
     pub(crate) fn fill_bytes(&mut self, bits: ActBits) {
-        let ByteForm { hi, lo } = ByteForm::of(&self.q, bits);
-        (self.hi, self.lo) = (hi, lo);
+        ByteForm::fill(&self.q, bits, &mut self.hi, &mut self.lo);
         self.bytes = Some(bits);
     }
 

@@ -143,6 +143,13 @@ mod tests {
     }
 
     #[test]
+    fn weights_are_packed_for_the_width_most_rows_run_at() {
+        assert_eq!(packing_width(SplitActivations::Off), ActBits::Eight);
+        assert_eq!(packing_width(SplitActivations::Copyless), ActBits::Eight);
+        assert_eq!(packing_width(SplitActivations::All), ActBits::Sixteen);
+    }
+
+    #[test]
     fn an_explicit_mode_is_never_measured() {
         for m in [
             SplitActivations::Off,
