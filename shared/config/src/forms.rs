@@ -16,7 +16,8 @@ pub enum SplitActivations {
     /// counted as "wanted fallback, unavailable".
     Off,
     /// Rows that want float in a group without a float copy (INT8-only, e.g. over the float
-    /// budget): a fallback that costs no memory.
+    /// budget): a fallback that costs no memory. The other rows take 8-bit activations; the
+    /// Q8_0 `lm_head` takes 16-bit ones (it has no float copy and is not monitored).
     Copyless,
     /// Every row on the quantized path, the Q8_0 `lm_head` included: with it the first-load
     /// plan (0.56× all-f16's bytes) is closer to the float model than every group dual in
@@ -53,6 +54,15 @@ impl SplitActivations {
             SplitActivations::Copyless => wanted_float,
             SplitActivations::All | SplitActivations::Auto => true,
         }
+    }
+
+    /// Whether the vocabulary projection (`lm_head`, never watched by the monitor and never
+    /// with a float copy) runs with split activations: under every mode but `off`. Under
+    /// `copyless` its 8-bit activations were the whole measured distance to `all` on
+    /// SmolLM2 with the monitor on (docs/MEASUREMENTS.md, "The vocabulary projection under
+    /// `copyless`").
+    pub fn splits_table(self) -> bool {
+        self != SplitActivations::Off
     }
 
     pub fn as_str(self) -> &'static str {

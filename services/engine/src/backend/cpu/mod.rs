@@ -629,11 +629,11 @@ impl Backend for LlamaModel {
             let idx: Vec<u32> = want.iter().map(|(_, r)| *r).collect();
             let last = x.index_select(&Tensor::new(idx.as_slice(), &dev)?, 0)?;
             let last = norm_rows(&last, &self.norm, cfg.rms_norm_eps)?;
-            // The Q8_0 output table is a quantized product whose rows never ask for float:
-            // split only under `all`.
+            // The Q8_0 output table has no float copy and the monitor does not watch it:
+            // its activations carry 16 bits under every mode but `off`.
             let logits = self
                 .lm_head
-                .project(&last, self.forms.split.splits(false))?
+                .project(&last, self.forms.split.splits_table())?
                 .to_dtype(DType::F32)?
                 .to_vec2::<f32>()?;
             out.logits = want.into_iter().map(|(s, _)| s).zip(logits).collect();

@@ -4,7 +4,7 @@
 //! weight budget picks when the bytes serve the linear groups better). A tied model keeps
 //! one copy for both uses; quantized, the lookup decodes the rows it needs straight from the
 //! blocks the matmul reads, and the projection can split its activations like a linear
-//! group (`engine.split_activations = all`), so the logits carry only the table's weight
+//! group (under every `engine.split_activations` but `off`), so the logits carry only the table's weight
 //! error.
 
 use crate::backend::cpu::linear::{float_matmul, q4_product, q8_product, with_f32_rows};

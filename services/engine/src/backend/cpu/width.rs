@@ -143,6 +143,15 @@ mod tests {
     }
 
     #[test]
+    fn the_vocabulary_projection_splits_under_every_mode_but_off() {
+        assert!(!SplitActivations::Off.splits_table());
+        assert!(SplitActivations::Copyless.splits_table());
+        assert!(SplitActivations::All.splits_table());
+        // Its group rows stay 8-bit under copyless unless they want float.
+        assert!(!SplitActivations::Copyless.splits(false));
+    }
+
+    #[test]
     fn weights_are_packed_for_the_width_most_rows_run_at() {
         assert_eq!(packing_width(SplitActivations::Off), ActBits::Eight);
         assert_eq!(packing_width(SplitActivations::Copyless), ActBits::Eight);

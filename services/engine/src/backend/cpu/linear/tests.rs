@@ -287,12 +287,18 @@ fn column_error_predicts_the_output_error() {
 /// Through `forward`: rows that want float in an INT8-only group are served split under
 /// `copyless` (counted as split rows, not unavailable), or counted as unavailable ("wanted
 /// fallback, unavailable") and served plain INT8 with `off`; the other rows of the step stay on the plain INT8 path unless `all`. The same
-/// with the quantized path rotated.
+/// with the quantized path rotated, and with the weights packed for either activation width
+/// (under AVX-512 the quad order for 8-bit ones, which serves the split rows in two passes).
 #[test]
 fn copyless_rows_are_split_and_counted() {
-    for rotation in [0, 64] {
-        copyless_case(rotation);
+    use quantmesh_kernels::{set_packing_width, ActBits};
+    for bits in [ActBits::Sixteen, ActBits::Eight] {
+        set_packing_width(bits);
+        for rotation in [0, 64] {
+            copyless_case(rotation);
+        }
     }
+    set_packing_width(ActBits::Sixteen);
 }
 
 fn copyless_case(rotation: u32) {
