@@ -249,13 +249,42 @@ unsafe fn pair_tile<const M: usize>(
                 sum[j] = _mm512_dpwssd_epi32(sum[j], wv, _mm512_set1_epi32(pair));
             }
         }
-        let dw = _mm512_cvtph_ps(_mm256_loadu_si256(wd.add(b)));
-        for j in 0..M {
-            let s = _mm512_mul_ps(dw, _mm512_set1_ps(*ad[j].add(b)));
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[j]), s, acc[j]);
-        }
+        scale_block(&mut acc, &sum, wd.add(b), &ad, b);
     }
-    let c0 = t * G;
+    store_tile(&acc, out, n, t * G, m);
+}
+
+/// A block's integer sums (row `i` in lane `i` of each activation row's register) added in
+/// f32 to `acc` with the scales' product: the 16 weight rows' f16 scales at `wd` times each
+/// activation row's scale of block `b`.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[inline]
+unsafe fn scale_block<const M: usize>(
+    acc: &mut [__m512; M],
+    sum: &[__m512i; M],
+    wd: *const __m256i,
+    ad: &[*const f32; M],
+    b: usize,
+) {
+    let dw = _mm512_cvtph_ps(_mm256_loadu_si256(wd));
+    for j in 0..M {
+        let s = _mm512_mul_ps(dw, _mm512_set1_ps(*ad[j].add(b)));
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[j]), s, acc[j]);
+    }
+}
+
+/// Write a 16-row tile's outputs (columns `c0 ..` of `n`) for activation rows `m .. m + M`,
+/// dropping the padding rows of a last partial tile.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn store_tile<const M: usize>(
+    acc: &[__m512; M],
+    out: *mut f32,
+    n: usize,
+    c0: usize,
+    m: usize,
+) {
+    const G: usize = WIDE_PAIR_TILE_ROWS;
     let keep: __mmask16 = if c0 + G <= n {
         0xffff
     } else {
@@ -382,21 +411,9 @@ unsafe fn quad_tile<const M: usize, const SIXTEEN: bool>(
                 }
             }
         }
-        let dw = _mm512_cvtph_ps(_mm256_loadu_si256(wd.add(b)));
-        for j in 0..M {
-            let s = _mm512_mul_ps(dw, _mm512_set1_ps(*ad[j].add(b)));
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[j]), s, acc[j]);
-        }
+        scale_block(&mut acc, &sum, wd.add(b), &ad, b);
     }
-    let c0 = t * G;
-    let keep: __mmask16 = if c0 + G <= n {
-        0xffff
-    } else {
-        (1u16 << (n - c0)) - 1
-    };
-    for j in 0..M {
-        _mm512_mask_storeu_ps(out.add((m + j) * n + c0), keep, acc[j]);
-    }
+    store_tile(&acc, out, n, t * G, m);
 }
 
 /// As [`crate::scalar::q4_tiles`], for [`PackedQ4`]: two of its 8-row tiles side by side
