@@ -20,8 +20,8 @@ static PACK_FOR_EIGHT_BITS: AtomicBool = AtomicBool::new(false);
 /// after this call ([`PackedQ8::quantize`], [`PackedQ8::from_q8_0`]) are in the order
 /// [`Q8Layout::for_width`] gives for it. A speed hint only: every kernel reads every order,
 /// so products of either width stay correct on weights packed for the other (16-bit
-/// activations on weights ordered for 8-bit ones cost about the same from 4 rows up, up to
-/// 1.25× at one row; measured in `docs/design/kernels.md`). The default is 16 bits.
+/// activations on weights ordered for 8-bit ones cost about the same from 4 rows up and
+/// 1.03–1.15× at one row, as measured in `docs/design/kernels.md`). The default is 16 bits.
 pub fn set_packing_width(bits: ActBits) {
     PACK_FOR_EIGHT_BITS.store(bits == ActBits::Eight, Ordering::Relaxed);
 }
