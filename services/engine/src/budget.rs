@@ -8,9 +8,13 @@
 //! off the top; the groups share the rest.
 //!
 //! Ranking (most deserving first): `float` groups (their class says INT8 is not good
-//! enough at all), then `dual` groups by the pre-screen's KL of the INT8 form the engine
-//! serves (`w8a8_per_channel`, closest to Q8_0's per-block scales), then by R; groups
-//! without pre-screen evidence last, in layer order. Greedy in rank order: a group is kept
+//! enough at all), then `dual` groups the monitor saw wanting float in served traffic, then
+//! `dual` groups by the pre-screen's evidence: where the engine serves 8-bit activations
+//! (`split_activations` `off` or `copyless`), first by the served W8A8 product's output
+//! error on the calibration rows (`act8_nsr`, activations included: where 8-bit
+//! activations hurt), then by the KL of the INT8 weights the engine serves
+//! (`w8a8_per_channel`, closest to Q8_0's per-block scales), then by R; groups without
+//! pre-screen evidence last, in layer order. Greedy in rank order: a group is kept
 //! when its float copy still fits, so a large group that does not fit does not block
 //! smaller ones behind it.
 
@@ -29,6 +33,8 @@ pub struct Rank {
     tier: u8,
     /// Share of monitor windows the group wanted float (tier 2).
     wanted: f64,
+    /// The served W8A8 harm where the engine serves 8-bit activations (0 otherwise).
+    act8: f64,
     kl: f64,
     r: f64,
 }
@@ -36,8 +42,10 @@ pub struct Rank {
 /// The rank of a group from its plan entry (`None`: no evidence). Served-traffic evidence
 /// outranks the pre-screen's: a group the monitor kept wanting in float is what a float copy
 /// is for, whatever its weights' offline KL — without this a group the evolution service
-/// promoted could lose its new copy to the budget at the next reload.
-pub fn rank(residency: Residency, entry: Option<&GroupEntry>) -> Rank {
+/// promoted could lose its new copy to the budget at the next reload. `eight_bit`: the
+/// engine serves the quantized path 8-bit activations, so what W8A8 costs the group
+/// (activations included) ranks before its weights' KL.
+pub fn rank(residency: Residency, entry: Option<&GroupEntry>, eight_bit: bool) -> Rank {
     let metrics = entry.and_then(|e| e.metrics.as_ref());
     let wanted = entry
         .and_then(|e| e.observed.as_ref())
@@ -52,6 +60,11 @@ pub fn rank(residency: Residency, entry: Option<&GroupEntry>) -> Rank {
     Rank {
         tier,
         wanted: finite(wanted),
+        act8: if eight_bit {
+            entry.and_then(GroupEntry::served_act8_nsr).map_or(0.0, finite)
+        } else {
+            0.0
+        },
         kl: metrics.map_or(0.0, |m| finite(m.kl.w8a8_per_channel)),
         r: metrics.map_or(0.0, |m| finite(m.r)),
     }
@@ -175,7 +188,7 @@ mod tests {
                 let g = gid(i);
                 residency.insert(g, [Residency::Int8, Residency::Dual, Residency::Float][*r as usize]);
                 sizes.insert(g, *size);
-                ranks.insert(g, Rank { tier: 1, wanted: 0.0, kl: *kl as f64, r: 0.0 });
+                ranks.insert(g, Rank { tier: 1, wanted: 0.0, act8: 0.0, kl: *kl as f64, r: 0.0 });
             }
             let before = residency.clone();
             let out = apply(&mut residency, Some(budget), &|g| sizes[&g], &|g| ranks[&g]);
@@ -206,6 +219,7 @@ mod tests {
         let out = apply(&mut residency, Some(100), &|_| 60, &|g| Rank {
             tier: 1,
             wanted: 0.0,
+            act8: 0.0,
             kl: kl[g.kind.index()],
             r: 0.0,
         });

@@ -156,13 +156,15 @@ pub fn resolve(
     let tables = file
         .and_then(|(p, _)| p.file.tables)
         .unwrap_or(base.embeddings);
+    // Where the quantized path runs 8-bit activations, the copies go where W8A8 hurts.
+    let eight_bit = !base.split_activations.splits(false);
     let (embeddings, table_bytes) =
         budget::tables(tables, budget_bytes, &|d| table_extra_bytes(cfg, d));
     let mut budget = budget::apply(
         &mut residency,
         budget_bytes.map(|b| b.saturating_sub(table_bytes)),
         &|g| group_params(cfg, g.kind) * float_size,
-        &|g| budget::rank(wanted[&g], file.and_then(|(p, _)| p.groups.get(&g))),
+        &|g| budget::rank(wanted[&g], file.and_then(|(p, _)| p.groups.get(&g)), eight_bit),
     );
     budget.setting = setting;
     budget.budget_bytes = budget_bytes;
@@ -392,6 +394,56 @@ mod tests {
             Some(&exps[..])
         );
         assert_eq!(live.form(g("layers.1.o"), Residency::Int8).smoothing, None);
+    }
+
+    /// Where the engine serves 8-bit activations the copy goes where W8A8 hurts: two dual
+    /// groups compete for one copy, one with the larger weight KL, the other with the larger
+    /// served W8A8 error (activations included). `all` (16-bit activations) keeps the first,
+    /// `copyless` and `off` the second; with factors kept, the smoothed error is the one
+    /// served and ranked.
+    #[test]
+    fn eight_bit_activations_rank_copies_by_the_served_w8a8_error() {
+        let m = |kl: f64, plain: f64, smoothed: f64, factors: &str| {
+            format!(
+                r#"{{"class": "w8a8_per_channel", "metrics": {{"r": 5, "energy": 0.1,
+                   "kl": {{"w8a8": {kl}, "w8a8_per_channel": {kl}, "w4a16": {kl}}},
+                   "act8_nsr": {{"plain": {plain}, "smoothed": {smoothed}}}}}{factors}}}"#
+            )
+        };
+        let factors = format!(
+            r#", "smoothing": {{"alpha": 0.5, "log2_factors": "{}"}}"#,
+            quantmesh_types::Smoothing::new(0.5, &[0i8; 64]).log2_factors
+        );
+        let g = |s: &str| s.parse::<GroupId>().unwrap();
+        for (second, kept_under_8_bit) in [
+            // The second group's plain error is larger: it keeps the copy in 8-bit modes.
+            (m(0.001, 0.3, 0.3, ""), "layers.1.o"),
+            // Its factors bring its served error under the first group's.
+            (m(0.001, 0.3, 0.01, &factors), "layers.0.o"),
+        ] {
+            let text = format!(
+                r#"{{"schema_version": 1, "groups": {{"layers.0.o": {}, "layers.1.o": {}}}}}"#,
+                m(0.2, 0.05, 0.05, ""),
+                second
+            );
+            let plan = SensitiveLayers::parse_for(text.as_bytes(), &shape()).unwrap();
+            for (mode, kept) in [
+                (SplitActivations::All, "layers.0.o"),
+                (SplitActivations::Copyless, kept_under_8_bit),
+                (SplitActivations::Off, kept_under_8_bit),
+            ] {
+                let base = EngineConfig {
+                    default_residency: Residency::Int8,
+                    float_budget: "8KiB".parse().unwrap(),
+                    embeddings: EmbeddingDtype::Q8_0,
+                    split_activations: mode,
+                    ..Default::default()
+                };
+                let live = resolve(&base, &model(), Some((&plan, "m")));
+                assert_eq!(live.residency[&g(kept)], Residency::Dual, "{mode:?}: {second}");
+                assert_eq!(live.budget.demoted.len(), 1, "{mode:?}");
+            }
+        }
     }
 
     /// Served-traffic evidence outranks the pre-screen's: a group the evolution service

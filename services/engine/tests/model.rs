@@ -157,6 +157,34 @@ fn every_instruction_set_gives_the_same_logits() {
     }
 }
 
+/// The vocabulary projection (Q8_0 tables, never watched, never with a float copy) carries
+/// 16-bit activations under every mode but `off`: with every group on its float path it is
+/// the only quantized product, so `copyless` gives exactly `all`'s logits and `off` (8-bit
+/// activations there too) others.
+#[test]
+fn the_vocabulary_projection_carries_16_bit_activations_unless_off() {
+    use quantmesh_engine::backend::{EmbeddingDtype, Forms, SplitActivations};
+    let dir = model_dir(InitOptions::default());
+    let cfg = ModelConfig::load(dir.path()).unwrap();
+    let ck = quantmesh_model::Checkpoint::open(dir.path()).unwrap();
+    let mask = all_float(cfg.num_hidden_layers);
+    let p = prompt();
+    let run = |split: SplitActivations| {
+        let forms = Forms {
+            split,
+            embeddings: EmbeddingDtype::Q8_0,
+            ..Forms::EXACT
+        };
+        let model = LlamaModel::load_from(&ck, &cfg, &|_| Residency::Dual, forms).unwrap();
+        let mut rig = Rig::with_model(model, &cfg, KvFloatDtype::F32);
+        rig.feed(1, &p, &mask, true)
+    };
+    let all = run(SplitActivations::All);
+    assert_eq!(run(SplitActivations::Copyless), all);
+    let off = run(SplitActivations::Off);
+    assert!(max_abs_diff(&off, &all) > 0.0, "8-bit activations must move the logits");
+}
+
 #[test]
 fn paged_incremental_decode_equals_full_recompute() {
     let dir = model_dir(InitOptions::default());

@@ -60,9 +60,11 @@ pub const FLOAT_RESERVE_PERCENT: f64 = 10.0;
 
 /// What the pre-screen chooses, versioned: raised when a release changes its choices for the
 /// same model and rules (2: scale migration; 3: none from fewer than `smoothing_min_tokens`
-/// calibration tokens). The first-load plan's cache is keyed by it, so
+/// calibration tokens; 4: the served W8A8 harm, `act8_nsr`, measured for every group, which
+/// the float budget ranks by where the engine serves 8-bit activations). The first-load
+/// plan's cache is keyed by it, so
 /// an upgrade pre-screens once more rather than serving an earlier revision's plan.
-pub const PLAN_REVISION: u32 = 3;
+pub const PLAN_REVISION: u32 = 4;
 
 /// What the weight budget chose.
 #[derive(Debug, Clone, PartialEq)]
@@ -504,45 +506,65 @@ pub fn summary_table(o: &Outcome) -> String {
     s
 }
 
-/// How many groups carry scale migration, and what it did to their served W8A8 error.
+/// How many groups carry scale migration, and what it did to their served W8A8 error (with
+/// several strengths tried per group, how many groups kept each).
 pub fn smoothing_line(file: &SensitiveLayers) -> String {
-    let measured: Vec<(bool, f64, f64)> = file
+    let generator = file.generator.as_ref();
+    let rule = |k: &str| generator?.rules.as_ref()?.get(k).copied();
+    let tokens = generator
+        .and_then(|g| g.calibration.as_ref())
+        .map(|c| c.tokens);
+    match (
+        rule("smoothing_alpha"),
+        rule("smoothing_min_tokens"),
+        tokens,
+    ) {
+        (Some(alpha), _, _) if alpha <= 0.0 => return "scale migration: off\n".into(),
+        (Some(_), Some(min), Some(tokens)) if (tokens as f64) < min => {
+            return format!(
+                "scale migration: off: {tokens} calibration tokens, fewer than the \
+                 {min} its factors need (smoothing_min_tokens; `quantmesh prescreen` with \
+                 the whole bundled set has enough)\n"
+            )
+        }
+        _ => {}
+    }
+    let measured: Vec<(Option<f64>, f64, f64)> = file
         .groups
         .values()
         .filter_map(|e| {
             let a = e.metrics.as_ref()?.act8_nsr.as_ref()?;
-            Some((e.smoothing.is_some(), a.plain, a.smoothed))
+            Some((e.smoothing.as_ref().map(|s| s.alpha), a.plain, a.smoothed))
         })
         .collect();
     if measured.is_empty() {
-        let generator = file.generator.as_ref();
-        let rule = |k: &str| generator?.rules.as_ref()?.get(k).copied();
-        let tokens = generator
-            .and_then(|g| g.calibration.as_ref())
-            .map(|c| c.tokens);
-        return match (
-            rule("smoothing_alpha"),
-            rule("smoothing_min_tokens"),
-            tokens,
-        ) {
-            (Some(alpha), Some(min), Some(tokens)) if alpha > 0.0 && (tokens as f64) < min => {
-                format!(
-                    "scale migration: off: {tokens} calibration tokens, fewer than the \
-                     {min} its factors need (smoothing_min_tokens; `quantmesh prescreen` with \
-                     the whole bundled set has enough)\n"
-                )
-            }
-            _ => "scale migration: off\n".into(),
-        };
+        return "scale migration: off\n".into();
     }
-    let kept = measured.iter().filter(|m| m.0).count();
+    let kept = measured.iter().filter(|m| m.0.is_some()).count();
     let plain: f64 = measured.iter().map(|m| m.1).sum();
-    let served: f64 = measured.iter().map(|m| if m.0 { m.2 } else { m.1 }).sum();
+    let served: f64 = measured
+        .iter()
+        .map(|m| if m.0.is_some() { m.2 } else { m.1 })
+        .sum();
+    let several = generator
+        .and_then(|g| g.rules.as_ref())
+        .is_some_and(|r| r.contains_key("smoothing_alphas.0"));
+    let by_strength = if several {
+        let mut n: BTreeMap<String, usize> = BTreeMap::new();
+        for a in measured.iter().filter_map(|m| m.0) {
+            *n.entry(format!("{a}")).or_default() += 1;
+        }
+        let parts: Vec<String> = n.iter().map(|(a, n)| format!("α {a}: {n}")).collect();
+        format!(" (strengths kept: {})", parts.join(", "))
+    } else {
+        String::new()
+    };
     format!(
-        "scale migration: {} of {} groups smoothed; their served W8A8 output error (noise-to-signal, \
-         calibration rows) {:.3e} -> {:.3e} summed over every group\n",
+        "scale migration: {} of {} groups smoothed{}; their served W8A8 output error \
+         (noise-to-signal, calibration rows) {:.3e} -> {:.3e} summed over every group\n",
         kept,
         measured.len(),
+        by_strength,
         plain,
         served
     )

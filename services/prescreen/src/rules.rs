@@ -40,6 +40,11 @@ pub struct Rules {
     /// bring the served 8-bit-activation product's output error to at most `smoothing_gain`
     /// times the unsmoothed one.
     pub smoothing_alpha: f64,
+    /// Further strengths tried per group beside `smoothing_alpha` (each in (0, 1)): a group
+    /// keeps the strength whose factors give its served W8A8 error on the calibration rows
+    /// the lowest value, if that passes `smoothing_gain` (empty: one strength for every
+    /// group).
+    pub smoothing_alphas: Vec<f64>,
     /// See `smoothing_alpha` (in (0, 1]).
     pub smoothing_gain: f64,
     /// The fewest calibration tokens scale migration is computed from; with fewer the
@@ -98,6 +103,7 @@ impl Default for Rules {
             massive_channel_share: quantmesh_model::massive::DEFAULT_MASSIVE_SHARE,
             massive_channel_ratio: quantmesh_model::massive::DEFAULT_MASSIVE_RATIO,
             smoothing_alpha: 0.75,
+            smoothing_alphas: Vec::new(),
             smoothing_gain: 0.9,
             smoothing_min_tokens: 4096,
             rotation_block: quantmesh_types::DEFAULT_ROTATION_BLOCK,
@@ -148,6 +154,9 @@ impl Rules {
         }
         if !(0.0..1.0).contains(&self.smoothing_alpha) {
             return Err("smoothing_alpha must be in [0, 1) (0: no scale migration)".into());
+        }
+        if self.smoothing_alphas.iter().any(|a| !(*a > 0.0 && *a < 1.0)) {
+            return Err("every smoothing_alphas entry must be in (0, 1)".into());
         }
         if !(self.smoothing_gain > 0.0 && self.smoothing_gain <= 1.0) {
             return Err("smoothing_gain must be in (0, 1]".into());
@@ -209,9 +218,10 @@ impl Rules {
         (PrecisionClass::Fp16, format!("{why} → fp16"))
     }
 
-    /// The thresholds as a flat map (recorded in the output's `generator.rules`).
+    /// The thresholds as a flat map (recorded in the output's `generator.rules`; the further
+    /// smoothing strengths as `smoothing_alphas.0`, `.1`, …).
     pub fn as_map(&self) -> BTreeMap<String, f64> {
-        BTreeMap::from([
+        let mut map = BTreeMap::from([
             ("r_aggressive".into(), self.r_aggressive),
             ("r_fp16".into(), self.r_fp16),
             ("kl_aggressive".into(), self.kl_aggressive),
@@ -233,7 +243,25 @@ impl Rules {
                 self.smoothing_min_tokens as f64,
             ),
             ("rotation_block".into(), f64::from(self.rotation_block)),
-        ])
+        ]);
+        for (i, a) in self.smoothing_alphas.iter().enumerate() {
+            map.insert(format!("smoothing_alphas.{i}"), *a);
+        }
+        map
+    }
+
+    /// The strengths scale migration tries per group (none when `smoothing_alpha` is 0).
+    pub fn smoothing_strengths(&self) -> Vec<f64> {
+        if self.smoothing_alpha <= 0.0 {
+            return Vec::new();
+        }
+        let mut v = vec![self.smoothing_alpha];
+        for a in &self.smoothing_alphas {
+            if !v.contains(a) {
+                v.push(*a);
+            }
+        }
+        v
     }
 
     /// The massive-channel rule these rules apply.

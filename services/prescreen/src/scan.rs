@@ -9,7 +9,7 @@
 use crate::metrics::{activation_stats, dispersion, kl_hist, Gram, Hist, Quantiles, Range};
 use crate::quant::{fake_quant, Format};
 use crate::rules::{Rules, Scores};
-use crate::smoothing::{self, ColumnMax, ServedError};
+use crate::smoothing::{self, Candidate, ColumnMax, ServedError};
 use crate::PrescreenError;
 use candle_core::{Device, Tensor};
 use quantmesh_kernels::{ColumnError, ColumnErrorSum, PackedQ8, Q8Layout};
@@ -385,34 +385,51 @@ fn score_group(
     let mut act_max = ColumnMax::new(in_dim);
     act_max.add(&xs);
     drop(xs);
-    // Pass 4 (with scale migration on): the served W8A8 error, unsmoothed and smoothed.
-    let (act8_nsr, smoothing) = if rules.smoothing_alpha > 0.0
-        && batch.tokens.len() >= rules.smoothing_min_tokens
-    {
-        let exps =
-            smoothing::exponents(act_max.values(), weight_max.values(), rules.smoothing_alpha);
-        let block = quantmesh_kernels::rotation_block(in_dim, rules.rotation_block.max(1) as usize);
-        match ServedError::new(&x_kl, exps, block)? {
-            Some(mut served) => {
-                for ((m, b), float) in ms.iter().zip(&biases).zip(&probe.float) {
-                    let w = rows(ck, m, 0, m.shape[0])?;
-                    served.add(&w, m.shape[0], b.as_ref(), float)?;
-                    ck.release(&m.weight);
-                }
-                let ((plain, smoothed), exps) = served.finish();
-                let keep = smoothed <= rules.smoothing_gain * plain;
-                (
+    // Pass 4: the served W8A8 error (what 8-bit activations cost this group, the budget's
+    // rank where the engine serves them), and with scale migration on and enough tokens for
+    // factors, the error with each strength's candidate factors.
+    let candidates = if batch.tokens.len() >= rules.smoothing_min_tokens {
+        rules
+            .smoothing_strengths()
+            .into_iter()
+            .map(|alpha| Candidate {
+                alpha,
+                exps: smoothing::exponents(act_max.values(), weight_max.values(), alpha),
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let block = quantmesh_kernels::rotation_block(in_dim, rules.rotation_block.max(1) as usize);
+    let (act8_nsr, smoothing) = match ServedError::new(&x_kl, candidates, block)? {
+        Some(mut served) => {
+            for ((m, b), float) in ms.iter().zip(&biases).zip(&probe.float) {
+                let w = rows(ck, m, 0, m.shape[0])?;
+                served.add(&w, m.shape[0], b.as_ref(), float)?;
+                ck.release(&m.weight);
+            }
+            let served = served.finish();
+            let plain = round12(served.plain);
+            match served.smoothed {
+                Some((smoothed, best)) => (
                     Some(Act8Nsr {
-                        plain: round12(plain),
+                        plain,
                         smoothed: round12(smoothed),
                     }),
-                    keep.then(|| Smoothing::new(rules.smoothing_alpha, &exps)),
-                )
+                    (smoothed <= rules.smoothing_gain * served.plain)
+                        .then(|| Smoothing::new(best.alpha, &best.exps)),
+                ),
+                // No candidate factors: "smoothed" is the group as served, unsmoothed.
+                None => (
+                    Some(Act8Nsr {
+                        plain,
+                        smoothed: plain,
+                    }),
+                    None,
+                ),
             }
-            None => (None, None),
         }
-    } else {
-        (None, None)
+        None => (None, None),
     };
     let residual_input = matches!(g.kind, GroupKind::Qkv | GroupKind::GateUp);
     let entry = GroupEntry {

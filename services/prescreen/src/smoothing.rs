@@ -78,49 +78,64 @@ fn change(v: &mut [f32], cols: usize, exps: Option<&[i8]>, sign: f32, block: usi
     let _ = quantmesh_kernels::hadamard_blocks(v, block);
 }
 
-/// The served product's output error with and without the candidate factors, summed over a
-/// group's members.
+/// One candidate set of factors: the strength it came from and its exponents.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Candidate {
+    pub alpha: f64,
+    pub exps: Vec<i8>,
+}
+
+/// The served product's output error, summed over a group's members: always unsmoothed
+/// (what W8A8 costs the group as it stands), and with each candidate's factors.
 pub struct ServedError {
     cols: usize,
     block: usize,
-    exps: Vec<i8>,
-    /// The KL rows as the engine quantizes them, dequantized: unsmoothed and smoothed.
-    acts: [Tensor; 2],
-    err: [f64; 2],
+    candidates: Vec<Candidate>,
+    /// The KL rows as the engine quantizes them, dequantized: unsmoothed, then smoothed by
+    /// each candidate in turn, each with its summed squared output error.
+    forms: Vec<(Tensor, f64)>,
     signal: f64,
 }
 
+/// What [`ServedError::finish`] measured.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Served {
+    /// Output noise-to-signal ratio without factors.
+    pub plain: f64,
+    /// The candidate with the lowest error, and that error (`None`: no candidates).
+    pub smoothed: Option<(f64, Candidate)>,
+}
+
 impl ServedError {
-    /// `x` the group's input on the KL rows (`[rows, cols]`), `block` the engine's rotation
+    /// `x` the group's input on the KL rows (`[rows, cols]`), `candidates` the factors to
+    /// measure beside none (empty: the unsmoothed form only), `block` the engine's rotation
     /// block for this width. `None` where the served form does not exist for this width
     /// (activations are quantized in blocks of 32).
-    pub fn new(x: &Tensor, exps: Vec<i8>, block: usize) -> Result<Option<Self>, PrescreenError> {
+    pub fn new(
+        x: &Tensor,
+        candidates: Vec<Candidate>,
+        block: usize,
+    ) -> Result<Option<Self>, PrescreenError> {
         let (rows, cols) = x.dims2()?;
         if cols == 0 || !cols.is_multiple_of(quantmesh_kernels::BLOCK) || rows == 0 {
             return Ok(None);
         }
         let xs = x.flatten_all()?.to_vec1::<f32>()?;
-        let mut acts = Vec::with_capacity(2);
-        for smoothed in [false, true] {
+        let mut forms = Vec::with_capacity(1 + candidates.len());
+        let factors = std::iter::once(None).chain(candidates.iter().map(|c| Some(&c.exps[..])));
+        for e in factors {
             let mut v = xs.clone();
-            change(&mut v, cols, smoothed.then_some(&exps[..]), -1.0, block);
+            change(&mut v, cols, e, -1.0, block);
             let mut a = Activations::new();
             a.quantize(&v, rows, cols, ActBits::Eight)?;
-            acts.push(Tensor::from_vec(
-                a.dequantize(),
-                (rows, cols),
-                &Device::Cpu,
-            )?);
+            let t = Tensor::from_vec(a.dequantize(), (rows, cols), &Device::Cpu)?;
+            forms.push((t, 0.0));
         }
-        let [plain, smoothed]: [Tensor; 2] = acts
-            .try_into()
-            .map_err(|_| PrescreenError::Calibration("two activation forms".into()))?;
         Ok(Some(Self {
             cols,
             block,
-            exps,
-            acts: [plain, smoothed],
-            err: [0.0; 2],
+            candidates,
+            forms,
             signal: 0.0,
         }))
     }
@@ -135,25 +150,37 @@ impl ServedError {
         float: &Tensor,
     ) -> Result<(), PrescreenError> {
         self.signal += float.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
-        for (k, smoothed) in [false, true].into_iter().enumerate() {
+        let factors =
+            std::iter::once(None).chain(self.candidates.iter().map(|c| Some(&c.exps[..])));
+        for ((acts, err), e) in self.forms.iter_mut().zip(factors) {
             let mut v = w.to_vec();
-            let exps = smoothed.then_some(&self.exps[..]);
-            change(&mut v, self.cols, exps, 1.0, self.block);
+            change(&mut v, self.cols, e, 1.0, self.block);
             let q = PackedQ8::quantize_in(&v, out, self.cols, Q8Layout::RowTiles)?;
             let wq = Tensor::from_vec(q.dequantize(), (out, self.cols), &Device::Cpu)?;
-            let mut y = self.acts[k].matmul(&wq.t()?)?;
+            let mut y = acts.matmul(&wq.t()?)?;
             if let Some(b) = bias {
                 y = y.broadcast_add(b)?;
             }
-            self.err[k] += (y - float)?.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+            *err += (y - float)?.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
         }
         Ok(())
     }
 
-    /// (unsmoothed, smoothed) output noise-to-signal ratios, and the exponents.
-    pub fn finish(self) -> ((f64, f64), Vec<i8>) {
+    /// The output noise-to-signal ratios measured: the unsmoothed one and the best
+    /// candidate's (the first listed among equals).
+    pub fn finish(self) -> Served {
         let s = self.signal.max(f64::MIN_POSITIVE);
-        ((self.err[0] / s, self.err[1] / s), self.exps)
+        let nsr: Vec<f64> = self.forms.iter().map(|(_, e)| e / s).collect();
+        let best = nsr
+            .iter()
+            .skip(1)
+            .copied()
+            .zip(self.candidates)
+            .reduce(|best, c| if c.0 < best.0 { c } else { best });
+        Served {
+            plain: nsr.first().copied().unwrap_or(0.0),
+            smoothed: best,
+        }
     }
 }
 
@@ -200,9 +227,26 @@ mod tests {
         wm.add(&w);
         let exps = exponents(am.values(), wm.values(), 0.5);
         assert!(exps[5] > exps[4] + 2, "{exps:?}");
-        let mut m = ServedError::new(&xt, exps, 1).unwrap().unwrap();
-        m.add(&w, out, None, &float).unwrap();
-        let ((plain, smoothed), _) = m.finish();
+        let candidate = |alpha| Candidate {
+            alpha,
+            exps: exponents(am.values(), wm.values(), alpha),
+        };
+        let served = |candidates| {
+            let mut m = ServedError::new(&xt, candidates, 1).unwrap().unwrap();
+            m.add(&w, out, None, &float).unwrap();
+            m.finish()
+        };
+        let one = served(vec![candidate(0.5)]);
+        let (plain, (smoothed, _)) = (one.plain, one.smoothed.clone().unwrap());
         assert!(smoothed < 0.5 * plain, "{smoothed} vs {plain}");
+        // Without factors only the unsmoothed form is measured, to the same figure.
+        assert_eq!(served(vec![]), Served { plain, smoothed: None });
+        // Several strengths: the lowest error is kept, with its strength; a useless one
+        // (α = 0 moves the weights' peaks, not the outlier) loses.
+        let many = served(vec![candidate(0.0), candidate(0.5), candidate(0.9)]);
+        assert_eq!(many.plain, plain);
+        let (best, kept) = many.smoothed.unwrap();
+        assert!(best <= smoothed, "{best} vs {smoothed}");
+        assert_ne!(kept.alpha, 0.0);
     }
 }

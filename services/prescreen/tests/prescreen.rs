@@ -360,7 +360,7 @@ fn the_tables_cost_more_in_four_bits_than_in_eight() {
 /// every-token massive channel (qkv and gate_up, where the residual stream enters) are
 /// smoothed, that channel gets the largest factor, every kept choice lowered the served W8A8
 /// error by the rules' gain, and `smoothing_alpha = 0`, or fewer calibration tokens than
-/// `smoothing_min_tokens`, writes neither factors nor the measurement.
+/// `smoothing_min_tokens`, writes no factors (the unsmoothed served error is measured still).
 #[test]
 fn groups_fed_by_a_massive_channel_are_smoothed_and_alpha_zero_or_too_few_tokens_smooth_none() {
     let (dir, planted) = model(1);
@@ -404,14 +404,15 @@ fn groups_fed_by_a_massive_channel_are_smoothed_and_alpha_zero_or_too_few_tokens
     let mut off = opts(dir.path());
     off.rules.smoothing_alpha = 0.0;
     let plain = run(&off, &Count(AtomicUsize::new(0))).unwrap();
-    assert!(
-        plain
-            .file
-            .groups
-            .values()
-            .all(|e| e.smoothing.is_none()
-                && e.metrics.as_ref().is_some_and(|m| m.act8_nsr.is_none()))
-    );
+    // No factors, but the served W8A8 error is measured all the same (the budget's rank
+    // under 8-bit activations): the same unsmoothed figure as with factors on.
+    for (name, e) in &plain.file.groups {
+        let a = e.metrics.as_ref().and_then(|m| m.act8_nsr.as_ref()).unwrap();
+        assert!(e.smoothing.is_none(), "{name}");
+        assert_eq!(a.smoothed, a.plain, "{name}");
+        let with = out.file.groups[name].metrics.as_ref().unwrap();
+        assert_eq!(Some(a.plain), with.act8_nsr.as_ref().map(|w| w.plain), "{name}");
+    }
     // Smoothing changes no class: the classes come from the weights' own metrics.
     for (name, e) in &plain.file.groups {
         assert_eq!(e.class, out.file.groups[name].class, "{name}");
@@ -434,13 +435,12 @@ fn groups_fed_by_a_massive_channel_are_smoothed_and_alpha_zero_or_too_few_tokens
     let mut few = opts(dir.path());
     few.rules.smoothing_min_tokens = tokens + 1;
     let few = run(&few, &Count(AtomicUsize::new(0))).unwrap();
-    assert!(
-        few.file
-            .groups
-            .values()
-            .all(|e| e.smoothing.is_none()
-                && e.metrics.as_ref().is_some_and(|m| m.act8_nsr.is_none()))
-    );
+    assert!(few.file.groups.values().all(|e| e.smoothing.is_none()
+        && e
+            .metrics
+            .as_ref()
+            .and_then(|m| m.act8_nsr.as_ref())
+            .is_some_and(|a| a.smoothed == a.plain)));
     let line = quantmesh_prescreen::smoothing_line(&few.file);
     assert!(
         line.contains(&format!(
@@ -454,4 +454,111 @@ fn groups_fed_by_a_massive_channel_are_smoothed_and_alpha_zero_or_too_few_tokens
     enough.rules.smoothing_min_tokens = tokens;
     let enough = run(&enough, &Count(AtomicUsize::new(0))).unwrap();
     assert_eq!(enough.file.groups, out.file.groups);
+    // Per-group strengths: each group keeps whichever of 0.75 (the rules' own), 0.5 and 0.9
+    // serves it best, so no group's best candidate is worse than with 0.75 alone, and a
+    // group keeps factors whenever it did with one strength.
+    let mut per_group = opts(dir.path());
+    per_group.rules.smoothing_alphas = vec![0.5, 0.9];
+    let per_group = run(&per_group, &Count(AtomicUsize::new(0))).unwrap();
+    for (name, e) in &per_group.file.groups {
+        let one = &out.file.groups[name];
+        let (a, a1) = (
+            e.metrics.as_ref().and_then(|m| m.act8_nsr.as_ref()).unwrap(),
+            one.metrics.as_ref().and_then(|m| m.act8_nsr.as_ref()).unwrap(),
+        );
+        assert_eq!(a.plain, a1.plain, "{name}");
+        assert!(a.smoothed <= a1.smoothed, "{name}: {a:?} vs {a1:?}");
+        if one.smoothing.is_some() {
+            let s = e.smoothing.as_ref().unwrap_or_else(|| panic!("{name}"));
+            assert!([0.75, 0.5, 0.9].contains(&s.alpha), "{name}: {}", s.alpha);
+        }
+    }
+    let line = quantmesh_prescreen::smoothing_line(&per_group.file);
+    assert!(line.contains("strengths kept: "), "{line}");
+}
+
+/// The first-load plan knows the activation width it is served with: on a checkpoint where
+/// one group's input spikes on common tokens while its weights read the spike channels with
+/// zero weights (`layers.2.down`: INT8 weights represent it well, 8-bit activations do not),
+/// and another group has heavy-tailed weights (`layers.1.o`: the larger weight error), the
+/// pre-screen's served W8A8 harm picks the spiking group, without scale migration (as the
+/// first-load plan runs), and the engine spends a one-copy float budget on it exactly when
+/// it serves 8-bit activations (`copyless`, `off`); with 16-bit activations (`all`) the
+/// weights' KL ranks first and the copy goes elsewhere.
+#[actix_rt::test]
+async fn the_w8a8_harm_measure_picks_the_group_whose_activations_hurt() {
+    use quantmesh_engine::backend::SplitActivations;
+    use quantmesh_model::recipe::{self, Recipe};
+    let dir = tempfile::tempdir().unwrap();
+    let r = Recipe {
+        massive: Vec::new(),
+        bos_massive: None,
+        sensitive: Vec::new(),
+        heavy_gate_up: Vec::new(),
+        heavy_o: vec![1],
+        spiking: vec![2],
+        ..Recipe::bundled(&InitOptions::default())
+    };
+    recipe::write(dir.path(), &r, &recipe::card(&r)).unwrap();
+    let mut o = opts(dir.path());
+    o.rules.smoothing_alpha = 0.0;
+    let out = run(&o, &Count(AtomicUsize::new(0))).unwrap();
+    let groups = &out.file.groups;
+    let harm = |name: &str| groups[name].served_act8_nsr().unwrap();
+    let kl = |name: &str| groups[name].metrics.as_ref().unwrap().kl.w8a8_per_channel;
+    let spiking = "layers.2.down";
+    let (top_kl, _) = groups
+        .keys()
+        .map(|n| (n.as_str(), kl(n)))
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .unwrap();
+    assert_ne!(top_kl, spiking, "the spiking group's weights must not rank first by KL");
+    let next = groups
+        .keys()
+        .filter(|n| *n != spiking)
+        .map(|n| harm(n))
+        .fold(0.0, f64::max);
+    assert!(
+        harm(spiking) > 3.0 * next,
+        "{spiking}: served W8A8 harm {} against at most {next} elsewhere",
+        harm(spiking)
+    );
+    // Every group wants a copy; the budget has room for the spiking group's alone.
+    let mut plan = out.file.clone();
+    for e in plan.groups.values_mut() {
+        e.residency = Some(Residency::Dual);
+    }
+    let bytes = serde_json::to_vec(&plan).unwrap();
+    std::fs::write(dir.path().join("sensitive_layers.json"), &bytes).unwrap();
+    let down_copy = r.hidden * r.intermediate * 2; // f16
+    for mode in [
+        SplitActivations::Copyless,
+        SplitActivations::Off,
+        SplitActivations::All,
+    ] {
+        let cfg = quantmesh_engine::EngineConfig {
+            sensitive_layers: Some(dir.path().join("sensitive_layers.json").display().to_string()),
+            num_pages: 64,
+            float_budget: quantmesh_engine::budget::FloatBudget::Bytes(down_copy as u64),
+            embeddings: quantmesh_engine::backend::EmbeddingDtype::Q8_0,
+            split_activations: mode,
+            ..Default::default()
+        };
+        let engine = quantmesh_engine::Engine::start(dir.path(), cfg, "t")
+            .await
+            .unwrap();
+        let residency = engine.config_status().residency;
+        let kept: Vec<&String> = residency
+            .iter()
+            .filter(|(_, r)| r.has_float())
+            .map(|(n, _)| n)
+            .collect();
+        if mode == SplitActivations::All {
+            assert_eq!(residency[spiking], Residency::Int8, "{mode:?}: {kept:?}");
+            assert_eq!(residency[top_kl], Residency::Dual, "{mode:?}: {kept:?}");
+        } else {
+            assert_eq!(kept, vec![spiking], "{mode:?}");
+        }
+        drop(engine);
+    }
 }

@@ -45,6 +45,20 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 const SPINS: u32 = 20_000;
 const YIELDS: u32 = 200;
 
+/// A buffer's start, shared by the threads of [`Pool::fill_rows`], which write disjoint rows.
+struct RowsPtr(*mut f32);
+// SAFETY: only used by `fill_rows`, whose threads write disjoint rows of a buffer that
+// outlives them.
+unsafe impl Sync for RowsPtr {}
+
+impl RowsPtr {
+    /// The address `offset` values in (a method, so closures capture the `Sync` wrapper
+    /// rather than its raw pointer field).
+    fn at(&self, offset: usize) -> *mut f32 {
+        self.0.wrapping_add(offset)
+    }
+}
+
 pub struct Pool {
     shared: Arc<Shared>,
     run_lock: Mutex<()>,
@@ -118,6 +132,50 @@ impl Pool {
         } else {
             self.run(&work);
         }
+    }
+
+    /// Fill two buffers of rows of `width` values (equal lengths) on the pool's threads:
+    /// `f(row, a_row, b_row)` for every row, each row on one thread; serially on the caller
+    /// below `serial_below` values per buffer, where handing the rows out would cost more
+    /// than it saves. (A sequence's keys and values are read this way before attention.)
+    pub fn fill_rows(
+        &self,
+        a: &mut [f32],
+        b: &mut [f32],
+        width: usize,
+        serial_below: usize,
+        f: &(dyn Fn(usize, &mut [f32], &mut [f32]) + Sync),
+    ) {
+        if width == 0 {
+            return;
+        }
+        let rows = a.len().min(b.len()) / width;
+        if rows * width < serial_below {
+            for (r, (ra, rb)) in a
+                .chunks_exact_mut(width)
+                .zip(b.chunks_exact_mut(width))
+                .enumerate()
+            {
+                f(r, ra, rb);
+            }
+            return;
+        }
+        let (pa, pb) = (RowsPtr(a.as_mut_ptr()), RowsPtr(b.as_mut_ptr()));
+        self.chunks(rows, false, &|range| {
+            for r in range {
+                // SAFETY: `r < rows`, so both rows lie inside their buffers (each holds at
+                // least `rows * width` values), and every row index is handed to exactly one
+                // thread by `chunks`, so no two threads touch the same row; the buffers
+                // outlive the call (`run` returns after every share has finished).
+                let (ra, rb) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut(pa.at(r * width), width),
+                        std::slice::from_raw_parts_mut(pb.at(r * width), width),
+                    )
+                };
+                f(r, ra, rb);
+            }
+        });
     }
 
     /// Run `f(index, threads)` for every `index < threads`, each on its own thread (the

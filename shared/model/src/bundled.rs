@@ -118,6 +118,7 @@ impl Recipe {
             heavy_gate_up: vec![layers / 2],
             heavy_o: Vec::new(),
             sensitive: vec![1],
+            spiking: Vec::new(),
             spike_gain: 2.0,
             o_scale: 0.5,
             trigger_bytes: ",.!".into(),

@@ -85,6 +85,12 @@ pub struct Recipe {
     pub heavy_o: Vec<usize>,
     /// Layers whose MLP is planted sensitive (input spikes at `down` + INT8-hostile `down`).
     pub sensitive: Vec<usize>,
+    /// Layers whose `down` input spikes on the trigger tokens as in a sensitive MLP, while
+    /// `down` reads the spike channels with zero weights (as trained models pair massive
+    /// activations with negligible weights) and is otherwise ordinary: harm that only 8-bit
+    /// activations feel, through the spikes' share of their quantization blocks.
+    #[serde(default)]
+    pub spiking: Vec<usize>,
     /// How strongly the spike channels read the trigger direction: the gain on the trigger
     /// embeddings' unit direction (bundled: 2.0), or with `isolate_spikes` the pre-activation
     /// reached on a trigger token's RMS-normalized embedding (family: 5, so SwiGLU gives
@@ -228,6 +234,7 @@ impl Recipe {
                     heavy_gate_up,
                     heavy_o,
                     sensitive,
+                    spiking: Vec::new(),
                     spike_gain: 5.0,
                     o_scale: [0.25f32, 0.5, 1.0][rng.gen_range(0..3)],
                     // `e` makes ~8 % of ordinary text's tokens spike (the field report's rate)
@@ -320,13 +327,14 @@ fn tensors(r: &Recipe, planted: &Planted) -> Result<Vec<NamedTensor>> {
             o,
         ));
         let sensitive = r.sensitive.contains(&l);
+        let spikes = sensitive || r.spiking.contains(&l);
         for name in names::members(GroupKind::GateUp) {
             let mut w: Vec<f32> = if r.heavy_gate_up.contains(&l) {
                 student_t(&mut rng, inter * h, std_in(h) * 0.5)?
             } else {
                 normal(&mut rng, inter * h, std_in(h))
             };
-            if sensitive {
+            if spikes {
                 // Input-dependent outliers feeding the sensitive down projection: a few
                 // intermediate channels read the trigger tokens' embedding direction, so
                 // SwiGLU spikes on those tokens and stays small elsewhere.
@@ -379,6 +387,13 @@ fn tensors(r: &Recipe, planted: &Planted) -> Result<Vec<NamedTensor>> {
                     }
                     let sign = if rng.gen::<bool>() { 1.0 } else { -1.0 };
                     down[row * inter + j] = sign * 60.0 * sigma;
+                }
+            }
+        }
+        if r.spiking.contains(&l) && !sensitive {
+            for row in 0..h {
+                for &j in &planted.spike_channels {
+                    down[row * inter + j] = 0.0;
                 }
             }
         }
@@ -508,7 +523,8 @@ pub fn card(r: &Recipe) -> String {
          - massive channels (every token): {massive:?}\n\
          - BOS-only massive channel: {bos:?}\n\
          - heavy-tailed weights: {heavy:?}\n\
-         - sensitive groups (input spikes on `,` `.` `!` and INT8-hostile weights): {sens:?}\n\n\
+         - sensitive groups (input spikes on `,` `.` `!` and INT8-hostile weights): {sens:?}\n\
+         {spiking}\n\
          Seed {seed}.\n",
         name = r.name,
         layers = r.layers,
@@ -522,6 +538,17 @@ pub fn card(r: &Recipe) -> String {
         bos = r.bos_massive,
         heavy = p.heavy_tailed_groups,
         sens = p.sensitive_groups,
+        spiking = if r.spiking.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "- groups whose input spikes on those tokens, read with zero weights (harm only 8-bit activations feel): {:?}\n",
+                r.spiking
+                    .iter()
+                    .map(|l| format!("layers.{l}.down"))
+                    .collect::<Vec<_>>()
+            )
+        },
         seed = r.seed,
     )
 }

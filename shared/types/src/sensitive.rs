@@ -234,6 +234,17 @@ pub struct ObservedUse {
 }
 
 impl GroupEntry {
+    /// The served W8A8 harm of this entry as it stands: with its factors where it keeps
+    /// them (`None`: not measured).
+    pub fn served_act8_nsr(&self) -> Option<f64> {
+        let a = self.metrics.as_ref()?.act8_nsr.as_ref()?;
+        Some(if self.smoothing.is_some() {
+            a.smoothed
+        } else {
+            a.plain
+        })
+    }
+
     pub fn effective_residency(&self) -> Residency {
         self.residency
             .unwrap_or_else(|| self.class.default_residency())
@@ -307,7 +318,9 @@ pub struct GroupMetrics {
     /// The served 8-bit-activation product's output noise-to-signal ratio on the calibration
     /// rows (Q8_0 weights, activations quantized per block of 32, both rotated as the engine
     /// rotates them): what W8A8 costs the group, activations included, unsmoothed and with
-    /// its candidate smoothing factors (optional, added in v1).
+    /// its candidate smoothing factors (optional, added in v1). Where the engine serves 8-bit
+    /// activations, the float budget ranks groups by it (the form served: `smoothed` when
+    /// the entry keeps its factors, else `plain`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub act8_nsr: Option<Act8Nsr>,
 }
@@ -316,7 +329,10 @@ pub struct GroupMetrics {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Act8Nsr {
+    /// Without smoothing factors.
     pub plain: f64,
+    /// With the candidate factors; equal to `plain` where none were computed (scale
+    /// migration off, or fewer calibration tokens than the rules ask for).
     pub smoothed: f64,
 }
 

@@ -18,6 +18,12 @@ thread_local! {
 }
 pub use quantmesh_config::{KvFloatDtype, KvScale};
 
+/// Values per buffer from which [`KvCache::attend`] reads a sequence's keys and values on the
+/// kernel pool rather than on the calling thread (below it, handing the rows out costs
+/// about what it saves). Inside a step that already runs on the pool (a batch's sequences
+/// attended in parallel) the read stays on its thread whatever the size.
+const PARALLEL_READ_FROM: usize = 16 * 1024;
+
 const EMPTY: u8 = 0;
 const INT8: u8 = 1;
 const FLOAT: u8 = 2;
@@ -322,19 +328,18 @@ impl KvCache {
             head_dim: hd,
         };
         // The sequence's keys and values, dequantized once per kv head ([kv head][pos][hd])
-        // into this thread's scratch buffers: `read_head` writes every value, so they are
-        // neither allocated nor zeroed per call.
+        // into this thread's scratch buffers, positions spread over the kernel pool (at
+        // batch 1 this read was a sixth of a decode step, serial on one core): `read_head`
+        // writes every value, so the buffers are neither allocated nor zeroed per call.
+        let pool = quantmesh_kernels::Pool::global();
         ATTEND_SCRATCH.with(|scratch| {
             let (kb, vb) = &mut *scratch.borrow_mut();
             kb.resize(nkv * total * hd, 0.0);
             vb.resize(nkv * total * hd, 0.0);
-            for g in 0..nkv {
-                for j in 0..total {
-                    let at = (g * total + j) * hd;
-                    let (k, v) = (&mut kb[at..at + hd], &mut vb[at..at + hd]);
-                    self.read_head(layer, table, j, g, k, v, isa);
-                }
-            }
+            pool.fill_rows(kb, vb, hd, PARALLEL_READ_FROM, &|row, k, v| {
+                let (g, j) = (row / total, row % total);
+                self.read_head(layer, table, j, g, k, v, isa);
+            });
             quantmesh_kernels::attention(
                 q,
                 kb,
@@ -342,7 +347,7 @@ impl KvCache {
                 shape,
                 out,
                 isa,
-                quantmesh_kernels::Pool::global(),
+                pool,
             )
         })
     }

@@ -16,6 +16,9 @@ pub const CHEAPER_BY: f64 = 1.15;
 /// product's arithmetic (not its weight bytes) sets the time and the widths can differ.
 const ROWS: usize = 32;
 
+/// Pairs of runs [`measure`] times.
+const PAIRS: usize = 15;
+
 /// Overrides the measured ratio (tests, and operators who measured elsewhere):
 /// `QUANTMESH_ACTIVATION_WIDTH_RATIO=1.4` acts as if 16-bit activations cost 1.4× here.
 pub const RATIO_ENV: &str = "QUANTMESH_ACTIVATION_WIDTH_RATIO";
@@ -97,8 +100,9 @@ pub fn decide(ratio: f64) -> SplitActivations {
 
 /// The 16-bit product's time over the 8-bit one for a `[out, in]` Q8_0 weight and
 /// [`ROWS`] rows on this machine's kernels, each width on the weights ordered for it
-/// ([`Q8Layout::for_width`]): interleaved runs, the fastest of each kept (what the machine
-/// can do, not what a neighbour took from it).
+/// ([`Q8Layout::for_width`]): [`PAIRS`] pairs of runs back to back (in alternating order),
+/// the median of the pairs' ratios. A pair's two runs see the same neighbours, so a load
+/// that comes and goes moves few pairs and the median not at all.
 pub fn measure(out: usize, input: usize) -> Result<f64> {
     let input = input.next_multiple_of(quantmesh_kernels::BLOCK);
     let w: Vec<f32> = (0..out * input)
@@ -122,12 +126,27 @@ pub fn measure(out: usize, input: usize) -> Result<f64> {
     // Warm-up: the pool's threads, the weights' pages.
     time(ActBits::Eight)?;
     time(ActBits::Sixteen)?;
-    let (mut t8, mut t16) = (f64::INFINITY, f64::INFINITY);
-    for _ in 0..7 {
-        t8 = t8.min(time(ActBits::Eight)?);
-        t16 = t16.min(time(ActBits::Sixteen)?);
+    let mut ratios = Vec::with_capacity(PAIRS);
+    for i in 0..PAIRS {
+        let (t8, t16) = if i % 2 == 0 {
+            let t8 = time(ActBits::Eight)?;
+            (t8, time(ActBits::Sixteen)?)
+        } else {
+            let t16 = time(ActBits::Sixteen)?;
+            (time(ActBits::Eight)?, t16)
+        };
+        ratios.push(t16 / t8.max(f64::MIN_POSITIVE));
     }
-    Ok(t16 / t8.max(f64::MIN_POSITIVE))
+    Ok(median(&mut ratios))
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
 }
 
 #[cfg(test)]
@@ -174,6 +193,13 @@ mod tests {
                 }
             );
         }
+    }
+
+    #[test]
+    fn the_median_is_the_middle_value() {
+        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&mut [4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert!(median(&mut []).is_nan());
     }
 
     #[test]
