@@ -52,10 +52,17 @@ def main(out, threads, rounds, files, flags):
             k, *rest = line.split()
             about[k].append(rest)
     bw = float(about["bandwidth"][0][0]) if about["bandwidth"] else NAN
-    cpu = next(
-        (l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")),
-        platform.processor(),
-    )
+    def cpuinfo(key):
+        return next(
+            (l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.split(":")[0].strip() == key),
+            None,
+        )
+
+    # A VM may name the CPU only by its brand ("AMD EPYC"): family and model tell the class.
+    cpu = cpuinfo("model name") or platform.processor()
+    flags = (cpuinfo("flags") or "").split()
+    simd = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8") if f in flags]
+    cpu += f" (family {cpuinfo('cpu family')} model {cpuinfo('model')}; {' '.join(simd) or 'no AVX2'})"
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     kernels = sorted({" ".join(r) for r in about["kernels"]}) or ["not logged"]
     width = sorted({" ".join(r) for r in about["width"]}) or ["as configured"]

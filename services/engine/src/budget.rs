@@ -61,7 +61,9 @@ pub fn rank(residency: Residency, entry: Option<&GroupEntry>, eight_bit: bool) -
         tier,
         wanted: finite(wanted),
         act8: if eight_bit {
-            entry.and_then(GroupEntry::served_act8_nsr).map_or(0.0, finite)
+            entry
+                .and_then(GroupEntry::served_act8_nsr)
+                .map_or(0.0, finite)
         } else {
             0.0
         },

@@ -164,7 +164,13 @@ pub fn resolve(
         &mut residency,
         budget_bytes.map(|b| b.saturating_sub(table_bytes)),
         &|g| group_params(cfg, g.kind) * float_size,
-        &|g| budget::rank(wanted[&g], file.and_then(|(p, _)| p.groups.get(&g)), eight_bit),
+        &|g| {
+            budget::rank(
+                wanted[&g],
+                file.and_then(|(p, _)| p.groups.get(&g)),
+                eight_bit,
+            )
+        },
     );
     budget.setting = setting;
     budget.budget_bytes = budget_bytes;
@@ -184,6 +190,7 @@ pub fn resolve(
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    use crate::backend::SplitActivations;
     use quantmesh_types::{ModelShape, SensitiveLayers};
 
     fn model() -> ModelConfig {
@@ -440,7 +447,11 @@ mod tests {
                     ..Default::default()
                 };
                 let live = resolve(&base, &model(), Some((&plan, "m")));
-                assert_eq!(live.residency[&g(kept)], Residency::Dual, "{mode:?}: {second}");
+                assert_eq!(
+                    live.residency[&g(kept)],
+                    Residency::Dual,
+                    "{mode:?}: {second}"
+                );
                 assert_eq!(live.budget.demoted.len(), 1, "{mode:?}");
             }
         }

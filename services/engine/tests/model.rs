@@ -182,7 +182,10 @@ fn the_vocabulary_projection_carries_16_bit_activations_unless_off() {
     let all = run(SplitActivations::All);
     assert_eq!(run(SplitActivations::Copyless), all);
     let off = run(SplitActivations::Off);
-    assert!(max_abs_diff(&off, &all) > 0.0, "8-bit activations must move the logits");
+    assert!(
+        max_abs_diff(&off, &all) > 0.0,
+        "8-bit activations must move the logits"
+    );
 }
 
 #[test]

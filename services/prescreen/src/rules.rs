@@ -155,7 +155,11 @@ impl Rules {
         if !(0.0..1.0).contains(&self.smoothing_alpha) {
             return Err("smoothing_alpha must be in [0, 1) (0: no scale migration)".into());
         }
-        if self.smoothing_alphas.iter().any(|a| !(*a > 0.0 && *a < 1.0)) {
+        if self
+            .smoothing_alphas
+            .iter()
+            .any(|a| !(*a > 0.0 && *a < 1.0))
+        {
             return Err("every smoothing_alphas entry must be in (0, 1)".into());
         }
         if !(self.smoothing_gain > 0.0 && self.smoothing_gain <= 1.0) {

@@ -240,7 +240,13 @@ mod tests {
         let (plain, (smoothed, _)) = (one.plain, one.smoothed.clone().unwrap());
         assert!(smoothed < 0.5 * plain, "{smoothed} vs {plain}");
         // Without factors only the unsmoothed form is measured, to the same figure.
-        assert_eq!(served(vec![]), Served { plain, smoothed: None });
+        assert_eq!(
+            served(vec![]),
+            Served {
+                plain,
+                smoothed: None
+            }
+        );
         // Several strengths: the lowest error is kept, with its strength; a useless one
         // (α = 0 moves the weights' peaks, not the outlier) loses.
         let many = served(vec![candidate(0.0), candidate(0.5), candidate(0.9)]);

@@ -407,11 +407,19 @@ fn groups_fed_by_a_massive_channel_are_smoothed_and_alpha_zero_or_too_few_tokens
     // No factors, but the served W8A8 error is measured all the same (the budget's rank
     // under 8-bit activations): the same unsmoothed figure as with factors on.
     for (name, e) in &plain.file.groups {
-        let a = e.metrics.as_ref().and_then(|m| m.act8_nsr.as_ref()).unwrap();
+        let a = e
+            .metrics
+            .as_ref()
+            .and_then(|m| m.act8_nsr.as_ref())
+            .unwrap();
         assert!(e.smoothing.is_none(), "{name}");
         assert_eq!(a.smoothed, a.plain, "{name}");
         let with = out.file.groups[name].metrics.as_ref().unwrap();
-        assert_eq!(Some(a.plain), with.act8_nsr.as_ref().map(|w| w.plain), "{name}");
+        assert_eq!(
+            Some(a.plain),
+            with.act8_nsr.as_ref().map(|w| w.plain),
+            "{name}"
+        );
     }
     // Smoothing changes no class: the classes come from the weights' own metrics.
     for (name, e) in &plain.file.groups {
@@ -436,8 +444,7 @@ fn groups_fed_by_a_massive_channel_are_smoothed_and_alpha_zero_or_too_few_tokens
     few.rules.smoothing_min_tokens = tokens + 1;
     let few = run(&few, &Count(AtomicUsize::new(0))).unwrap();
     assert!(few.file.groups.values().all(|e| e.smoothing.is_none()
-        && e
-            .metrics
+        && e.metrics
             .as_ref()
             .and_then(|m| m.act8_nsr.as_ref())
             .is_some_and(|a| a.smoothed == a.plain)));
@@ -463,8 +470,14 @@ fn groups_fed_by_a_massive_channel_are_smoothed_and_alpha_zero_or_too_few_tokens
     for (name, e) in &per_group.file.groups {
         let one = &out.file.groups[name];
         let (a, a1) = (
-            e.metrics.as_ref().and_then(|m| m.act8_nsr.as_ref()).unwrap(),
-            one.metrics.as_ref().and_then(|m| m.act8_nsr.as_ref()).unwrap(),
+            e.metrics
+                .as_ref()
+                .and_then(|m| m.act8_nsr.as_ref())
+                .unwrap(),
+            one.metrics
+                .as_ref()
+                .and_then(|m| m.act8_nsr.as_ref())
+                .unwrap(),
         );
         assert_eq!(a.plain, a1.plain, "{name}");
         assert!(a.smoothed <= a1.smoothed, "{name}: {a:?} vs {a1:?}");
@@ -512,7 +525,10 @@ async fn the_w8a8_harm_measure_picks_the_group_whose_activations_hurt() {
         .map(|n| (n.as_str(), kl(n)))
         .max_by(|a, b| a.1.total_cmp(&b.1))
         .unwrap();
-    assert_ne!(top_kl, spiking, "the spiking group's weights must not rank first by KL");
+    assert_ne!(
+        top_kl, spiking,
+        "the spiking group's weights must not rank first by KL"
+    );
     let next = groups
         .keys()
         .filter(|n| *n != spiking)
@@ -537,7 +553,12 @@ async fn the_w8a8_harm_measure_picks_the_group_whose_activations_hurt() {
         SplitActivations::All,
     ] {
         let cfg = quantmesh_engine::EngineConfig {
-            sensitive_layers: Some(dir.path().join("sensitive_layers.json").display().to_string()),
+            sensitive_layers: Some(
+                dir.path()
+                    .join("sensitive_layers.json")
+                    .display()
+                    .to_string(),
+            ),
             num_pages: 64,
             float_budget: quantmesh_engine::budget::FloatBudget::Bytes(down_copy as u64),
             embeddings: quantmesh_engine::backend::EmbeddingDtype::Q8_0,

@@ -371,6 +371,45 @@ mod tests {
         }
     }
 
+    /// Every row of both buffers is handed to `f` once, with its own index, on the pool and
+    /// serially below the threshold; a call nested in a pool job runs on its thread.
+    #[test]
+    fn fill_rows_writes_every_row_once() {
+        for threads in [1, 2, 3] {
+            let pool = Pool::new(threads);
+            for (rows, width, serial_below) in [(0, 4, 0), (1, 4, 0), (97, 8, 0), (97, 8, 1 << 20)]
+            {
+                let (mut a, mut b) = (vec![0f32; rows * width], vec![0f32; rows * width]);
+                let calls = AtomicUsize::new(0);
+                pool.fill_rows(&mut a, &mut b, width, serial_below, &|r, ra, rb| {
+                    calls.fetch_add(1, Ordering::SeqCst);
+                    assert_eq!((ra.len(), rb.len()), (width, width));
+                    ra.iter_mut().for_each(|x| *x += r as f32);
+                    rb.iter_mut().for_each(|x| *x -= r as f32);
+                });
+                assert_eq!(calls.load(Ordering::SeqCst), rows);
+                for r in 0..rows {
+                    assert!(a[r * width..(r + 1) * width].iter().all(|&x| x == r as f32));
+                    assert!(b[r * width..(r + 1) * width]
+                        .iter()
+                        .all(|&x| x == -(r as f32)));
+                }
+            }
+            // Nested in a job: no deadlock, the same result.
+            pool.run(&|i, _| {
+                if i == 0 {
+                    let (mut a, mut b) = (vec![0f32; 64], vec![0f32; 64]);
+                    pool.fill_rows(&mut a, &mut b, 2, 0, &|r, ra, rb| {
+                        ra.fill(r as f32);
+                        rb.fill(1.0);
+                    });
+                    assert_eq!(a[63], 31.0);
+                    assert!(b.iter().all(|&x| x == 1.0));
+                }
+            });
+        }
+    }
+
     #[test]
     fn shares_cover_the_range_once() {
         for n in [0, 1, 7, 64, 100] {

@@ -340,15 +340,7 @@ impl KvCache {
                 let (g, j) = (row / total, row % total);
                 self.read_head(layer, table, j, g, k, v, isa);
             });
-            quantmesh_kernels::attention(
-                q,
-                kb,
-                vb,
-                shape,
-                out,
-                isa,
-                pool,
-            )
+            quantmesh_kernels::attention(q, kb, vb, shape, out, isa, pool)
         })
     }
 
