@@ -45,6 +45,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 const SPINS: u32 = 20_000;
 const YIELDS: u32 = 200;
 
+/// What [`Pool::fill_rows`] calls per row: the row's index and its slices of both buffers.
+pub type RowFill<'a> = dyn Fn(usize, &mut [f32], &mut [f32]) + Sync + 'a;
+
 /// A buffer's start, shared by the threads of [`Pool::fill_rows`], which write disjoint rows.
 struct RowsPtr(*mut f32);
 // SAFETY: only used by `fill_rows`, whose threads write disjoint rows of a buffer that
@@ -144,7 +147,7 @@ impl Pool {
         b: &mut [f32],
         width: usize,
         serial_below: usize,
-        f: &(dyn Fn(usize, &mut [f32], &mut [f32]) + Sync),
+        f: &RowFill<'_>,
     ) {
         if width == 0 {
             return;
