@@ -409,25 +409,17 @@ fn score_group(
                 ck.release(&m.weight);
             }
             let served = served.finish();
-            let plain = round12(served.plain);
-            match served.smoothed {
-                Some((smoothed, best)) => (
-                    Some(Act8Nsr {
-                        plain,
-                        smoothed: round12(smoothed),
-                    }),
-                    (smoothed <= rules.smoothing_gain * served.plain)
-                        .then(|| Smoothing::new(best.alpha, &best.exps)),
-                ),
-                // No candidate factors: "smoothed" is the group as served, unsmoothed.
-                None => (
-                    Some(Act8Nsr {
-                        plain,
-                        smoothed: plain,
-                    }),
-                    None,
-                ),
-            }
+            // No candidate factors: "smoothed" is the group as served, unsmoothed.
+            let smoothed = served.smoothed.as_ref().map_or(served.plain, |(e, _)| *e);
+            let act8 = Act8Nsr {
+                plain: round12(served.plain),
+                smoothed: round12(smoothed),
+            };
+            let keep = served
+                .smoothed
+                .filter(|(e, _)| *e <= rules.smoothing_gain * served.plain)
+                .map(|(_, best)| Smoothing::new(best.alpha, &best.exps));
+            (Some(act8), keep)
         }
         None => (None, None),
     };

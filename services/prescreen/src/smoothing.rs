@@ -85,6 +85,12 @@ pub struct Candidate {
     pub exps: Vec<i8>,
 }
 
+/// The factors each measured form applies, in the order of [`ServedError`]'s forms: none,
+/// then each candidate's.
+fn factors(candidates: &[Candidate]) -> impl Iterator<Item = Option<&[i8]>> {
+    std::iter::once(None).chain(candidates.iter().map(|c| Some(&c.exps[..])))
+}
+
 /// The served product's output error, summed over a group's members: always unsmoothed
 /// (what W8A8 costs the group as it stands), and with each candidate's factors.
 pub struct ServedError {
@@ -122,8 +128,7 @@ impl ServedError {
         }
         let xs = x.flatten_all()?.to_vec1::<f32>()?;
         let mut forms = Vec::with_capacity(1 + candidates.len());
-        let factors = std::iter::once(None).chain(candidates.iter().map(|c| Some(&c.exps[..])));
-        for e in factors {
+        for e in factors(&candidates) {
             let mut v = xs.clone();
             change(&mut v, cols, e, -1.0, block);
             let mut a = Activations::new();
@@ -150,9 +155,7 @@ impl ServedError {
         float: &Tensor,
     ) -> Result<(), PrescreenError> {
         self.signal += float.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
-        let factors =
-            std::iter::once(None).chain(self.candidates.iter().map(|c| Some(&c.exps[..])));
-        for ((acts, err), e) in self.forms.iter_mut().zip(factors) {
+        for ((acts, err), e) in self.forms.iter_mut().zip(factors(&self.candidates)) {
             let mut v = w.to_vec();
             change(&mut v, self.cols, e, 1.0, self.block);
             let q = PackedQ8::quantize_in(&v, out, self.cols, Q8Layout::RowTiles)?;

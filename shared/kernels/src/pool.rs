@@ -48,16 +48,17 @@ const YIELDS: u32 = 200;
 /// What [`Pool::fill_rows`] calls per row: the row's index and its slices of both buffers.
 pub type RowFill<'a> = dyn Fn(usize, &mut [f32], &mut [f32]) + Sync + 'a;
 
-/// A buffer's start, shared by the threads of [`Pool::fill_rows`], which write disjoint rows.
-struct RowsPtr(*mut f32);
-// SAFETY: only used by `fill_rows`, whose threads write disjoint rows of a buffer that
-// outlives them.
-unsafe impl Sync for RowsPtr {}
+/// A buffer's start, shared by the pool's threads of one call ([`Pool::for_each_mut`],
+/// [`Pool::fill_rows`]), each of which writes only its own disjoint elements.
+struct Disjoint<T>(*mut T);
+// SAFETY: only made by `for_each_mut` and `fill_rows`, whose threads touch disjoint elements
+// of a buffer that stays borrowed until `run` has returned after every share is done.
+unsafe impl<T: Send> Sync for Disjoint<T> {}
 
-impl RowsPtr {
-    /// The address `offset` values in (a method, so closures capture the `Sync` wrapper
+impl<T> Disjoint<T> {
+    /// The address `offset` elements in (a method, so closures capture the `Sync` wrapper
     /// rather than its raw pointer field).
-    fn at(&self, offset: usize) -> *mut f32 {
+    fn at(&self, offset: usize) -> *mut T {
         self.0.wrapping_add(offset)
     }
 }
@@ -163,7 +164,7 @@ impl Pool {
             }
             return;
         }
-        let (pa, pb) = (RowsPtr(a.as_mut_ptr()), RowsPtr(b.as_mut_ptr()));
+        let (pa, pb) = (Disjoint(a.as_mut_ptr()), Disjoint(b.as_mut_ptr()));
         self.chunks(rows, false, &|range| {
             for r in range {
                 // SAFETY: `r < rows`, so both rows lie inside their buffers (each holds at
@@ -224,16 +225,13 @@ impl Pool {
     /// `f` on every item of `items`, each thread taking a contiguous share (see
     /// [`Pool::run`]: a concurrent or nested call runs on the calling thread alone).
     pub fn for_each_mut<T: Send>(&self, items: &mut [T], f: impl Fn(&mut T) + Sync) {
-        struct Items<T>(*mut T);
-        // SAFETY: each thread touches only the items of its own share (disjoint ranges),
-        // and `run` returns after every share is done, while `items` is still borrowed.
-        unsafe impl<T: Send> Sync for Items<T> {}
-        let (base, n) = (Items(items.as_mut_ptr()), items.len());
-        let base = &base;
+        // Each thread touches only the items of its own share (disjoint ranges), and `run`
+        // returns after every share is done, while `items` is still borrowed.
+        let (base, n) = (Disjoint(items.as_mut_ptr()), items.len());
         self.run(&|i, t| {
             for k in share(n, i, t) {
                 // SAFETY: `k < n`, and no other thread's share contains `k`.
-                f(unsafe { &mut *base.0.add(k) })
+                f(unsafe { &mut *base.at(k) })
             }
         });
     }

@@ -24,8 +24,22 @@ use crate::q4::{
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-/// How far ahead of the block it multiplies the Q8_0 kernel asks for weight bytes.
+/// How far ahead of the block it multiplies the Q8_0 and 4-bit kernels ask for weight bytes.
 const PREFETCH_AHEAD: usize = 8192;
+
+/// Ask for the `bytes` of weights [`PREFETCH_AHEAD`] bytes on from `block`, one `prefetcht0`
+/// per cache line. A thread's tiles are one contiguous stream, so at batch 1 this keeps more
+/// lines in flight than the hardware prefetcher alone. A prefetch never faults: past the end
+/// it fetches nothing of ours.
+#[inline(always)]
+fn prefetch_ahead(block: *const u8, bytes: usize) {
+    for line in 0..bytes / 64 {
+        let p = block.wrapping_add(PREFETCH_AHEAD + 64 * line) as *const i8;
+        // SAFETY: a prefetch is a hint; it reads nothing into the program and cannot fault,
+        // whatever the address. SSE is part of x86-64.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p) };
+    }
+}
 
 /// `acc + a0·b0 + a1·b1` over 16-bit pairs into 32-bit lanes (AVX2): two `vpmaddwd`, two
 /// `vpaddd`; only the last add depends on `acc`, so the loop carries a one-cycle chain.
@@ -120,15 +134,7 @@ macro_rules! products {
             let mut acc = [_mm256_setzero_ps(); M];
             for b in 0..w.blocks {
                 let wb = wq.add(b * G * BLOCK);
-                // The weights are one stream per thread ([tile][block], contiguous): ask for
-                // the block PREFETCH_AHEAD bytes on, so a batch-1 product reading them from
-                // memory keeps more lines in flight than the hardware prefetcher alone.
-                // (A prefetch never faults: past the end it fetches nothing of ours.)
-                for line in 0..G * BLOCK / 64 {
-                    _mm_prefetch::<_MM_HINT_T0>(
-                        wb.wrapping_add(PREFETCH_AHEAD + 64 * line) as *const i8
-                    );
-                }
+                prefetch_ahead(wb as *const u8, G * BLOCK);
                 let mut sum = [_mm256_setzero_si256(); M];
                 // Two column pairs at a time.
                 for p in (0..BLOCK / 2).step_by(2) {
@@ -239,12 +245,7 @@ macro_rules! products {
                     );
                 }
                 let wb = wq.add(b * Q4_TILE_BLOCK_BYTES);
-                // As the 8-bit kernel: the next blocks' bytes asked for ahead.
-                for line in 0..Q4_TILE_BLOCK_BYTES / 64 {
-                    _mm_prefetch::<_MM_HINT_T0>(
-                        wb.wrapping_add(PREFETCH_AHEAD + 64 * line) as *const i8
-                    );
-                }
+                prefetch_ahead(wb, Q4_TILE_BLOCK_BYTES);
                 let mut sum = [_mm256_setzero_si256(); M];
                 for k in 0..BLOCK / 4 {
                     let x = _mm_loadu_si128(wb.add(k * 2 * G) as *const __m128i);

@@ -329,7 +329,8 @@ impl KvCache {
         };
         // The sequence's keys and values, dequantized once per kv head ([kv head][pos][hd])
         // into this thread's scratch buffers, positions spread over the kernel pool (at
-        // batch 1 this read was a sixth of a decode step, serial on one core): `read_head`
+        // batch 1, serial on one core, it took about a seventh of the decode's wall time,
+        // docs/design/kernels.md): `read_head`
         // writes every value, so the buffers are neither allocated nor zeroed per call.
         let pool = quantmesh_kernels::Pool::global();
         ATTEND_SCRATCH.with(|scratch| {
