@@ -237,7 +237,7 @@ impl EngineMetrics {
             activation_width: must(GaugeVec::new(
                 o(
                     "quantmesh_activation_width_info",
-                    "The quantized path's activation width in force (engine.split_activations, \"auto\" resolved: mode off, copyless or all; source measured, forced or configured); the value is the measured time of 16-bit activations over 8-bit ones on this machine (0 when not measured).",
+                    "The quantized path's activation width in force (engine.split_activations, \"auto\" resolved: mode off, copyless or all; source measured, remembered, forced or configured); the value is the measured time of 16-bit activations over 8-bit ones on this machine (0 when not measured).",
                 ),
                 &["mode", "source"],
             )),
@@ -365,14 +365,9 @@ impl EngineMetrics {
 
     /// The activation width `auto` chose (or the configured one).
     pub fn set_activation_width(&self, w: &crate::backend::cpu::width::WidthChoice) {
-        let source = match (w.ratio, w.forced) {
-            (None, _) => "configured",
-            (Some(_), true) => "forced",
-            (Some(_), false) => "measured",
-        };
         self.activation_width.reset();
         self.activation_width
-            .with_label_values(&[w.mode.as_str(), source])
+            .with_label_values(&[w.mode.as_str(), w.source.as_str()])
             .set(w.ratio.unwrap_or(0.0));
     }
 

@@ -126,6 +126,13 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
     let cfg = admin_config(&client, &stack).await;
     let engines = cfg["engines"].as_array().unwrap();
     assert_eq!(engines.len(), 2, "{cfg}");
+    // Replicas over one model volume on one machine serve one plan: the second engine reads
+    // the activation width the first measured (the model's cache), so the float budget
+    // keeps the same copies on both.
+    assert_eq!(
+        engines[0]["body"]["residency"], engines[1]["body"]["residency"],
+        "{cfg}"
+    );
     let group = engines[0]["body"]["residency"]
         .as_object()
         .unwrap()

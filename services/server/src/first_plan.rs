@@ -107,14 +107,7 @@ fn stamped_md5(files: &[PathBuf], dir: &Path) -> anyhow::Result<String> {
 }
 
 /// Where plans for `model` are cached: `.quantmesh/` in the model's directory.
-pub fn cache_dir(model: &Path) -> PathBuf {
-    let dir = if model.is_dir() {
-        model
-    } else {
-        model.parent().unwrap_or(Path::new("."))
-    };
-    dir.join(".quantmesh")
-}
+pub use quantmesh_model::files::cache_dir;
 
 /// Logs the pre-screen's progress every tenth of the way.
 struct LogProgress {

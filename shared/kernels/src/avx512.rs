@@ -157,6 +157,7 @@ unsafe fn tile<const J: usize, const SIXTEEN: bool>(
     for b in 0..w.blocks {
         let (s01, s23) = weight_scales(wd, b);
         let wb = wq.add(b * TILE_ROWS * BLOCK);
+        crate::x86::prefetch_ahead(wb as *const u8, TILE_ROWS * BLOCK);
         let w01 = _mm512_loadu_si512(wb as *const _);
         let w23 = _mm512_loadu_si512(wb.add(64) as *const _);
         let (z01, z23) = (unbias(w01), unbias(w23));
@@ -241,6 +242,7 @@ unsafe fn pair_tile<const M: usize>(
     let mut acc = [_mm512_setzero_ps(); M];
     for b in 0..w.blocks {
         let wb = wq.add(b * G * BLOCK);
+        crate::x86::prefetch_ahead(wb as *const u8, G * BLOCK);
         let mut sum = [_mm512_setzero_si512(); M];
         for p in 0..BLOCK / 2 {
             let wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(wb.add(p * 2 * G) as *const __m256i));
@@ -385,6 +387,7 @@ unsafe fn quad_tile<const M: usize, const SIXTEEN: bool>(
     let mut acc = [_mm512_setzero_ps(); M];
     for b in 0..w.blocks {
         let wb = wq.add(b * G * BLOCK);
+        crate::x86::prefetch_ahead(wb as *const u8, G * BLOCK);
         let mut wv = [zero; QUADS];
         let mut biased = zero;
         for q in 0..QUADS {

@@ -24,7 +24,8 @@ use crate::q4::{
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-/// How far ahead of the block it multiplies the Q8_0 and 4-bit kernels ask for weight bytes.
+/// How far ahead of the block it multiplies the Q8_0 and 4-bit kernels (AVX2, AVX-VNNI and
+/// AVX-512) ask for weight bytes.
 const PREFETCH_AHEAD: usize = 8192;
 
 /// Ask for the `bytes` of weights [`PREFETCH_AHEAD`] bytes on from `block`, one `prefetcht0`
@@ -32,7 +33,7 @@ const PREFETCH_AHEAD: usize = 8192;
 /// lines in flight than the hardware prefetcher alone. A prefetch never faults: past the end
 /// it fetches nothing of ours.
 #[inline(always)]
-fn prefetch_ahead(block: *const u8, bytes: usize) {
+pub(crate) fn prefetch_ahead(block: *const u8, bytes: usize) {
     for line in 0..bytes / 64 {
         let p = block.wrapping_add(PREFETCH_AHEAD + 64 * line) as *const i8;
         // SAFETY: a prefetch is a hint; it reads nothing into the program and cannot fault,

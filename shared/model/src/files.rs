@@ -62,3 +62,16 @@ impl TextTokenizer {
         ModelFiles::open(path)?.tokenizer()
     }
 }
+
+/// Where what is derived from the model in `model` (a directory, or one file in it) is
+/// kept between starts: `.quantmesh/` in the model's directory (its first-load plans, its
+/// weights' digest, the activation width measured on each machine), shared by every
+/// replica that mounts the same model volume.
+pub fn cache_dir(model: &Path) -> PathBuf {
+    let dir = if model.is_dir() {
+        model
+    } else {
+        model.parent().unwrap_or(Path::new("."))
+    };
+    dir.join(".quantmesh")
+}

@@ -46,8 +46,12 @@ pub fn load_parts(
             )));
         }
     }
-    // `auto` measured before anything is loaded.
-    let width = crate::backend::cpu::width::choose_for(cfg.split_activations, &mcfg)?;
+    // `auto` measured (or read from the model's cache) before anything is loaded.
+    let width = crate::backend::cpu::width::choose_for(
+        cfg.split_activations,
+        &mcfg,
+        Some(&quantmesh_model::files::cache_dir(model_dir)),
+    )?;
     let cfg = &EngineConfig {
         split_activations: width.mode,
         ..cfg.clone()

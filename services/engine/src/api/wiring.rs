@@ -301,7 +301,7 @@ impl Engine {
             Some(ratio) => tracing::info!(
                 mode = width.mode.as_str(),
                 ratio,
-                forced = width.forced,
+                source = width.source.as_str(),
                 threshold = crate::backend::cpu::width::CHEAPER_BY,
                 "activation width chosen (engine.split_activations = \"auto\"): 16-bit activations cost {ratio:.2}x the 8-bit product here, so the quantized path runs {}",
                 match width.mode {

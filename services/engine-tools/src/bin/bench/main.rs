@@ -59,9 +59,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         )?;
     }
     let cfg = ModelConfig::load(&dir)?;
-    // `auto` resolved as the engine resolves it, on this model's widest product.
-    let width =
-        quantmesh_engine::backend::cpu::width::choose_for(args.split.unwrap_or_default(), &cfg)?;
+    // `auto` resolved as the engine resolves it, on this model's widest product (timed
+    // afresh: a benchmark does not trust an earlier start's timing).
+    let width = quantmesh_engine::backend::cpu::width::choose_for(
+        args.split.unwrap_or_default(),
+        &cfg,
+        None,
+    )?;
     args.split = Some(width.mode);
     println!(
         "activation width {} ({}), rotation block {}",

@@ -6,6 +6,7 @@
 use crate::error::Result;
 use quantmesh_config::SplitActivations;
 use quantmesh_kernels::{ActBits, Activations, Isa, PackedQ8, Pool, Q8Layout};
+use std::path::Path;
 use std::time::Instant;
 
 /// 16-bit activations must cost at least this many times the 8-bit product before `auto`
@@ -23,6 +24,31 @@ const PAIRS: usize = 15;
 /// `QUANTMESH_ACTIVATION_WIDTH_RATIO=1.4` acts as if 16-bit activations cost 1.4× here.
 pub const RATIO_ENV: &str = "QUANTMESH_ACTIVATION_WIDTH_RATIO";
 
+/// Where `auto`'s ratio came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RatioSource {
+    /// An explicit mode: nothing measured.
+    Configured,
+    /// [`RATIO_ENV`].
+    Forced,
+    /// Timed by this start ([`measure`]).
+    Measured,
+    /// Read from the model's cache ([`CACHE_FILE`]): timed by an earlier start on this
+    /// machine, kernels and build, or by a replica that shares the model's volume.
+    Remembered,
+}
+
+impl RatioSource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RatioSource::Configured => "configured",
+            RatioSource::Forced => "forced",
+            RatioSource::Measured => "measured",
+            RatioSource::Remembered => "remembered",
+        }
+    }
+}
+
 /// What `auto` measured and chose.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct WidthChoice {
@@ -31,19 +57,26 @@ pub struct WidthChoice {
     /// Time of the 16-bit product over the 8-bit one (`None`: not measured, an explicit
     /// setting).
     pub ratio: Option<f64>,
-    /// Whether the ratio came from [`RATIO_ENV`] rather than this machine's kernels.
-    pub forced: bool,
+    pub source: RatioSource,
 }
 
 /// [`choose`] for `model`, timed on its widest product (`gate_up`: `[2 · intermediate,
-/// hidden]`); the weights loaded after it are packed in the order the kernel for the chosen
-/// width reads fastest ([`quantmesh_kernels::set_packing_width`]: 8-bit activations under
-/// `off` and `copyless`, 16-bit ones under `all`).
+/// hidden]`) and remembered in `cache` (the model's cache folder,
+/// [`quantmesh_model::files::cache_dir`]; `None`: timed every time); the weights loaded
+/// after it are packed in the order the kernel for the chosen width reads fastest
+/// ([`quantmesh_kernels::set_packing_width`]: 8-bit activations under `off` and
+/// `copyless`, 16-bit ones under `all`).
 pub fn choose_for(
     setting: SplitActivations,
     model: &quantmesh_model::ModelConfig,
+    cache: Option<&Path>,
 ) -> Result<WidthChoice> {
-    let choice = choose(setting, 2 * model.intermediate_size, model.hidden_size)?;
+    let choice = choose(
+        setting,
+        2 * model.intermediate_size,
+        model.hidden_size,
+        cache,
+    )?;
     quantmesh_kernels::set_packing_width(packing_width(choice.mode));
     Ok(choice)
 }
@@ -57,35 +90,183 @@ pub fn packing_width(mode: SplitActivations) -> ActBits {
 }
 
 /// Resolve `setting` for a model whose widest linear group is `[out, in]`: an explicit
-/// mode stands; `auto` measures (or reads [`RATIO_ENV`]) and decides by [`decide`].
-pub fn choose(setting: SplitActivations, out: usize, input: usize) -> Result<WidthChoice> {
+/// mode stands; `auto` reads [`RATIO_ENV`], else the ratio remembered in `cache` for this
+/// machine, else measures it (and remembers it there), and decides by [`decide`].
+pub fn choose(
+    setting: SplitActivations,
+    out: usize,
+    input: usize,
+    cache: Option<&Path>,
+) -> Result<WidthChoice> {
     if setting != SplitActivations::Auto {
         return Ok(WidthChoice {
             mode: setting,
             ratio: None,
-            forced: false,
+            source: RatioSource::Configured,
         });
     }
-    let (ratio, forced) = match std::env::var(RATIO_ENV) {
-        Ok(v) => (
-            v.trim()
-                .parse::<f64>()
-                .ok()
-                .filter(|r| r.is_finite() && *r > 0.0)
-                .ok_or_else(|| {
-                    crate::error::EngineError::Config(format!(
-                        "{RATIO_ENV}={v:?} is not a positive number"
-                    ))
-                })?,
-            true,
-        ),
-        Err(_) => (measure(out, input)?, false),
+    let (ratio, source) = match ratio_from_env()? {
+        Some(r) => (r, RatioSource::Forced),
+        None => match cache {
+            Some(dir) => remembered(dir, out, input)?,
+            None => (measure(out, input)?, RatioSource::Measured),
+        },
     };
     Ok(WidthChoice {
         mode: decide(ratio),
         ratio: Some(ratio),
-        forced,
+        source,
     })
+}
+
+/// [`RATIO_ENV`] when set to something (empty, as a compose file's `${VAR:-}` leaves it,
+/// is unset); anything but a positive number is an error.
+fn ratio_from_env() -> Result<Option<f64>> {
+    std::env::var(RATIO_ENV).map_or(Ok(None), |v| parse_ratio(&v))
+}
+
+/// [`RATIO_ENV`]'s value read.
+fn parse_ratio(v: &str) -> Result<Option<f64>> {
+    if v.trim().is_empty() {
+        return Ok(None);
+    }
+    v.trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|r| r.is_finite() && *r > 0.0)
+        .map(Some)
+        .ok_or_else(|| {
+            crate::error::EngineError::Config(format!("{RATIO_ENV}={v:?} is not a positive number"))
+        })
+}
+
+/// The file in a model's cache folder that remembers `auto`'s measurements, one per
+/// [`machine_key`].
+pub const CACHE_FILE: &str = "activation_width.json";
+
+/// [`CACHE_FILE`]'s contents.
+#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
+struct Remembered {
+    /// [`machine_key`] → the ratio measured there.
+    entries: std::collections::BTreeMap<String, RememberedRatio>,
+}
+
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct RememberedRatio {
+    ratio: f64,
+    /// When it was measured (seconds since the Unix epoch).
+    measured_at: u64,
+}
+
+/// The ratio for `[out, input]` on this machine from `dir`'s [`CACHE_FILE`], or measured
+/// and written there. Measured under an exclusive lock on the folder's lock file, so
+/// replicas that start together over one model volume time the product one at a time
+/// (neither slowing the other's timing) and the later ones read the first one's result:
+/// one machine, one choice, one plan. A folder that cannot be written (a read-only
+/// volume) costs only the measurement at every start.
+fn remembered(dir: &Path, out: usize, input: usize) -> Result<(f64, RatioSource)> {
+    let key = machine_key(out, input);
+    let lock_path = dir.join("activation_width.lock");
+    // Created by whoever comes first; a lock file another user made is locked read-only.
+    let lock = std::fs::create_dir_all(dir)
+        .and_then(|()| {
+            std::fs::OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(&lock_path)
+                .or_else(|_| std::fs::File::open(&lock_path))
+        })
+        .and_then(|f| f.lock().map(|()| f));
+    let lock = match lock {
+        Ok(f) => f,
+        Err(e) => {
+            tracing::warn!(dir = %dir.display(), error = %e, "the activation width cannot be remembered beside the model; measuring it at every start");
+            return Ok((measure(out, input)?, RatioSource::Measured));
+        }
+    };
+    let path = dir.join(CACHE_FILE);
+    let mut book: Remembered = std::fs::read(&path)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default();
+    if let Some(r) = book.entries.get(&key) {
+        if r.ratio.is_finite() && r.ratio > 0.0 {
+            return Ok((r.ratio, RatioSource::Remembered));
+        }
+    }
+    let ratio = measure(out, input)?;
+    let measured_at = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    book.entries
+        .insert(key, RememberedRatio { ratio, measured_at });
+    // Whole or not at all: a temporary file, then a rename.
+    let tmp = dir.join(format!("{CACHE_FILE}.{}.tmp", std::process::id()));
+    let written = serde_json::to_vec_pretty(&book)
+        .map_err(std::io::Error::other)
+        .and_then(|b| std::fs::write(&tmp, b))
+        .and_then(|()| std::fs::rename(&tmp, &path));
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        tracing::warn!(file = %path.display(), error = %e, "the measured activation width was not remembered");
+    }
+    drop(lock);
+    Ok((ratio, RatioSource::Measured))
+}
+
+/// What the ratio depends on besides the shape: the processor (vendor, model, stepping),
+/// the kernels chosen and the pool's threads, and this build (its version and the
+/// executable's size and time, so a rebuilt kernel is timed again).
+fn machine_key(out: usize, input: usize) -> String {
+    let build = std::env::current_exe()
+        .and_then(std::fs::metadata)
+        .map(|m| {
+            let t = m
+                .modified()
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map_or(0, |d| d.as_secs());
+            format!("{} bytes, {t}", m.len())
+        })
+        .unwrap_or_else(|_| "unknown".into());
+    format!(
+        "{}; kernels {}, {} threads; build {} ({build}); product {out}x{input}",
+        processor(),
+        Isa::current().as_str(),
+        Pool::global().threads(),
+        env!("CARGO_PKG_VERSION"),
+    )
+}
+
+/// The first processor's identity from `/proc/cpuinfo` (x86: vendor, model name, family,
+/// model, stepping; Arm: implementer, part, variant, revision), else the architecture.
+fn processor() -> String {
+    const KEYS: [&str; 9] = [
+        "vendor_id",
+        "model name",
+        "cpu family",
+        "model",
+        "stepping",
+        "CPU implementer",
+        "CPU variant",
+        "CPU part",
+        "CPU revision",
+    ];
+    let text = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let fields: Vec<String> = text
+        .lines()
+        .take_while(|l| !l.trim().is_empty())
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim(), v.trim()))
+        .filter(|(k, _)| KEYS.contains(k))
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    if fields.is_empty() {
+        std::env::consts::ARCH.to_string()
+    } else {
+        fields.join(", ")
+    }
 }
 
 /// `copyless` where 16-bit activations cost at least [`CHEAPER_BY`] times 8-bit ones,
@@ -185,14 +366,98 @@ mod tests {
             SplitActivations::All,
         ] {
             assert_eq!(
-                choose(m, 64, 64).unwrap(),
+                choose(m, 64, 64, None).unwrap(),
                 WidthChoice {
                     mode: m,
                     ratio: None,
-                    forced: false
+                    source: RatioSource::Configured,
                 }
             );
         }
+    }
+
+    #[test]
+    fn an_empty_override_is_unset_and_a_bad_one_an_error() {
+        assert_eq!(parse_ratio("").unwrap(), None);
+        assert_eq!(parse_ratio("  ").unwrap(), None);
+        assert_eq!(parse_ratio(" 1.4 ").unwrap(), Some(1.4));
+        for bad in ["x", "0", "-1", "inf", "NaN"] {
+            let e = parse_ratio(bad).unwrap_err().to_string();
+            assert!(e.contains(RATIO_ENV), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_measured_ratio_is_remembered_beside_the_model_and_read_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let (r1, s1) = remembered(dir.path(), 64, 64).unwrap();
+        assert_eq!(s1, RatioSource::Measured);
+        assert!(r1.is_finite() && r1 > 0.0);
+        assert_eq!(
+            remembered(dir.path(), 64, 64).unwrap(),
+            (r1, RatioSource::Remembered)
+        );
+        // Another shape is another measurement, kept beside the first.
+        assert_eq!(
+            remembered(dir.path(), 96, 64).unwrap().1,
+            RatioSource::Measured
+        );
+        let book: Remembered =
+            serde_json::from_slice(&std::fs::read(dir.path().join(CACHE_FILE)).unwrap()).unwrap();
+        assert_eq!(book.entries.len(), 2, "{book:?}");
+        assert!(book.entries.keys().all(|k| k.contains(&processor())));
+        // Another machine's entry is not this one's.
+        let other = Remembered {
+            entries: [(
+                "another processor".to_string(),
+                RememberedRatio {
+                    ratio: 9.0,
+                    measured_at: 0,
+                },
+            )]
+            .into(),
+        };
+        let fresh = tempfile::tempdir().unwrap();
+        std::fs::write(
+            fresh.path().join(CACHE_FILE),
+            serde_json::to_vec(&other).unwrap(),
+        )
+        .unwrap();
+        let (r, s) = remembered(fresh.path(), 64, 64).unwrap();
+        assert_eq!(s, RatioSource::Measured);
+        assert_ne!(r, 9.0);
+    }
+
+    #[test]
+    fn a_corrupt_cache_is_measured_again_and_rewritten() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join(CACHE_FILE), b"{not json").unwrap();
+        assert_eq!(
+            remembered(dir.path(), 64, 64).unwrap().1,
+            RatioSource::Measured
+        );
+        assert_eq!(
+            remembered(dir.path(), 64, 64).unwrap().1,
+            RatioSource::Remembered
+        );
+    }
+
+    #[test]
+    fn replicas_starting_together_measure_once_and_agree() {
+        let dir = tempfile::tempdir().unwrap();
+        let runs: Vec<_> = (0..3)
+            .map(|_| {
+                let d = dir.path().to_path_buf();
+                std::thread::spawn(move || remembered(&d, 128, 64).unwrap())
+            })
+            .collect();
+        let got: Vec<(f64, RatioSource)> = runs.into_iter().map(|h| h.join().unwrap()).collect();
+        assert!(got.iter().all(|(r, _)| *r == got[0].0), "{got:?}");
+        let measured = got
+            .iter()
+            .filter(|(_, s)| *s == RatioSource::Measured)
+            .count();
+        assert_eq!(measured, 1, "{got:?}");
     }
 
     #[test]
