@@ -529,6 +529,8 @@ unsafe fn q4_tile<const M: usize>(
             wq0.add(b * Q4_TILE_BLOCK_BYTES),
             wq1.add(b * Q4_TILE_BLOCK_BYTES),
         );
+        crate::x86::prefetch_ahead(wb0, Q4_TILE_BLOCK_BYTES);
+        crate::x86::prefetch_ahead(wb1, Q4_TILE_BLOCK_BYTES);
         let mut sum = [_mm512_setzero_si512(); M];
         for k in 0..BLOCK / 4 {
             let x = two_halves(wb0.add(k * 2 * G), wb1.add(k * 2 * G));
