@@ -6,6 +6,7 @@
 //! release whose pre-screen chooses differently (`quantmesh_prescreen::PLAN_REVISION`).
 
 use anyhow::Context;
+use quantmesh_model::files::cache_dir;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -105,9 +106,6 @@ fn stamped_md5(files: &[PathBuf], dir: &Path) -> anyhow::Result<String> {
     let _ = std::fs::create_dir_all(dir).and_then(|()| std::fs::write(&path, bytes));
     Ok(md5)
 }
-
-/// Where plans for `model` are cached: `.quantmesh/` in the model's directory.
-pub use quantmesh_model::files::cache_dir;
 
 /// Logs the pre-screen's progress every tenth of the way.
 struct LogProgress {
