@@ -127,11 +127,11 @@ fn ratio_from_env() -> Result<Option<f64>> {
 
 /// [`RATIO_ENV`]'s value read.
 fn parse_ratio(v: &str) -> Result<Option<f64>> {
-    if v.trim().is_empty() {
+    let t = v.trim();
+    if t.is_empty() {
         return Ok(None);
     }
-    v.trim()
-        .parse::<f64>()
+    t.parse::<f64>()
         .ok()
         .filter(|r| r.is_finite() && *r > 0.0)
         .map(Some)
@@ -283,7 +283,10 @@ pub fn decide(ratio: f64) -> SplitActivations {
 /// [`ROWS`] rows on this machine's kernels, each width on the weights ordered for it
 /// ([`Q8Layout::for_width`]): [`PAIRS`] pairs of runs back to back (in alternating order),
 /// the median of the pairs' ratios. A pair's two runs see the same neighbours, so a load
-/// that comes and goes moves few pairs and the median not at all.
+/// that comes and goes moves few pairs and the median not at all. Rounded to four decimals,
+/// which a timing ratio does not resolve anyway and which [`CACHE_FILE`]'s JSON keeps
+/// exactly: a replica that reads it decides on the very value the measuring start did
+/// (a full-precision float came back from the file one bit off).
 pub fn measure(out: usize, input: usize) -> Result<f64> {
     let input = input.next_multiple_of(quantmesh_kernels::BLOCK);
     let w: Vec<f32> = (0..out * input)
@@ -318,7 +321,7 @@ pub fn measure(out: usize, input: usize) -> Result<f64> {
         };
         ratios.push(t16 / t8.max(f64::MIN_POSITIVE));
     }
-    Ok(median(&mut ratios))
+    Ok((median(&mut ratios) * 1e4).round() / 1e4)
 }
 
 fn median(v: &mut [f64]) -> f64 {
