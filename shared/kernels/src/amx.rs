@@ -1,6 +1,7 @@
 //! The Q8_0 product on Intel AMX tiles (x86-64, Sapphire Rapids and later), for the
 //! activation rows that fill whole 16-row tiles; the rest of a call (a last partial tile of
-//! rows, output rows past the last whole group of 16) runs the AVX-512 kernel.
+//! rows, or fewer than 16 rows: a batch-1 decode) runs the AVX-512 kernel that reads the same
+//! weight order.
 //!
 //! `tdpbssd` multiplies a 16 × 32-byte tile of signed activation bytes by a tile holding
 //! one 32-value block of 16 weight rows in the "VNNI" order (`[k / 4][row][k % 4]`: a
@@ -15,10 +16,13 @@
 //!   (`tdpbusd`): the two integer tiles are combined as `(Σ hi·w) << 8 + Σ lo·w`, exact
 //!   (each below 2³¹ in magnitude), then converted as the scalar reference converts.
 //!
-//! The weights keep the layout every kernel reads ([`crate::PackedQ8`]); a group of 16
-//! rows (four row tiles) is put into the tile order once per call and group, into a
-//! per-thread buffer (kept across calls) that stays in L1/L2 while every activation tile
-//! goes by.
+//! The weights are packed in [`crate::Q8Layout::WideQuadColumns`] at load time, whose order
+//! inside a 16-row tile's block (`[quad][row][4]`) is the tile order itself: `tileloadd`
+//! reads them where they lie, with no repack per call (an earlier form put each group into
+//! tile order on every call, which cost more than the tile products at 32 activation rows;
+//! `docs/design/kernels.md` has the measurement), and the AVX-512 kernel's `vpdpbusd` reads
+//! the same bytes for the rows AMX leaves over. The f16 scales sit beside them
+//! (`[tile][block][row]`), 16 to a 32-byte load.
 //!
 //! The tile instructions are written with `asm!` (Rust's AMX intrinsics are not stable);
 //! each call saves the thread's tile configuration (`sttilecfg`), loads its own and puts the
@@ -28,16 +32,14 @@
 //! (`arch_prctl(ARCH_REQ_XCOMP_PERM)`); [`granted`] asks once, and a refusal (a virtual
 //! machine whose kernel does not pass AMX through) leaves [`crate::Isa::Amx`] unavailable.
 
-use crate::layout::{ActBits, Activations, PackedQ8, BLOCK, TILE_ROWS};
+use crate::layout::{ActBits, Activations, PackedQ8, BLOCK, ROW_BLOCK};
 use std::arch::asm;
 use std::arch::x86_64::*;
 use std::ops::Range;
 use std::sync::OnceLock;
 
-/// Output rows in one AMX group: four of [`PackedQ8`]'s row tiles.
-pub(crate) const GROUP_ROWS: usize = 16;
-/// Row tiles per group.
-pub(crate) const GROUP_TILES: usize = GROUP_ROWS / TILE_ROWS;
+/// Output rows in one AMX group: one tile of [`crate::Q8Layout::WideQuadColumns`].
+const GROUP_ROWS: usize = crate::layout::WIDE_PAIR_TILE_ROWS;
 /// Activation rows in one AMX tile.
 const M_TILE: usize = 16;
 /// Bytes of one weight block of a group in tile order.
@@ -111,95 +113,92 @@ impl TileConfig {
     }
 }
 
-/// As [`crate::scalar::q8_tiles`], for the row tiles `tiles` (the caller hands out whole
-/// groups of [`GROUP_TILES`]; a range whose end is not a group boundary ends in a partial
-/// group that the AVX-512 kernel takes). The activations hold their AMX byte form.
+/// Tile `t` of weights in [`crate::Q8Layout::WideQuadColumns`], whose order inside a block
+/// (`[quad][row][4]`) is the tile order itself: read where it lies, no repack.
+struct InPlace<'a> {
+    w: &'a PackedQ8,
+    t: usize,
+}
+
+impl InPlace<'_> {
+    /// Block `b`'s 8 × 64-byte tile in the VNNI order (a row of the tile is four
+    /// consecutive values of each of the 16 weight rows).
+    #[inline(always)]
+    unsafe fn block(&self, b: usize) -> *const i8 {
+        self.w
+            .qs
+            .as_ptr()
+            .add((self.t * self.w.blocks + b) * GROUP_BLOCK_BYTES)
+    }
+    /// Block `b`'s 16 scales as f32.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    unsafe fn scales(&self, b: usize) -> __m512 {
+        let d = self
+            .w
+            .d
+            .as_ptr()
+            .add((self.t * self.w.blocks + b) * GROUP_ROWS);
+        _mm512_cvtph_ps(_mm256_loadu_si256(d as *const __m256i))
+    }
+}
+
+/// As [`crate::scalar::q8_tiles`], for weights in [`crate::Q8Layout::WideQuadColumns`]
+/// (tiles of 16 rows: one AMX group each, already in the tile order), the tiles `tiles`: the
+/// activation rows that fill whole 16-row tiles on AMX, the rest (and every row when there
+/// is no whole tile of them) on the AVX-512 quad kernel. The activations hold their AMX
+/// byte form; `bytes` is that form as the AVX-512 kernel takes it.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-pub(crate) unsafe fn q8_tiles(w: &PackedQ8, a: &Activations, tiles: Range<usize>, out: *mut f32) {
-    let sixteen = a.bytes == Some(ActBits::Sixteen);
+pub(crate) unsafe fn q8_quad_tiles(
+    w: &PackedQ8,
+    a: &Activations,
+    bytes: (&[u8], &[u8], bool),
+    tiles: Range<usize>,
+    out: *mut f32,
+) {
     let m16 = a.rows / M_TILE * M_TILE;
-    // Whole groups only, of real rows (a last partial row tile is padded).
-    let g0 = tiles.start.div_ceil(GROUP_TILES);
-    let g1 = (tiles.end / GROUP_TILES).min(w.rows / GROUP_ROWS).max(g0);
-    if m16 == 0 || g0 >= g1 {
-        crate::avx512::q8_tiles(w, a, tiles, 0..a.rows, out);
+    if m16 < a.rows {
+        crate::avx512::q8_quad_tiles(w, a, bytes, tiles.clone(), m16..a.rows, out);
+    }
+    if m16 == 0 {
         return;
     }
-    // Tiles before the first whole group and after the last one, and the rows past the
-    // last whole tile of rows: the AVX-512 kernel.
-    crate::avx512::q8_tiles(w, a, tiles.start..g0 * GROUP_TILES, 0..a.rows, out);
-    crate::avx512::q8_tiles(w, a, g1 * GROUP_TILES..tiles.end, 0..a.rows, out);
-    crate::avx512::q8_tiles(w, a, g0 * GROUP_TILES..g1 * GROUP_TILES, m16..a.rows, out);
-
-    // Another AMX user on this thread (candle's 4-bit kernel configures a thread's tiles once
-    // and keeps them) gets its configuration back when this call ends.
+    let sixteen = a.bytes == Some(ActBits::Sixteen);
     let mut saved = TileConfig([0; 64]);
     asm!("sttilecfg [{}]", in(reg) saved.0.as_mut_ptr(), options(nostack));
     let cfg = TileConfig::new();
     asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
-    GROUP_BUFFERS.with_borrow_mut(|(packed, scales)| {
-        packed.resize(w.blocks * GROUP_BLOCK_BYTES, 0);
-        scales.resize(w.blocks * GROUP_ROWS, 0.0);
-        for g in g0..g1 {
-            pack_group(w, g, packed, scales);
-            let mut m = 0;
-            while m < m16 {
+    // A block of activation rows stays in L2 while the thread's tiles go by, each tile's
+    // weights in L1 while the block's 16-row tiles go by.
+    let mut m0 = 0;
+    while m0 < m16 {
+        let m1 = (m0 + ROW_BLOCK).min(m16);
+        for t in tiles.clone() {
+            let src = InPlace { w, t };
+            let mut m = m0;
+            while m < m1 {
                 match sixteen {
-                    true => tile_rows::<true>(w, a, g, m, packed, scales, out),
-                    false => tile_rows::<false>(w, a, g, m, packed, scales, out),
+                    true => tile_rows::<true>(w, a, &src, t, m, out),
+                    false => tile_rows::<false>(w, a, &src, t, m, out),
                 }
                 m += M_TILE;
             }
         }
-    });
-    // The saved configuration (palette 0 when there was none: the tiles' initial state).
+        m0 = m1;
+    }
     asm!("ldtilecfg [{}]", in(reg) saved.0.as_ptr(), options(nostack, readonly));
 }
 
-thread_local! {
-    /// A group's weights in tile order and its scales as f32 (see [`pack_group`]): grown to
-    /// the widest product a thread has run, then reused.
-    static GROUP_BUFFERS: std::cell::RefCell<(Vec<i8>, Vec<f32>)> =
-        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
-}
-
-/// Group `g`'s weights in tile order (`[block][k / 4][row][k % 4]`) and its scales as f32
-/// (`[block][row]`).
-#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-unsafe fn pack_group(w: &PackedQ8, g: usize, packed: &mut [i8], scales: &mut [f32]) {
-    // Source: tile t's block b is 4 rows × 32 bytes, contiguous; as u32 words, row r's
-    // word j (values 4j .. 4j + 4) is at 8r + j. Destination word (j, row) at 16j + row.
-    let src = w.qs.as_ptr() as *const u32;
-    let dst = packed.as_mut_ptr() as *mut u32;
-    for b in 0..w.blocks {
-        for i in 0..GROUP_TILES {
-            let t = g * GROUP_TILES + i;
-            let s = src.add((t * w.blocks + b) * TILE_ROWS * BLOCK / 4);
-            let d = dst.add(b * GROUP_BLOCK_BYTES / 4);
-            for r in 0..TILE_ROWS {
-                for j in 0..BLOCK / 4 {
-                    *d.add(16 * j + i * TILE_ROWS + r) = *s.add(8 * r + j);
-                }
-            }
-            let ds = w.d.as_ptr().add((t * w.blocks + b) * TILE_ROWS);
-            for r in 0..TILE_ROWS {
-                *scales.get_unchecked_mut(b * GROUP_ROWS + i * TILE_ROWS + r) =
-                    (*ds.add(r)).to_f32();
-            }
-        }
-    }
-}
-
-/// Activation rows `m .. m + 16` by group `g`: 16 × 16 outputs.
+/// Activation rows `m .. m + 16` by the 16 weight rows of group `g` (output columns
+/// `16 g ..`, those past the weights' last row not written): 16 × 16 outputs.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 #[inline]
 unsafe fn tile_rows<const SIXTEEN: bool>(
     w: &PackedQ8,
     a: &Activations,
+    src: &InPlace,
     g: usize,
     m: usize,
-    packed: &[i8],
-    scales: &[f32],
     out: *mut f32,
 ) {
     #[repr(C, align(64))]
@@ -208,10 +207,10 @@ unsafe fn tile_rows<const SIXTEEN: bool>(
     let mut acc = [_mm512_setzero_ps(); M_TILE];
     let stride = a.cols;
     let act = |bytes: *const u8, b: usize| bytes.add(m * a.cols + b * BLOCK);
-    let wts = |b: usize| packed.as_ptr().add(b * GROUP_BLOCK_BYTES);
+    let wts = |b: usize| src.block(b);
     // Block `b`'s integer tile `c` (rows `m ..`, columns the group's 16 rows) in f32.
     let mut add = |c: &Ints, l: Option<&Ints>, b: usize| {
-        let dw = _mm512_loadu_ps(scales.as_ptr().add(b * GROUP_ROWS));
+        let dw = src.scales(b);
         for (i, acc) in acc.iter_mut().enumerate() {
             let mut v = _mm512_load_si512(c.0[i].as_ptr() as *const _);
             if let Some(l) = l {
@@ -296,8 +295,14 @@ unsafe fn tile_rows<const SIXTEEN: bool>(
         }
     }
     let n = w.rows;
+    let c0 = g * GROUP_ROWS;
+    let keep: __mmask16 = if c0 + GROUP_ROWS <= n {
+        0xffff
+    } else {
+        (1u16 << (n - c0)) - 1
+    };
     for (i, acc) in acc.iter().enumerate() {
-        _mm512_storeu_ps(out.add((m + i) * n + g * GROUP_ROWS), *acc);
+        _mm512_mask_storeu_ps(out.add((m + i) * n + c0), keep, *acc);
     }
 }
 
@@ -305,7 +310,7 @@ unsafe fn tile_rows<const SIXTEEN: bool>(
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use crate::{Activations, Isa, Pool};
+    use crate::{Activations, Isa, Pool, Q8Layout};
 
     fn stored() -> [u8; 64] {
         let mut c = TileConfig([0; 64]);
@@ -328,7 +333,13 @@ mod tests {
             return;
         }
         let (rows, cols, m) = (32, 64, 16);
-        let w = PackedQ8::quantize(&vec![0.25; rows * cols], rows, cols).unwrap();
+        let w = PackedQ8::quantize_in(
+            &vec![0.25; rows * cols],
+            rows,
+            cols,
+            Q8Layout::WideQuadColumns,
+        )
+        .unwrap();
         let mut a = Activations::new();
         a.quantize_with(&vec![0.5; m * cols], m, cols, ActBits::Eight, Isa::Amx)
             .unwrap();

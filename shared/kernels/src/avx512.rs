@@ -11,8 +11,8 @@
 //! horizontal sum, and per block one conversion and one multiply-add per 16 rows and
 //! activation row. A register tile is 16 weight rows × up to 8 activation rows.
 //!
-//! [`q8_tiles`] ([`crate::Q8Layout::RowTiles`], the AMX kernel's order, for the rows its
-//! 16 × 16 tiles leave over; the activations hold their byte form): `vpdpbusd` multiplies 64 unsigned bytes by 64 signed bytes and adds each group of four
+//! [`q8_tiles`] ([`crate::Q8Layout::RowTiles`], for weights packed in the scalar
+//! reference's order; the activations hold their byte form): `vpdpbusd` multiplies 64 unsigned bytes by 64 signed bytes and adds each group of four
 //! products into a 32-bit lane. One 512-bit register holds one block of two weight rows
 //! (the packed tile keeps a block's rows adjacent), and an activation block (32 bytes) is
 //! broadcast to both halves, so one instruction makes 64 products: lanes 0–7 are the first
@@ -297,8 +297,8 @@ unsafe fn store_tile<const M: usize>(
     }
 }
 
-/// As [`crate::scalar::q8_tiles`], for weights in [`crate::Q8Layout::WideQuadColumns`] and
-/// activations as bytes (`hi`, `lo`: [`Activations::byte_form`]): per column quad, the 16
+/// As [`crate::scalar::q8_tiles`] for the activation rows `rows`, for weights in
+/// [`crate::Q8Layout::WideQuadColumns`] and activations as bytes (`hi`, `lo`: [`Activations::byte_form`]): per column quad, the 16
 /// rows' quads (one 64-byte load, a row per 32-bit lane) times the activation row's quad
 /// broadcast to every lane, `vpdpbusd`, add four products into row `i`'s lane: 64
 /// multiply-adds per instruction for 8-bit activations, twice the pair order's. The
@@ -311,12 +311,13 @@ pub(crate) unsafe fn q8_quad_tiles(
     a: &Activations,
     (hi, lo, sixteen): (&[u8], &[u8], bool),
     tiles: Range<usize>,
+    rows: Range<usize>,
     out: *mut f32,
 ) {
     let (hi, lo) = (hi.as_ptr(), lo.as_ptr());
-    let mut m0 = 0;
-    while m0 < a.rows {
-        let m1 = (m0 + ROW_BLOCK).min(a.rows);
+    let mut m0 = rows.start;
+    while m0 < rows.end {
+        let m1 = (m0 + ROW_BLOCK).min(rows.end);
         for t in tiles.clone() {
             match sixteen {
                 true => quad_rows::<true>(w, a, (hi, lo), t, m0..m1, out),

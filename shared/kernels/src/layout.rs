@@ -7,17 +7,18 @@
 //! once from memory however many activation rows it has (the kernel keeps the tile in L1
 //! while it walks the rows). Inside a tile the order is the one its kernel reads without
 //! shuffling ([`Q8Layout`]):
-//! - [`Q8Layout::RowTiles`] (AMX, and the scalar reference): tiles of [`TILE_ROWS`] rows,
-//!   the 32-value blocks of the tile's rows interleaved (`[tile][block][row in tile][32]`);
-//!   a row's block is one run of 32 bytes, what the AMX tiles (and `vpdpbusd` for the rows
-//!   they leave over) take.
+//! - [`Q8Layout::RowTiles`] (the scalar reference): tiles of [`TILE_ROWS`] rows, the
+//!   32-value blocks of the tile's rows interleaved (`[tile][block][row in tile][32]`); a
+//!   row's block is one run of 32 bytes (AVX-512's `vpdpbusd` also reads this order, for
+//!   weights packed so and run on a machine with it).
 //! - [`Q8Layout::PairColumns`] (AVX2, NEON) and [`Q8Layout::WidePairColumns`] (AVX-512
 //!   VNNI): tiles of 8 or 16 rows, each block stored by pairs of columns
 //!   (`[tile][block][pair][row in tile][2]`): one 16- or 32-byte load widened to 16 bits is
 //!   the pair for all the tile's rows, and `vpmaddwd` / `vpdpwssd` (NEON: `smlal` and one
 //!   pairwise add per block) against an activation pair broadcast to every lane leaves each
 //!   row's partial sum in its own lane, for 8- and 16-bit activations at one cost.
-//! - [`Q8Layout::WideQuadColumns`] (AVX-512 VNNI serving 8-bit activations): tiles of 16
+//! - [`Q8Layout::WideQuadColumns`] (AVX-512 VNNI serving 8-bit activations, and AMX at
+//!   either width: a block of a tile is exactly an AMX weight tile): tiles of 16
 //!   rows, each block stored by quads of columns (`[tile][block][quad][row in tile][4]`):
 //!   one 64-byte load is the quad for all 16 rows, one 32-bit lane per row, and
 //!   `vpdpbusd` against the activation row's quad as bytes, broadcast to every lane, adds
@@ -46,14 +47,14 @@ pub(crate) const ROW_BLOCK: usize = 64;
 /// shuffling (see the module's notes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Q8Layout {
-    /// `[tile of 4 rows][block][row][32]`: the AMX kernel's order.
+    /// `[tile of 4 rows][block][row][32]`: the scalar reference's order.
     RowTiles,
     /// `[tile of 8 rows][block][column pair][row][2]`: the AVX2 kernel's order.
     PairColumns,
     /// `[tile of 16 rows][block][column pair][row][2]`: the AVX-512 kernel's order.
     WidePairColumns,
     /// `[tile of 16 rows][block][column quad][row][4]`: the AVX-512 kernel's order for
-    /// 8-bit activations (`vpdpbusd`).
+    /// 8-bit activations (`vpdpbusd`), and the AMX kernel's (its weight tiles' own order).
     WideQuadColumns,
 }
 

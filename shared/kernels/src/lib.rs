@@ -5,9 +5,10 @@
 //!
 //! - [`PackedQ8`]: Q8_0 weights (8-bit values, one scale per 32) repacked at load into tiles
 //!   of output rows, each tile one contiguous run with its scales, in the order the
-//!   instruction set's kernel reads ([`Q8Layout`]: whole blocks per row for AMX, column
-//!   pairs across 16 rows for AVX-512 VNNI, or column quads when most activations are 8-bit
-//!   ([`set_packing_width`]), pairs across 8 rows for AVX2 and NEON), so one pass streams
+//!   instruction set's kernel reads ([`Q8Layout`]: column quads across 16 rows for AMX,
+//!   whose tiles take them as they lie, column pairs across 16 rows for AVX-512 VNNI, or
+//!   quads when most activations are 8-bit ([`set_packing_width`]), pairs across 8 rows for
+//!   AVX2 and NEON), so one pass streams
 //!   every weight once whatever the number of rows.
 //! - [`PackedQ4`]: 4-bit weights (16 levels `d · q + m` per block of 32, `d` and `m` as
 //!   8-bit fractions of f16 values shared by up to 8 blocks), in the AVX2 kernel's

@@ -41,13 +41,15 @@ impl Q8Layout {
         match isa {
             Isa::Avx2 | Isa::AvxVnni | Isa::Neon => Q8Layout::PairColumns,
             Isa::Avx512 => Q8Layout::WidePairColumns,
-            Isa::Scalar | Isa::Amx => Q8Layout::RowTiles,
+            Isa::Amx => Q8Layout::WideQuadColumns,
+            Isa::Scalar => Q8Layout::RowTiles,
         }
     }
 
     /// The order `isa`'s fastest kernel for activations of `bits` reads: under AVX-512 the
     /// quad order for 8-bit ones (`vpdpbusd`, 64 multiply-adds per instruction, where the
-    /// pair order's `vpdpwssd` makes 32 whatever the width), else [`Q8Layout::for_isa`].
+    /// pair order's `vpdpwssd` makes 32 whatever the width), else [`Q8Layout::for_isa`]
+    /// (AMX reads the quad order at both widths: its tiles take it as it lies).
     pub fn for_width(isa: Isa, bits: ActBits) -> Self {
         match (isa, bits) {
             (Isa::Avx512, ActBits::Eight) => Q8Layout::WideQuadColumns,
@@ -104,17 +106,6 @@ impl PackedQ8 {
         }
         let dst = Out(out);
         let isa = if isa.available() { isa } else { Isa::Scalar };
-        // AMX threads take whole groups of row tiles (16 output rows).
-        #[cfg(target_arch = "x86_64")]
-        let (units, unit) = match (isa, self.layout) {
-            (Isa::Amx, Q8Layout::RowTiles) => (
-                self.tiles.div_ceil(crate::amx::GROUP_TILES),
-                crate::amx::GROUP_TILES,
-            ),
-            _ => (self.tiles, 1),
-        };
-        #[cfg(not(target_arch = "x86_64"))]
-        let (units, unit) = (self.tiles, 1);
         // Each kernel reads one layout. Weights packed for another instruction set than the
         // caller's (a test's `Isa::scoped` around a model loaded outside it) run on the
         // kernel for their order where the caller's set includes it (the AVX2 one under
@@ -132,12 +123,6 @@ impl PackedQ8 {
             let dst = &dst;
             match (isa, self.layout) {
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: `isa.available()` checked AMX (granted), AVX-512 F/BW/VNNI and
-                // AVX2, FMA, F16C; the activations hold their AMX byte form.
-                (Isa::Amx, Q8Layout::RowTiles) if a.s8.len() == a.q.len() && a.bytes.is_some() => unsafe {
-                    crate::amx::q8_tiles(self, a, tiles, dst.0)
-                },
-                #[cfg(target_arch = "x86_64")]
                 // SAFETY: `isa.available()` checked AVX-512 F/BW/VNNI and AVX2, FMA, F16C;
                 // the activations hold their byte form.
                 (Isa::Avx512 | Isa::Amx, Q8Layout::RowTiles) if a.bytes.is_some() => unsafe {
@@ -149,10 +134,17 @@ impl PackedQ8 {
                     crate::avx512::q8_pair_tiles(self, a, tiles, dst.0)
                 },
                 #[cfg(target_arch = "x86_64")]
+                // SAFETY: `isa.available()` checked AMX (granted), AVX-512 F/BW/VNNI and
+                // AVX2, FMA, F16C; the activations hold their AMX byte form, and `quads` is
+                // their byte form.
+                (Isa::Amx, Q8Layout::WideQuadColumns)
+                    if a.s8.len() == a.q.len() && a.bytes.is_some() =>
+                unsafe { crate::amx::q8_quad_tiles(self, a, quads, tiles, dst.0) },
+                #[cfg(target_arch = "x86_64")]
                 // SAFETY: `isa.available()` checked AVX-512 F/BW/VNNI and AVX2, FMA, F16C;
                 // `quads` is the activations' byte form.
                 (Isa::Avx512 | Isa::Amx, Q8Layout::WideQuadColumns) => unsafe {
-                    crate::avx512::q8_quad_tiles(self, a, quads, tiles, dst.0)
+                    crate::avx512::q8_quad_tiles(self, a, quads, tiles, 0..a.rows, dst.0)
                 },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `isa.available()` checked AVX-VNNI and AVX2, FMA, F16C.
@@ -173,9 +165,9 @@ impl PackedQ8 {
             }
         };
         pool.chunks(
-            units,
+            self.tiles,
             self.rows * self.cols * a.rows < SERIAL_BELOW,
-            &|u: Range<usize>| one(u.start * unit..(u.end * unit).min(self.tiles)),
+            &one,
         );
     }
 }

@@ -179,14 +179,15 @@ fn both_layouts_hold_the_same_weights() {
         );
         let eight = Q8Layout::for_width(isa, ActBits::Eight);
         match isa {
-            Isa::Avx512 => assert_eq!(eight, Q8Layout::WideQuadColumns),
+            Isa::Avx512 | Isa::Amx => assert_eq!(eight, Q8Layout::WideQuadColumns),
             _ => assert_eq!(eight, Q8Layout::for_isa(isa), "{isa:?}"),
         }
     }
     assert_eq!(Q8Layout::for_isa(Isa::Avx2), Q8Layout::PairColumns);
     assert_eq!(Q8Layout::for_isa(Isa::AvxVnni), Q8Layout::PairColumns);
     assert_eq!(Q8Layout::for_isa(Isa::Avx512), Q8Layout::WidePairColumns);
-    assert_eq!(Q8Layout::for_isa(Isa::Amx), Q8Layout::RowTiles);
+    assert_eq!(Q8Layout::for_isa(Isa::Amx), Q8Layout::WideQuadColumns);
+    assert_eq!(Q8Layout::for_isa(Isa::Scalar), Q8Layout::RowTiles);
     assert_eq!(Q8Layout::for_isa(Isa::Neon), Q8Layout::PairColumns);
 }
 
