@@ -106,8 +106,8 @@ fn main() {
                 // AVX-512 also in the quad order its 8-bit-activation kernel reads.
                 let p4 = PackedQ4::quantize(&w, o, i).unwrap_or_else(|e| panic!("{e}"));
                 let mut layouts = vec![(Q8Layout::for_isa(isa), isa.as_str().to_string())];
-                if matches!(isa, Isa::Avx512 | Isa::Amx) {
-                    layouts.push((Q8Layout::WideQuadColumns, format!("{}-quad", isa.as_str())));
+                if isa == Isa::Avx512 {
+                    layouts.push((Q8Layout::WideQuadColumns, "avx512-quad".to_string()));
                 }
                 for (li, (layout, name)) in layouts.iter().enumerate() {
                     let p =

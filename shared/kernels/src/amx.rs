@@ -19,7 +19,7 @@
 //! The weights are packed in [`crate::Q8Layout::WideQuadColumns`] at load time, whose order
 //! inside a 16-row tile's block (`[quad][row][4]`) is the tile order itself: `tileloadd`
 //! reads them where they lie, with no repack per call (an earlier form put each group into
-//! tile order on every call, which took up to a third of a 32-row product's time;
+//! tile order on every call, which took a third to a half of a 16- to 32-row product's time;
 //! `docs/design/kernels.md` has the measurement), and the AVX-512 kernel's `vpdpbusd` reads
 //! the same bytes for the rows AMX leaves over. The f16 scales sit beside them
 //! (`[tile][block][row]`), 16 to a 32-byte load.
