@@ -57,7 +57,7 @@ OUT="${BENCH_OUT:-target/bench-llamacpp}"
 log "building release binaries"
 cargo build --release --quiet -p quantmesh -p quantmesh-gateway --bin quantmesh --bin quantmesh-loadgen
 cargo build --release --quiet -p quantmesh-kernels --example kernel-bench
-BIN=target/release
+BIN="${CARGO_TARGET_DIR:-target}/release"  # where cargo built them (CARGO_TARGET_DIR is honoured)
 
 LLAMA_SERVER="$LLAMA_DIR/build/bin/llama-server"
 LLAMA_QUANTIZE="$LLAMA_DIR/build/bin/llama-quantize"
@@ -175,7 +175,7 @@ measure() { # who, tag, url -> lines "who tag metric value failed short"
 declare -A LLAMA_KV=([llama-f16]="" [llama-q8kv]="-fa on -ctk q8_0 -ctv q8_0")
 
 log "measuring the read bandwidth (kernel-bench --bandwidth-only, $THREADS threads)"
-QUANTMESH_THREADS="$THREADS" target/release/examples/kernel-bench --bandwidth-only \
+QUANTMESH_THREADS="$THREADS" "$BIN/examples/kernel-bench" --bandwidth-only \
   | awk '/read bandwidth/ {print "bandwidth", $3}' >>"$OUT/about.txt"
 echo "llama_build $("$LLAMA_SERVER" --version 2>&1 | grep -m1 -i 'version' | tr ' ' '_')" >>"$OUT/about.txt"
 for tag in $FILES; do echo "llama_bytes $tag $(tensor_bytes "${FILE[$tag]}")" >>"$OUT/about.txt"; done
