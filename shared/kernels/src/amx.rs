@@ -113,36 +113,6 @@ impl TileConfig {
     }
 }
 
-/// Tile `t` of weights in [`crate::Q8Layout::WideQuadColumns`], whose order inside a block
-/// (`[quad][row][4]`) is the tile order itself: read where it lies, no repack.
-struct InPlace<'a> {
-    w: &'a PackedQ8,
-    t: usize,
-}
-
-impl InPlace<'_> {
-    /// Block `b`'s 8 × 64-byte tile in the VNNI order (a row of the tile is four
-    /// consecutive values of each of the 16 weight rows).
-    #[inline(always)]
-    unsafe fn block(&self, b: usize) -> *const i8 {
-        self.w
-            .qs
-            .as_ptr()
-            .add((self.t * self.w.blocks + b) * GROUP_BLOCK_BYTES)
-    }
-    /// Block `b`'s 16 scales as f32.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx2,f16c")]
-    unsafe fn scales(&self, b: usize) -> __m512 {
-        let d = self
-            .w
-            .d
-            .as_ptr()
-            .add((self.t * self.w.blocks + b) * GROUP_ROWS);
-        _mm512_cvtph_ps(_mm256_loadu_si256(d as *const __m256i))
-    }
-}
-
 /// As [`crate::scalar::q8_tiles`], for weights in [`crate::Q8Layout::WideQuadColumns`]
 /// (tiles of 16 rows: one AMX group each, already in the tile order), the tiles `tiles`: the
 /// activation rows that fill whole 16-row tiles on AMX, the rest (and every row when there
@@ -174,12 +144,11 @@ pub(crate) unsafe fn q8_quad_tiles(
     while m0 < m16 {
         let m1 = (m0 + ROW_BLOCK).min(m16);
         for t in tiles.clone() {
-            let src = InPlace { w, t };
             let mut m = m0;
             while m < m1 {
                 match sixteen {
-                    true => tile_rows::<true>(w, a, &src, t, m, out),
-                    false => tile_rows::<false>(w, a, &src, t, m, out),
+                    true => tile_rows::<true>(w, a, t, m, out),
+                    false => tile_rows::<false>(w, a, t, m, out),
                 }
                 m += M_TILE;
             }
@@ -189,15 +158,16 @@ pub(crate) unsafe fn q8_quad_tiles(
     asm!("ldtilecfg [{}]", in(reg) saved.0.as_ptr(), options(nostack, readonly));
 }
 
-/// Activation rows `m .. m + 16` by the 16 weight rows of group `g` (output columns
-/// `16 g ..`, those past the weights' last row not written): 16 × 16 outputs.
+/// Activation rows `m .. m + 16` by the 16 weight rows of tile `t` (output columns
+/// `16 t ..`, those past the weights' last row not written): 16 × 16 outputs. Block `b` of
+/// the tile is the 8 × 64-byte weight tile itself (a row of it is four consecutive values of
+/// each of the 16 weight rows), its 16 f16 scales one 32-byte load.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 #[inline]
 unsafe fn tile_rows<const SIXTEEN: bool>(
     w: &PackedQ8,
     a: &Activations,
-    src: &InPlace,
-    g: usize,
+    t: usize,
     m: usize,
     out: *mut f32,
 ) {
@@ -207,10 +177,13 @@ unsafe fn tile_rows<const SIXTEEN: bool>(
     let mut acc = [_mm512_setzero_ps(); M_TILE];
     let stride = a.cols;
     let act = |bytes: *const u8, b: usize| bytes.add(m * a.cols + b * BLOCK);
-    let wts = |b: usize| src.block(b);
-    // Block `b`'s integer tile `c` (rows `m ..`, columns the group's 16 rows) in f32.
+    let first = t * w.blocks;
+    let wts = |b: usize| w.qs.as_ptr().add((first + b) * GROUP_BLOCK_BYTES);
+    // Block `b`'s integer tile `c` (rows `m ..`, columns the tile's 16 weight rows) in f32.
     let mut add = |c: &Ints, l: Option<&Ints>, b: usize| {
-        let dw = src.scales(b);
+        let dw = _mm512_cvtph_ps(_mm256_loadu_si256(
+            w.d.as_ptr().add((first + b) * GROUP_ROWS) as *const __m256i,
+        ));
         for (i, acc) in acc.iter_mut().enumerate() {
             let mut v = _mm512_load_si512(c.0[i].as_ptr() as *const _);
             if let Some(l) = l {
@@ -294,16 +267,7 @@ unsafe fn tile_rows<const SIXTEEN: bool>(
             b += 1;
         }
     }
-    let n = w.rows;
-    let c0 = g * GROUP_ROWS;
-    let keep: __mmask16 = if c0 + GROUP_ROWS <= n {
-        0xffff
-    } else {
-        (1u16 << (n - c0)) - 1
-    };
-    for (i, acc) in acc.iter().enumerate() {
-        _mm512_mask_storeu_ps(out.add((m + i) * n + c0), keep, *acc);
-    }
+    crate::avx512::store_tile(&acc, out, w.rows, t * GROUP_ROWS, m);
 }
 
 #[cfg(test)]

@@ -279,7 +279,7 @@ unsafe fn scale_block<const M: usize>(
 /// dropping the padding rows of a last partial tile.
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn store_tile<const M: usize>(
+pub(crate) unsafe fn store_tile<const M: usize>(
     acc: &[__m512; M],
     out: *mut f32,
     n: usize,
@@ -298,8 +298,8 @@ unsafe fn store_tile<const M: usize>(
 }
 
 /// As [`crate::scalar::q8_tiles`] for the activation rows `rows`, for weights in
-/// [`crate::Q8Layout::WideQuadColumns`] and activations as bytes (`hi`, `lo`: [`Activations::byte_form`]): per column quad, the 16
-/// rows' quads (one 64-byte load, a row per 32-bit lane) times the activation row's quad
+/// [`crate::Q8Layout::WideQuadColumns`] and activations as bytes (`hi`, `lo`:
+/// [`Activations::byte_form`]): per column quad, the 16 rows' quads (one 64-byte load, a row per 32-bit lane) times the activation row's quad
 /// broadcast to every lane, `vpdpbusd`, add four products into row `i`'s lane: 64
 /// multiply-adds per instruction for 8-bit activations, twice the pair order's. The
 /// activations' bias of 128 comes off as in [`q8_tiles`]: each block's lanes start at
