@@ -115,6 +115,7 @@ fn main() {
                     for (bits, four) in [
                         (ActBits::Eight, false),
                         (ActBits::Sixteen, false),
+                        (ActBits::Eight, true),
                         (ActBits::Sixteen, true),
                     ] {
                         if four && li > 0 {

@@ -33,6 +33,7 @@
 //! machine whose kernel does not pass AMX through) leaves [`crate::Isa::Amx`] unavailable.
 
 use crate::layout::{ActBits, Activations, PackedQ8, BLOCK, ROW_BLOCK};
+use crate::q4::PackedQ4;
 use std::arch::asm;
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -268,6 +269,262 @@ unsafe fn tile_rows<const SIXTEEN: bool>(
         }
     }
     crate::avx512::store_tile(&acc, out, w.rows, t * GROUP_ROWS, m);
+}
+
+/// As [`crate::scalar::q4_tiles`], for [`PackedQ4`]'s tiles `tiles` (as the 4-bit product
+/// hands them out: from an even tile, two at a time): the activation rows that fill whole
+/// 16-row tiles on AMX for each whole pair of 8-row tiles, the rest (the rows past the last
+/// whole 16, a last lone tile) on the AVX-512 4-bit kernel. The activations hold their AMX
+/// byte form.
+///
+/// A pair's weights are unpacked once per call into the tile order (a block of it: 8 rows
+/// of 64 bytes, four consecutive levels 0..=15 of each of the 16 weight rows) beside each
+/// block's 16 steps and offsets in f32, and every 16-row tile of activations reuses them:
+/// `tdpbsud` (signed activations by unsigned levels) gives `Σ q·a` per block, added in f32
+/// as the AVX-512 kernel adds it (`d_w·d_a·Σ q·a + m_w·Σ a`, the same operations in the same
+/// order, so the same bits). 16-bit activations take `tdpbsud` on the high bytes and
+/// `tdpbuud` on the low ones, combined exactly as in the 8-bit weights' kernel.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn q4_pair_tiles(
+    w: &PackedQ4,
+    a: &Activations,
+    tiles: Range<usize>,
+    out: *mut f32,
+) {
+    let m16 = a.rows / M_TILE * M_TILE;
+    let pairs_end = tiles.start + (tiles.end - tiles.start) / 2 * 2;
+    if m16 < a.rows && tiles.start < pairs_end {
+        crate::avx512::q4_tiles(w, a, tiles.start..pairs_end, m16..a.rows, out);
+    }
+    if pairs_end < tiles.end {
+        crate::avx512::q4_tiles(w, a, pairs_end..tiles.end, 0..a.rows, out);
+    }
+    if m16 == 0 || tiles.start == pairs_end {
+        return;
+    }
+    let sixteen = a.bytes == Some(ActBits::Sixteen);
+    let sums = a.block_sums();
+    let mut saved = TileConfig([0; 64]);
+    asm!("sttilecfg [{}]", in(reg) saved.0.as_mut_ptr(), options(nostack));
+    let cfg = TileConfig::new();
+    asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
+    // Pairs are unpacked a group at a time (the group in L2), then a block of activation
+    // rows stays in L1 while the group's pairs go by, as in the 8-bit weights' kernel.
+    let pair_bytes = w.blocks * Q4_UNPACKED_BLOCK;
+    let group = (Q4_UNPACKED_GROUP_BYTES / pair_bytes).max(1);
+    Q4_UNPACKED.with_borrow_mut(|buf| {
+        buf.resize(group * pair_bytes, 0);
+        let mut g0 = tiles.start;
+        while g0 < pairs_end {
+            let g1 = (g0 + 2 * group).min(pairs_end);
+            for (i, t) in (g0..g1).step_by(2).enumerate() {
+                unpack_q4_pair(w, t, &mut buf[i * pair_bytes..(i + 1) * pair_bytes]);
+            }
+            let mut m0 = 0;
+            while m0 < m16 {
+                let m1 = (m0 + ROW_BLOCK).min(m16);
+                for (i, t) in (g0..g1).step_by(2).enumerate() {
+                    let pair = &buf[i * pair_bytes..(i + 1) * pair_bytes];
+                    let mut m = m0;
+                    while m < m1 {
+                        match sixteen {
+                            true => q4_tile_rows::<true>(w, a, sums, pair, t, m, out),
+                            false => q4_tile_rows::<false>(w, a, sums, pair, t, m, out),
+                        }
+                        m += M_TILE;
+                    }
+                }
+                m0 = m1;
+            }
+            g0 = g1;
+        }
+    });
+    asm!("ldtilecfg [{}]", in(reg) saved.0.as_ptr(), options(nostack, readonly));
+}
+
+/// Bytes of one unpacked block of a pair of 4-bit tiles: the 8 × 64-byte weight tile, then
+/// the 16 rows' steps and offsets (f32).
+const Q4_UNPACKED_BLOCK: usize = 8 * 64 + 2 * 64;
+/// Bytes of unpacked pairs a thread keeps at once (at least one pair).
+const Q4_UNPACKED_GROUP_BYTES: usize = 192 * 1024;
+
+thread_local! {
+    /// [`q4_pair_tiles`]' unpacked pair, one per thread, grown to the widest weights seen.
+    static Q4_UNPACKED: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Tiles `t` and `t + 1` of `w` into `buf`: per block the weight tile (row `k` of it, for
+/// weight row `n`, holds columns `4k .. 4k + 4`), its 16 steps and its 16 offsets, both as
+/// the AVX-512 kernel computes them.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn unpack_q4_pair(w: &PackedQ4, t: usize, buf: &mut [u8]) {
+    use crate::q4::{OFFSET_UNIT, Q4_TILE_BLOCK_BYTES, Q4_TILE_ROWS as G, STEP_UNIT, SUPER_BLOCKS};
+    let wq = |t: usize| w.qs.as_ptr().add(t * w.blocks * Q4_TILE_BLOCK_BYTES);
+    let (wq0, wq1) = (wq(t), wq(t + 1));
+    let (sc0, sc1) = (
+        w.sc.as_ptr().add(t * w.blocks * G),
+        w.sc.as_ptr().add((t + 1) * w.blocks * G),
+    );
+    let mn = |t: usize| w.mn.as_ptr().add(t * w.blocks * G) as *const u8;
+    let (mn0, mn1) = (mn(t), mn(t + 1));
+    let super_start = |v: &[half::f16], t: usize| v.as_ptr().add(t * w.supers * G) as *const u8;
+    let (ds0, ds1) = (super_start(&w.ds, t), super_start(&w.ds, t + 1));
+    let (ms0, ms1) = (super_start(&w.ms, t), super_start(&w.ms, t + 1));
+    let nibble = _mm_set1_epi8(0x0f);
+    let (mut dmax, mut mmax) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+    for b in 0..w.blocks {
+        if b % SUPER_BLOCKS == 0 {
+            let s = b / SUPER_BLOCKS * G * 2;
+            dmax = _mm512_mul_ps(
+                _mm512_cvtph_ps(crate::avx512::two_halves(ds0.add(s), ds1.add(s))),
+                _mm512_set1_ps(STEP_UNIT),
+            );
+            mmax = _mm512_mul_ps(
+                _mm512_cvtph_ps(crate::avx512::two_halves(ms0.add(s), ms1.add(s))),
+                _mm512_set1_ps(OFFSET_UNIT),
+            );
+        }
+        let dst = buf.as_mut_ptr().add(b * Q4_UNPACKED_BLOCK);
+        let (wb0, wb1) = (
+            wq0.add(b * Q4_TILE_BLOCK_BYTES),
+            wq1.add(b * Q4_TILE_BLOCK_BYTES),
+        );
+        for k in 0..BLOCK / 4 {
+            // Byte `2i + c` of a quad holds row `i`'s column `4k + c` (low nibble) and
+            // `4k + 2 + c` (high): interleaving the two as 16-bit pairs gives each row's
+            // four columns in order.
+            for (h, wb) in [wb0, wb1].into_iter().enumerate() {
+                let x = _mm_loadu_si128(wb.add(k * 2 * G) as *const __m128i);
+                let lo = _mm_and_si128(x, nibble);
+                let hi = _mm_and_si128(_mm_srli_epi16::<4>(x), nibble);
+                let row = dst.add(k * 64 + h * 32) as *mut __m128i;
+                _mm_storeu_si128(row, _mm_unpacklo_epi16(lo, hi));
+                _mm_storeu_si128(row.add(1), _mm_unpackhi_epi16(lo, hi));
+            }
+        }
+        let steps = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(crate::avx512::two_eighths(
+            sc0.add(b * G),
+            sc1.add(b * G),
+        )));
+        let offsets = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(crate::avx512::two_eighths(
+            mn0.add(b * G),
+            mn1.add(b * G),
+        )));
+        let scales = dst.add(8 * 64) as *mut f32;
+        _mm512_storeu_ps(scales, _mm512_mul_ps(dmax, steps));
+        _mm512_storeu_ps(scales.add(16), _mm512_mul_ps(mmax, offsets));
+    }
+}
+
+/// Activation rows `m .. m + 16` by the unpacked pair of 4-bit tiles `t`, `t + 1` in `buf`
+/// (output columns `8 t ..`, those past the weights' last row not written).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn q4_tile_rows<const SIXTEEN: bool>(
+    w: &PackedQ4,
+    a: &Activations,
+    sums: &[f32],
+    buf: &[u8],
+    t: usize,
+    m: usize,
+    out: *mut f32,
+) {
+    #[repr(C, align(64))]
+    struct Ints([[i32; 16]; 16]);
+    let (mut hi, mut lo) = (Ints([[0; 16]; 16]), Ints([[0; 16]; 16]));
+    let mut acc = [_mm512_setzero_ps(); M_TILE];
+    let stride = a.cols;
+    let act = |bytes: *const u8, b: usize| bytes.add(m * a.cols + b * BLOCK);
+    let wts = |b: usize| buf.as_ptr().add(b * Q4_UNPACKED_BLOCK);
+    // Block `b`'s integer tile `c` in f32, as the AVX-512 kernel adds a block.
+    let mut add = |c: &Ints, l: Option<&Ints>, b: usize| {
+        let scales = wts(b).add(8 * 64) as *const f32;
+        let (dw, mw) = (_mm512_loadu_ps(scales), _mm512_loadu_ps(scales.add(16)));
+        for (i, acc) in acc.iter_mut().enumerate() {
+            let mut v = _mm512_load_si512(c.0[i].as_ptr() as *const _);
+            if let Some(l) = l {
+                let l = _mm512_load_si512(l.0[i].as_ptr() as *const _);
+                v = _mm512_add_epi32(_mm512_slli_epi32::<8>(v), l);
+            }
+            let row = (m + i) * a.blocks + b;
+            let s = _mm512_mul_ps(dw, _mm512_set1_ps(*a.d.get_unchecked(row)));
+            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), s, *acc);
+            *acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(*sums.get_unchecked(row)), *acc);
+        }
+    };
+    let s8 = a.s8.as_ptr() as *const u8;
+    let mut b = 0;
+    while b < w.blocks {
+        if SIXTEEN {
+            asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tileloadd tmm4, [{w} + {ws} * 1]",
+                "tileloadd tmm2, [{h} + {s} * 1]",
+                "tileloadd tmm3, [{l} + {s} * 1]",
+                "tdpbsud tmm0, tmm2, tmm4",
+                "tdpbuud tmm1, tmm3, tmm4",
+                "tilestored [{c0} + {cs} * 1], tmm0",
+                "tilestored [{c1} + {cs} * 1], tmm1",
+                h = in(reg) act(s8, b),
+                l = in(reg) act(a.lo.as_ptr(), b),
+                s = in(reg) stride,
+                w = in(reg) wts(b),
+                ws = in(reg) 64usize,
+                c0 = in(reg) hi.0.as_mut_ptr(),
+                c1 = in(reg) lo.0.as_mut_ptr(),
+                cs = in(reg) 64usize,
+                options(nostack),
+            );
+            add(&hi, Some(&lo), b);
+            b += 1;
+        } else if b + 1 < w.blocks {
+            asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tileloadd tmm4, [{w0} + {ws} * 1]",
+                "tileloadd tmm2, [{a0} + {s} * 1]",
+                "tileloadd tmm5, [{w1} + {ws} * 1]",
+                "tileloadd tmm3, [{a1} + {s} * 1]",
+                "tdpbsud tmm0, tmm2, tmm4",
+                "tdpbsud tmm1, tmm3, tmm5",
+                "tilestored [{c0} + {cs} * 1], tmm0",
+                "tilestored [{c1} + {cs} * 1], tmm1",
+                a0 = in(reg) act(s8, b),
+                a1 = in(reg) act(s8, b + 1),
+                s = in(reg) stride,
+                w0 = in(reg) wts(b),
+                w1 = in(reg) wts(b + 1),
+                ws = in(reg) 64usize,
+                c0 = in(reg) hi.0.as_mut_ptr(),
+                c1 = in(reg) lo.0.as_mut_ptr(),
+                cs = in(reg) 64usize,
+                options(nostack),
+            );
+            add(&hi, None, b);
+            add(&lo, None, b + 1);
+            b += 2;
+        } else {
+            asm!(
+                "tilezero tmm0",
+                "tileloadd tmm4, [{w} + {ws} * 1]",
+                "tileloadd tmm2, [{a} + {s} * 1]",
+                "tdpbsud tmm0, tmm2, tmm4",
+                "tilestored [{c} + {cs} * 1], tmm0",
+                a = in(reg) act(s8, b),
+                s = in(reg) stride,
+                w = in(reg) wts(b),
+                ws = in(reg) 64usize,
+                c = in(reg) hi.0.as_mut_ptr(),
+                cs = in(reg) 64usize,
+                options(nostack),
+            );
+            add(&hi, None, b);
+            b += 1;
+        }
+    }
+    crate::avx512::store_tile(&acc, out, w.rows, t * crate::q4::Q4_TILE_ROWS, m);
 }
 
 #[cfg(test)]

@@ -420,18 +420,24 @@ unsafe fn quad_tile<const M: usize, const SIXTEEN: bool>(
     store_tile(&acc, out, n, t * G, m);
 }
 
-/// As [`crate::scalar::q4_tiles`], for [`PackedQ4`]: two of its 8-row tiles side by side
-/// fill a register (16 output columns), a register tile is those 16 rows × up to 8
-/// activation rows. Per quad of columns, the two tiles' 16-byte runs make one 32-byte
+/// As [`crate::scalar::q4_tiles`] for the activation rows `rows`, for [`PackedQ4`]: two of
+/// its 8-row tiles side by side fill a register (16 output columns), a register tile is
+/// those 16 rows × up to 8 activation rows. Per quad of columns, the two tiles' 16-byte runs make one 32-byte
 /// register; a mask and a shift give the two column pairs for the 16 rows, widened to 16
 /// bits (`vpmovzxbw`), and `vpdpwssd` against each activation row's pair broadcast to every
 /// lane leaves row `i`'s sum in lane `i`, as the 8-bit kernel does. A range with an odd
 /// number of tiles computes its last tile twice over in one register and keeps one half.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-pub(crate) unsafe fn q4_tiles(w: &PackedQ4, a: &Activations, tiles: Range<usize>, out: *mut f32) {
-    let mut m0 = 0;
-    while m0 < a.rows {
-        let m1 = (m0 + ROW_BLOCK).min(a.rows);
+pub(crate) unsafe fn q4_tiles(
+    w: &PackedQ4,
+    a: &Activations,
+    tiles: Range<usize>,
+    rows: Range<usize>,
+    out: *mut f32,
+) {
+    let mut m0 = rows.start;
+    while m0 < rows.end {
+        let m1 = (m0 + ROW_BLOCK).min(rows.end);
         let mut t = tiles.start;
         while t < tiles.end {
             let pair = (t, (t + 1).min(tiles.end - 1));
@@ -459,7 +465,7 @@ pub(crate) unsafe fn q4_tiles(w: &PackedQ4, a: &Activations, tiles: Range<usize>
 /// 16 bytes at `p0` in the low half of a register, 16 at `p1` in the high one.
 #[target_feature(enable = "avx2")]
 #[inline]
-unsafe fn two_halves(p0: *const u8, p1: *const u8) -> __m256i {
+pub(crate) unsafe fn two_halves(p0: *const u8, p1: *const u8) -> __m256i {
     _mm256_set_m128i(
         _mm_loadu_si128(p1 as *const __m128i),
         _mm_loadu_si128(p0 as *const __m128i),
@@ -469,7 +475,7 @@ unsafe fn two_halves(p0: *const u8, p1: *const u8) -> __m256i {
 /// 8 bytes at `p0`, then 8 at `p1`.
 #[target_feature(enable = "avx2")]
 #[inline]
-unsafe fn two_eighths(p0: *const u8, p1: *const u8) -> __m128i {
+pub(crate) unsafe fn two_eighths(p0: *const u8, p1: *const u8) -> __m128i {
     _mm_unpacklo_epi64(
         _mm_loadl_epi64(p0 as *const __m128i),
         _mm_loadl_epi64(p1 as *const __m128i),

@@ -1,5 +1,6 @@
 //! The 4-bit product: [`PackedQ4`]'s tiles handed out to the pool's threads, each running
-//! the AVX-512 kernel (tiles two at a time), the AVX-VNNI or the AVX2 one where the
+//! the AMX kernel for whole 16-row tiles of activations (tiles two at a time), the AVX-512
+//! kernel (tiles two at a time), the AVX-VNNI or the AVX2 one where the
 //! instruction set includes it, the NEON one on aarch64, else the scalar reference (the
 //! weights and their quantization are in `q4.rs`).
 
@@ -11,7 +12,8 @@ use std::ops::Range;
 
 impl PackedQ4 {
     /// `out = a · deq(self)ᵀ` (`a.rows() × self.rows()`, row-major), on `pool`'s threads.
-    /// AVX-512 and AMX run the AVX-512 kernel, AVX-VNNI, AVX2 and NEON their own; scalar the
+    /// AMX runs its own kernel on whole 16-row tiles of activations and the AVX-512 one on
+    /// the rest, AVX-512 the AVX-512 kernel, AVX-VNNI, AVX2 and NEON their own; scalar the
     /// reference.
     pub fn matmul(&self, a: &Activations, out: &mut [f32], isa: Isa, pool: &Pool) -> Result<()> {
         check_product(a, self.rows, self.cols, Some(out.len()))?;
@@ -33,10 +35,20 @@ impl PackedQ4 {
             let tiles = units.start * unit..(units.end * unit).min(self.tiles);
             match isa {
                 #[cfg(target_arch = "x86_64")]
+                // SAFETY: `isa.available()` checked AMX (granted), AVX-512 F/BW/VNNI and AVX2,
+                // FMA, F16C; the activations hold their AMX byte form; each range of tiles
+                // (from an even tile) is claimed by one thread, which writes only those
+                // tiles' output columns.
+                Isa::Amx if a.s8.len() == a.q.len() && a.bytes.is_some() => unsafe {
+                    crate::amx::q4_pair_tiles(self, a, tiles, dst.0)
+                },
+                #[cfg(target_arch = "x86_64")]
                 // SAFETY: `isa.available()` checked AVX-512 F/BW/VNNI and AVX2, FMA, F16C;
                 // each range of tiles is claimed by one thread, which writes only those
                 // tiles' output columns.
-                Isa::Avx512 | Isa::Amx => unsafe { crate::avx512::q4_tiles(self, a, tiles, dst.0) },
+                Isa::Avx512 | Isa::Amx => unsafe {
+                    crate::avx512::q4_tiles(self, a, tiles, 0..a.rows, dst.0)
+                },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `isa.available()` checked AVX-VNNI and AVX2, FMA, F16C; each range
                 // of tiles is claimed by one thread, which writes only those tiles' output

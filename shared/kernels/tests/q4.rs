@@ -43,7 +43,7 @@ proptest! {
     fn simd_equals_the_reference(
         rows in 1usize..40,
         blocks in 1usize..20,
-        m in 1usize..11,
+        m in 1usize..40,
         sixteen in any::<bool>(),
         seed in 0u64..1000,
         threads in 1usize..4,
@@ -72,7 +72,9 @@ fn model_shapes_and_more_rows_than_a_row_block() {
 /// super-block's largest step and offset store them exactly).
 #[test]
 fn integer_parts_are_exact() {
-    let (rows, cols, m) = (13, 11 * BLOCK, 6);
+    // More than one whole tile of activation rows, and a partial one (AMX's rows and the
+    // AVX-512 kernel's).
+    let (rows, cols, m) = (13, 11 * BLOCK, 35);
     let mut rng = rand::rngs::StdRng::seed_from_u64(3);
     let wf: Vec<f32> = (0..rows * cols)
         .map(|i| {
@@ -107,6 +109,40 @@ fn integer_parts_are_exact() {
     for isa in Isa::all_available() {
         a.quantize_with(&xf, m, cols, ActBits::Eight, isa).unwrap();
         assert_eq!(product(&w, &a, isa, &pool), want, "{isa:?}");
+    }
+}
+
+/// AMX computes whole 16-row tiles of activations with tile products and the rest with the
+/// AVX-512 kernel; both add each block's integer sum in f32 with the same operations in the
+/// same order, so their outputs agree bit for bit (odd tile counts, partial row tiles, both
+/// widths, rows past a last whole tile and a lone last tile).
+#[test]
+fn amx_equals_avx512_bit_for_bit() {
+    if !Isa::Amx.available() {
+        eprintln!("skipped: this CPU or kernel grants no AMX");
+        return;
+    }
+    let pool = Pool::new(2);
+    for &(rows, cols, m) in &[
+        (40, 576, 16),
+        (24, 9 * BLOCK, 37),
+        (130, 256, 48),
+        (8, 64, 17),
+    ] {
+        let w = PackedQ4::quantize(&rand_vec(rows * cols, rows as u64, 0.1), rows, cols).unwrap();
+        let xf = rand_vec(m * cols, 7, 1.0);
+        for bits in [ActBits::Eight, ActBits::Sixteen] {
+            let mut a = Activations::new();
+            a.quantize_with(&xf, m, cols, bits, Isa::Amx).unwrap();
+            let amx = product(&w, &a, Isa::Amx, &pool);
+            let avx512 = product(&w, &a, Isa::Avx512, &pool);
+            assert!(
+                amx.iter()
+                    .zip(&avx512)
+                    .all(|(x, y)| x.to_bits() == y.to_bits()),
+                "[{rows}x{cols}] m={m} {bits:?}"
+            );
+        }
     }
 }
 
