@@ -7,6 +7,7 @@ use crate::formats::{teacher_forced_top1, KlSummary};
 use crate::steps::watch_with;
 use quantmesh_engine::backend::cpu::LlamaModel;
 use quantmesh_engine::backend::{EmbeddingDtype, FloatDtype, Forms, SplitActivations};
+use quantmesh_engine::monitor::GroupMode;
 use quantmesh_model::ModelConfig;
 use quantmesh_types::Residency;
 use std::path::{Path, PathBuf};
@@ -54,7 +55,7 @@ pub(crate) fn activation_table(
     let reference = LlamaModel::load(dir, cfg, &|_| Residency::Float)?;
     println!();
     println!(
-        "Activation widths and rotations on {} (first-load plan {}, float budget {}, {} tables; KL to the f32 float model with float activations, teacher-forced; the monitor watched {} requests of 64 tokens from {} first; {} tokens per held-out text):",
+        "Activation widths and rotations on {} (first-load plan {}, float budget {}, {} tables; KL to the f32 float model with float activations, teacher-forced; the monitor, as the engine configures it from the plan, watched {} requests of 64 tokens from {} first, as one window; {} tokens per held-out text):",
         dir.display(),
         plan_path.display(),
         args.float_budget,
@@ -78,10 +79,10 @@ pub(crate) fn activation_table(
     );
     println!();
     let smoothed = live.smoothing.len();
-    println!("Scale migration: `plan` = the plan's smoothing factors ({smoothed} of its groups carry them), `none` = the same plan without. Monitor `off`: no monitor, every row on the plan's paths.");
+    println!("Scale migration: `plan` = the plan's smoothing factors ({smoothed} of its groups carry them), `none` = the same plan without. Monitor `off`: no monitor, every row on the plan's paths. Groups on fallback: after the monitor's window, of the linear groups (float where a copy is resident, 16-bit activations where not under `copyless`).");
     println!();
-    println!("| activations | rotation block | smoothing | monitor | held-out text | mean KL | median KL | p99 KL | top-1 agreement % | perplexity | served tok/s (b1, one token per step) |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("| activations | rotation block | smoothing | monitor | groups on fallback | held-out text | mean KL | median KL | p99 KL | top-1 agreement % | perplexity | served tok/s (b1, one token per step) |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     let configs = args.splits.iter().flat_map(|&split| {
         args.rotations.iter().flat_map(move |&rotation| {
             args.smoothings.iter().flat_map(move |&smoothing| {
@@ -109,21 +110,36 @@ pub(crate) fn activation_table(
             f
         };
         let model = LlamaModel::load_planned(&ck, cfg, &form, forms)?;
+        // The monitor as the engine runs it: the plan's thresholds and overrides, each
+        // group in the residency the model serves it in, split fallback under `copyless`;
+        // its window is the traffic (one window closes, with the engine's trigger), and no
+        // shadow passes (the scoring below is the reference).
         let mcfg = quantmesh_engine::monitor::MonitorConfig {
-            window_requests: 4,
+            window_requests: requests.len(),
             shadow_sample_rate: 0.0,
-            ..Default::default()
+            ..live.monitor.clone()
         };
         let spikes = !args.spikes_only_8bit || split != SplitActivations::All;
-        let mask = match monitor {
-            MonitorChoice::On => watch_with(&model, cfg, mcfg, &requests, 1, spikes)?.1,
-            MonitorChoice::Off => Default::default(),
+        let split_fallback = split == SplitActivations::Copyless;
+        let (mask, on_fallback) = match monitor {
+            MonitorChoice::On => {
+                let (m, mask) =
+                    watch_with(&model, cfg, mcfg, &requests, 1, spikes, split_fallback)?;
+                let report = m.report();
+                let n = report
+                    .groups
+                    .iter()
+                    .filter(|g| g.mode != GroupMode::Int8 && g.mode != GroupMode::ForcedInt8)
+                    .count();
+                (mask, format!("{n} / {}", report.groups.len()))
+            }
+            MonitorChoice::Off => (Default::default(), "-".to_string()),
         };
         for (path, ids) in &texts {
             let s = teacher_forced_top1(&model, &reference, cfg, ids, &mask, true)?;
             let k = KlSummary::of(&s.kls);
             println!(
-                "| {} | {} | {} | {} | {} | {:.5} | {:.5} | {:.4} | {:.1} | {:.3} | {:.1} |",
+                "| {} | {} | {} | {} | {} | {} | {:.5} | {:.5} | {:.4} | {:.1} | {:.3} | {:.1} |",
                 split.as_str(),
                 if rotation == 0 {
                     "none".to_string()
@@ -138,6 +154,7 @@ pub(crate) fn activation_table(
                     MonitorChoice::On => "on",
                     MonitorChoice::Off => "off",
                 },
+                on_fallback,
                 path.file_name().map_or_else(
                     || path.display().to_string(),
                     |n| n.to_string_lossy().into()

@@ -43,8 +43,9 @@ pub(crate) fn step_for(bm: &mut BlockManager, seqs: &[(u64, Vec<u32>)]) -> StepI
     quantmesh_engine_tools::step_for(bm, seqs).expect("reserved")
 }
 
-/// Run the activation monitor over `requests` (each its own sequence, `rounds` times, every
-/// group dual-resident) as served traffic; returns it and the mask it publishes.
+/// Run the activation monitor over `requests` (each its own sequence, `rounds` times) as
+/// served traffic, set up as the engine sets up its own: each group with the residency the
+/// model serves it in, activation spikes counted; returns it and the mask it publishes.
 pub(crate) fn watch(
     model: &LlamaModel,
     cfg: &ModelConfig,
@@ -52,11 +53,13 @@ pub(crate) fn watch(
     requests: &[Vec<u32>],
     rounds: u64,
 ) -> Result<(quantmesh_engine::monitor::Monitor, PathMask), Box<dyn std::error::Error>> {
-    watch_with(model, cfg, mcfg, requests, rounds, true)
+    watch_with(model, cfg, mcfg, requests, rounds, true, false)
 }
 
 /// As [`watch`]; `spikes`: whether activation spikes count as outliers (the engine counts
-/// them under every activation width; off reproduces its earlier rule for `all`).
+/// them under every activation width; off reproduces its earlier rule for `all`);
+/// `split_fallback`: rows wanting float in a group without a float copy are served with
+/// 16-bit activations, as the engine does under `copyless`.
 pub(crate) fn watch_with(
     model: &LlamaModel,
     cfg: &ModelConfig,
@@ -64,21 +67,23 @@ pub(crate) fn watch_with(
     requests: &[Vec<u32>],
     rounds: u64,
     spikes: bool,
+    split_fallback: bool,
 ) -> Result<(quantmesh_engine::monitor::Monitor, PathMask), Box<dyn std::error::Error>> {
+    use quantmesh_engine::backend::Backend;
     use quantmesh_types::{GroupId, GroupKind};
     let residencies: Vec<(GroupId, Residency)> = (0..cfg.num_hidden_layers)
-        .flat_map(|l| GroupKind::ALL.map(|k| (GroupId::new(l, k), Residency::Dual)))
+        .flat_map(|l| GroupKind::ALL.map(|k| GroupId::new(l, k)))
+        .map(|g| (g, model.residency(g)))
         .collect();
     let mut monitor = quantmesh_engine::monitor::Monitor::new(mcfg, "bench", &residencies);
     monitor.set_activation_spikes(spikes);
-    // The harm test's column errors, as the engine gives them (the model here runs plain
-    // W8A8 rows, so activation spikes count too: the monitor's default).
-    monitor.set_column_errors(residencies.iter().map(|(g, _)| {
-        (
-            *g,
-            quantmesh_engine::backend::Backend::column_error(model, *g),
-        )
-    }));
+    monitor.set_split_fallback(split_fallback);
+    // The harm test's column errors, as the engine gives them.
+    monitor.set_column_errors(
+        residencies
+            .iter()
+            .map(|(g, _)| (*g, model.column_error(*g))),
+    );
     let mut runner = StepRunner::default();
     let page = 16;
     for round in 0..rounds {
