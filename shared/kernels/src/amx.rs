@@ -159,6 +159,168 @@ pub(crate) unsafe fn q8_quad_tiles(
     asm!("ldtilecfg [{}]", in(reg) saved.0.as_ptr(), options(nostack, readonly));
 }
 
+/// One block's integer tile: 16 activation rows × 16 weight rows, as `tilestored` writes it.
+#[repr(C, align(64))]
+struct Ints([[i32; 16]; 16]);
+
+/// The tile products of one weight form: 8-bit Q8_0 weights are signed bytes, 4-bit levels
+/// unsigned ones, so each takes its own instructions (signed activations by the weights; the
+/// 16-bit activations' unsigned low bytes by the weights).
+trait TileProducts {
+    /// Blocks `b` and `b + 1` of activation rows `m ..` (8-bit) into `c0` and `c1`.
+    unsafe fn two(
+        a0: *const u8,
+        a1: *const u8,
+        s: usize,
+        w0: *const u8,
+        w1: *const u8,
+        c0: *mut Ints,
+        c1: *mut Ints,
+    );
+    /// One block's high bytes into `c0` and low bytes into `c1` (16-bit).
+    unsafe fn split(
+        h: *const u8,
+        l: *const u8,
+        s: usize,
+        w: *const u8,
+        c0: *mut Ints,
+        c1: *mut Ints,
+    );
+    /// One block (8-bit) into `c`.
+    unsafe fn one(a: *const u8, s: usize, w: *const u8, c: *mut Ints);
+}
+
+/// Q8_0 weights (signed bytes): `tdpbssd`, and `tdpbusd` for the low bytes.
+struct SignedWeights;
+/// 4-bit levels 0..=15 (unsigned bytes): `tdpbsud`, and `tdpbuud` for the low bytes.
+struct Levels;
+
+macro_rules! tile_products {
+    ($form:ty, $signed:literal, $unsigned:literal) => {
+        impl TileProducts for $form {
+            #[inline(always)]
+            unsafe fn two(
+                a0: *const u8,
+                a1: *const u8,
+                s: usize,
+                w0: *const u8,
+                w1: *const u8,
+                c0: *mut Ints,
+                c1: *mut Ints,
+            ) {
+                asm!(
+                    "tilezero tmm0",
+                    "tilezero tmm1",
+                    "tileloadd tmm4, [{w0} + {ws} * 1]",
+                    "tileloadd tmm2, [{a0} + {s} * 1]",
+                    "tileloadd tmm5, [{w1} + {ws} * 1]",
+                    "tileloadd tmm3, [{a1} + {s} * 1]",
+                    concat!($signed, " tmm0, tmm2, tmm4"),
+                    concat!($signed, " tmm1, tmm3, tmm5"),
+                    "tilestored [{c0} + {cs} * 1], tmm0",
+                    "tilestored [{c1} + {cs} * 1], tmm1",
+                    a0 = in(reg) a0,
+                    a1 = in(reg) a1,
+                    s = in(reg) s,
+                    w0 = in(reg) w0,
+                    w1 = in(reg) w1,
+                    ws = in(reg) 64usize,
+                    c0 = in(reg) c0,
+                    c1 = in(reg) c1,
+                    cs = in(reg) 64usize,
+                    options(nostack),
+                );
+            }
+            #[inline(always)]
+            unsafe fn split(
+                h: *const u8,
+                l: *const u8,
+                s: usize,
+                w: *const u8,
+                c0: *mut Ints,
+                c1: *mut Ints,
+            ) {
+                asm!(
+                    "tilezero tmm0",
+                    "tilezero tmm1",
+                    "tileloadd tmm4, [{w} + {ws} * 1]",
+                    "tileloadd tmm2, [{h} + {s} * 1]",
+                    "tileloadd tmm3, [{l} + {s} * 1]",
+                    concat!($signed, " tmm0, tmm2, tmm4"),
+                    concat!($unsigned, " tmm1, tmm3, tmm4"),
+                    "tilestored [{c0} + {cs} * 1], tmm0",
+                    "tilestored [{c1} + {cs} * 1], tmm1",
+                    h = in(reg) h,
+                    l = in(reg) l,
+                    s = in(reg) s,
+                    w = in(reg) w,
+                    ws = in(reg) 64usize,
+                    c0 = in(reg) c0,
+                    c1 = in(reg) c1,
+                    cs = in(reg) 64usize,
+                    options(nostack),
+                );
+            }
+            #[inline(always)]
+            unsafe fn one(a: *const u8, s: usize, w: *const u8, c: *mut Ints) {
+                asm!(
+                    "tilezero tmm0",
+                    "tileloadd tmm4, [{w} + {ws} * 1]",
+                    "tileloadd tmm2, [{a} + {s} * 1]",
+                    concat!($signed, " tmm0, tmm2, tmm4"),
+                    "tilestored [{c} + {cs} * 1], tmm0",
+                    a = in(reg) a,
+                    s = in(reg) s,
+                    w = in(reg) w,
+                    ws = in(reg) 64usize,
+                    c = in(reg) c,
+                    cs = in(reg) 64usize,
+                    options(nostack),
+                );
+            }
+        }
+    };
+}
+
+tile_products!(SignedWeights, "tdpbssd", "tdpbusd");
+tile_products!(Levels, "tdpbsud", "tdpbuud");
+
+/// Every block of activation rows `m .. m + 16` against weight tiles `wts(b)`, two products in
+/// flight (two blocks of 8-bit activations, or a block's high and low bytes), each block's
+/// integer tiles handed to `add` (the low bytes' tile as its second argument).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn block_products<const SIXTEEN: bool, P: TileProducts>(
+    blocks: usize,
+    a: &Activations,
+    m: usize,
+    wts: impl Fn(usize) -> *const u8,
+    add: &mut impl FnMut(&Ints, Option<&Ints>, usize),
+    hi: &mut Ints,
+    lo: &mut Ints,
+) {
+    let s = a.cols;
+    let act = |bytes: *const u8, b: usize| bytes.add(m * a.cols + b * BLOCK);
+    let s8 = a.s8.as_ptr() as *const u8;
+    let mut b = 0;
+    while b < blocks {
+        if SIXTEEN {
+            P::split(act(s8, b), act(a.lo.as_ptr(), b), s, wts(b), hi, lo);
+            add(hi, Some(&*lo), b);
+            b += 1;
+        } else if b + 1 < blocks {
+            P::two(act(s8, b), act(s8, b + 1), s, wts(b), wts(b + 1), hi, lo);
+            add(hi, None, b);
+            add(lo, None, b + 1);
+            b += 2;
+        } else {
+            P::one(act(s8, b), s, wts(b), hi);
+            add(hi, None, b);
+            b += 1;
+        }
+    }
+}
+
 /// Activation rows `m .. m + 16` by the 16 weight rows of tile `t` (output columns
 /// `16 t ..`, those past the weights' last row not written): 16 × 16 outputs. Block `b` of
 /// the tile is the 8 × 64-byte weight tile itself (a row of it is four consecutive values of
@@ -172,14 +334,10 @@ unsafe fn tile_rows<const SIXTEEN: bool>(
     m: usize,
     out: *mut f32,
 ) {
-    #[repr(C, align(64))]
-    struct Ints([[i32; 16]; 16]);
     let (mut hi, mut lo) = (Ints([[0; 16]; 16]), Ints([[0; 16]; 16]));
     let mut acc = [_mm512_setzero_ps(); M_TILE];
-    let stride = a.cols;
-    let act = |bytes: *const u8, b: usize| bytes.add(m * a.cols + b * BLOCK);
     let first = t * w.blocks;
-    let wts = |b: usize| w.qs.as_ptr().add((first + b) * GROUP_BLOCK_BYTES);
+    let wts = |b: usize| w.qs.as_ptr().add((first + b) * GROUP_BLOCK_BYTES) as *const u8;
     // Block `b`'s integer tile `c` (rows `m ..`, columns the tile's 16 weight rows) in f32.
     let mut add = |c: &Ints, l: Option<&Ints>, b: usize| {
         let dw = _mm512_cvtph_ps(_mm256_loadu_si256(
@@ -195,79 +353,7 @@ unsafe fn tile_rows<const SIXTEEN: bool>(
             *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(dw, da), *acc);
         }
     };
-    let s8 = a.s8.as_ptr() as *const u8;
-    let mut b = 0;
-    while b < w.blocks {
-        if SIXTEEN {
-            // High bytes (signed) and low bytes (unsigned) of block b, side by side.
-            asm!(
-                "tilezero tmm0",
-                "tilezero tmm1",
-                "tileloadd tmm4, [{w} + {ws} * 1]",
-                "tileloadd tmm2, [{h} + {s} * 1]",
-                "tileloadd tmm3, [{l} + {s} * 1]",
-                "tdpbssd tmm0, tmm2, tmm4",
-                "tdpbusd tmm1, tmm3, tmm4",
-                "tilestored [{c0} + {cs} * 1], tmm0",
-                "tilestored [{c1} + {cs} * 1], tmm1",
-                h = in(reg) act(s8, b),
-                l = in(reg) act(a.lo.as_ptr(), b),
-                s = in(reg) stride,
-                w = in(reg) wts(b),
-                ws = in(reg) 64usize,
-                c0 = in(reg) hi.0.as_mut_ptr(),
-                c1 = in(reg) lo.0.as_mut_ptr(),
-                cs = in(reg) 64usize,
-                options(nostack),
-            );
-            add(&hi, Some(&lo), b);
-            b += 1;
-        } else if b + 1 < w.blocks {
-            // Blocks b and b + 1.
-            asm!(
-                "tilezero tmm0",
-                "tilezero tmm1",
-                "tileloadd tmm4, [{w0} + {ws} * 1]",
-                "tileloadd tmm2, [{a0} + {s} * 1]",
-                "tileloadd tmm5, [{w1} + {ws} * 1]",
-                "tileloadd tmm3, [{a1} + {s} * 1]",
-                "tdpbssd tmm0, tmm2, tmm4",
-                "tdpbssd tmm1, tmm3, tmm5",
-                "tilestored [{c0} + {cs} * 1], tmm0",
-                "tilestored [{c1} + {cs} * 1], tmm1",
-                a0 = in(reg) act(s8, b),
-                a1 = in(reg) act(s8, b + 1),
-                s = in(reg) stride,
-                w0 = in(reg) wts(b),
-                w1 = in(reg) wts(b + 1),
-                ws = in(reg) 64usize,
-                c0 = in(reg) hi.0.as_mut_ptr(),
-                c1 = in(reg) lo.0.as_mut_ptr(),
-                cs = in(reg) 64usize,
-                options(nostack),
-            );
-            add(&hi, None, b);
-            add(&lo, None, b + 1);
-            b += 2;
-        } else {
-            asm!(
-                "tilezero tmm0",
-                "tileloadd tmm4, [{w} + {ws} * 1]",
-                "tileloadd tmm2, [{a} + {s} * 1]",
-                "tdpbssd tmm0, tmm2, tmm4",
-                "tilestored [{c} + {cs} * 1], tmm0",
-                a = in(reg) act(s8, b),
-                s = in(reg) stride,
-                w = in(reg) wts(b),
-                ws = in(reg) 64usize,
-                c = in(reg) hi.0.as_mut_ptr(),
-                cs = in(reg) 64usize,
-                options(nostack),
-            );
-            add(&hi, None, b);
-            b += 1;
-        }
-    }
+    block_products::<SIXTEEN, SignedWeights>(w.blocks, a, m, wts, &mut add, &mut hi, &mut lo);
     crate::avx512::store_tile(&acc, out, w.rows, t * GROUP_ROWS, m);
 }
 
@@ -430,12 +516,8 @@ unsafe fn q4_tile_rows<const SIXTEEN: bool>(
     m: usize,
     out: *mut f32,
 ) {
-    #[repr(C, align(64))]
-    struct Ints([[i32; 16]; 16]);
     let (mut hi, mut lo) = (Ints([[0; 16]; 16]), Ints([[0; 16]; 16]));
     let mut acc = [_mm512_setzero_ps(); M_TILE];
-    let stride = a.cols;
-    let act = |bytes: *const u8, b: usize| bytes.add(m * a.cols + b * BLOCK);
     let wts = |b: usize| buf.as_ptr().add(b * Q4_UNPACKED_BLOCK);
     // Block `b`'s integer tile `c` in f32, as the AVX-512 kernel adds a block.
     let mut add = |c: &Ints, l: Option<&Ints>, b: usize| {
@@ -453,77 +535,7 @@ unsafe fn q4_tile_rows<const SIXTEEN: bool>(
             *acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(*sums.get_unchecked(row)), *acc);
         }
     };
-    let s8 = a.s8.as_ptr() as *const u8;
-    let mut b = 0;
-    while b < w.blocks {
-        if SIXTEEN {
-            asm!(
-                "tilezero tmm0",
-                "tilezero tmm1",
-                "tileloadd tmm4, [{w} + {ws} * 1]",
-                "tileloadd tmm2, [{h} + {s} * 1]",
-                "tileloadd tmm3, [{l} + {s} * 1]",
-                "tdpbsud tmm0, tmm2, tmm4",
-                "tdpbuud tmm1, tmm3, tmm4",
-                "tilestored [{c0} + {cs} * 1], tmm0",
-                "tilestored [{c1} + {cs} * 1], tmm1",
-                h = in(reg) act(s8, b),
-                l = in(reg) act(a.lo.as_ptr(), b),
-                s = in(reg) stride,
-                w = in(reg) wts(b),
-                ws = in(reg) 64usize,
-                c0 = in(reg) hi.0.as_mut_ptr(),
-                c1 = in(reg) lo.0.as_mut_ptr(),
-                cs = in(reg) 64usize,
-                options(nostack),
-            );
-            add(&hi, Some(&lo), b);
-            b += 1;
-        } else if b + 1 < w.blocks {
-            asm!(
-                "tilezero tmm0",
-                "tilezero tmm1",
-                "tileloadd tmm4, [{w0} + {ws} * 1]",
-                "tileloadd tmm2, [{a0} + {s} * 1]",
-                "tileloadd tmm5, [{w1} + {ws} * 1]",
-                "tileloadd tmm3, [{a1} + {s} * 1]",
-                "tdpbsud tmm0, tmm2, tmm4",
-                "tdpbsud tmm1, tmm3, tmm5",
-                "tilestored [{c0} + {cs} * 1], tmm0",
-                "tilestored [{c1} + {cs} * 1], tmm1",
-                a0 = in(reg) act(s8, b),
-                a1 = in(reg) act(s8, b + 1),
-                s = in(reg) stride,
-                w0 = in(reg) wts(b),
-                w1 = in(reg) wts(b + 1),
-                ws = in(reg) 64usize,
-                c0 = in(reg) hi.0.as_mut_ptr(),
-                c1 = in(reg) lo.0.as_mut_ptr(),
-                cs = in(reg) 64usize,
-                options(nostack),
-            );
-            add(&hi, None, b);
-            add(&lo, None, b + 1);
-            b += 2;
-        } else {
-            asm!(
-                "tilezero tmm0",
-                "tileloadd tmm4, [{w} + {ws} * 1]",
-                "tileloadd tmm2, [{a} + {s} * 1]",
-                "tdpbsud tmm0, tmm2, tmm4",
-                "tilestored [{c} + {cs} * 1], tmm0",
-                a = in(reg) act(s8, b),
-                s = in(reg) stride,
-                w = in(reg) wts(b),
-                ws = in(reg) 64usize,
-                c = in(reg) hi.0.as_mut_ptr(),
-                cs = in(reg) 64usize,
-                options(nostack),
-            );
-            add(&hi, None, b);
-            b += 1;
-        }
-    }
+    block_products::<SIXTEEN, Levels>(w.blocks, a, m, wts, &mut add, &mut hi, &mut lo);
     crate::avx512::store_tile(&acc, out, w.rows, t * crate::q4::Q4_TILE_ROWS, m);
 }
 
