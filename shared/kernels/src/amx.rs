@@ -1,7 +1,8 @@
-//! The Q8_0 product on Intel AMX tiles (x86-64, Sapphire Rapids and later), for the
-//! activation rows that fill whole 16-row tiles; the rest of a call (a last partial tile of
-//! rows, or fewer than 16 rows: a batch-1 decode) runs the AVX-512 kernel that reads the same
-//! weight order.
+//! The Q8_0 and 4-bit products on Intel AMX tiles (x86-64, Sapphire Rapids and later), for
+//! the activation rows that fill whole 16-row tiles; the rest of a call (a last partial tile
+//! of rows, or fewer than 16 rows: a batch-1 decode) runs the AVX-512 kernel that reads the
+//! same weight order. The 4-bit weights are unpacked into tile order once per call
+//! ([`q4_pair_tiles`]); the rest of this note is about Q8_0.
 //!
 //! `tdpbssd` multiplies a 16 × 32-byte tile of signed activation bytes by a tile holding
 //! one 32-value block of 16 weight rows in the "VNNI" order (`[k / 4][row][k % 4]`: a
