@@ -136,33 +136,59 @@ pub(crate) unsafe fn q8_quad_tiles(
         return;
     }
     let sixteen = a.bytes == Some(ActBits::Sixteen);
+    with_tiles(|| {
+        // A block of activation rows stays in L2 while the thread's tiles go by, each
+        // tile's weights in L1 while the block's 16-row tiles go by.
+        let mut m0 = 0;
+        while m0 < m16 {
+            let m1 = (m0 + ROW_BLOCK).min(m16);
+            for t in tiles.clone() {
+                let mut m = m0;
+                while m < m1 {
+                    match sixteen {
+                        true => tile_rows::<true>(w, a, t, m, out),
+                        false => tile_rows::<false>(w, a, t, m, out),
+                    }
+                    m += M_TILE;
+                }
+            }
+            m0 = m1;
+        }
+    });
+}
+
+/// Run `f` with this module's tile configuration loaded, and the thread's own (saved first)
+/// put back after it.
+#[inline]
+unsafe fn with_tiles(f: impl FnOnce()) {
     let mut saved = TileConfig([0; 64]);
     asm!("sttilecfg [{}]", in(reg) saved.0.as_mut_ptr(), options(nostack));
     let cfg = TileConfig::new();
     asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
-    // A block of activation rows stays in L2 while the thread's tiles go by, each tile's
-    // weights in L1 while the block's 16-row tiles go by.
-    let mut m0 = 0;
-    while m0 < m16 {
-        let m1 = (m0 + ROW_BLOCK).min(m16);
-        for t in tiles.clone() {
-            let mut m = m0;
-            while m < m1 {
-                match sixteen {
-                    true => tile_rows::<true>(w, a, t, m, out),
-                    false => tile_rows::<false>(w, a, t, m, out),
-                }
-                m += M_TILE;
-            }
-        }
-        m0 = m1;
-    }
+    f();
     asm!("ldtilecfg [{}]", in(reg) saved.0.as_ptr(), options(nostack, readonly));
 }
 
 /// One block's integer tile: 16 activation rows × 16 weight rows, as `tilestored` writes it.
 #[repr(C, align(64))]
 struct Ints([[i32; 16]; 16]);
+
+impl Ints {
+    /// Row `i`, or with `lo` (a 16-bit block's low bytes' tile, this one its high bytes')
+    /// the exact sum `(hi << 8) + lo`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn row(&self, lo: Option<&Ints>, i: usize) -> __m512i {
+        let v = _mm512_load_si512(self.0[i].as_ptr() as *const _);
+        match lo {
+            Some(l) => _mm512_add_epi32(
+                _mm512_slli_epi32::<8>(v),
+                _mm512_load_si512(l.0[i].as_ptr() as *const _),
+            ),
+            None => v,
+        }
+    }
+}
 
 /// The tile products of one weight form: 8-bit Q8_0 weights are signed bytes, 4-bit levels
 /// unsigned ones, so each takes its own instructions (signed activations by the weights; the
@@ -345,11 +371,7 @@ unsafe fn tile_rows<const SIXTEEN: bool>(
             w.d.as_ptr().add((first + b) * GROUP_ROWS) as *const __m256i,
         ));
         for (i, acc) in acc.iter_mut().enumerate() {
-            let mut v = _mm512_load_si512(c.0[i].as_ptr() as *const _);
-            if let Some(l) = l {
-                let l = _mm512_load_si512(l.0[i].as_ptr() as *const _);
-                v = _mm512_add_epi32(_mm512_slli_epi32::<8>(v), l);
-            }
+            let v = c.row(l, i);
             let da = _mm512_set1_ps(*a.d.get_unchecked((m + i) * a.blocks + b));
             *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(dw, da), *acc);
         }
@@ -391,42 +413,39 @@ pub(crate) unsafe fn q4_pair_tiles(
     }
     let sixteen = a.bytes == Some(ActBits::Sixteen);
     let sums = a.block_sums();
-    let mut saved = TileConfig([0; 64]);
-    asm!("sttilecfg [{}]", in(reg) saved.0.as_mut_ptr(), options(nostack));
-    let cfg = TileConfig::new();
-    asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
     // Pairs are unpacked a group at a time (the group in L2), then a block of activation
     // rows stays in L1 while the group's pairs go by, as in the 8-bit weights' kernel.
     let pair_bytes = w.blocks * Q4_UNPACKED_BLOCK;
     let group = (Q4_UNPACKED_GROUP_BYTES / pair_bytes).max(1);
-    Q4_UNPACKED.with_borrow_mut(|buf| {
-        buf.resize(group * pair_bytes, 0);
-        let mut g0 = tiles.start;
-        while g0 < pairs_end {
-            let g1 = (g0 + 2 * group).min(pairs_end);
-            for (i, t) in (g0..g1).step_by(2).enumerate() {
-                unpack_q4_pair(w, t, &mut buf[i * pair_bytes..(i + 1) * pair_bytes]);
-            }
-            let mut m0 = 0;
-            while m0 < m16 {
-                let m1 = (m0 + ROW_BLOCK).min(m16);
+    with_tiles(|| {
+        Q4_UNPACKED.with_borrow_mut(|buf| {
+            buf.resize(group * pair_bytes, 0);
+            let mut g0 = tiles.start;
+            while g0 < pairs_end {
+                let g1 = (g0 + 2 * group).min(pairs_end);
                 for (i, t) in (g0..g1).step_by(2).enumerate() {
-                    let pair = &buf[i * pair_bytes..(i + 1) * pair_bytes];
-                    let mut m = m0;
-                    while m < m1 {
-                        match sixteen {
-                            true => q4_tile_rows::<true>(w, a, sums, pair, t, m, out),
-                            false => q4_tile_rows::<false>(w, a, sums, pair, t, m, out),
-                        }
-                        m += M_TILE;
-                    }
+                    unpack_q4_pair(w, t, &mut buf[i * pair_bytes..(i + 1) * pair_bytes]);
                 }
-                m0 = m1;
+                let mut m0 = 0;
+                while m0 < m16 {
+                    let m1 = (m0 + ROW_BLOCK).min(m16);
+                    for (i, t) in (g0..g1).step_by(2).enumerate() {
+                        let pair = &buf[i * pair_bytes..(i + 1) * pair_bytes];
+                        let mut m = m0;
+                        while m < m1 {
+                            match sixteen {
+                                true => q4_tile_rows::<true>(w, a, sums, pair, t, m, out),
+                                false => q4_tile_rows::<false>(w, a, sums, pair, t, m, out),
+                            }
+                            m += M_TILE;
+                        }
+                    }
+                    m0 = m1;
+                }
+                g0 = g1;
             }
-            g0 = g1;
-        }
+        })
     });
-    asm!("ldtilecfg [{}]", in(reg) saved.0.as_ptr(), options(nostack, readonly));
 }
 
 /// Bytes of one unpacked block of a pair of 4-bit tiles: the 8 × 64-byte weight tile, then
@@ -446,37 +465,12 @@ thread_local! {
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 #[inline]
 unsafe fn unpack_q4_pair(w: &PackedQ4, t: usize, buf: &mut [u8]) {
-    use crate::q4::{OFFSET_UNIT, Q4_TILE_BLOCK_BYTES, Q4_TILE_ROWS as G, STEP_UNIT, SUPER_BLOCKS};
-    let wq = |t: usize| w.qs.as_ptr().add(t * w.blocks * Q4_TILE_BLOCK_BYTES);
-    let (wq0, wq1) = (wq(t), wq(t + 1));
-    let (sc0, sc1) = (
-        w.sc.as_ptr().add(t * w.blocks * G),
-        w.sc.as_ptr().add((t + 1) * w.blocks * G),
-    );
-    let mn = |t: usize| w.mn.as_ptr().add(t * w.blocks * G) as *const u8;
-    let (mn0, mn1) = (mn(t), mn(t + 1));
-    let super_start = |v: &[half::f16], t: usize| v.as_ptr().add(t * w.supers * G) as *const u8;
-    let (ds0, ds1) = (super_start(&w.ds, t), super_start(&w.ds, t + 1));
-    let (ms0, ms1) = (super_start(&w.ms, t), super_start(&w.ms, t + 1));
+    use crate::q4::Q4_TILE_ROWS as G;
+    let mut pair = crate::avx512::Q4Pair::new(w, t, t + 1);
     let nibble = _mm_set1_epi8(0x0f);
-    let (mut dmax, mut mmax) = (_mm512_setzero_ps(), _mm512_setzero_ps());
     for b in 0..w.blocks {
-        if b % SUPER_BLOCKS == 0 {
-            let s = b / SUPER_BLOCKS * G * 2;
-            dmax = _mm512_mul_ps(
-                _mm512_cvtph_ps(crate::avx512::two_halves(ds0.add(s), ds1.add(s))),
-                _mm512_set1_ps(STEP_UNIT),
-            );
-            mmax = _mm512_mul_ps(
-                _mm512_cvtph_ps(crate::avx512::two_halves(ms0.add(s), ms1.add(s))),
-                _mm512_set1_ps(OFFSET_UNIT),
-            );
-        }
         let dst = buf.as_mut_ptr().add(b * Q4_UNPACKED_BLOCK);
-        let (wb0, wb1) = (
-            wq0.add(b * Q4_TILE_BLOCK_BYTES),
-            wq1.add(b * Q4_TILE_BLOCK_BYTES),
-        );
+        let (wb0, wb1) = pair.block(b);
         for k in 0..BLOCK / 4 {
             // Byte `2i + c` of a quad holds row `i`'s column `4k + c` (low nibble) and
             // `4k + 2 + c` (high): interleaving the two as 16-bit pairs gives each row's
@@ -490,17 +484,10 @@ unsafe fn unpack_q4_pair(w: &PackedQ4, t: usize, buf: &mut [u8]) {
                 _mm_storeu_si128(row.add(1), _mm_unpackhi_epi16(lo, hi));
             }
         }
-        let steps = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(crate::avx512::two_eighths(
-            sc0.add(b * G),
-            sc1.add(b * G),
-        )));
-        let offsets = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(crate::avx512::two_eighths(
-            mn0.add(b * G),
-            mn1.add(b * G),
-        )));
+        let (dw, mw) = pair.scales(b);
         let scales = dst.add(8 * 64) as *mut f32;
-        _mm512_storeu_ps(scales, _mm512_mul_ps(dmax, steps));
-        _mm512_storeu_ps(scales.add(16), _mm512_mul_ps(mmax, offsets));
+        _mm512_storeu_ps(scales, dw);
+        _mm512_storeu_ps(scales.add(16), mw);
     }
 }
 
@@ -525,11 +512,7 @@ unsafe fn q4_tile_rows<const SIXTEEN: bool>(
         let scales = wts(b).add(8 * 64) as *const f32;
         let (dw, mw) = (_mm512_loadu_ps(scales), _mm512_loadu_ps(scales.add(16)));
         for (i, acc) in acc.iter_mut().enumerate() {
-            let mut v = _mm512_load_si512(c.0[i].as_ptr() as *const _);
-            if let Some(l) = l {
-                let l = _mm512_load_si512(l.0[i].as_ptr() as *const _);
-                v = _mm512_add_epi32(_mm512_slli_epi32::<8>(v), l);
-            }
+            let v = c.row(l, i);
             let row = (m + i) * a.blocks + b;
             let s = _mm512_mul_ps(dw, _mm512_set1_ps(*a.d.get_unchecked(row)));
             *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), s, *acc);

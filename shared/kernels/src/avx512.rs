@@ -462,10 +462,83 @@ pub(crate) unsafe fn q4_tiles(
     }
 }
 
+/// Two 4-bit tiles side by side (16 weight rows; `t1 == t0` for a last lone tile): where
+/// their blocks lie, and each block's 16 steps and offsets in f32, computed one way for the
+/// AVX-512 kernel and for AMX's unpacked tiles, so the two add the same bits. Blocks are
+/// taken in order (the super-block's largest step and offset are read at its first block).
+pub(crate) struct Q4Pair {
+    qs: [*const u8; 2],
+    sc: [*const u8; 2],
+    mn: [*const u8; 2],
+    ds: [*const u8; 2],
+    ms: [*const u8; 2],
+    dmax: __m512,
+    mmax: __m512,
+}
+
+impl Q4Pair {
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    pub(crate) unsafe fn new(w: &PackedQ4, t0: usize, t1: usize) -> Self {
+        const G: usize = Q4_TILE_ROWS;
+        let per_tile = |p: *const u8, step: usize| [p.add(t0 * step), p.add(t1 * step)];
+        Q4Pair {
+            qs: per_tile(w.qs.as_ptr(), w.blocks * Q4_TILE_BLOCK_BYTES),
+            sc: per_tile(w.sc.as_ptr(), w.blocks * G),
+            mn: per_tile(w.mn.as_ptr() as *const u8, w.blocks * G),
+            // 8 f16 values (16 bytes) per tile and super-block.
+            ds: per_tile(w.ds.as_ptr() as *const u8, w.supers * G * 2),
+            ms: per_tile(w.ms.as_ptr() as *const u8, w.supers * G * 2),
+            dmax: _mm512_setzero_ps(),
+            mmax: _mm512_setzero_ps(),
+        }
+    }
+
+    /// Block `b`'s packed levels in each tile.
+    #[inline(always)]
+    pub(crate) unsafe fn block(&self, b: usize) -> (*const u8, *const u8) {
+        (
+            self.qs[0].add(b * Q4_TILE_BLOCK_BYTES),
+            self.qs[1].add(b * Q4_TILE_BLOCK_BYTES),
+        )
+    }
+
+    /// Block `b`'s 16 steps `d` and offsets `m` in f32, as `q4::step` and `q4::offset`
+    /// compute them (the super-block's value in the units of the 8-bit one, times it).
+    #[target_feature(enable = "avx512f,avx512bw,avx2,f16c")]
+    #[inline]
+    pub(crate) unsafe fn scales(&mut self, b: usize) -> (__m512, __m512) {
+        const G: usize = Q4_TILE_ROWS;
+        if b.is_multiple_of(SUPER_BLOCKS) {
+            let s = b / SUPER_BLOCKS * G * 2;
+            self.dmax = _mm512_mul_ps(
+                _mm512_cvtph_ps(two_halves(self.ds[0].add(s), self.ds[1].add(s))),
+                _mm512_set1_ps(STEP_UNIT),
+            );
+            self.mmax = _mm512_mul_ps(
+                _mm512_cvtph_ps(two_halves(self.ms[0].add(s), self.ms[1].add(s))),
+                _mm512_set1_ps(OFFSET_UNIT),
+            );
+        }
+        let steps = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(two_eighths(
+            self.sc[0].add(b * G),
+            self.sc[1].add(b * G),
+        )));
+        let offsets = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(two_eighths(
+            self.mn[0].add(b * G),
+            self.mn[1].add(b * G),
+        )));
+        (
+            _mm512_mul_ps(self.dmax, steps),
+            _mm512_mul_ps(self.mmax, offsets),
+        )
+    }
+}
+
 /// 16 bytes at `p0` in the low half of a register, 16 at `p1` in the high one.
 #[target_feature(enable = "avx2")]
 #[inline]
-pub(crate) unsafe fn two_halves(p0: *const u8, p1: *const u8) -> __m256i {
+unsafe fn two_halves(p0: *const u8, p1: *const u8) -> __m256i {
     _mm256_set_m128i(
         _mm_loadu_si128(p1 as *const __m128i),
         _mm_loadu_si128(p0 as *const __m128i),
@@ -475,7 +548,7 @@ pub(crate) unsafe fn two_halves(p0: *const u8, p1: *const u8) -> __m256i {
 /// 8 bytes at `p0`, then 8 at `p1`.
 #[target_feature(enable = "avx2")]
 #[inline]
-pub(crate) unsafe fn two_eighths(p0: *const u8, p1: *const u8) -> __m128i {
+unsafe fn two_eighths(p0: *const u8, p1: *const u8) -> __m128i {
     _mm_unpacklo_epi64(
         _mm_loadl_epi64(p0 as *const __m128i),
         _mm_loadl_epi64(p1 as *const __m128i),
@@ -495,17 +568,7 @@ unsafe fn q4_tile<const M: usize>(
 ) {
     const G: usize = Q4_TILE_ROWS;
     let n = w.rows;
-    let wq = |t: usize| w.qs.as_ptr().add(t * w.blocks * Q4_TILE_BLOCK_BYTES);
-    let (wq0, wq1) = (wq(t0), wq(t1));
-    let (sc0, sc1) = (
-        w.sc.as_ptr().add(t0 * w.blocks * G),
-        w.sc.as_ptr().add(t1 * w.blocks * G),
-    );
-    let mn = |t: usize| w.mn.as_ptr().add(t * w.blocks * G) as *const u8;
-    let (mn0, mn1) = (mn(t0), mn(t1));
-    let super_start = |v: &[half::f16], t: usize| v.as_ptr().add(t * w.supers * G) as *const u8;
-    let (ds0, ds1) = (super_start(&w.ds, t0), super_start(&w.ds, t1));
-    let (ms0, ms1) = (super_start(&w.ms, t0), super_start(&w.ms, t1));
+    let mut pair = Q4Pair::new(w, t0, t1);
     let sums = a.block_sums().as_ptr();
     let mut aq = [a.q.as_ptr(); M];
     let mut ad = [a.d.as_ptr(); M];
@@ -517,25 +580,8 @@ unsafe fn q4_tile<const M: usize>(
     }
     let nibble = _mm256_set1_epi8(0x0f);
     let mut acc = [_mm512_setzero_ps(); M];
-    let (mut dmax, mut mmax) = (_mm512_setzero_ps(), _mm512_setzero_ps());
     for b in 0..w.blocks {
-        if b % SUPER_BLOCKS == 0 {
-            // 8 f16 values (16 bytes) per tile and super-block.
-            let s = b / SUPER_BLOCKS * G * 2;
-            // In the units of the 8-bit step and offset, as `q4::step` and `q4::offset`.
-            dmax = _mm512_mul_ps(
-                _mm512_cvtph_ps(two_halves(ds0.add(s), ds1.add(s))),
-                _mm512_set1_ps(STEP_UNIT),
-            );
-            mmax = _mm512_mul_ps(
-                _mm512_cvtph_ps(two_halves(ms0.add(s), ms1.add(s))),
-                _mm512_set1_ps(OFFSET_UNIT),
-            );
-        }
-        let (wb0, wb1) = (
-            wq0.add(b * Q4_TILE_BLOCK_BYTES),
-            wq1.add(b * Q4_TILE_BLOCK_BYTES),
-        );
+        let (wb0, wb1) = pair.block(b);
         crate::x86::prefetch_ahead(wb0, Q4_TILE_BLOCK_BYTES);
         crate::x86::prefetch_ahead(wb1, Q4_TILE_BLOCK_BYTES);
         let mut sum = [_mm512_setzero_si512(); M];
@@ -550,15 +596,7 @@ unsafe fn q4_tile<const M: usize>(
                     _mm512_dpwssd_epi32(sum[j], w1, _mm512_set1_epi32(p.add(1).read_unaligned()));
             }
         }
-        let steps = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(two_eighths(
-            sc0.add(b * G),
-            sc1.add(b * G),
-        )));
-        let offsets = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(two_eighths(
-            mn0.add(b * G),
-            mn1.add(b * G),
-        )));
-        let (dw, mw) = (_mm512_mul_ps(dmax, steps), _mm512_mul_ps(mmax, offsets));
+        let (dw, mw) = pair.scales(b);
         for j in 0..M {
             let s = _mm512_mul_ps(dw, _mm512_set1_ps(*ad[j].add(b)));
             acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[j]), s, acc[j]);
