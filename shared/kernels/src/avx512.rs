@@ -425,8 +425,10 @@ unsafe fn quad_tile<const M: usize, const SIXTEEN: bool>(
 /// those 16 rows × up to 8 activation rows. Per quad of columns, the two tiles' 16-byte runs make one 32-byte
 /// register; a mask and a shift give the two column pairs for the 16 rows, widened to 16
 /// bits (`vpmovzxbw`), and `vpdpwssd` against each activation row's pair broadcast to every
-/// lane leaves row `i`'s sum in lane `i`, as the 8-bit kernel does. A range with an odd
-/// number of tiles computes its last tile twice over in one register and keeps one half.
+/// lane leaves row `i`'s sum in lane `i`, as the 8-bit kernel does. A lone row of 8-bit
+/// activations (batch-1 decode) runs [`q4_byte_tile`] instead, the same bits on
+/// `vpdpbusd`. A range with an odd number of tiles computes its last tile twice over in one
+/// register and keeps one half.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 pub(crate) unsafe fn q4_tiles(
     w: &PackedQ4,
@@ -435,6 +437,10 @@ pub(crate) unsafe fn q4_tiles(
     rows: Range<usize>,
     out: *mut f32,
 ) {
+    // A lone row of 8-bit activations (batch-1 decode) takes the byte kernel: there the
+    // weights' unpacking, not the multiply-adds, sets the time (at two rows it was already
+    // no faster on a 576 x 1536 product).
+    let bytes = a.bits == Some(ActBits::Eight);
     let mut m0 = rows.start;
     while m0 < rows.end {
         let m1 = (m0 + ROW_BLOCK).min(rows.end);
@@ -446,14 +452,15 @@ pub(crate) unsafe fn q4_tiles(
                 q4_tile::<8>(w, a, pair, m, out);
                 m += 8;
             }
-            match m1 - m {
-                7 => q4_tile::<7>(w, a, pair, m, out),
-                6 => q4_tile::<6>(w, a, pair, m, out),
-                5 => q4_tile::<5>(w, a, pair, m, out),
-                4 => q4_tile::<4>(w, a, pair, m, out),
-                3 => q4_tile::<3>(w, a, pair, m, out),
-                2 => q4_tile::<2>(w, a, pair, m, out),
-                1 => q4_tile::<1>(w, a, pair, m, out),
+            match (m1 - m, bytes) {
+                (7, _) => q4_tile::<7>(w, a, pair, m, out),
+                (6, _) => q4_tile::<6>(w, a, pair, m, out),
+                (5, _) => q4_tile::<5>(w, a, pair, m, out),
+                (4, _) => q4_tile::<4>(w, a, pair, m, out),
+                (3, _) => q4_tile::<3>(w, a, pair, m, out),
+                (2, _) => q4_tile::<2>(w, a, pair, m, out),
+                (1, true) => q4_byte_tile(w, a, pair, m, out),
+                (1, false) => q4_tile::<1>(w, a, pair, m, out),
                 _ => {}
             }
             t += 2;
@@ -603,10 +610,107 @@ unsafe fn q4_tile<const M: usize>(
             acc[j] = _mm512_fmadd_ps(mw, _mm512_set1_ps(*asum[j].add(b)), acc[j]);
         }
     }
-    let c0 = t0 * G;
-    let width = if t1 == t0 { G } else { 2 * G };
-    let keep: __mmask16 = ((1u32 << width.min(n - c0)) - 1) as u16;
+    let (c0, keep) = pair_columns(n, t0, t1);
     for j in 0..M {
         _mm512_mask_storeu_ps(out.add((m + j) * n + c0), keep, acc[j]);
     }
+}
+
+/// A pair of 4-bit tiles' first output column, and which of the 16 lanes from it are
+/// output columns (the second tile's none when it is the first again; none past `n`).
+#[inline(always)]
+fn pair_columns(n: usize, t0: usize, t1: usize) -> (usize, __mmask16) {
+    const G: usize = Q4_TILE_ROWS;
+    let c0 = t0 * G;
+    let width = if t1 == t0 { G } else { 2 * G };
+    (c0, ((1u32 << width.min(n - c0)) - 1) as u16)
+}
+
+/// As [`q4_tile`] for one row of 8-bit activations (row `m`), on `vpdpbusd` (levels as
+/// unsigned bytes × activations as signed bytes, 64 multiply-adds per instruction) in place
+/// of widening the levels to 16 bits for `vpdpwssd`: half the unpacking per weight byte,
+/// which is what a one-row product spends its time on. A 64-byte load holds 4 column quads
+/// of a tile's 8 rows; the low and high nibbles, interleaved by 16-bit unit within each
+/// 128-bit slice, put each row's 4 levels of one quad in one 32-bit lane, slice `k` holding
+/// quad `k` (rows 0–3 in one register, 4–7 in the other). The block's activations, narrowed
+/// to bytes, are spread to match (quad `k` over slice `k`'s four lanes). Folding the four
+/// slices gives each row's block sum: exactly [`q4_tile`]'s integer sum, so the block is
+/// added with its operations, in its order, and the two kernels agree bit for bit.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn q4_byte_tile(
+    w: &PackedQ4,
+    a: &Activations,
+    (t0, t1): (usize, usize),
+    m: usize,
+    out: *mut f32,
+) {
+    let n = w.rows;
+    let mut pair = Q4Pair::new(w, t0, t1);
+    let aq = a.q.as_ptr().add(m * a.cols);
+    let ad = a.d.as_ptr().add(m * a.blocks);
+    let asum = a.block_sums().as_ptr().add(m * a.blocks);
+    let nibble = _mm512_set1_epi8(0x0f);
+    // Quad `k` (4 activation bytes, one 32-bit unit) over the four lanes of slice `k`.
+    let quads_0_3 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    let quads_4_7 = _mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4);
+    let mut acc = _mm512_setzero_ps();
+    for b in 0..w.blocks {
+        let (wb0, wb1) = pair.block(b);
+        crate::x86::prefetch_ahead(wb0, Q4_TILE_BLOCK_BYTES);
+        crate::x86::prefetch_ahead(wb1, Q4_TILE_BLOCK_BYTES);
+        // The block's 32 activations, each in [-127, 127], as signed bytes.
+        let x = _mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_loadu_si512(
+            aq.add(b * BLOCK) as *const _
+        )));
+        let (x0, x1) = (
+            _mm512_permutexvar_epi32(quads_0_3, x),
+            _mm512_permutexvar_epi32(quads_4_7, x),
+        );
+        let (a0, b0) = byte_levels(wb0, nibble);
+        let (a1, b1) = byte_levels(wb0.add(64), nibble);
+        let (a2, b2) = byte_levels(wb1, nibble);
+        let (a3, b3) = byte_levels(wb1.add(64), nibble);
+        // Rows 0–3 and 4–7 of tile `t0`, then of `t1`, each in every slice; one of each.
+        let sum =
+            _mm512_mask_blend_epi32(0x00F0, quad_dot(a0, a1, x0, x1), quad_dot(b0, b1, x0, x1));
+        let sum = _mm512_mask_blend_epi32(0x0F00, sum, quad_dot(a2, a3, x0, x1));
+        let sum = _mm512_mask_blend_epi32(0xF000, sum, quad_dot(b2, b3, x0, x1));
+        let (dw, mw) = pair.scales(b);
+        let s = _mm512_mul_ps(dw, _mm512_set1_ps(*ad.add(b)));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), s, acc);
+        acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(*asum.add(b)), acc);
+    }
+    let (c0, keep) = pair_columns(n, t0, t1);
+    _mm512_mask_storeu_ps(out.add(m * n + c0), keep, acc);
+}
+
+/// 64 bytes of a 4-bit tile's block (4 column quads of its 8 rows) as levels in unsigned
+/// bytes: each 32-bit lane one row's 4 levels of one quad, slice `k` quad `k`; rows 0–3 in
+/// the first register, 4–7 in the second.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn byte_levels(p: *const u8, nibble: __m512i) -> (__m512i, __m512i) {
+    let v = _mm512_loadu_si512(p as *const _);
+    // Byte `2r + i` holds columns `4k + i` (low nibble) and `4k + 2 + i` (high) of row `r`.
+    let lo = _mm512_and_si512(v, nibble);
+    let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), nibble);
+    (_mm512_unpacklo_epi16(lo, hi), _mm512_unpackhi_epi16(lo, hi))
+}
+
+/// Each row's sum over a block's two registers of levels (quads 0–3 and 4–7, from
+/// [`byte_levels`]) times the activations spread to match, folded over the slices.
+#[target_feature(enable = "avx512f,avx512vnni")]
+#[inline]
+unsafe fn quad_dot(lo: __m512i, hi: __m512i, x0: __m512i, x1: __m512i) -> __m512i {
+    let s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, x0);
+    fold_slices(_mm512_dpbusd_epi32(s, hi, x1))
+}
+
+/// The sum of a register's four 128-bit slices, in every slice.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn fold_slices(v: __m512i) -> __m512i {
+    let v = _mm512_add_epi32(v, _mm512_shuffle_i32x4::<0x4E>(v, v));
+    _mm512_add_epi32(v, _mm512_shuffle_i32x4::<0xB1>(v, v))
 }

@@ -146,6 +146,44 @@ fn amx_equals_avx512_bit_for_bit() {
     }
 }
 
+/// A lone row of 8-bit activations takes the AVX-512 byte kernel (`vpdpbusd` on the levels
+/// as bytes); more rows the 16-bit one. Each row's block sums are the same integers either
+/// way, added with the same operations, so a row's output is the same bits whether it came
+/// alone or inside a larger product (odd tile counts, a lone last tile, a row block's last
+/// row).
+#[test]
+fn the_byte_kernel_equals_the_wide_one_bit_for_bit() {
+    if !Isa::Avx512.available() {
+        eprintln!("skipped: this CPU has no AVX-512 VNNI");
+        return;
+    }
+    let pool = Pool::new(2);
+    for &(rows, cols) in &[(40, 576), (24, 9 * BLOCK), (130, 256), (8, 64), (9, 1536)] {
+        let w = PackedQ4::quantize(&rand_vec(rows * cols, rows as u64, 0.1), rows, cols).unwrap();
+        let m = 11;
+        let xf = rand_vec(m * cols, 9, 1.0);
+        let run = |first: usize, count: usize| {
+            let mut a = Activations::new();
+            let x = &xf[first * cols..(first + count) * cols];
+            a.quantize_with(x, count, cols, ActBits::Eight, Isa::Avx512)
+                .unwrap();
+            product(&w, &a, Isa::Avx512, &pool)
+        };
+        // 11 rows: a register tile of 8 and one of 3, both on the 16-bit kernel; 9 rows end
+        // on a lone row, the byte kernel's.
+        let all = run(0, m);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for (first, count) in [(0, 1), (5, 1), (10, 1), (3, 2), (2, 9)] {
+            assert_eq!(
+                bits(&run(first, count)),
+                bits(&all[first * rows..(first + count) * rows]),
+                "[{rows}x{cols}] rows {first}..{}",
+                first + count
+            );
+        }
+    }
+}
+
 /// Relative RMS error of `deq` against `w`.
 fn rel_err(w: &[f32], deq: &[f32]) -> f64 {
     let (mut e, mut s) = (0f64, 0f64);
