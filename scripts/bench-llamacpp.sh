@@ -98,7 +98,10 @@ if [[ " $FILES " == *" Q4_K_M "* ]] && [ ! -f "${FILE[Q4_K_M]}" ]; then
   "$LLAMA_QUANTIZE" --allow-requantize "${FILE[Q4_1]}" "${FILE[Q4_K_M]}.partial" Q4_K_M "$THREADS" >/dev/null 2>&1
   mv "${FILE[Q4_K_M]}.partial" "${FILE[Q4_K_M]}"
 fi
-# A GGUF file's tensor bytes (llama.cpp's gguf-py): the file without its header and metadata.
+# A GGUF file's tensor bytes (llama.cpp's gguf-py, which needs numpy, from PyPI when the
+# machine lacks it): the file without its header and metadata.
+python3 -c 'import numpy' 2>/dev/null || python3 -m pip install --quiet --user numpy 2>/dev/null \
+  || python3 -m pip install --quiet --user --break-system-packages numpy
 tensor_bytes() { PYTHONPATH="$LLAMA_DIR/gguf-py" python3 -c 'import sys; from gguf import GGUFReader; print(sum(int(t.n_bytes) for t in GGUFReader(sys.argv[1]).tensors))' "$1"; }
 # What quantmesh serves for each file: the file itself, except for Q4_K_M (the checkpoint at
 # that file's tensor bytes: tensors against tensors, the tokenizer's metadata left out).

@@ -28,6 +28,9 @@ pub struct LivePlan {
     pub budget: BudgetOutcome,
     /// How the vocabulary tables are stored (`engine.embeddings` resolved; never `auto`).
     pub embeddings: EmbeddingDtype,
+    /// The groups that carry 16-bit activations on every row under `copyless`
+    /// (`engine.wide_activations`; [`wide_groups`]).
+    pub wide: std::collections::BTreeSet<GroupId>,
 }
 
 impl LivePlan {
@@ -43,6 +46,7 @@ impl LivePlan {
             residency: self.residency.get(&g).copied().unwrap_or(default),
             quant: self.quant.get(&g).copied().unwrap_or_default(),
             smoothing: self.smoothing.get(&g).cloned(),
+            wide: self.wide.contains(&g),
         }
     }
 }
@@ -172,6 +176,9 @@ pub fn resolve(
             )
         },
     );
+    let wide = file.map_or_else(Default::default, |(p, _)| {
+        wide_groups(p.groups.iter(), base.wide_activations)
+    });
     budget.setting = setting;
     budget.budget_bytes = budget_bytes;
     budget.table_bytes = table_bytes;
@@ -183,7 +190,36 @@ pub fn resolve(
         smoothing,
         budget,
         embeddings,
+        wide,
     }
+}
+
+/// The groups whose 8-bit activations cost them at least `ratio` times what their 8-bit
+/// weights do (`engine.wide_activations`): the served W8A8 output error on the
+/// calibration rows (`act8_nsr`, in the form served: smoothed where the entry keeps its
+/// factors) against the weights' own (`nsr.w8a8`). Groups without both measurements, and
+/// every group when `ratio` is 0, are not.
+pub fn wide_groups<'a>(
+    entries: impl Iterator<Item = (&'a GroupId, &'a quantmesh_types::GroupEntry)>,
+    ratio: f64,
+) -> std::collections::BTreeSet<GroupId> {
+    if ratio <= 0.0 {
+        return Default::default();
+    }
+    entries
+        .filter(|(_, e)| {
+            let weights = e
+                .metrics
+                .as_ref()
+                .and_then(|m| m.nsr.as_ref())
+                .map(|n| n.w8a8);
+            match (e.served_act8_nsr(), weights) {
+                (Some(act8), Some(w)) => w > 0.0 && act8 >= ratio * w,
+                _ => false,
+            }
+        })
+        .map(|(g, _)| *g)
+        .collect()
 }
 
 #[cfg(test)]
@@ -455,6 +491,59 @@ mod tests {
                 assert_eq!(live.budget.demoted.len(), 1, "{mode:?}");
             }
         }
+    }
+
+    /// Wide groups are those whose measured W8A8 error (in the form served: smoothed where
+    /// the entry keeps factors) is at least `wide_activations` times their 8-bit weights'
+    /// own; a group without both measurements never is, and 0 chooses none. They reach the
+    /// group forms.
+    #[test]
+    fn wide_groups_are_where_8_bit_activations_cost_more_than_the_weights() {
+        let m = |w8: f64, plain: f64, smoothed: f64, factors: &str| {
+            format!(
+                r#"{{"class": "w8a8", "metrics": {{"r": 5, "energy": 0.1,
+                   "kl": {{"w8a8": 0.1, "w8a8_per_channel": 0.1, "w4a16": 0.1}},
+                   "nsr": {{"w8a8": {w8}, "w4a16": 0.1}},
+                   "act8_nsr": {{"plain": {plain}, "smoothed": {smoothed}}}}}{factors}}}"#
+            )
+        };
+        let factors = format!(
+            r#", "smoothing": {{"alpha": 0.5, "log2_factors": "{}"}}"#,
+            quantmesh_types::Smoothing::new(0.5, &[0i8; 64]).log2_factors
+        );
+        let text = format!(
+            r#"{{"schema_version": 1, "groups": {{
+                "layers.0.o": {}, "layers.0.down": {}, "layers.1.o": {},
+                "layers.1.down": {}, "layers.1.qkv": {{"class": "w8a8"}}}}}}"#,
+            // 3x: wide at 2.
+            m(1e-5, 3e-5, 3e-5, ""),
+            // 1.5x: wide at 1.5 only.
+            m(2e-5, 3e-5, 3e-5, ""),
+            // 4x unsmoothed, but its kept factors bring it to 1.2x: not wide.
+            m(1e-5, 4e-5, 1.2e-5, &factors),
+            // 2x exactly: wide at 2 (the bound is inclusive).
+            m(1e-5, 2e-5, 2e-5, "")
+        );
+        let plan = SensitiveLayers::parse_for(text.as_bytes(), &shape()).unwrap();
+        let g = |s: &str| s.parse::<GroupId>().unwrap();
+        let wide = |ratio: f64| {
+            let base = EngineConfig {
+                wide_activations: ratio,
+                ..Default::default()
+            };
+            let live = resolve(&base, &model(), Some((&plan, "m")));
+            for (id, _) in plan.groups.iter() {
+                assert_eq!(live.form(*id, Residency::Int8).wide, live.wide.contains(id));
+            }
+            live.wide.iter().map(|g| g.to_string()).collect::<Vec<_>>()
+        };
+        assert_eq!(wide(2.0), ["layers.0.o", "layers.1.down"]);
+        assert_eq!(wide(1.5), ["layers.0.o", "layers.0.down", "layers.1.down"]);
+        assert!(wide(0.0).is_empty());
+        assert!(wide(10.0).is_empty());
+        // No plan, no measurements: no wide group.
+        let live = resolve(&EngineConfig::default(), &model(), None);
+        assert!(!live.form(g("layers.0.o"), Residency::Int8).wide);
     }
 
     /// Served-traffic evidence outranks the pre-screen's: a group the evolution service

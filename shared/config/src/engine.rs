@@ -7,6 +7,9 @@ use serde::{Deserialize, Serialize};
 
 pub use quantmesh_types::DEFAULT_ROTATION_BLOCK;
 
+/// [`EngineConfig::wide_activations`]'s default.
+pub const DEFAULT_WIDE_ACTIVATIONS: f64 = 2.0;
+
 /// How the engine runs: cache geometry, batching limits and the default precision plan.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -46,6 +49,13 @@ pub struct EngineConfig {
     /// float in a group without a float copy, e.g. over the float budget) or `off` (the
     /// plain W8A8 product).
     pub split_activations: SplitActivations,
+    /// Under `copyless`: a group whose served W8A8 output error on the plan's calibration
+    /// rows (the pre-screen's `act8_nsr`, activations included) is at least this multiple
+    /// of its 8-bit weights' own error (`nsr.w8a8`, activations at 16 bits) carries 16-bit
+    /// activations on every row, not only on the rows the monitor wants at higher
+    /// precision: where 8-bit activations would cost the group more than its weights'
+    /// quantization does. 0: none (groups without those measurements never are).
+    pub wide_activations: f64,
     /// Rotate activations by `H_b / √b` (a Walsh–Hadamard block of `b` channels, `b` a power
     /// of two; the widest power of two up to it that divides a group's input) before the
     /// quantized path quantizes them, the quantized weights rotated to match once at load:
@@ -95,6 +105,7 @@ impl Default for EngineConfig {
             weight_budget: None,
             embeddings: EmbeddingDtype::Auto,
             split_activations: SplitActivations::default(),
+            wide_activations: DEFAULT_WIDE_ACTIVATIONS,
             rotation_block: DEFAULT_ROTATION_BLOCK,
             kv_int8: true,
             kv_float_dtype: KvFloatDtype::F16,
@@ -135,6 +146,9 @@ impl EngineConfig {
         let b = self.rotation_block;
         if b != 0 && (!b.is_power_of_two() || b > 4096) {
             return bad("rotation_block must be 0 (none) or a power of two up to 4096");
+        }
+        if !(self.wide_activations >= 0.0 && self.wide_activations.is_finite()) {
+            return bad("wide_activations must be a finite ratio >= 0 (0: no group)");
         }
         let m = &self.monitor;
         if !(m.k > 0.0

@@ -41,12 +41,19 @@ pub struct ServeFlags {
     /// least predicted quality loss first [default: unset, the rules' 8-bit classes].
     #[arg(long, env = "QUANTMESH_WEIGHT_BUDGET")]
     pub weight_budget: Option<quantmesh_types::WeightBudget>,
-    /// Quantized-path rows whose activations carry ≈ 16 bits (no extra memory; on Q8_0
-    /// weights at the speed of 8-bit ones, 4-bit ones in one pass too): `all` [default] (INT8 weights and the Q8_0 lm_head served W8A16: on SmolLM2 the
-    /// first-load plan's median KL to float falls to 0.4x of `off`'s), `copyless` (rows that
-    /// want float in a group without a float copy) or `off` (plain W8A8).
+    /// Quantized-path rows whose activations carry ≈ 16 bits (no extra memory): `auto`
+    /// [default] (measured at start: `copyless` where 16-bit activations cost at least
+    /// 1.15x the 8-bit product on this CPU, else `all`; logged), `all` (INT8 weights and the
+    /// Q8_0 lm_head served W8A16), `copyless` (8-bit activations; 16 bits for rows that
+    /// want float in a group without a float copy, and for wide groups) or `off` (plain
+    /// W8A8).
     #[arg(long, env = "QUANTMESH_SPLIT_ACTIVATIONS")]
     pub split_activations: Option<quantmesh_config::SplitActivations>,
+    /// Under `copyless`, carry every row of a group at 16-bit activations when the plan
+    /// measured its 8-bit activations costing at least this many times its 8-bit weights'
+    /// own output error on the calibration rows; 0: no group [default: 2].
+    #[arg(long, env = "QUANTMESH_WIDE_ACTIVATIONS")]
+    pub wide_activations: Option<f64>,
     /// Rotate activations in Walsh–Hadamard blocks of this many channels (a power of two;
     /// the quantized weights rotated to match at load, float copies untouched) before the
     /// quantized path quantizes them to 8 bits: an outlier channel no longer sets its
@@ -195,6 +202,9 @@ impl ServeFlags {
         }
         if let Some(m) = self.split_activations {
             s.engine.split_activations = m;
+        }
+        if let Some(r) = self.wide_activations {
+            s.engine.wide_activations = r;
         }
         if let Some(b) = self.rotation_block {
             s.engine.rotation_block = b;

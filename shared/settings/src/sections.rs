@@ -336,6 +336,9 @@ impl Settings {
         if let Some(v) = get("QUANTMESH_SPLIT_ACTIVATIONS") {
             self.engine.split_activations = parse("QUANTMESH_SPLIT_ACTIVATIONS", v)?;
         }
+        if let Some(v) = get("QUANTMESH_WIDE_ACTIVATIONS") {
+            self.engine.wide_activations = parse("QUANTMESH_WIDE_ACTIVATIONS", v)?;
+        }
         if let Some(v) = get("QUANTMESH_ROTATION_BLOCK") {
             self.engine.rotation_block = parse("QUANTMESH_ROTATION_BLOCK", v)?;
         }
@@ -563,6 +566,19 @@ mod tests {
                 .unwrap();
         assert_eq!(s.engine.split_activations, SplitActivations::Auto);
         assert_eq!(s.engine.rotation_block, 32);
+        // Wide groups' ratio: default, file, env; a negative one refused.
+        assert_eq!(s.engine.wide_activations, 2.0);
+        let mut s: Settings = toml::from_str("[engine]\nwide_activations = 1.5\n").unwrap();
+        assert_eq!(s.engine.wide_activations, 1.5);
+        s.apply_env(|k| (k == "QUANTMESH_WIDE_ACTIVATIONS").then(|| "0".to_string()))
+            .unwrap();
+        assert_eq!(s.engine.wide_activations, 0.0);
+        assert!(
+            toml::from_str::<Settings>("[engine]\nwide_activations = -1\n")
+                .unwrap()
+                .validate()
+                .is_err()
+        );
         assert!(
             toml::from_str::<Settings>("[engine]\nrotation_block = 48\n")
                 .unwrap()

@@ -136,7 +136,7 @@ pub(super) fn log_plan(live: &LivePlan, cfg: &EngineConfig, w: &crate::backend::
          | float copies | | {:.1} |\n\
          | embeddings, norms, lm_head (tables {}) | | {:.1} |\n\
          | total | | {:.1} = {:.2}× all-f16 ({:.1}) |\n\
-         split activations: {}; rotation block {}; scale migration in {} group(s)\n\
+         split activations: {}{}; rotation block {}; scale migration in {} group(s)\n\
          float budget {budget}: tables {:.1} MiB beyond Q8_0, {} group(s) over it are INT8-only{}",
         count(Residency::Int8),
         cfg.float_dtype.as_str(),
@@ -155,6 +155,17 @@ pub(super) fn log_plan(live: &LivePlan, cfg: &EngineConfig, w: &crate::backend::
         w.ratio_to_f16(),
         mib(w.all_f16),
         cfg.split_activations.as_str(),
+        match cfg.split_activations {
+            crate::backend::SplitActivations::Copyless => format!(
+                " ({} wide group(s) carry 16-bit activations on every row: engine.wide_activations = {})",
+                live.wide
+                    .iter()
+                    .filter(|g| live.residency[*g].has_int8())
+                    .count(),
+                cfg.wide_activations
+            ),
+            _ => String::new(),
+        },
         cfg.rotation_block,
         live.smoothing
             .keys()

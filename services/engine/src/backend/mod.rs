@@ -228,6 +228,10 @@ pub struct GroupForm {
     /// Smoothing factors' exponents, one per input channel (`None`: none); see
     /// `quantmesh_types::Smoothing`.
     pub smoothing: Option<std::sync::Arc<[i8]>>,
+    /// Under `copyless`, every row of the group carries 16-bit activations, not only the
+    /// rows the monitor wants at higher precision: the plan measured that 8-bit activations
+    /// cost this group more than its weights' quantization does (`LivePlan::wide`).
+    pub wide: bool,
 }
 
 impl GroupForm {
@@ -242,6 +246,7 @@ impl GroupForm {
             residency,
             quant,
             smoothing: None,
+            wide: false,
         }
     }
 }

@@ -52,6 +52,12 @@ pub(crate) fn activation_table(
     requests.truncate(args.traffic_requests);
     let ck = quantmesh_model::Checkpoint::open(dir)?;
     let (base, live) = crate::steps::served_plan(&ck, cfg, plan_path, args.float_budget)?;
+    let plan = crate::steps::read_plan(&ck, cfg, plan_path)?;
+    let ratios = if args.wide_activations.is_empty() {
+        vec![base.wide_activations]
+    } else {
+        args.wide_activations.clone()
+    };
     let reference = LlamaModel::load(dir, cfg, &|_| Residency::Float)?;
     println!();
     println!(
@@ -79,20 +85,38 @@ pub(crate) fn activation_table(
     );
     println!();
     let smoothed = live.smoothing.len();
-    println!("Scale migration: `plan` = the plan's smoothing factors ({smoothed} of its groups carry them), `none` = the same plan without. Monitor `off`: no monitor, every row on the plan's paths. Groups on fallback: after the monitor's window, of the linear groups (float where a copy is resident, 16-bit activations where not under `copyless`).");
+    println!("Scale migration: `plan` = the plan's smoothing factors ({smoothed} of its groups carry them), `none` = the same plan without. Monitor `off`: no monitor, every row on the plan's paths. Groups on fallback: after the monitor's window, of the linear groups (float where a copy is resident, 16-bit activations where not under `copyless`). Wide groups: under `copyless`, the groups that carry 16-bit activations on every row because the plan measured their 8-bit activations costing at least the ratio times their 8-bit weights' error (`engine.wide_activations`).");
     println!();
-    println!("| activations | rotation block | smoothing | monitor | groups on fallback | held-out text | mean KL | median KL | p99 KL | top-1 agreement % | perplexity | served tok/s (b1, one token per step) |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("| activations | wide groups | rotation block | smoothing | monitor | groups on fallback | held-out text | mean KL | median KL | p99 KL | top-1 agreement % | perplexity | served tok/s (b1, one token per step) |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    // Wide groups change only `copyless`: the other widths run once.
     let configs = args.splits.iter().flat_map(|&split| {
+        let ratios = match split {
+            SplitActivations::Copyless => ratios.clone(),
+            _ => vec![f64::NAN],
+        };
         args.rotations.iter().flat_map(move |&rotation| {
+            let ratios = ratios.clone();
             args.smoothings.iter().flat_map(move |&smoothing| {
-                args.monitors
-                    .iter()
-                    .map(move |&monitor| (split, rotation, smoothing, monitor))
+                let ratios = ratios.clone();
+                args.monitors.iter().flat_map(move |&monitor| {
+                    ratios
+                        .clone()
+                        .into_iter()
+                        .map(move |wide| (split, rotation, smoothing, monitor, wide))
+                })
             })
         })
     });
-    for (split, rotation, smoothing, monitor) in configs {
+    for (split, rotation, smoothing, monitor, ratio) in configs {
+        let wide = match ratio.is_nan() {
+            true => Default::default(),
+            false => quantmesh_engine::plan::wide_groups(plan.groups.iter(), ratio),
+        };
+        let wide_label = match ratio.is_nan() {
+            true => "-".to_string(),
+            false => format!("{} (ratio {ratio})", wide.len()),
+        };
         let forms = Forms {
             float: FloatDtype::F16,
             embeddings: match live.embeddings {
@@ -107,6 +131,7 @@ pub(crate) fn activation_table(
             if smoothing == SmoothingChoice::None {
                 f.smoothing = None;
             }
+            f.wide = wide.contains(&g);
             f
         };
         let model = LlamaModel::load_planned(&ck, cfg, &form, forms)?;
@@ -139,8 +164,9 @@ pub(crate) fn activation_table(
             let s = teacher_forced_top1(&model, &reference, cfg, ids, &mask, true)?;
             let k = KlSummary::of(&s.kls);
             println!(
-                "| {} | {} | {} | {} | {} | {} | {:.5} | {:.5} | {:.4} | {:.1} | {:.3} | {:.1} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {:.5} | {:.5} | {:.4} | {:.1} | {:.3} | {:.1} |",
                 split.as_str(),
+                wide_label,
                 if rotation == 0 {
                     "none".to_string()
                 } else {

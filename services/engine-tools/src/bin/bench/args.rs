@@ -99,6 +99,10 @@ pub(crate) struct Args {
     /// Activation widths of the activation table (comma-separated: off, copyless, all).
     #[arg(long, value_delimiter = ',', default_value = "off,copyless,all")]
     pub(crate) splits: Vec<SplitActivations>,
+    /// `engine.wide_activations` ratios the activation table serves `copyless` with
+    /// (comma-separated; 0 = no wide group) [default: the engine's].
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) wide_activations: Vec<f64>,
     /// Let activation spikes count in the activation table's monitor only where
     /// activations are 8-bit (`off`, `copyless`): the engine's earlier rule, for comparison
     /// (the engine counts them under every width).

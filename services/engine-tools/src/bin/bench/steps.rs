@@ -110,6 +110,19 @@ pub(crate) fn watch_with(
 /// The plan at `plan_path`, validated against the checkpoint and resolved as the engine
 /// serves it with `float_budget` (every other setting the engine's default): the settings
 /// and the plan in force.
+/// The plan at `plan_path`, validated against the checkpoint's shape.
+pub(crate) fn read_plan(
+    ck: &quantmesh_model::Checkpoint,
+    cfg: &ModelConfig,
+    plan_path: &std::path::Path,
+) -> Result<quantmesh_types::ValidatedPlan, Box<dyn std::error::Error>> {
+    let shape = quantmesh_model::model_shape(ck, cfg)?;
+    Ok(
+        quantmesh_types::SensitiveLayers::parse_for(&std::fs::read(plan_path)?, &shape)
+            .map_err(|e| format!("{}: {e}", plan_path.display()))?,
+    )
+}
+
 pub(crate) fn served_plan(
     ck: &quantmesh_model::Checkpoint,
     cfg: &ModelConfig,
@@ -122,9 +135,7 @@ pub(crate) fn served_plan(
     ),
     Box<dyn std::error::Error>,
 > {
-    let shape = quantmesh_model::model_shape(ck, cfg)?;
-    let plan = quantmesh_types::SensitiveLayers::parse_for(&std::fs::read(plan_path)?, &shape)
-        .map_err(|e| format!("{}: {e}", plan_path.display()))?;
+    let plan = read_plan(ck, cfg, plan_path)?;
     let base = quantmesh_engine::EngineConfig {
         float_budget,
         ..Default::default()

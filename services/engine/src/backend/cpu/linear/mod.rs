@@ -489,6 +489,8 @@ pub struct DualLinear {
     /// How the quantized path changes its input (smoothing, rotation; `int8` holds the
     /// weights changed to match).
     transform: InputTransform,
+    /// Every quantized-path row carries 16-bit activations under `copyless` ([`GroupForm::wide`]).
+    wide: bool,
 }
 
 impl DualLinear {
@@ -527,6 +529,7 @@ impl DualLinear {
         rotation: u32,
     ) -> Result<Self> {
         let residency = form.residency;
+        let wide = form.wide;
         let (out_dim, in_dim) = weight.dims2()?;
         let block = match rotation {
             0 => 1,
@@ -562,7 +565,20 @@ impl DualLinear {
             out_dim,
             in_dim,
             transform,
+            wide,
         })
+    }
+
+    /// Whether quantized-path rows that `wanted_float` (or not) take 16-bit activations
+    /// under `split`: as the mode says, and every row of a wide group under `copyless`.
+    fn splits(&self, split: SplitActivations, wanted_float: bool) -> bool {
+        split.splits(wanted_float || (self.wide && split == SplitActivations::Copyless))
+    }
+
+    /// Whether every quantized-path row of this group carries 16-bit activations under
+    /// `copyless` ([`GroupForm::wide`]).
+    pub fn wide(&self) -> bool {
+        self.wide
     }
 
     /// The Hadamard block the quantized path rotates activations by (1: none).
@@ -647,7 +663,7 @@ impl DualLinear {
     fn whole(&self, x: &Tensor, want_float: bool, split: SplitActivations) -> Result<Tensor> {
         let y = match (want_float, &self.float) {
             (true, Some(w)) => Some(float_matmul(x, w)?),
-            _ if split.splits(want_float) => self.split_mm(x)?,
+            _ if self.splits(split, want_float) => self.split_mm(x)?,
             _ => self.int8_mm(x)?,
         };
         match y {
@@ -678,7 +694,7 @@ impl DualLinear {
             if wanted_float && split != SplitActivations::Copyless {
                 o.fallback_unavailable_rows += n;
             }
-            if split.splits(wanted_float) {
+            if self.splits(split, wanted_float) {
                 o.split_rows += n;
             } else {
                 o.int8_rows += n;
@@ -714,7 +730,7 @@ impl DualLinear {
                     // Float only: every row takes it.
                     outcome.float_rows = rows;
                     self.whole(x, true, split)?
-                } else if !has_float && split != SplitActivations::Copyless {
+                } else if !has_float && (split != SplitActivations::Copyless || self.wide) {
                     // Every row on the same quantized path: no need to split the batch.
                     quantized(&mut outcome, i, false);
                     quantized(&mut outcome, f, true);

@@ -368,6 +368,65 @@ fn copyless_case(rotation: u32) {
     }
 }
 
+/// A wide group (`GroupForm::wide`) under `copyless` serves every quantized row with
+/// 16-bit activations, bit for bit the same group's split product, whether the row wanted
+/// float or not, and counts them as split (never unavailable); under `off` it is the plain
+/// W8A8 product and under `all` the same as any group. A group that is not wide keeps
+/// `copyless`'s 8-bit rows.
+#[test]
+fn a_wide_group_carries_every_row_at_16_bits_under_copyless() {
+    use quantmesh_kernels::{set_packing_width, ActBits};
+    for bits in [ActBits::Sixteen, ActBits::Eight] {
+        set_packing_width(bits);
+        let weight = rand(32, 64, 7);
+        let narrow = DualLinear::rotated(
+            weight.clone(),
+            None,
+            GroupForm::q8(Residency::Int8),
+            FloatDtype::F32,
+            64,
+        )
+        .unwrap();
+        let wide_form = GroupForm {
+            wide: true,
+            ..GroupForm::q8(Residency::Int8)
+        };
+        let wide = DualLinear::rotated(weight, None, wide_form, FloatDtype::F32, 64).unwrap();
+        assert!(wide.wide() && !narrow.wide());
+        let x = rand(5, 64, 8);
+        let run = |lin: &DualLinear, path: &RowPath, split| lin.forward(&x, path, split).unwrap();
+        let (sixteen, _) = run(&narrow, &RowPath::AllInt8, SplitActivations::All);
+        let (eight, _) = run(&narrow, &RowPath::AllInt8, SplitActivations::Off);
+        assert_ne!(
+            sixteen.to_vec2::<f32>().unwrap(),
+            eight.to_vec2::<f32>().unwrap()
+        );
+        for path in [
+            RowPath::AllInt8,
+            RowPath::AllFloat,
+            RowPath::FloatRows(vec![0, 3]),
+        ] {
+            let (y, o) = run(&wide, &path, SplitActivations::Copyless);
+            assert_eq!(
+                y.to_vec2::<f32>().unwrap(),
+                sixteen.to_vec2::<f32>().unwrap(),
+                "{path:?}"
+            );
+            assert_eq!(
+                (o.fallback_unavailable_rows, o.split_rows, o.int8_rows),
+                (0, 5, 0),
+                "{path:?}"
+            );
+            let (y, _) = run(&wide, &path, SplitActivations::Off);
+            assert_eq!(y.to_vec2::<f32>().unwrap(), eight.to_vec2::<f32>().unwrap());
+        }
+        let (y, o) = run(&narrow, &RowPath::AllInt8, SplitActivations::Copyless);
+        assert_eq!(y.to_vec2::<f32>().unwrap(), eight.to_vec2::<f32>().unwrap());
+        assert_eq!((o.split_rows, o.int8_rows), (0, 5));
+    }
+    set_packing_width(ActBits::Sixteen);
+}
+
 /// A rotated group: the float copy is the checkpoint's weight (exact), the quantized path
 /// is the same function (its error small), an activation outlier costs the rotated W8A8
 /// product less than the plain one, and the column error is measured against the
