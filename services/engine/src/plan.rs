@@ -517,8 +517,8 @@ mod tests {
                 "layers.1.down": {}, "layers.1.qkv": {{"class": "w8a8"}}}}}}"#,
             // 3x: wide at 2.
             m(1e-5, 3e-5, 3e-5, ""),
-            // 1.5x: wide at 1.5 only.
-            m(2e-5, 3e-5, 3e-5, ""),
+            // 1.6x: wide at 1.5 only.
+            m(2e-5, 3.2e-5, 3.2e-5, ""),
             // 4x unsmoothed, but its kept factors bring it to 1.2x: not wide.
             m(1e-5, 4e-5, 1.2e-5, &factors),
             // 2x exactly: wide at 2 (the bound is inclusive).
