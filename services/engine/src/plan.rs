@@ -28,8 +28,8 @@ pub struct LivePlan {
     pub budget: BudgetOutcome,
     /// How the vocabulary tables are stored (`engine.embeddings` resolved; never `auto`).
     pub embeddings: EmbeddingDtype,
-    /// The groups that carry 16-bit activations on every row under `copyless`
-    /// (`engine.wide_activations`; [`wide_groups`]).
+    /// The groups that carry 16-bit activations on every row (`engine.wide_activations`;
+    /// [`wide_groups`]); empty unless the engine serves `copyless`.
     pub wide: std::collections::BTreeSet<GroupId>,
 }
 
@@ -176,9 +176,14 @@ pub fn resolve(
             )
         },
     );
-    let wide = file.map_or_else(Default::default, |(p, _)| {
-        wide_groups(p.groups.iter(), base.wide_activations)
-    });
+    // Wide groups change only `copyless`'s product: under any other width none are
+    // marked, so a plan reload never rebuilds groups for a flag that does nothing.
+    let wide = match (file, base.split_activations) {
+        (Some((p, _)), crate::backend::SplitActivations::Copyless) => {
+            wide_groups(p.groups.iter(), base.wide_activations)
+        }
+        _ => Default::default(),
+    };
     budget.setting = setting;
     budget.budget_bytes = budget_bytes;
     budget.table_bytes = table_bytes;
@@ -496,7 +501,7 @@ mod tests {
     /// Wide groups are those whose measured W8A8 error (in the form served: smoothed where
     /// the entry keeps factors) is at least `wide_activations` times their 8-bit weights'
     /// own; a group without both measurements never is, and 0 chooses none. They reach the
-    /// group forms.
+    /// group forms, under `copyless` only.
     #[test]
     fn wide_groups_are_where_8_bit_activations_cost_more_than_the_weights() {
         let m = |w8: f64, plain: f64, smoothed: f64, factors: &str| {
@@ -529,6 +534,7 @@ mod tests {
         let wide = |ratio: f64| {
             let base = EngineConfig {
                 wide_activations: ratio,
+                split_activations: SplitActivations::Copyless,
                 ..Default::default()
             };
             let live = resolve(&base, &model(), Some((&plan, "m")));
@@ -541,9 +547,20 @@ mod tests {
         assert_eq!(wide(1.5), ["layers.0.o", "layers.0.down", "layers.1.down"]);
         assert!(wide(0.0).is_empty());
         assert!(wide(10.0).is_empty());
-        // No plan, no measurements: no wide group.
-        let live = resolve(&EngineConfig::default(), &model(), None);
+        // No plan, no measurements: no wide group; under any width but `copyless`, none.
+        let copyless = EngineConfig {
+            split_activations: SplitActivations::Copyless,
+            ..Default::default()
+        };
+        let live = resolve(&copyless, &model(), None);
         assert!(!live.form(g("layers.0.o"), Residency::Int8).wide);
+        for mode in [SplitActivations::All, SplitActivations::Off] {
+            let base = EngineConfig {
+                split_activations: mode,
+                ..Default::default()
+            };
+            assert!(resolve(&base, &model(), Some((&plan, "m"))).wide.is_empty());
+        }
     }
 
     /// Served-traffic evidence outranks the pre-screen's: a group the evolution service
