@@ -529,7 +529,6 @@ impl DualLinear {
         rotation: u32,
     ) -> Result<Self> {
         let residency = form.residency;
-        let wide = form.wide;
         let (out_dim, in_dim) = weight.dims2()?;
         let block = match rotation {
             0 => 1,
@@ -565,20 +564,13 @@ impl DualLinear {
             out_dim,
             in_dim,
             transform,
-            wide,
+            wide: form.wide,
         })
     }
 
-    /// Whether quantized-path rows that `wanted_float` (or not) take 16-bit activations
-    /// under `split`: as the mode says, and every row of a wide group under `copyless`.
+    /// Whether quantized rows take 16-bit activations: as `split` says, all of a wide group's.
     fn splits(&self, split: SplitActivations, wanted_float: bool) -> bool {
         split.splits(wanted_float || (self.wide && split == SplitActivations::Copyless))
-    }
-
-    /// Whether every quantized-path row of this group carries 16-bit activations under
-    /// `copyless` ([`GroupForm::wide`]).
-    pub fn wide(&self) -> bool {
-        self.wide
     }
 
     /// The Hadamard block the quantized path rotates activations by (1: none).
@@ -687,9 +679,8 @@ impl DualLinear {
         let has_float = self.float.is_some();
         let has_int8 = self.int8.is_some();
         let mut outcome = GroupOutcome::default();
-        // Counts `n` rows on the quantized path; `wanted_float`: they asked for the float
-        // path in a group that has no float copy (unavailable, unless `copyless` serves them
-        // with 16-bit activations where the rest run 8-bit: then they count as split).
+        // Counts `n` quantized-path rows; `wanted_float`: they asked for a float copy the
+        // group lacks (unavailable, unless `copyless` serves them split: 16-bit activations).
         let quantized = |o: &mut GroupOutcome, n: usize, wanted_float: bool| {
             if wanted_float && split != SplitActivations::Copyless {
                 o.fallback_unavailable_rows += n;
