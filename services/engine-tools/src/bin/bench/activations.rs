@@ -51,8 +51,7 @@ pub(crate) fn activation_table(
     }
     requests.truncate(args.traffic_requests);
     let ck = quantmesh_model::Checkpoint::open(dir)?;
-    let (base, live) = crate::steps::served_plan(&ck, cfg, plan_path, args.float_budget)?;
-    let plan = crate::steps::read_plan(&ck, cfg, plan_path)?;
+    let (base, live, plan) = crate::steps::served_plan(&ck, cfg, plan_path, args.float_budget)?;
     let ratios = if args.wide_activations.is_empty() {
         vec![base.wide_activations]
     } else {
@@ -89,34 +88,31 @@ pub(crate) fn activation_table(
     println!();
     println!("| activations | wide groups | rotation block | smoothing | monitor | groups on fallback | held-out text | mean KL | median KL | p99 KL | top-1 agreement % | perplexity | served tok/s (b1, one token per step) |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
-    // Wide groups change only `copyless`: the other widths run once.
-    let configs = args.splits.iter().flat_map(|&split| {
-        let ratios = match split {
-            SplitActivations::Copyless => ratios.clone(),
-            _ => vec![f64::NAN],
+    let mut configs = Vec::new();
+    for &split in &args.splits {
+        // Wide groups change only `copyless`: the other widths run once, without a ratio.
+        let widths: Vec<Option<f64>> = match split {
+            SplitActivations::Copyless => ratios.iter().copied().map(Some).collect(),
+            _ => vec![None],
         };
-        args.rotations.iter().flat_map(move |&rotation| {
-            let ratios = ratios.clone();
-            args.smoothings.iter().flat_map(move |&smoothing| {
-                let ratios = ratios.clone();
-                args.monitors.iter().flat_map(move |&monitor| {
-                    ratios
-                        .clone()
-                        .into_iter()
-                        .map(move |wide| (split, rotation, smoothing, monitor, wide))
-                })
-            })
-        })
-    });
+        for &rotation in &args.rotations {
+            for &smoothing in &args.smoothings {
+                for &monitor in &args.monitors {
+                    for &ratio in &widths {
+                        configs.push((split, rotation, smoothing, monitor, ratio));
+                    }
+                }
+            }
+        }
+    }
     for (split, rotation, smoothing, monitor, ratio) in configs {
-        let wide = match ratio.is_nan() {
-            true => Default::default(),
-            false => quantmesh_engine::plan::wide_groups(plan.groups.iter(), ratio),
-        };
-        let wide_label = match ratio.is_nan() {
-            true => "-".to_string(),
-            false => format!("{} (ratio {ratio})", wide.len()),
-        };
+        let wide = ratio.map_or_else(Default::default, |r| {
+            quantmesh_engine::plan::wide_groups(plan.groups.iter(), r)
+        });
+        let wide_label = ratio.map_or_else(
+            || "-".to_string(),
+            |r| format!("{} (ratio {r})", wide.len()),
+        );
         let forms = Forms {
             float: FloatDtype::F16,
             embeddings: match live.embeddings {

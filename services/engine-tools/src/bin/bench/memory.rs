@@ -43,7 +43,7 @@ pub(crate) fn memory_table(
     let mut ids = tok.encode(&std::fs::read_to_string(text)?, true)?;
     ids.truncate(args.ppl_tokens);
     let ck = quantmesh_model::Checkpoint::open(dir)?;
-    let (base, live) = crate::steps::served_plan(&ck, cfg, plan_path, args.float_budget)?;
+    let (base, live, _) = crate::steps::served_plan(&ck, cfg, plan_path, args.float_budget)?;
     let q = Forms {
         float: FloatDtype::F16,
         embeddings: EmbeddingDtype::Q8_0,

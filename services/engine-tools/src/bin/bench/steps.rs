@@ -111,7 +111,7 @@ pub(crate) fn watch_with(
 /// serves it with `float_budget` (every other setting the engine's default): the settings
 /// and the plan in force.
 /// The plan at `plan_path`, validated against the checkpoint's shape.
-pub(crate) fn read_plan(
+fn read_plan(
     ck: &quantmesh_model::Checkpoint,
     cfg: &ModelConfig,
     plan_path: &std::path::Path,
@@ -123,6 +123,8 @@ pub(crate) fn read_plan(
     )
 }
 
+/// The engine's default settings with `float_budget`, the plan at `plan_path` resolved
+/// against them, and that plan as read.
 pub(crate) fn served_plan(
     ck: &quantmesh_model::Checkpoint,
     cfg: &ModelConfig,
@@ -132,6 +134,7 @@ pub(crate) fn served_plan(
     (
         quantmesh_engine::EngineConfig,
         quantmesh_engine::plan::LivePlan,
+        quantmesh_types::ValidatedPlan,
     ),
     Box<dyn std::error::Error>,
 > {
@@ -141,5 +144,5 @@ pub(crate) fn served_plan(
         ..Default::default()
     };
     let live = quantmesh_engine::plan::resolve(&base, cfg, Some((&plan, "plan")));
-    Ok((base, live))
+    Ok((base, live, plan))
 }
