@@ -22,8 +22,6 @@
 //! The engine's monitor (warm-up) and the offline pre-screen both use this module, so they
 //! report the same set.
 
-use std::collections::BTreeMap;
-
 /// The rule's parameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MassiveRule {
@@ -75,7 +73,9 @@ pub fn massive_in_row(row: &[f32], ratio: f32, scratch: &mut Vec<f32>, out: &mut
 /// Counts, over rows, how often each channel was massive in its row.
 #[derive(Debug, Clone, Default)]
 pub struct MassiveCounter {
-    counts: BTreeMap<u32, u64>,
+    /// By channel (grown to the highest channel seen): the monitor counts every row of
+    /// every step it learns from, so a flat array rather than a map.
+    counts: Vec<u64>,
     rows: u64,
 }
 
@@ -84,7 +84,11 @@ impl MassiveCounter {
     pub fn add(&mut self, channels: &[u32]) {
         self.rows += 1;
         for &c in channels {
-            *self.counts.entry(c).or_default() += 1;
+            let c = c as usize;
+            if c >= self.counts.len() {
+                self.counts.resize(c + 1, 0);
+            }
+            self.counts[c] += 1;
         }
     }
 
@@ -107,8 +111,9 @@ impl MassiveCounter {
         let need = ((share * self.rows as f64).ceil() as u64).max(1);
         self.counts
             .iter()
+            .enumerate()
             .filter(|(_, &n)| n >= need)
-            .map(|(&c, _)| c as usize)
+            .map(|(c, _)| c)
             .collect()
     }
 }

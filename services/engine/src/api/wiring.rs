@@ -138,6 +138,7 @@ impl Wiring {
                 metrics: self.metrics.clone(),
                 trace_hook: self.trace_hook.clone(),
                 traced: Default::default(),
+                reported: std::time::Instant::now(),
             }
             .start(),
         )

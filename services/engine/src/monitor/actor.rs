@@ -8,14 +8,15 @@ use crate::kv::SeqId;
 use crate::metrics::EngineMetrics;
 use crate::monitor::core::{Monitor, MonitorReport};
 use crate::monitor::{ForceMode, MonitorConfig};
+use crate::precision::MaskHandle;
 use crate::precision::StepOutput;
-use crate::precision::{MaskHandle, PathMask};
 use crate::trace::{self, TraceHook};
 use actix::prelude::*;
 use quantmesh_types::FallbackEvent;
 use quantmesh_types::{GroupId, Residency};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// Executor → monitor: one step's activation statistics, shadow KL and non-finite flag
 /// (logits stripped). Sent with `try_send`: the serving path never waits for the
@@ -74,7 +75,13 @@ pub struct MonitorActor {
     pub trace_hook: Option<TraceHook>,
     /// Spans of traced requests still running, by sequence.
     pub traced: HashMap<SeqId, tracing::Span>,
+    /// When `report` was last written.
+    pub reported: Instant,
 }
+
+/// The longest a step's observations wait to reach the report (see
+/// [`MonitorActor::publish_step`]).
+pub const REPORT_EVERY: Duration = Duration::from_millis(100);
 
 impl MonitorActor {
     /// Stamp each event with the `traceparent` of the call that asked for it (`asker`), else
@@ -98,17 +105,34 @@ impl MonitorActor {
         self.publish_under(events, None);
     }
 
+    /// After a step's observations: the mask when it changed, the events, and the report
+    /// only when something was decided or it is [`REPORT_EVERY`] old. A step changes the
+    /// report's running figures only (means, window counts); what the metrics read from it
+    /// changes with decisions and closed windows, which always publish it. The monitor runs
+    /// between two steps, so building a report of every group each step would lengthen
+    /// every step's gap.
+    fn publish_step(&mut self, events: Vec<FallbackEvent>) {
+        let changed = self.update_mask();
+        if changed || !events.is_empty() || self.reported.elapsed() >= REPORT_EVERY {
+            self.publish_under(events, None);
+        }
+    }
+
+    /// Publish the core's decisions into the mask unless it already holds them; whether it
+    /// changed.
+    fn update_mask(&self) -> bool {
+        if self.core.mask_is_current(&self.mask.load()) {
+            return false;
+        }
+        let core = &self.core;
+        self.mask.update(|m| core.apply_to(m));
+        true
+    }
+
     /// [`MonitorActor::publish`], the events stamped with `asker`'s trace when given.
     fn publish_under(&mut self, mut events: Vec<FallbackEvent>, asker: Option<&tracing::Span>) {
         self.stamp(&mut events, asker);
-        let current = self.mask.load();
-        let mut next = PathMask::clone(&current);
-        self.core.apply_to(&mut next);
-        next.version = current.version;
-        if next != *current {
-            let core = &self.core;
-            self.mask.update(|m| core.apply_to(m));
-        }
+        self.update_mask();
         for ev in &events {
             self.metrics.decision(ev);
             for s in &self.sinks {
@@ -130,6 +154,7 @@ impl MonitorActor {
         if let Ok(mut r) = self.report.lock() {
             *r = report;
         }
+        self.reported = Instant::now();
     }
 }
 
@@ -156,7 +181,7 @@ impl Handler<Observe> for MonitorActor {
                 .observe(*kl);
         }
         let events = self.core.observe(&out);
-        self.publish(events);
+        self.publish_step(events);
     }
 }
 

@@ -44,16 +44,21 @@ impl PartialEq for GroupDetector {
             massive_ratio,
             column_error,
         } = self;
-        let same_columns = match (column_error, &other.column_error) {
-            (Some(a), Some(b)) => Arc::ptr_eq(a, b) || a == b,
-            (None, None) => true,
-            _ => false,
-        };
-        same_columns
+        same_column_error(column_error.as_ref(), other.column_error.as_ref())
             && *excluded_channels == other.excluded_channels
             && *token_bound == other.token_bound
             && *learn_channels == other.learn_channels
             && *massive_ratio == other.massive_ratio
+    }
+}
+
+/// Two groups' column errors are the same: one shared table (read no further), or equal
+/// tables, or none on both sides.
+pub fn same_column_error(a: Option<&Arc<ColumnError>>, b: Option<&Arc<ColumnError>>) -> bool {
+    match (a, b) {
+        (Some(a), Some(b)) => Arc::ptr_eq(a, b) || a == b,
+        (None, None) => true,
+        _ => false,
     }
 }
 

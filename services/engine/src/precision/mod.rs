@@ -8,7 +8,7 @@ pub mod probe;
 pub mod router;
 pub mod step;
 
-pub use mask::{DetectorParams, GroupDetector, MaskHandle, PathMask};
+pub use mask::{same_column_error, DetectorParams, GroupDetector, MaskHandle, PathMask};
 pub use probe::GroupObs;
 pub use router::MaskRouter;
 pub use step::{StepOutput, StepRunner};

@@ -5,15 +5,37 @@ use rand::rngs::StdRng;
 use rand::Rng;
 use std::collections::HashMap;
 
-/// Index of the largest finite logit (lowest index wins ties).
+/// Index of the largest logit, NaNs left out (lowest index wins ties; 0 when every logit
+/// is NaN). Greedy decoding runs it once per token over the whole vocabulary, so it is two
+/// passes the compiler vectorizes: the maximum in lanes (a comparison with NaN is false, so
+/// a NaN never wins), then the first chunk holding it.
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0usize;
-    for (i, &x) in logits.iter().enumerate() {
-        if x > logits[best] || (logits[best].is_nan() && !x.is_nan()) {
-            best = i;
+    const LANES: usize = 16;
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let chunks = logits.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (m, &x) in lanes.iter_mut().zip(c) {
+            if x > *m {
+                *m = x;
+            }
         }
     }
-    best as u32
+    let mut max = f32::NEG_INFINITY;
+    for &x in lanes.iter().chain(tail) {
+        if x > max {
+            max = x;
+        }
+    }
+    let chunk = logits
+        .chunks(LANES)
+        .position(|c| c.iter().fold(false, |hit, &x| hit | (x == max)))
+        .unwrap_or(0);
+    let at = logits[chunk * LANES..]
+        .iter()
+        .position(|&x| x == max)
+        .unwrap_or(0);
+    (chunk * LANES + at) as u32
 }
 
 /// Apply `logit_bias`, the OpenAI presence/frequency penalties (over the generated tokens)
@@ -193,6 +215,41 @@ fn sample_all(logits: &[f32], inv_t: f32, rng: &mut StdRng) -> u32 {
 mod tests {
     use super::*;
     use rand::SeedableRng;
+
+    /// The vectorized argmax picks what one scalar scan picks (the first non-NaN maximum),
+    /// with ties, NaNs and infinities anywhere, at lengths around its lane width.
+    #[test]
+    fn argmax_is_the_first_largest_logit_without_nans() {
+        fn scan(logits: &[f32]) -> u32 {
+            let mut best = 0usize;
+            for (i, &x) in logits.iter().enumerate() {
+                if x > logits[best] || (logits[best].is_nan() && !x.is_nan()) {
+                    best = i;
+                }
+            }
+            best as u32
+        }
+        let mut rng = StdRng::seed_from_u64(3);
+        let specials = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 2.0];
+        for len in [0usize, 1, 2, 15, 16, 17, 33, 100, 49_152] {
+            for trial in 0..40 {
+                let mut v: Vec<f32> = (0..len).map(|_| rng.gen_range(-3.0f32..2.0)).collect();
+                for _ in 0..trial % 5 {
+                    if len > 0 {
+                        let at = rng.gen_range(0..len);
+                        v[at] = specials[rng.gen_range(0..specials.len())];
+                    }
+                }
+                if trial % 7 == 0 {
+                    v.iter_mut().for_each(|x| *x = f32::NAN);
+                }
+                if trial % 11 == 0 {
+                    v.iter_mut().for_each(|x| *x = f32::NEG_INFINITY);
+                }
+                assert_eq!(argmax(&v), scan(&v), "len {len}, trial {trial}: {v:?}");
+            }
+        }
+    }
 
     #[test]
     fn greedy_and_seeded_sampling_are_deterministic() {

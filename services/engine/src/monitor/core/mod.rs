@@ -53,7 +53,7 @@ use evidence::WindowEvidence;
 use crate::backend::ColumnError;
 use crate::kv::SeqId;
 use crate::monitor::config::MonitorConfig;
-use crate::precision::{DetectorParams, GroupDetector, PathMask, StepOutput};
+use crate::precision::{same_column_error, DetectorParams, GroupDetector, PathMask, StepOutput};
 use quantmesh_model::massive::MassiveCounter;
 use quantmesh_types::{
     now_ms, wire_name, FallbackAction, FallbackEvent, FallbackReason, Granularity, GroupId,
@@ -161,6 +161,19 @@ impl GroupState {
             self.mode,
             GroupMode::Fallback | GroupMode::Coupled | GroupMode::ForcedFloat
         ) && self.can_fall_back()
+    }
+    /// The per-token bound the executor applies (none while the group is pinned to INT8).
+    fn detector_bound(&self) -> f32 {
+        if self.mode == GroupMode::ForcedInt8 {
+            f32::INFINITY
+        } else {
+            self.token_bound
+        }
+    }
+    /// The column errors the executor measures the harm statistic with, once the group has
+    /// a harm to measure.
+    fn detector_columns(&self) -> Option<&Arc<ColumnError>> {
+        self.column_error.as_ref().filter(|_| self.max_nsr > 0.0)
     }
     /// In fallback on a float copy (what moves the layer's KV cache to float too).
     fn on_float_copy(&self) -> bool {
@@ -500,23 +513,14 @@ impl Monitor {
             .groups
             .iter()
             .map(|(g, s)| {
-                // Only residual-stream readers keep what they learn: the probes measure
-                // massive channels for them alone.
-                let learning =
-                    s.residual_input && !s.ready && s.learn_rows < self.cfg.warmup_tokens / 2;
-                let token_bound = if s.mode == GroupMode::ForcedInt8 {
-                    f32::INFINITY
-                } else {
-                    s.token_bound
-                };
                 (
                     *g,
                     GroupDetector {
                         excluded_channels: s.excluded.clone(),
-                        token_bound,
-                        learn_channels: learning,
+                        token_bound: s.detector_bound(),
+                        learn_channels: self.learning(s),
                         massive_ratio: self.cfg.massive_channel_ratio,
-                        column_error: s.column_error.clone().filter(|_| s.max_nsr > 0.0),
+                        column_error: s.detector_columns().cloned(),
                     },
                 )
             })
@@ -526,6 +530,54 @@ impl Monitor {
             skip_positions: self.cfg.skip_positions.clone(),
             shadow_sample_rate: self.cfg.shadow_sample_rate,
         }))
+    }
+
+    /// Only residual-stream readers keep what they learn: the probes measure massive
+    /// channels for them alone.
+    fn learning(&self, s: &GroupState) -> bool {
+        s.residual_input && !s.ready && s.learn_rows < self.cfg.warmup_tokens / 2
+    }
+
+    /// Whether `mask` already holds everything [`Monitor::apply_to`] would write into it,
+    /// found without building anything (the monitor asks after every step, and almost
+    /// always nothing changed).
+    pub fn mask_is_current(&self, mask: &PathMask) -> bool {
+        let floats = self
+            .groups
+            .iter()
+            .filter(|(_, s)| s.in_float())
+            .map(|(g, _)| g);
+        let on_copy = || self.groups.iter().filter(|(_, s)| s.on_float_copy());
+        let kv_layers_match = on_copy().all(|(g, _)| mask.kv_float_layers.contains(&g.layer))
+            && mask
+                .kv_float_layers
+                .iter()
+                .all(|l| on_copy().any(|(g, _)| g.layer == *l));
+        mask.float_groups.iter().eq(floats)
+            && kv_layers_match
+            && mask.float_requests == self.float_requests
+            && mask.float_batch == self.batch_float
+            && self.detector_is_current(mask.detector.as_deref())
+    }
+
+    /// [`Monitor::mask_is_current`] for the detector parameters: equal to what
+    /// [`Monitor::detector_params`] builds, under the same comparison as theirs.
+    fn detector_is_current(&self, published: Option<&DetectorParams>) -> bool {
+        let Some(d) = published else {
+            return !self.cfg.enabled;
+        };
+        self.cfg.enabled
+            && d.skip_positions == self.cfg.skip_positions
+            && d.shadow_sample_rate == self.cfg.shadow_sample_rate
+            && d.groups.len() == self.groups.len()
+            && self.groups.iter().zip(&d.groups).all(|((g, s), (pg, p))| {
+                g == pg
+                    && p.excluded_channels == s.excluded
+                    && p.token_bound == s.detector_bound()
+                    && p.learn_channels == self.learning(s)
+                    && p.massive_ratio == self.cfg.massive_channel_ratio
+                    && same_column_error(p.column_error.as_ref(), s.detector_columns())
+            })
     }
 
     /// Write the monitor's decisions into a mask (keeps explicit per-token rows).

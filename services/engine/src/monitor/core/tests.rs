@@ -569,3 +569,111 @@ fn a_copyless_group_over_its_trigger_falls_back_per_layer_split() {
             .any(|g| g.wanted_fallback_unavailable));
     }
 }
+
+/// The monitor asks `mask_is_current` after every step instead of rebuilding the mask and
+/// comparing: through warm-up, a layer fallback, a request fallback, a forced group, the
+/// batch share and the recovery, the answer for the last published mask is always "would
+/// rebuilding change it", and a freshly written mask is current.
+#[test]
+fn the_mask_check_agrees_with_rebuilding_the_mask() {
+    fn agrees(m: &Monitor, published: &mut PathMask, state: &str) {
+        let mut rebuilt = published.clone();
+        m.apply_to(&mut rebuilt);
+        assert_eq!(
+            m.mask_is_current(published),
+            rebuilt == *published,
+            "{state}: the check disagrees with a rebuild"
+        );
+        *published = rebuilt;
+        assert!(
+            m.mask_is_current(published),
+            "{state}: a fresh mask is stale"
+        );
+    }
+    let mut m = Monitor::new(
+        MonitorConfig {
+            batch_group_share: 0.1,
+            ..cfg()
+        },
+        "t",
+        &groups(),
+    );
+    let mut published = PathMask::default();
+    agrees(&m, &mut published, "new");
+    agrees(&m, &mut published, "unchanged");
+    m.observe(&step(60, None, 0, 0));
+    agrees(&m, &mut published, "learning");
+    warm(&mut m);
+    agrees(&m, &mut published, "warm");
+    let hot = GroupId::new(0, GroupKind::O);
+    m.observe(&step(100, Some(hot), 10, 2));
+    m.end_window();
+    assert_eq!(m.mode(hot), Some(GroupMode::Fallback));
+    agrees(&m, &mut published, "layer fallback");
+    let mut s = step(10, None, 0, 1);
+    s.shadow_kl = vec![(5, 0.5)];
+    m.observe(&s);
+    agrees(&m, &mut published, "request fallback");
+    m.force(GroupId::new(1, GroupKind::Qkv), ForceMode::Int8)
+        .unwrap();
+    agrees(&m, &mut published, "forced to INT8");
+    m.force(GroupId::new(1, GroupKind::O), ForceMode::Float)
+        .unwrap();
+    m.end_window();
+    agrees(&m, &mut published, "batch share");
+    m.requests_finished(&[5]);
+    agrees(&m, &mut published, "request finished");
+    for i in 0..3 {
+        m.observe(&step(100, None, 0, 10 + i));
+        m.end_window();
+        agrees(&m, &mut published, "recovering");
+    }
+    // Each field the check reads, changed in the published mask alone.
+    let mut changes: Vec<PathMask> = Vec::new();
+    for edit in 0..5 {
+        let mut p = published.clone();
+        let mut d = DetectorParams::clone(p.detector.as_deref().unwrap());
+        let first = d.groups.values_mut().next().unwrap();
+        match edit {
+            0 => first.excluded_channels.push(99),
+            1 => first.token_bound += 1.0,
+            2 => first.learn_channels = !first.learn_channels,
+            3 => d.shadow_sample_rate += 0.5,
+            _ => {
+                d.groups.pop_last();
+            }
+        }
+        p.detector = Some(Arc::new(d));
+        changes.push(p);
+    }
+    let mut p = published.clone();
+    p.float_batch = !p.float_batch;
+    changes.push(p);
+    let mut p = published.clone();
+    p.float_requests.insert(77);
+    changes.push(p);
+    let mut p = published.clone();
+    p.float_groups.insert(GroupId::new(1, GroupKind::Down));
+    changes.push(p);
+    let mut p = published.clone();
+    p.kv_float_layers.insert(7);
+    changes.push(p);
+    let mut p = published.clone();
+    p.detector = None;
+    changes.push(p);
+    for (i, p) in changes.iter().enumerate() {
+        assert!(!m.mask_is_current(p), "change {i} went unnoticed");
+    }
+    // Monitoring off: current exactly when no detector is published.
+    let off = Monitor::new(
+        MonitorConfig {
+            enabled: false,
+            ..cfg()
+        },
+        "t",
+        &groups(),
+    );
+    let mut p = PathMask::default();
+    agrees(&off, &mut p, "off");
+    assert!(!off.mask_is_current(&published));
+}
