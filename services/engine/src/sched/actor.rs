@@ -195,7 +195,7 @@ impl SchedulerActor {
             .map(|res, act, ctx| {
                 act.busy = false;
                 match res {
-                    Ok(Ok(out)) => act.step_done(&out),
+                    Ok(Ok(out)) => act.step_done(&out, ctx),
                     Ok(Err(e)) => act.step_failed(&e),
                     Err(e) => {
                         act.step_failed(&EngineError::Config(format!("executor unreachable: {e}")))
@@ -206,8 +206,13 @@ impl SchedulerActor {
         ctx.spawn(fut);
     }
 
-    fn step_done(&mut self, out: &StepOutput) {
+    /// Sample from the step's logits, start the next step, then deliver the tokens. The next
+    /// step goes first: delivering wakes the HTTP threads, and on a machine with few cores
+    /// the executor woken after them waited for one of theirs to finish (measured on 2
+    /// cores: over 0.15 ms in half the steps, while the other core stood idle).
+    fn step_done(&mut self, out: &StepOutput, ctx: &mut Context<Self>) {
         let events = self.core.complete(out);
+        self.kick(ctx);
         let finished = self.dispatch(events);
         self.publish_state();
         self.finished(finished);
