@@ -55,6 +55,18 @@ fn step(n: usize, hot: Option<GroupId>, every: usize, seed: usize) -> StepOutput
     })
 }
 
+/// A monitor over [`groups`] whose batch falls back once a tenth of its groups are in float.
+fn batch_share_monitor() -> Monitor {
+    Monitor::new(
+        MonitorConfig {
+            batch_group_share: 0.1,
+            ..cfg()
+        },
+        "t",
+        &groups(),
+    )
+}
+
 fn warm(m: &mut Monitor) {
     m.observe(&step(200, None, 0, 0));
     m.end_window();
@@ -351,14 +363,7 @@ fn int8_only_group_reports_unavailable() {
 
 #[test]
 fn nan_kl_and_batch_share_decisions() {
-    let mut m = Monitor::new(
-        MonitorConfig {
-            batch_group_share: 0.1,
-            ..cfg()
-        },
-        "t",
-        &groups(),
-    );
+    let mut m = batch_share_monitor();
     warm(&mut m);
     let mut s = step(10, None, 0, 1);
     s.non_finite = true;
@@ -590,14 +595,7 @@ fn the_mask_check_agrees_with_rebuilding_the_mask() {
             "{state}: a fresh mask is stale"
         );
     }
-    let mut m = Monitor::new(
-        MonitorConfig {
-            batch_group_share: 0.1,
-            ..cfg()
-        },
-        "t",
-        &groups(),
-    );
+    let mut m = batch_share_monitor();
     let mut published = PathMask::default();
     agrees(&m, &mut published, "new");
     agrees(&m, &mut published, "unchanged");
