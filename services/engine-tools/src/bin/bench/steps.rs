@@ -107,9 +107,6 @@ pub(crate) fn watch_with(
     Ok((monitor, mask))
 }
 
-/// The plan at `plan_path`, validated against the checkpoint and resolved as the engine
-/// serves it with `float_budget` (every other setting the engine's default): the settings
-/// and the plan in force.
 /// The plan at `plan_path`, validated against the checkpoint's shape.
 fn read_plan(
     ck: &quantmesh_model::Checkpoint,

@@ -44,22 +44,36 @@ impl Monitor {
     /// found without building anything (the monitor asks after every step, and almost
     /// always nothing changed).
     pub fn mask_is_current(&self, mask: &PathMask) -> bool {
-        let floats = self
-            .groups
-            .iter()
-            .filter(|(_, s)| s.in_float())
-            .map(|(g, _)| g);
-        let on_copy = || self.groups.iter().filter(|(_, s)| s.on_float_copy());
-        let kv_layers_match = on_copy().all(|(g, _)| mask.kv_float_layers.contains(&g.layer))
+        let kv_layers_match = self
+            .float_copy_layers()
+            .all(|l| mask.kv_float_layers.contains(&l))
             && mask
                 .kv_float_layers
                 .iter()
-                .all(|l| on_copy().any(|(g, _)| g.layer == *l));
-        mask.float_groups.iter().eq(floats)
+                .all(|l| self.float_copy_layers().any(|f| f == *l));
+        mask.float_groups.iter().eq(self.float_groups())
             && kv_layers_match
             && mask.float_requests == self.float_requests
             && mask.float_batch == self.batch_float
             && self.detector_is_current(mask.detector.as_deref())
+    }
+
+    /// The groups whose every row takes its better path, ascending.
+    fn float_groups(&self) -> impl Iterator<Item = &GroupId> {
+        self.groups
+            .iter()
+            .filter(|(_, s)| s.in_float())
+            .map(|(g, _)| g)
+    }
+
+    /// The layers of the groups in fallback on a float copy (their KV cache goes float too;
+    /// a split group's rows keep their quantized weights, and its layer's KV stays as it is),
+    /// once per such group.
+    fn float_copy_layers(&self) -> impl Iterator<Item = usize> + '_ {
+        self.groups
+            .iter()
+            .filter(|(_, s)| s.on_float_copy())
+            .map(|(g, _)| g.layer)
     }
 
     /// [`Monitor::mask_is_current`] for the detector parameters: equal to what
@@ -73,30 +87,27 @@ impl Monitor {
             && d.shadow_sample_rate == self.cfg.shadow_sample_rate
             && d.groups.len() == self.groups.len()
             && self.groups.iter().zip(&d.groups).all(|((g, s), (pg, p))| {
+                // Destructured so that a new field cannot be left out of the check.
+                let GroupDetector {
+                    excluded_channels,
+                    token_bound,
+                    learn_channels,
+                    massive_ratio,
+                    column_error,
+                } = p;
                 g == pg
-                    && p.excluded_channels == s.excluded
-                    && p.token_bound == s.detector_bound()
-                    && p.learn_channels == self.learning(s)
-                    && p.massive_ratio == self.cfg.massive_channel_ratio
-                    && same_column_error(p.column_error.as_ref(), s.detector_columns())
+                    && *excluded_channels == s.excluded
+                    && *token_bound == s.detector_bound()
+                    && *learn_channels == self.learning(s)
+                    && *massive_ratio == self.cfg.massive_channel_ratio
+                    && same_column_error(column_error.as_ref(), s.detector_columns())
             })
     }
 
     /// Write the monitor's decisions into a mask (keeps explicit per-token rows).
     pub fn apply_to(&self, mask: &mut PathMask) {
-        mask.float_groups = self
-            .groups
-            .iter()
-            .filter(|(_, s)| s.in_float())
-            .map(|(g, _)| *g)
-            .collect();
-        // A split group's rows keep their quantized weights: its layer's KV stays as it is.
-        mask.kv_float_layers = self
-            .groups
-            .iter()
-            .filter(|(_, s)| s.on_float_copy())
-            .map(|(g, _)| g.layer)
-            .collect();
+        mask.float_groups = self.float_groups().copied().collect();
+        mask.kv_float_layers = self.float_copy_layers().collect();
         mask.float_requests = self.float_requests.clone();
         mask.float_batch = self.batch_float;
         mask.detector = self.detector_params();
