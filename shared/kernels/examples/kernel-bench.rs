@@ -16,6 +16,25 @@ use quantmesh_kernels::{
 };
 use std::time::Instant;
 
+/// Seconds per call of `run`: the median of five timed runs of at least 40 ms each (after
+/// one untimed call), so one preempted stretch on a shared VM moves the figure little.
+fn seconds_per_call(mut run: impl FnMut()) -> f64 {
+    run();
+    let mut per_call: Vec<f64> = (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            let mut calls = 0u32;
+            while calls < 2 || t.elapsed().as_secs_f64() < 0.04 {
+                run();
+                calls += 1;
+            }
+            t.elapsed().as_secs_f64() / f64::from(calls)
+        })
+        .collect();
+    per_call.sort_by(f64::total_cmp);
+    per_call[2]
+}
+
 fn main() {
     let mut shapes = vec![
         (960, 576),
@@ -122,7 +141,7 @@ fn main() {
                             continue;
                         }
                         let mut a = Activations::new();
-                        let mut run = || {
+                        let run = || {
                             a.quantize_with(&x, m, i, bits, isa)
                                 .unwrap_or_else(|e| panic!("{e}"));
                             if four {
@@ -132,13 +151,7 @@ fn main() {
                             }
                             .unwrap_or_else(|e| panic!("{e}"));
                         };
-                        run();
-                        let iters = (2e8 / (o * i * m) as f64).clamp(3.0, 2000.0) as usize;
-                        let t = Instant::now();
-                        for _ in 0..iters {
-                            run();
-                        }
-                        let s = t.elapsed().as_secs_f64() / iters as f64;
+                        let s = seconds_per_call(run);
                         let kind = if four { "q4" } else { "q8" };
                         let ratio = vs_avx2(isa, format!("{kind} {bits:?} {o}x{i} {m}"), s);
                         println!(
@@ -150,13 +163,9 @@ fn main() {
                         );
                     }
                 }
-                let iters = (2e8 / (o * i * m) as f64).clamp(3.0, 2000.0) as usize;
-                let t = Instant::now();
-                for _ in 0..iters {
-                    f16_matmul(&wh, o, i, &x, &mut out, isa, pool)
-                        .unwrap_or_else(|e| panic!("{e}"));
-                }
-                let s = t.elapsed().as_secs_f64() / iters as f64;
+                let s = seconds_per_call(|| {
+                    f16_matmul(&wh, o, i, &x, &mut out, isa, pool).unwrap_or_else(|e| panic!("{e}"))
+                });
                 let ratio = vs_avx2(isa, format!("f16 {o}x{i} {m}"), s);
                 println!(
                     "| f16 {} | {o}x{i} | {m} | {:.1} | {:.1} | {:.1} | {ratio} |",

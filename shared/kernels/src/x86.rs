@@ -62,6 +62,20 @@ macro_rules! madd2_vnni {
     };
 }
 
+/// `acc + a·b` over 16-bit pairs (AVX2): one `vpmaddwd`, one `vpaddd`.
+macro_rules! madd1_avx2 {
+    ($acc:expr, $a:expr, $b:expr) => {
+        _mm256_add_epi32($acc, _mm256_madd_epi16($a, $b))
+    };
+}
+
+/// The same with AVX-VNNI: one `vpdpwssd`.
+macro_rules! madd1_vnni {
+    ($acc:expr, $a:expr, $b:expr) => {
+        dpwssd_vex($acc, $a, $b)
+    };
+}
+
 /// `acc + a·b` over 16-bit pairs in one VEX-encoded `vpdpwssd`. Written as an instruction:
 /// LLVM turns the intrinsic back into `vpmaddwd` + `vpaddd` when it tunes for a generic
 /// x86-64 (seen in the built kernels), which would leave nothing for AVX-VNNI to do.
@@ -82,7 +96,7 @@ unsafe fn dpwssd_vex(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
 /// The Q8_0 and 4-bit products for one set of target features and one pair multiply-add:
 /// written once, made for AVX2 and for AVX-VNNI below.
 macro_rules! products {
-    ($features:literal, $madd2:ident, $q8_tiles:ident, $q8_tile:ident, $q4_tiles:ident, $q4_tile:ident) => {
+    ($features:literal, $madd2:ident, $madd1:ident, $q8_tiles:ident, $q8_tile:ident, $q4_tiles:ident, $q4_tile:ident) => {
         /// As [`crate::scalar::q8_tiles`], for weights in [`crate::Q8Layout::PairColumns`].
         #[target_feature(enable = $features)]
         pub(crate) unsafe fn $q8_tiles(
@@ -91,30 +105,49 @@ macro_rules! products {
             tiles: Range<usize>,
             out: *mut f32,
         ) {
+            /// Tiles `t .. t + T` for the activation rows `rows`, four at a time.
+            #[target_feature(enable = $features)]
+            #[inline]
+            unsafe fn rows_of<const T: usize>(
+                w: &PackedQ8,
+                a: &Activations,
+                t: usize,
+                rows: Range<usize>,
+                out: *mut f32,
+            ) {
+                let mut m = rows.start;
+                while m + 4 <= rows.end {
+                    $q8_tile::<T, 4>(w, a, t, m, out);
+                    m += 4;
+                }
+                match rows.end - m {
+                    3 => $q8_tile::<T, 3>(w, a, t, m, out),
+                    2 => $q8_tile::<T, 2>(w, a, t, m, out),
+                    1 => $q8_tile::<T, 1>(w, a, t, m, out),
+                    _ => {}
+                }
+            }
+
             let mut m0 = 0;
             while m0 < a.rows {
                 let m1 = (m0 + ROW_BLOCK).min(a.rows);
-                for t in tiles.clone() {
-                    let mut m = m0;
-                    while m + 4 <= m1 {
-                        $q8_tile::<4>(w, a, t, m, out);
-                        m += 4;
-                    }
-                    match m1 - m {
-                        3 => $q8_tile::<3>(w, a, t, m, out),
-                        2 => $q8_tile::<2>(w, a, t, m, out),
-                        1 => $q8_tile::<1>(w, a, t, m, out),
-                        _ => {}
-                    }
+                let mut t = tiles.start;
+                while t + 2 <= tiles.end {
+                    rows_of::<2>(w, a, t, m0..m1, out);
+                    t += 2;
+                }
+                if t < tiles.end {
+                    rows_of::<1>(w, a, t, m0..m1, out);
                 }
                 m0 = m1;
             }
         }
 
-        /// Tile `t` (8 output columns) for activation rows `m .. m + M`.
+        /// Tiles `t .. t + T` (8·T output columns) for activation rows `m .. m + M`: each
+        /// broadcast activation pair feeds all T tiles' products.
         #[target_feature(enable = $features)]
         #[inline]
-        unsafe fn $q8_tile<const M: usize>(
+        unsafe fn $q8_tile<const T: usize, const M: usize>(
             w: &PackedQ8,
             a: &Activations,
             t: usize,
@@ -123,8 +156,8 @@ macro_rules! products {
         ) {
             const G: usize = PAIR_TILE_ROWS;
             let n = w.rows;
-            let wq = w.qs.as_ptr().add(t * w.blocks * G * BLOCK);
-            // 8 f16 scales per block: one 16-byte load.
+            let stride = w.blocks * G * BLOCK;
+            let wq = w.qs.as_ptr().add(t * stride);
             let wd = w.d.as_ptr().add(t * w.blocks * G) as *const __m128i;
             let mut aq = [a.q.as_ptr(); M];
             let mut ad = [a.d.as_ptr(); M];
@@ -132,41 +165,52 @@ macro_rules! products {
                 aq[j] = a.q.as_ptr().add((m + j) * a.cols);
                 ad[j] = a.d.as_ptr().add((m + j) * a.blocks);
             }
-            let mut acc = [_mm256_setzero_ps(); M];
+            let mut acc = [[_mm256_setzero_ps(); T]; M];
             for b in 0..w.blocks {
                 let wb = wq.add(b * G * BLOCK);
-                prefetch_ahead(wb as *const u8, G * BLOCK);
-                let mut sum = [_mm256_setzero_si256(); M];
-                // Two column pairs at a time.
-                for p in (0..BLOCK / 2).step_by(2) {
-                    let wv0 =
-                        _mm256_cvtepi8_epi16(_mm_loadu_si128(wb.add(p * 2 * G) as *const __m128i));
-                    let wv1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(
-                        wb.add((p + 1) * 2 * G) as *const __m128i
-                    ));
+                for h in 0..T {
+                    prefetch_ahead(wb.add(h * stride) as *const u8, G * BLOCK);
+                }
+                let mut s = [[_mm256_setzero_si256(); T]; M];
+                for p in 0..BLOCK / 2 {
+                    let mut wv = [_mm256_setzero_si256(); T];
+                    for h in 0..T {
+                        wv[h] = _mm256_cvtepi8_epi16(_mm_loadu_si128(
+                            wb.add(h * stride + p * 2 * G) as *const __m128i,
+                        ));
+                    }
                     for j in 0..M {
-                        let pairs = aq[j].add(b * BLOCK + 2 * p) as *const i32;
-                        let b0 = _mm256_set1_epi32(pairs.read_unaligned());
-                        let b1 = _mm256_set1_epi32(pairs.add(1).read_unaligned());
-                        sum[j] = $madd2!(sum[j], wv0, b0, wv1, b1);
+                        let pair = aq[j].add(b * BLOCK + 2 * p) as *const i32;
+                        let bj = _mm256_set1_epi32(pair.read_unaligned());
+                        for h in 0..T {
+                            s[j][h] = $madd1!(s[j][h], wv[h], bj);
+                        }
                     }
                 }
-                let dw = _mm256_cvtph_ps(_mm_loadu_si128(wd.add(b)));
-                for j in 0..M {
-                    let s = _mm256_mul_ps(dw, _mm256_set1_ps(*ad[j].add(b)));
-                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[j]), s, acc[j]);
+                for h in 0..T {
+                    let dw = _mm256_cvtph_ps(_mm_loadu_si128(wd.add(h * w.blocks + b)));
+                    for j in 0..M {
+                        let da = _mm256_set1_ps(*ad[j].add(b));
+                        acc[j][h] = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(s[j][h]),
+                            _mm256_mul_ps(dw, da),
+                            acc[j][h],
+                        );
+                    }
                 }
             }
-            let c0 = t * G;
-            for j in 0..M {
-                let o = out.add((m + j) * n + c0);
-                if c0 + G <= n {
-                    _mm256_storeu_ps(o, acc[j]);
-                } else {
-                    let mut v = [0f32; G];
-                    _mm256_storeu_ps(v.as_mut_ptr(), acc[j]);
-                    for (r, &v) in v.iter().enumerate().take(n - c0) {
-                        *o.add(r) = v;
+            for h in 0..T {
+                let c0 = (t + h) * G;
+                for j in 0..M {
+                    let o = out.add((m + j) * n + c0);
+                    if c0 + G <= n {
+                        _mm256_storeu_ps(o, acc[j][h]);
+                    } else {
+                        let mut v = [0f32; G];
+                        _mm256_storeu_ps(v.as_mut_ptr(), acc[j][h]);
+                        for (r, &v) in v.iter().enumerate().take(n - c0) {
+                            *o.add(r) = v;
+                        }
                     }
                 }
             }
@@ -292,6 +336,7 @@ macro_rules! products {
 products!(
     "avx2,fma,f16c",
     madd2_avx2,
+    madd1_avx2,
     q8_tiles,
     q8_tile,
     q4_tiles,
@@ -300,6 +345,7 @@ products!(
 products!(
     "avx2,fma,f16c,avxvnni",
     madd2_vnni,
+    madd1_vnni,
     q8_tiles_vnni,
     q8_tile_vnni,
     q4_tiles_vnni,
