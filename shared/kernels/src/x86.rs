@@ -225,32 +225,52 @@ macro_rules! products {
             tiles: Range<usize>,
             out: *mut f32,
         ) {
+            /// Tiles `t .. t + T` for the activation rows `rows`, four at a time.
+            #[target_feature(enable = $features)]
+            #[inline]
+            unsafe fn rows_of<const T: usize>(
+                w: &PackedQ4,
+                a: &Activations,
+                t: usize,
+                rows: Range<usize>,
+                out: *mut f32,
+            ) {
+                let mut m = rows.start;
+                while m + 4 <= rows.end {
+                    $q4_tile::<T, 4>(w, a, t, m, out);
+                    m += 4;
+                }
+                match rows.end - m {
+                    3 => $q4_tile::<T, 3>(w, a, t, m, out),
+                    2 => $q4_tile::<T, 2>(w, a, t, m, out),
+                    1 => $q4_tile::<T, 1>(w, a, t, m, out),
+                    _ => {}
+                }
+            }
+
             let mut m0 = 0;
             while m0 < a.rows {
                 let m1 = (m0 + ROW_BLOCK).min(a.rows);
-                for t in tiles.clone() {
-                    let mut m = m0;
-                    while m + 4 <= m1 {
-                        $q4_tile::<4>(w, a, t, m, out);
-                        m += 4;
-                    }
-                    match m1 - m {
-                        3 => $q4_tile::<3>(w, a, t, m, out),
-                        2 => $q4_tile::<2>(w, a, t, m, out),
-                        1 => $q4_tile::<1>(w, a, t, m, out),
-                        _ => {}
-                    }
+                let mut t = tiles.start;
+                while t + 2 <= tiles.end {
+                    rows_of::<2>(w, a, t, m0..m1, out);
+                    t += 2;
+                }
+                if t < tiles.end {
+                    rows_of::<1>(w, a, t, m0..m1, out);
                 }
                 m0 = m1;
             }
         }
 
-        /// Tile `t` (8 output columns) of 4-bit weights for activation rows `m .. m + M`. Per quad
-        /// of columns, one 16-byte load holds two column pairs for the 8 rows, a nibble each: the
-        /// mask gives the first pair's bytes in the 8-bit kernel's order, the shift the second's.
+        /// Tiles `t .. t + T` (8·T output columns) of 4-bit weights for activation rows
+        /// `m .. m + M`. Per quad of columns, one 16-byte load per tile holds two column pairs
+        /// for its 8 rows, a nibble each: the mask gives the first pair's bytes in the 8-bit
+        /// kernel's order, the shift the second's. Each broadcast activation pair feeds all T
+        /// tiles' products.
         #[target_feature(enable = $features)]
         #[inline]
-        unsafe fn $q4_tile<const M: usize>(
+        unsafe fn $q4_tile<const T: usize, const M: usize>(
             w: &PackedQ4,
             a: &Activations,
             t: usize,
@@ -259,7 +279,8 @@ macro_rules! products {
         ) {
             const G: usize = Q4_TILE_ROWS;
             let n = w.rows;
-            let wq = w.qs.as_ptr().add(t * w.blocks * Q4_TILE_BLOCK_BYTES);
+            let stride = w.blocks * Q4_TILE_BLOCK_BYTES;
+            let wq = w.qs.as_ptr().add(t * stride);
             let sc = w.sc.as_ptr().add(t * w.blocks * G);
             let mn = w.mn.as_ptr().add(t * w.blocks * G);
             let ds = w.ds.as_ptr().add(t * w.supers * G) as *const __m128i;
@@ -273,59 +294,83 @@ macro_rules! products {
                 ad[j] = a.d.as_ptr().add((m + j) * a.blocks);
                 asum[j] = sums.add((m + j) * a.blocks);
             }
-            let nibble = _mm_set1_epi8(0x0f);
-            let mut acc = [_mm256_setzero_ps(); M];
-            let (mut dmax, mut mmax) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+            let nibble = _mm256_set1_epi16(0x0f);
+            let mut acc = [[_mm256_setzero_ps(); T]; M];
+            let mut dmax = [_mm256_setzero_ps(); T];
+            let mut mmax = [_mm256_setzero_ps(); T];
             for b in 0..w.blocks {
                 if b % SUPER_BLOCKS == 0 {
                     let s = b / SUPER_BLOCKS;
-                    // In the units of the 8-bit step and offset, as `q4::step` and `q4::offset`.
-                    dmax = _mm256_mul_ps(
-                        _mm256_cvtph_ps(_mm_loadu_si128(ds.add(s))),
-                        _mm256_set1_ps(STEP_UNIT),
-                    );
-                    mmax = _mm256_mul_ps(
-                        _mm256_cvtph_ps(_mm_loadu_si128(ms.add(s))),
-                        _mm256_set1_ps(OFFSET_UNIT),
-                    );
+                    for h in 0..T {
+                        // In the units of the 8-bit step and offset, as `q4::step` and
+                        // `q4::offset`.
+                        dmax[h] = _mm256_mul_ps(
+                            _mm256_cvtph_ps(_mm_loadu_si128(ds.add(h * w.supers + s))),
+                            _mm256_set1_ps(STEP_UNIT),
+                        );
+                        mmax[h] = _mm256_mul_ps(
+                            _mm256_cvtph_ps(_mm_loadu_si128(ms.add(h * w.supers + s))),
+                            _mm256_set1_ps(OFFSET_UNIT),
+                        );
+                    }
                 }
                 let wb = wq.add(b * Q4_TILE_BLOCK_BYTES);
-                prefetch_ahead(wb, Q4_TILE_BLOCK_BYTES);
-                let mut sum = [_mm256_setzero_si256(); M];
+                for h in 0..T {
+                    prefetch_ahead(wb.add(h * stride), Q4_TILE_BLOCK_BYTES);
+                }
+                let mut sum = [[_mm256_setzero_si256(); T]; M];
                 for k in 0..BLOCK / 4 {
-                    let x = _mm_loadu_si128(wb.add(k * 2 * G) as *const __m128i);
-                    let w0 = _mm256_cvtepu8_epi16(_mm_and_si128(x, nibble));
-                    let w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(x, 4), nibble));
+                    let mut w0 = [_mm256_setzero_si256(); T];
+                    let mut w1 = [_mm256_setzero_si256(); T];
+                    for h in 0..T {
+                        // Widened first, so one `vpmovzxbw` serves both nibbles and the
+                        // shift needs no mask: each lane's high byte is zero.
+                        let x = _mm256_cvtepu8_epi16(_mm_loadu_si128(
+                            wb.add(h * stride + k * 2 * G) as *const __m128i,
+                        ));
+                        w0[h] = _mm256_and_si256(x, nibble);
+                        w1[h] = _mm256_srli_epi16(x, 4);
+                    }
                     for j in 0..M {
                         let p = aq[j].add(b * BLOCK + 4 * k) as *const i32;
                         let p0 = _mm256_set1_epi32(p.read_unaligned());
                         let p1 = _mm256_set1_epi32(p.add(1).read_unaligned());
-                        sum[j] = $madd2!(sum[j], w0, p0, w1, p1);
+                        for h in 0..T {
+                            sum[j][h] = $madd2!(sum[j][h], w0[h], p0, w1[h], p1);
+                        }
                     }
                 }
-                let steps = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                    sc.add(b * G) as *const __m128i,
-                )));
-                let offsets = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                    mn.add(b * G) as *const __m128i,
-                )));
-                let (dw, mw) = (_mm256_mul_ps(dmax, steps), _mm256_mul_ps(mmax, offsets));
-                for j in 0..M {
-                    let s = _mm256_mul_ps(dw, _mm256_set1_ps(*ad[j].add(b)));
-                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[j]), s, acc[j]);
-                    acc[j] = _mm256_fmadd_ps(mw, _mm256_set1_ps(*asum[j].add(b)), acc[j]);
+                for h in 0..T {
+                    let at = h * w.blocks * G + b * G;
+                    let steps = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                        sc.add(at) as *const __m128i,
+                    )));
+                    let offsets = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                        mn.add(at) as *const __m128i,
+                    )));
+                    let (dw, mw) = (
+                        _mm256_mul_ps(dmax[h], steps),
+                        _mm256_mul_ps(mmax[h], offsets),
+                    );
+                    for j in 0..M {
+                        let s = _mm256_mul_ps(dw, _mm256_set1_ps(*ad[j].add(b)));
+                        acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[j][h]), s, acc[j][h]);
+                        acc[j][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(*asum[j].add(b)), acc[j][h]);
+                    }
                 }
             }
-            let c0 = t * G;
-            for j in 0..M {
-                let o = out.add((m + j) * n + c0);
-                if c0 + G <= n {
-                    _mm256_storeu_ps(o, acc[j]);
-                } else {
-                    let mut v = [0f32; G];
-                    _mm256_storeu_ps(v.as_mut_ptr(), acc[j]);
-                    for (r, &v) in v.iter().enumerate().take(n - c0) {
-                        *o.add(r) = v;
+            for h in 0..T {
+                let c0 = (t + h) * G;
+                for j in 0..M {
+                    let o = out.add((m + j) * n + c0);
+                    if c0 + G <= n {
+                        _mm256_storeu_ps(o, acc[j][h]);
+                    } else {
+                        let mut v = [0f32; G];
+                        _mm256_storeu_ps(v.as_mut_ptr(), acc[j][h]);
+                        for (r, &v) in v.iter().enumerate().take(n - c0) {
+                            *o.add(r) = v;
+                        }
                     }
                 }
             }
