@@ -177,13 +177,18 @@ measure() { # who, tag, url -> lines "who tag metric value failed short"
 # llama-server's two KV configurations (the better per row is the peer).
 declare -A LLAMA_KV=([llama-f16]="" [llama-q8kv]="-fa on -ctk q8_0 -ctv q8_0")
 
-log "measuring the read bandwidth (kernel-bench --bandwidth-only, $THREADS threads)"
-QUANTMESH_THREADS="$THREADS" "$BIN/examples/kernel-bench" --bandwidth-only \
-  | awk '/read bandwidth/ {print "bandwidth", $3}' >>"$OUT/about.txt"
+# The read bandwidth, measured before every round: the bound uses the highest reading (a
+# reading taken while something else held the memory bus understates what the machine can do).
+bandwidth() {
+  log "measuring the read bandwidth (kernel-bench --bandwidth-only, $THREADS threads)"
+  QUANTMESH_THREADS="$THREADS" "$BIN/examples/kernel-bench" --bandwidth-only \
+    | awk '/read bandwidth/ {print "bandwidth", $3}' >>"$OUT/about.txt"
+}
 echo "llama_build $("$LLAMA_SERVER" --version 2>&1 | grep -m1 -i 'version' | tr ' ' '_')" >>"$OUT/about.txt"
 for tag in $FILES; do echo "llama_bytes $tag $(tensor_bytes "${FILE[$tag]}")" >>"$OUT/about.txt"; done
 
 for round in $(seq 1 "$ROUNDS"); do
+  bandwidth
   for tag in $FILES; do
     file="${FILE[$tag]}"
     for who in $(printf '%s\n' quantmesh llama-f16 llama-q8kv | shuf); do

@@ -8,8 +8,9 @@
 //! no horizontal sums, so the loop is bound by the multiply port rather than the shuffle
 //! port. Exact for 8- and 16-bit activations alike (a block's 16 pair sums stay below
 //! 2³¹). Per block the 8 integer sums are converted to f32 and added with the scales'
-//! products (`vfmadd`). A register tile is 8 weight rows × up to 4 activation rows: 4
-//! integer and 4 float accumulators, the widened weights and the broadcast pair.
+//! products (`vfmadd`). A register tile is two weight tiles (16 output columns) × up to 4
+//! activation rows: 8 integer accumulators, so each broadcast pair feeds two multiplies
+//! (a thread's odd last tile runs alone). The 4-bit product has the same register tile.
 //!
 //! The Q8_0 and 4-bit products are also made for AVX-VNNI (`q8_tiles_vnni`, `q4_tiles_vnni`;
 //! the caller checks [`crate::Isa::AvxVnni`]): `vpdpwssd` does the multiply and the add in
