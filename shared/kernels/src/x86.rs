@@ -94,6 +94,83 @@ unsafe fn dpwssd_vex(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
     acc
 }
 
+// The 4-bit tiles have the 8-bit ones' width: one store serves both.
+const _: () = assert!(Q4_TILE_ROWS == PAIR_TILE_ROWS);
+
+/// Register tile `acc` (rows `m ..`, 8-column tiles `t ..`) into `out` (`n` columns per
+/// row), the columns past `n` of a last partial tile left out.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn store_tiles<const T: usize, const M: usize>(
+    acc: &[[__m256; T]; M],
+    out: *mut f32,
+    n: usize,
+    t: usize,
+    m: usize,
+) {
+    const G: usize = PAIR_TILE_ROWS;
+    for h in 0..T {
+        let c0 = (t + h) * G;
+        for (j, acc) in acc.iter().enumerate() {
+            let o = out.add((m + j) * n + c0);
+            if c0 + G <= n {
+                _mm256_storeu_ps(o, acc[h]);
+            } else {
+                let mut v = [0f32; G];
+                _mm256_storeu_ps(v.as_mut_ptr(), acc[h]);
+                for (r, &v) in v.iter().enumerate().take(n - c0) {
+                    *o.add(r) = v;
+                }
+            }
+        }
+    }
+}
+
+/// The walk both products share: the activation rows in blocks of [`ROW_BLOCK`], and in each
+/// the weight tiles two at a time (a thread's odd last tile alone), four activation rows per
+/// register tile and one register tile of the rest.
+macro_rules! walk_tiles {
+    ($features:literal, $tile:ident, $weights:ty, $w:expr, $a:expr, $tiles:expr, $out:expr) => {{
+        /// Tiles `t .. t + T` for the activation rows `rows`.
+        #[target_feature(enable = $features)]
+        #[inline]
+        unsafe fn rows_of<const T: usize>(
+            w: &$weights,
+            a: &Activations,
+            t: usize,
+            rows: Range<usize>,
+            out: *mut f32,
+        ) {
+            let mut m = rows.start;
+            while m + 4 <= rows.end {
+                $tile::<T, 4>(w, a, t, m, out);
+                m += 4;
+            }
+            match rows.end - m {
+                3 => $tile::<T, 3>(w, a, t, m, out),
+                2 => $tile::<T, 2>(w, a, t, m, out),
+                1 => $tile::<T, 1>(w, a, t, m, out),
+                _ => {}
+            }
+        }
+
+        let (w, a, tiles, out) = ($w, $a, $tiles, $out);
+        let mut m0 = 0;
+        while m0 < a.rows {
+            let m1 = (m0 + ROW_BLOCK).min(a.rows);
+            let mut t = tiles.start;
+            while t + 2 <= tiles.end {
+                rows_of::<2>(w, a, t, m0..m1, out);
+                t += 2;
+            }
+            if t < tiles.end {
+                rows_of::<1>(w, a, t, m0..m1, out);
+            }
+            m0 = m1;
+        }
+    }};
+}
+
 /// The Q8_0 and 4-bit products for one set of target features and one pair multiply-add:
 /// written once, made for AVX2 and for AVX-VNNI below.
 macro_rules! products {
@@ -106,42 +183,7 @@ macro_rules! products {
             tiles: Range<usize>,
             out: *mut f32,
         ) {
-            /// Tiles `t .. t + T` for the activation rows `rows`, four at a time.
-            #[target_feature(enable = $features)]
-            #[inline]
-            unsafe fn rows_of<const T: usize>(
-                w: &PackedQ8,
-                a: &Activations,
-                t: usize,
-                rows: Range<usize>,
-                out: *mut f32,
-            ) {
-                let mut m = rows.start;
-                while m + 4 <= rows.end {
-                    $q8_tile::<T, 4>(w, a, t, m, out);
-                    m += 4;
-                }
-                match rows.end - m {
-                    3 => $q8_tile::<T, 3>(w, a, t, m, out),
-                    2 => $q8_tile::<T, 2>(w, a, t, m, out),
-                    1 => $q8_tile::<T, 1>(w, a, t, m, out),
-                    _ => {}
-                }
-            }
-
-            let mut m0 = 0;
-            while m0 < a.rows {
-                let m1 = (m0 + ROW_BLOCK).min(a.rows);
-                let mut t = tiles.start;
-                while t + 2 <= tiles.end {
-                    rows_of::<2>(w, a, t, m0..m1, out);
-                    t += 2;
-                }
-                if t < tiles.end {
-                    rows_of::<1>(w, a, t, m0..m1, out);
-                }
-                m0 = m1;
-            }
+            walk_tiles!($features, $q8_tile, PackedQ8, w, a, tiles, out);
         }
 
         /// Tiles `t .. t + T` (8·T output columns) for activation rows `m .. m + M`: each
@@ -200,21 +242,7 @@ macro_rules! products {
                     }
                 }
             }
-            for h in 0..T {
-                let c0 = (t + h) * G;
-                for j in 0..M {
-                    let o = out.add((m + j) * n + c0);
-                    if c0 + G <= n {
-                        _mm256_storeu_ps(o, acc[j][h]);
-                    } else {
-                        let mut v = [0f32; G];
-                        _mm256_storeu_ps(v.as_mut_ptr(), acc[j][h]);
-                        for (r, &v) in v.iter().enumerate().take(n - c0) {
-                            *o.add(r) = v;
-                        }
-                    }
-                }
-            }
+            store_tiles(&acc, out, n, t, m);
         }
 
         /// As [`crate::scalar::q4_tiles`]: 4-bit weights in tiles of 8 rows, register tiles of 8
@@ -226,42 +254,7 @@ macro_rules! products {
             tiles: Range<usize>,
             out: *mut f32,
         ) {
-            /// Tiles `t .. t + T` for the activation rows `rows`, four at a time.
-            #[target_feature(enable = $features)]
-            #[inline]
-            unsafe fn rows_of<const T: usize>(
-                w: &PackedQ4,
-                a: &Activations,
-                t: usize,
-                rows: Range<usize>,
-                out: *mut f32,
-            ) {
-                let mut m = rows.start;
-                while m + 4 <= rows.end {
-                    $q4_tile::<T, 4>(w, a, t, m, out);
-                    m += 4;
-                }
-                match rows.end - m {
-                    3 => $q4_tile::<T, 3>(w, a, t, m, out),
-                    2 => $q4_tile::<T, 2>(w, a, t, m, out),
-                    1 => $q4_tile::<T, 1>(w, a, t, m, out),
-                    _ => {}
-                }
-            }
-
-            let mut m0 = 0;
-            while m0 < a.rows {
-                let m1 = (m0 + ROW_BLOCK).min(a.rows);
-                let mut t = tiles.start;
-                while t + 2 <= tiles.end {
-                    rows_of::<2>(w, a, t, m0..m1, out);
-                    t += 2;
-                }
-                if t < tiles.end {
-                    rows_of::<1>(w, a, t, m0..m1, out);
-                }
-                m0 = m1;
-            }
+            walk_tiles!($features, $q4_tile, PackedQ4, w, a, tiles, out);
         }
 
         /// Tiles `t .. t + T` (8·T output columns) of 4-bit weights for activation rows
@@ -360,21 +353,7 @@ macro_rules! products {
                     }
                 }
             }
-            for h in 0..T {
-                let c0 = (t + h) * G;
-                for j in 0..M {
-                    let o = out.add((m + j) * n + c0);
-                    if c0 + G <= n {
-                        _mm256_storeu_ps(o, acc[j][h]);
-                    } else {
-                        let mut v = [0f32; G];
-                        _mm256_storeu_ps(v.as_mut_ptr(), acc[j][h]);
-                        for (r, &v) in v.iter().enumerate().take(n - c0) {
-                            *o.add(r) = v;
-                        }
-                    }
-                }
-            }
+            store_tiles(&acc, out, n, t, m);
         }
     };
 }
