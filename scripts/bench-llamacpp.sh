@@ -26,7 +26,8 @@
 # A request that failed, or came back with fewer tokens than asked, is counted; a row with
 # any is marked. Printed beside the table (scripts/bench_table.py): the CPU, llama.cpp's
 # build id and flags, the kernels quantmesh chose, and the machine's read bandwidth (the
-# kernel bench's STREAM-like read) with batch-1 decode as a share of the bound it sets
+# kernel bench's STREAM-like read before every round, the highest reading) with batch-1
+# decode as a share of the bound it sets
 # (bandwidth ÷ the weight bytes a token reads: the file's tensors for llama-server,
 # quantmesh's resident 8- and 4-bit tables and other weights, float copies left out).
 #

@@ -201,6 +201,7 @@ macro_rules! products {
             let n = w.rows;
             let stride = w.blocks * G * BLOCK;
             let wq = w.qs.as_ptr().add(t * stride);
+            // 8 f16 scales per block of a tile: one 16-byte load.
             let wd = w.d.as_ptr().add(t * w.blocks * G) as *const __m128i;
             let mut aq = [a.q.as_ptr(); M];
             let mut ad = [a.d.as_ptr(); M];
@@ -245,8 +246,8 @@ macro_rules! products {
             store_tiles(&acc, out, n, t, m);
         }
 
-        /// As [`crate::scalar::q4_tiles`]: 4-bit weights in tiles of 8 rows, register tiles of 8
-        /// weight rows × up to 4 activation rows.
+        /// As [`crate::scalar::q4_tiles`]: 4-bit weights in tiles of 8 rows, register tiles of two
+        /// weight tiles × up to 4 activation rows.
         #[target_feature(enable = $features)]
         pub(crate) unsafe fn $q4_tiles(
             w: &PackedQ4,
