@@ -80,28 +80,22 @@ pub fn attention(
         shape,
         keys,
     };
-    let work = |t: usize, n: usize| {
+    let work = |range: std::ops::Range<usize>| {
         let dst = &dst;
         SCORES.with_borrow_mut(|scores| {
             scores.resize(keys.max(scores.len()), 0.0);
-            let mut item = t;
-            while item < items {
+            for item in range {
                 match isa {
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: `isa.available()` checked AVX2 and FMA.
                     isa if isa.x86_simd() => unsafe { item_avx2(&call, item, scores, dst.0) },
                     _ => call.item(item, scores, dst.0),
                 }
-                item += n;
             }
         });
     };
     // Below this much work one thread is faster than waking another.
-    if items * (start + rows) * hd < 16 * 1024 {
-        work(0, 1);
-    } else {
-        pool.run(&work);
-    }
+    pool.chunks(items, items * (start + rows) * hd < 16 * 1024, &work);
     Ok(())
 }
 

@@ -5,7 +5,7 @@
 //! threads in contiguous ranges).
 
 use crate::layout::{F16Product, Out, ROW_BLOCK, TILE_ROWS};
-use crate::pool::{share, Pool};
+use crate::pool::Pool;
 use crate::{Isa, KernelError, Result};
 use half::f16;
 
@@ -39,8 +39,7 @@ pub fn f16_matmul(
     let tiles = rows.div_ceil(TILE_ROWS);
     let dst = Out(out.as_mut_ptr());
     let isa = if isa.available() { isa } else { Isa::Scalar };
-    let work = |i: usize, n: usize| {
-        let range = share(tiles, i, n);
+    let work = |range: std::ops::Range<usize>| {
         let rows_range = range.start * TILE_ROWS..(range.end * TILE_ROWS).min(rows);
         if rows_range.is_empty() {
             return;
@@ -60,11 +59,7 @@ pub fn f16_matmul(
             _ => p.scalar(rows_range, dst.0),
         }
     };
-    if rows * cols * m < 64 * 1024 {
-        work(0, 1);
-    } else {
-        pool.run(&work);
-    }
+    pool.chunks(tiles, rows * cols * m < 64 * 1024, &work);
     Ok(())
 }
 

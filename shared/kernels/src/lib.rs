@@ -32,8 +32,9 @@
 //!   noise-to-signal ratio that gives one input row (the monitor's harm statistic).
 //! - [`probe_row`]: the monitor's one pass over an input row (sum, largest magnitude, the
 //!   harm ratio's sums), vectorized; the same bits under every instruction set.
-//! - [`Pool`]: one persistent pool of workers for the forward pass, static contiguous work
-//!   ranges per thread.
+//! - [`Pool`]: one persistent pool of workers for the forward pass: a job's work in
+//!   contiguous chunks the threads claim in order, the caller never waiting for a worker
+//!   that has not started.
 
 #![allow(unsafe_code)] // SIMD intrinsics and the pool's scoped jobs; each `unsafe` says why.
 

@@ -1,13 +1,17 @@
 //! One persistent pool of workers for the forward pass.
 //!
-//! The caller is worker 0 and runs its share itself; the other workers spin briefly after
-//! each job (the next matmul of a step comes within microseconds), then yield, then sleep
-//! until the next job, so an idle server costs nothing. Work is split by the caller into
-//! static contiguous ranges, one per thread: no queue, no stealing, one wait per call.
+//! A call's work comes as `threads` indices, `f(index, threads)`. The caller and the workers
+//! claim indices from one counter until none is left, so the caller runs its own and then
+//! any index no worker has claimed yet: a worker that is descheduled (another process on its
+//! core, a thread of this one) when a job is published costs that job nothing, instead of
+//! holding the caller at the barrier until the operating system runs it again. Workers spin
+//! briefly after each job (the next matmul of a step comes within microseconds), then yield,
+//! then sleep until the next job, so an idle server costs nothing.
 //!
 //! One caller at a time: a call made while the pool is busy (another thread's, or a call
 //! from inside a job) runs every share itself, serially, and gets the same result.
 
+use std::cell::Cell;
 use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -18,23 +22,40 @@ use std::time::Duration;
 /// A job as the workers see it: `f(index, threads)`.
 type Job = dyn Fn(usize, usize) + Sync;
 
-/// A job reference whose lifetime [`Pool::run`] guarantees by waiting for every worker
-/// before it returns (or unwinds).
+/// A job reference whose lifetime [`Pool::run`] guarantees: a worker dereferences it only
+/// after claiming one of the job's indices, and the call waits for every claimed index.
 #[derive(Clone, Copy)]
 struct JobPtr(*const Job);
-// SAFETY: the pointee is `Sync`, and `Pool::run` keeps it alive until every worker is done.
+// SAFETY: the pointee is `Sync`, and `Pool::run` keeps it alive until every claimed index
+// is done.
 unsafe impl Send for JobPtr {}
 
+/// The low bits of [`Shared::claims`] hold the next unclaimed index, the high bits the job's
+/// tag (its epoch, truncated), so a claim on a finished job's tag can never succeed.
+const INDEX_BITS: u32 = 24;
+const INDEX_MASK: u64 = (1 << INDEX_BITS) - 1;
+/// The most threads a pool runs (the index field's range, with room to count past it).
+const MAX_THREADS: usize = 1 << 20;
+
 struct Shared {
+    /// Bumped once per job: what wakes the workers.
     epoch: AtomicU64,
-    job: Mutex<Option<JobPtr>>,
+    /// The current job and its tag, `None` between jobs.
+    job: Mutex<Option<(JobPtr, u64)>>,
     threads: usize,
-    pending: AtomicUsize,
+    /// The current job's tag and next unclaimed index.
+    claims: AtomicU64,
+    /// The current job's indices finished (run, or given up after a panic).
+    done: AtomicUsize,
     panicked: AtomicBool,
     sleepers: AtomicUsize,
     sleep: Mutex<()>,
     wake: Condvar,
     stop: AtomicBool,
+    /// Test hook: while set, a worker that has taken a job waits before claiming, as a
+    /// descheduled one would.
+    #[cfg(test)]
+    hold: AtomicBool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -70,17 +91,17 @@ pub struct Pool {
 }
 
 impl Pool {
-    /// A pool of `threads` (≥ 1; the caller counts as one, so `threads - 1` are started).
-    /// Where a worker cannot be started the pool runs everything on the caller.
+    /// A pool of `threads` (≥ 1; the caller counts as one, so `threads - 1` are started;
+    /// at most 2²⁰). Where a worker cannot be started the pool runs everything on the caller.
     pub fn new(threads: usize) -> Pool {
-        let threads = threads.max(1);
+        let threads = threads.clamp(1, MAX_THREADS);
         let shared = Arc::new(Shared::new(threads));
         let mut handles = Vec::with_capacity(threads - 1);
         for index in 1..threads {
             let s = shared.clone();
             match std::thread::Builder::new()
                 .name(format!("quantmesh-kernel-{index}"))
-                .spawn(move || worker(&s, index))
+                .spawn(move || worker(&s))
             {
                 Ok(h) => handles.push(h),
                 Err(_) => {
@@ -182,9 +203,13 @@ impl Pool {
         });
     }
 
-    /// Run `f(index, threads)` for every `index < threads`, each on its own thread (the
-    /// caller runs index 0), and return when all are done. A panic in any share is raised
-    /// here after every share has finished.
+    /// Run `f(index, threads)` once for every `index < threads` and return when all are
+    /// done. The caller and the workers claim indices from one counter (the caller starts
+    /// at once, so it usually gets index 0), and the caller keeps claiming until none is
+    /// left: the call never waits for a worker that has not started, only for indices that
+    /// are running. So an index may run on any of the pool's threads. A panic in any index
+    /// is raised here after every claimed index has finished (the caller's own, if it had
+    /// one, else "a kernel worker panicked").
     pub fn run(&self, f: &(dyn Fn(usize, usize) + Sync)) {
         let n = self.shared.threads;
         if n == 1 {
@@ -202,48 +227,76 @@ impl Pool {
             }
         };
         let s = &*self.shared;
-        // SAFETY: the lifetime is erased only for the workers; `Wait` below blocks until
-        // every worker has finished with the job, on return and on unwind alike.
+        // SAFETY: the lifetime is erased only for the workers, which dereference the pointer
+        // only after a claim on this job's tag succeeds; `Wait` below blocks until every
+        // claimed index is done, and closes the claims, before this call returns or unwinds.
         let erased: *const Job = unsafe {
             std::mem::transmute::<*const (dyn Fn(usize, usize) + Sync + '_), *const Job>(f)
         };
-        *lock(&s.job) = Some(JobPtr(erased));
-        s.pending.store(n - 1, Ordering::SeqCst);
+        // Only the holder of `run_lock` writes `epoch`, so this is the job's epoch.
+        let tag = (s.epoch.load(Ordering::Relaxed) + 1) & (u64::MAX >> INDEX_BITS);
+        s.done.store(0, Ordering::SeqCst);
+        s.claims.store(tag << INDEX_BITS, Ordering::SeqCst);
+        *lock(&s.job) = Some((JobPtr(erased), tag));
         s.epoch.fetch_add(1, Ordering::SeqCst);
         if s.sleepers.load(Ordering::SeqCst) > 0 {
             let _g = lock(&s.sleep);
             s.wake.notify_all();
         }
-        let wait = Wait(s);
-        f(0, n);
+        let wait = Wait {
+            s,
+            tag,
+            running: Cell::new(false),
+        };
+        while let Some(i) = s.claim(tag) {
+            wait.running.set(true);
+            f(i, n);
+            wait.running.set(false);
+            s.done.fetch_add(1, Ordering::Release);
+        }
         drop(wait);
         if s.panicked.swap(false, Ordering::SeqCst) {
             panic!("a kernel worker panicked");
         }
     }
 
-    /// `f` on every item of `items`, each thread taking a contiguous share (see
-    /// [`Pool::run`]: a concurrent or nested call runs on the calling thread alone).
+    /// `f` on every item of `items`, the threads taking contiguous chunks in order (see
+    /// [`Pool::chunks`]; a concurrent or nested call runs on the calling thread alone).
     pub fn for_each_mut<T: Send>(&self, items: &mut [T], f: impl Fn(&mut T) + Sync) {
-        // Each thread touches only the items of its own share (disjoint ranges), and `run`
-        // returns after every share is done, while `items` is still borrowed.
+        // Each chunk is handed to one thread (disjoint ranges), and `chunks` returns after
+        // every chunk is done, while `items` is still borrowed.
         let (base, n) = (Disjoint(items.as_mut_ptr()), items.len());
-        self.run(&|i, t| {
-            for k in share(n, i, t) {
-                // SAFETY: `k < n`, and no other thread's share contains `k`.
+        self.chunks(n, false, &|range| {
+            for k in range {
+                // SAFETY: `k < n`, and no other chunk contains `k`.
                 f(unsafe { &mut *base.at(k) })
             }
         });
     }
 }
 
-/// Waits for the workers' shares, then withdraws the job.
-struct Wait<'a>(&'a Shared);
+/// Closes a job's claims, waits for every claimed index, then withdraws the job: on the
+/// caller's return, and as a panic in one of the caller's indices unwinds.
+struct Wait<'a> {
+    s: &'a Shared,
+    tag: u64,
+    /// The caller is inside one of its indices (so, dropped while set, that index panicked).
+    running: Cell<bool>,
+}
 
 impl Drop for Wait<'_> {
     fn drop(&mut self) {
+        let s = self.s;
+        if self.running.get() {
+            // The caller's index panicked: it is over, and the indices nobody has claimed
+            // are given up; the panic goes on to the caller once the workers' are done.
+            s.done.fetch_add(1, Ordering::Release);
+            while let Some(_skipped) = s.claim(self.tag) {
+                s.done.fetch_add(1, Ordering::Release);
+            }
+        }
         let mut spins = 0u32;
-        while self.0.pending.load(Ordering::Acquire) != 0 {
+        while s.done.load(Ordering::Acquire) < s.threads {
             spins += 1;
             if spins < SPINS {
                 std::hint::spin_loop();
@@ -251,7 +304,10 @@ impl Drop for Wait<'_> {
                 std::thread::yield_now();
             }
         }
-        *lock(&self.0.job) = None;
+        *lock(&s.job) = None;
+        if self.running.get() {
+            s.panicked.store(false, Ordering::SeqCst);
+        }
     }
 }
 
@@ -261,17 +317,41 @@ impl Shared {
             epoch: AtomicU64::new(0),
             job: Mutex::new(None),
             threads,
-            pending: AtomicUsize::new(0),
+            claims: AtomicU64::new(0),
+            done: AtomicUsize::new(0),
             panicked: AtomicBool::new(false),
             sleepers: AtomicUsize::new(0),
             sleep: Mutex::new(()),
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
+            #[cfg(test)]
+            hold: AtomicBool::new(false),
+        }
+    }
+
+    /// The next index of the job tagged `tag`, unless that job is over or has handed out
+    /// every index.
+    fn claim(&self, tag: u64) -> Option<usize> {
+        let mut cur = self.claims.load(Ordering::Acquire);
+        loop {
+            let index = (cur & INDEX_MASK) as usize;
+            if cur >> INDEX_BITS != tag || index >= self.threads {
+                return None;
+            }
+            match self.claims.compare_exchange_weak(
+                cur,
+                cur + 1,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Some(index),
+                Err(now) => cur = now,
+            }
         }
     }
 }
 
-fn worker(s: &Shared, index: usize) {
+fn worker(s: &Shared) {
     let mut seen = 0u64;
     loop {
         let mut spins = 0u32;
@@ -303,15 +383,21 @@ fn worker(s: &Shared, index: usize) {
             }
         }
         let job = *lock(&s.job);
-        if let Some(JobPtr(p)) = job {
-            // SAFETY: `Pool::run` published this job and waits for `pending` to reach zero
-            // before the closure it points to can go away.
-            let f: &Job = unsafe { &*p };
-            if catch_unwind(AssertUnwindSafe(|| f(index, s.threads))).is_err() {
-                s.panicked.store(true, Ordering::SeqCst);
+        if let Some((JobPtr(p), tag)) = job {
+            #[cfg(test)]
+            while s.hold.load(Ordering::SeqCst) {
+                std::thread::yield_now();
+            }
+            while let Some(i) = s.claim(tag) {
+                // SAFETY: the claim succeeded, so the job tagged `tag` is still running: its
+                // `Pool::run` waits for index `i` to be done before the closure can go away.
+                let f: &Job = unsafe { &*p };
+                if catch_unwind(AssertUnwindSafe(|| f(i, s.threads))).is_err() {
+                    s.panicked.store(true, Ordering::SeqCst);
+                }
+                s.done.fetch_add(1, Ordering::Release);
             }
         }
-        s.pending.fetch_sub(1, Ordering::Release);
     }
 }
 
@@ -341,15 +427,6 @@ pub fn default_threads() -> usize {
         .and_then(|v| v.trim().parse::<usize>().ok())
         .filter(|&n| n > 0)
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
-}
-
-/// The contiguous share `index` of `threads` gets of `0..n`.
-pub fn share(n: usize, index: usize, threads: usize) -> std::ops::Range<usize> {
-    let per = n / threads;
-    let extra = n % threads;
-    let start = index * per + index.min(extra);
-    let len = per + usize::from(index < extra);
-    start..start + len
 }
 
 #[cfg(test)]
@@ -412,17 +489,49 @@ mod tests {
     }
 
     #[test]
-    fn shares_cover_the_range_once() {
-        for n in [0, 1, 7, 64, 100] {
-            for t in 1..6 {
-                let mut next = 0;
-                for i in 0..t {
-                    let r = share(n, i, t);
-                    assert_eq!(r.start, next);
-                    next = r.end;
-                }
-                assert_eq!(next, n);
+    fn a_call_does_not_wait_for_a_worker_that_has_not_started() {
+        for threads in [2, 3, 5] {
+            let pool = Pool::new(threads);
+            pool.shared.hold.store(true, Ordering::SeqCst);
+            let caller = std::thread::current().id();
+            let ran: Vec<AtomicUsize> = (0..threads).map(|_| AtomicUsize::new(0)).collect();
+            let stolen = AtomicUsize::new(0);
+            for _ in 0..50 {
+                ran.iter().for_each(|r| r.store(0, Ordering::SeqCst));
+                pool.run(&|i, n| {
+                    assert_eq!(n, threads);
+                    ran[i].fetch_add(1, Ordering::SeqCst);
+                    if std::thread::current().id() != caller {
+                        stolen.fetch_add(1, Ordering::SeqCst);
+                    }
+                });
+                assert!(ran.iter().all(|r| r.load(Ordering::SeqCst) == 1));
             }
+            assert_eq!(
+                stolen.load(Ordering::SeqCst),
+                0,
+                "a held worker ran an index"
+            );
+            // Released: the workers' stale jobs are over, and every new index runs once.
+            pool.shared.hold.store(false, Ordering::SeqCst);
+            let by_worker = AtomicUsize::new(0);
+            for _ in 0..200 {
+                ran.iter().for_each(|r| r.store(0, Ordering::SeqCst));
+                pool.run(&|i, _| {
+                    ran[i].fetch_add(1, Ordering::SeqCst);
+                    if std::thread::current().id() != caller {
+                        by_worker.fetch_add(1, Ordering::SeqCst);
+                    } else {
+                        // give the workers time to claim the other indices
+                        std::thread::sleep(Duration::from_micros(200));
+                    }
+                });
+                assert!(ran.iter().all(|r| r.load(Ordering::SeqCst) == 1));
+            }
+            assert!(
+                by_worker.load(Ordering::SeqCst) > 0,
+                "the workers took part again"
+            );
         }
     }
 

@@ -6,7 +6,7 @@
 //! with the features enabled), so they give the same bits.
 
 use crate::layout::Out;
-use crate::pool::{share, Pool};
+use crate::pool::Pool;
 use crate::{exp_nonpositive, Isa, KernelError, Result};
 
 /// `out[r][i] = silu(gu[r][i]) · gu[r][inter + i]` for `rows` rows of `gu` (`[rows][2·inter]`,
@@ -28,12 +28,12 @@ pub fn swiglu(
     }
     let isa = if isa.available() { isa } else { Isa::Scalar };
     let dst = Out(out.as_mut_ptr());
-    let work = |i: usize, n: usize| {
+    let work = |range: std::ops::Range<usize>| {
         let dst = &dst;
-        for r in share(rows, i, n) {
+        for r in range {
             let g = &gu[r * 2 * inter..][..inter];
             let u = &gu[r * 2 * inter + inter..][..inter];
-            // SAFETY: each thread writes only the rows of its own share.
+            // SAFETY: each thread writes only the rows of its own chunks.
             let o = unsafe { std::slice::from_raw_parts_mut(dst.0.add(r * inter), inter) };
             match isa {
                 #[cfg(target_arch = "x86_64")]
@@ -43,11 +43,7 @@ pub fn swiglu(
             }
         }
     };
-    if rows * inter < 16 * 1024 {
-        work(0, 1);
-    } else {
-        pool.run(&work);
-    }
+    pool.chunks(rows, rows * inter < 16 * 1024, &work);
     Ok(())
 }
 
