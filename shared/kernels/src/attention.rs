@@ -2,8 +2,9 @@
 //!
 //! Each (query row, head) pair is one work item: its scores against every visible key,
 //! one max, one pass of exponentials, one weighted sum of the values (two-pass softmax:
-//! no rescaling of the output per key). Items are dealt to the threads round-robin, so the
-//! longer rows at the end of a prefill chunk are shared evenly. The loops are written with
+//! no rescaling of the output per key). The threads take the items in contiguous chunks
+//! from the last row back (longest first), so the chunks taken last, which decide when the
+//! call ends, are the shortest. The loops are written with
 //! 8 explicit lanes, so the scalar build and the AVX2 build (the same code compiled with
 //! AVX2 enabled) add in the same order and give the same bits.
 
@@ -84,7 +85,7 @@ pub fn attention(
         let dst = &dst;
         SCORES.with_borrow_mut(|scores| {
             scores.resize(keys.max(scores.len()), 0.0);
-            for item in range {
+            for item in range.map(|j| items - 1 - j) {
                 match isa {
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: `isa.available()` checked AVX2 and FMA.
