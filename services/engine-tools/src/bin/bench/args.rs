@@ -40,6 +40,11 @@ pub(crate) struct Args {
     /// Decode steps per batch.
     #[arg(long, default_value_t = 32)]
     pub(crate) decode_steps: usize,
+    /// Most prompt tokens in one prefill step of the throughput table, as the server's
+    /// `max_num_batched_tokens` splits a batch's prompts (first come first served); 0: every
+    /// prompt of the batch in one step [default: the engine's].
+    #[arg(long, default_value_t = quantmesh_engine::EngineConfig::default().max_num_batched_tokens)]
+    pub(crate) step_tokens: usize,
     /// Batch sizes of the decode table (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
     pub(crate) batches: Vec<usize>,

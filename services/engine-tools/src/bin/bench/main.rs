@@ -110,6 +110,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let max_b = args.batches.iter().copied().max().unwrap_or(1);
     let pages = max_b * (args.prompt_len + args.decode_steps).div_ceil(page) + 8;
     println!();
+    match args.step_tokens {
+        0 => println!("prefill: every prompt of a batch in one step"),
+        n => println!("prefill: in steps of at most {n} prompt tokens, first come first served, as the server's max_num_batched_tokens splits them"),
+    }
     println!("| plan | weights MiB | batch | prefill tok/s | × float | decode tok/s | × float |");
     println!("|---|---|---|---|---|---|---|");
     let mut float_ref: Vec<(f64, f64)> = Vec::new();
@@ -131,8 +135,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let mask = PathMask::default();
             let prompts = admit_batch(&mut bm, b, args.prompt_len, args.decode_steps)?;
             let t0 = Instant::now();
-            let step = step_for(&mut bm, &prompts);
-            runner.run(&model, &step, &mask, &mut kv, true)?;
+            let mut served = Served {
+                runner: &mut runner,
+                model: &model,
+                mask: &mask,
+                kv: &mut kv,
+            };
+            served.prefill(&mut bm, &prompts, args.step_tokens)?;
             let prefill = (b * args.prompt_len) as f64 / t0.elapsed().as_secs_f64();
             let t1 = Instant::now();
             for s in 0..args.decode_steps {

@@ -43,6 +43,59 @@ pub(crate) fn step_for(bm: &mut BlockManager, seqs: &[(u64, Vec<u32>)]) -> StepI
     quantmesh_engine_tools::step_for(bm, seqs).expect("reserved")
 }
 
+/// A model served step by step on one cache, as the bench drives it.
+pub(crate) struct Served<'a> {
+    pub(crate) runner: &'a mut StepRunner,
+    pub(crate) model: &'a LlamaModel,
+    pub(crate) mask: &'a PathMask,
+    pub(crate) kv: &'a mut KvCache,
+}
+
+impl Served<'_> {
+    /// Prefill the admitted `prompts` as the server's scheduler would with `budget` prompt
+    /// tokens a step (0: every prompt in one step): first come first served, each step
+    /// filled from the first unfinished prompt on, logits only for a prompt's last chunk.
+    pub(crate) fn prefill(
+        &mut self,
+        bm: &mut BlockManager,
+        prompts: &[(u64, Vec<u32>)],
+        budget: usize,
+    ) -> Result<(), Box<dyn std::error::Error>> {
+        let budget = if budget == 0 { usize::MAX } else { budget };
+        let mut done = vec![0usize; prompts.len()];
+        let mut first = 0;
+        loop {
+            while first < prompts.len() && done[first] == prompts[first].1.len() {
+                first += 1;
+            }
+            if first == prompts.len() {
+                return Ok(());
+            }
+            let (mut seqs, mut last) = (Vec::new(), Vec::new());
+            let mut left = budget;
+            for ((id, p), d) in prompts.iter().zip(done.iter_mut()).skip(first) {
+                if left == 0 {
+                    break;
+                }
+                let n = (p.len() - *d).min(left);
+                if n == 0 {
+                    continue;
+                }
+                seqs.push((*id, p[*d..*d + n].to_vec()));
+                *d += n;
+                left -= n;
+                last.push(*d == p.len());
+            }
+            let mut step = step_for(bm, &seqs);
+            for (chunk, last) in step.chunks.iter_mut().zip(last) {
+                chunk.want_logits = last;
+            }
+            self.runner
+                .run(self.model, &step, self.mask, self.kv, true)?;
+        }
+    }
+}
+
 /// Run the activation monitor over `requests` (each its own sequence, `rounds` times) as
 /// served traffic, set up as the engine sets up its own: each group with the residency the
 /// model serves it in, activation spikes counted; returns it and the mask it publishes.
@@ -142,4 +195,56 @@ pub(crate) fn served_plan(
     };
     let live = quantmesh_engine::plan::resolve(&base, cfg, Some((&plan, "plan")));
     Ok((base, live, plan))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use quantmesh_model::bundled::{init_model, InitOptions};
+
+    /// Prompts prefilled in steps of a small budget end where one step leaves them: every
+    /// prompt in the cache, and the next decode step's logits the same bit for bit.
+    #[test]
+    fn prefill_in_steps_ends_where_one_step_does() -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        init_model(dir.path(), &InitOptions::default())?;
+        let cfg = ModelConfig::load(dir.path())?;
+        let ck = quantmesh_model::Checkpoint::open(dir.path())?;
+        let model = LlamaModel::load_from(&ck, &cfg, &|_| Residency::Int8, Default::default())?;
+        let prompts: Vec<(u64, Vec<u32>)> = [5usize, 9, 3]
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| {
+                (
+                    i as u64,
+                    (0..n as u32).map(|t| 32 + t * 3 + i as u32).collect(),
+                )
+            })
+            .collect();
+        let mut next = Vec::new();
+        for budget in [0, 7, 1] {
+            let (mut kv, mut bm) = cache(&cfg, 16, 16);
+            for (id, p) in &prompts {
+                bm.admit(*id, p, 1)?;
+            }
+            let (mut runner, mask) = (StepRunner::default(), PathMask::default());
+            let mut served = Served {
+                runner: &mut runner,
+                model: &model,
+                mask: &mask,
+                kv: &mut kv,
+            };
+            served.prefill(&mut bm, &prompts, budget)?;
+            for (id, p) in &prompts {
+                assert_eq!(bm.num_tokens(*id), Some(p.len()), "budget {budget}");
+            }
+            let toks: Vec<(u64, Vec<u32>)> =
+                prompts.iter().map(|(id, _)| (*id, vec![40])).collect();
+            let step = step_for(&mut bm, &toks);
+            next.push(runner.run(&model, &step, &mask, &mut kv, true)?.logits);
+        }
+        assert_eq!(next[0], next[1]);
+        assert_eq!(next[0], next[2]);
+        Ok(())
+    }
 }
