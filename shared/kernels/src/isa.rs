@@ -47,14 +47,22 @@ impl Isa {
         }
     }
 
-    /// Whether this CPU can run `self`.
+    /// Whether this CPU can run `self` (detected once per process: kernels ask on every
+    /// call, the KV cache's row reads once per 64 values).
+    #[inline]
     pub fn available(self) -> bool {
+        static AVAILABLE: OnceLock<[bool; Isa::ALL.len()]> = OnceLock::new();
+        AVAILABLE.get_or_init(|| Isa::ALL.map(Isa::detect_available))[self as usize]
+    }
+
+    /// [`Isa::available`], asked of the CPU (and the OS, for AMX's tile state).
+    fn detect_available(self) -> bool {
         match self {
             Isa::Scalar => true,
             Isa::Avx2 => avx2_available(),
             Isa::AvxVnni => avx2_available() && avx_vnni_available(),
             Isa::Avx512 => avx2_available() && avx512_vnni_available(),
-            Isa::Amx => Isa::Avx512.available() && amx_granted(),
+            Isa::Amx => Isa::Avx512.detect_available() && amx_granted(),
             Isa::Neon => neon_available(),
         }
     }
@@ -213,6 +221,15 @@ fn neon_available() -> bool {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    /// `available` indexes its table by the enum's order: `ALL` must list it in that order.
+    #[test]
+    fn the_availability_table_follows_the_enum() {
+        for (i, isa) in Isa::ALL.into_iter().enumerate() {
+            assert_eq!(isa as usize, i);
+            assert_eq!(isa.available(), isa.detect_available());
+        }
+    }
 
     #[test]
     fn every_name_parses_back_and_sets_are_ordered_by_preference() {
