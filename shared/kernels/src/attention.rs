@@ -42,6 +42,46 @@ pub fn attention(
     pool: &Pool,
 ) -> Result<()> {
     let AttentionShape {
+        kv_heads,
+        head_dim: hd,
+        ..
+    } = shape;
+    let keys = if kv_heads == 0 || hd == 0 {
+        0
+    } else {
+        k.len() / (kv_heads * hd)
+    };
+    if k.len() != keys * kv_heads * hd || v.len() != k.len() {
+        return Err(KernelError::Shape(format!(
+            "attention: k {} v {} values for {kv_heads} key/value heads of width {hd}",
+            k.len(),
+            v.len()
+        )));
+    }
+    let kv = Contiguous {
+        k,
+        v,
+        k_scales: None,
+        v_scales: None,
+        keys,
+        head_dim: hd,
+    };
+    attention_over(q, &kv, shape, out, isa, pool)
+}
+
+/// [`attention`] over keys and values read from `kv`, each row times its scale:
+/// `score_j = (q · k_j) · s^k_j / √d` and `out = Σ_j (p_j · s^v_j) · v_j / Σ_j p_j`. A row
+/// of 8-bit values is read as its integers (exactly, in f32), so the same integers handed
+/// over as f32 with the same scales give the same bits.
+pub fn attention_over<S: KvSource>(
+    q: &[f32],
+    kv: &S,
+    shape: AttentionShape,
+    out: &mut [f32],
+    isa: Isa,
+    pool: &Pool,
+) -> Result<()> {
+    let AttentionShape {
         rows,
         start,
         heads,
@@ -53,19 +93,12 @@ pub fn attention(
             "{heads} heads over {kv_heads} key/value heads of width {hd}"
         )));
     }
-    let keys = k.len() / (kv_heads * hd);
-    if q.len() != rows * heads * hd
-        || out.len() != q.len()
-        || k.len() != keys * kv_heads * hd
-        || v.len() != k.len()
-        || keys < start + rows
-    {
+    let keys = kv.keys();
+    if q.len() != rows * heads * hd || out.len() != q.len() || keys < start + rows {
         return Err(KernelError::Shape(format!(
-            "attention: q {} / out {} for {rows} rows of {heads}x{hd}, k {} v {} for {start}+{rows} positions",
+            "attention: q {} / out {} for {rows} rows of {heads}x{hd}, {keys} keys for {start}+{rows} positions",
             q.len(),
             out.len(),
-            k.len(),
-            v.len()
         )));
     }
     let items = rows * heads;
@@ -74,17 +107,11 @@ pub fn attention(
     }
     let isa = if isa.available() { isa } else { Isa::Scalar };
     let dst = Out(out.as_mut_ptr());
-    let call = Call {
-        q,
-        k,
-        v,
-        shape,
-        keys,
-    };
+    let call = Call { q, kv, shape };
     let work = |range: std::ops::Range<usize>| {
         let dst = &dst;
         SCORES.with_borrow_mut(|scores| {
-            scores.resize(keys.max(scores.len()), 0.0);
+            scores.resize((start + rows).max(scores.len()), 0.0);
             for item in range.map(|j| items - 1 - j) {
                 match isa {
                     #[cfg(target_arch = "x86_64")]
@@ -100,21 +127,137 @@ pub fn attention(
     Ok(())
 }
 
+/// A value type the cache keeps keys and values in: f32, or 8-bit integers read exactly.
+pub trait KvElem: Copy + Send + Sync + 'static {
+    fn to_f32(self) -> f32;
+    /// Eight values from `p` as f32 (exactly as [`KvElem::to_f32`]).
+    ///
+    /// # Safety
+    /// `p` points at 8 readable values, and AVX2 is available.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+}
+
+impl KvElem for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
+        // SAFETY: the caller's contract.
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
+    }
+}
+
+impl KvElem for i8 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self as f32
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract (8 bytes; `_mm_loadl_epi64` reads exactly 8).
+        unsafe { _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.cast()))) }
+    }
+}
+
+/// Consecutive rows of one key/value head: row `r` is `data[r · stride ..][..head_dim]`,
+/// with scale `scales[r · scale_stride]` (a stride of 0 reads one scale for every row).
+#[derive(Debug, Clone, Copy)]
+pub struct KvRun<'a, E> {
+    pub rows: usize,
+    pub data: &'a [E],
+    pub stride: usize,
+    pub scales: &'a [f32],
+    pub scale_stride: usize,
+}
+
+impl<E> KvRun<'_, E> {
+    #[inline(always)]
+    fn row(&self, r: usize, hd: usize) -> &[E] {
+        &self.data[r * self.stride..][..hd]
+    }
+    #[inline(always)]
+    fn scale(&self, r: usize) -> f32 {
+        self.scales[r * self.scale_stride]
+    }
+}
+
+/// A sequence's keys and values as [`attention_over`] reads them: in runs of rows (a
+/// contiguous buffer is one run; a paged cache gives a run per page), so the kernel walks
+/// them without a gathered copy.
+pub trait KvSource: Sync {
+    type Elem: KvElem;
+    /// Key positions held (the same for keys and values).
+    fn keys(&self) -> usize;
+    /// `f(run)` for consecutive runs that cover the first `n` rows of head `g`'s keys
+    /// (`values: false`) or values (`values: true`), in order.
+    fn runs<F: FnMut(KvRun<'_, Self::Elem>)>(&self, values: bool, g: usize, n: usize, f: F);
+}
+
+/// Scale 1 for every row (`scale_stride` 0): exact, so unscaled rows keep their bits.
+pub const UNIT_SCALE: &[f32] = &[1.0];
+
+/// Keys and values in two `[kv_heads][keys][head_dim]` buffers, with optional
+/// `[kv_heads][keys]` scales (none: every scale is 1).
+#[derive(Debug, Clone, Copy)]
+pub struct Contiguous<'a, E> {
+    pub k: &'a [E],
+    pub v: &'a [E],
+    pub k_scales: Option<&'a [f32]>,
+    pub v_scales: Option<&'a [f32]>,
+    pub keys: usize,
+    pub head_dim: usize,
+}
+
+impl<E: KvElem> KvSource for Contiguous<'_, E> {
+    type Elem = E;
+    fn keys(&self) -> usize {
+        self.keys
+    }
+    #[inline(always)]
+    fn runs<F: FnMut(KvRun<'_, E>)>(&self, values: bool, g: usize, n: usize, mut f: F) {
+        let (data, scales) = if values {
+            (self.v, self.v_scales)
+        } else {
+            (self.k, self.k_scales)
+        };
+        let (scales, scale_stride) = match scales {
+            Some(s) => (&s[g * self.keys..], 1),
+            None => (UNIT_SCALE, 0),
+        };
+        f(KvRun {
+            rows: n,
+            data: &data[g * self.keys * self.head_dim..],
+            stride: self.head_dim,
+            scales,
+            scale_stride,
+        })
+    }
+}
+
 thread_local! {
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-struct Call<'a> {
+struct Call<'a, S> {
     q: &'a [f32],
-    k: &'a [f32],
-    v: &'a [f32],
+    kv: &'a S,
     shape: AttentionShape,
-    keys: usize,
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn item_avx2(call: &Call<'_>, item: usize, scores: &mut [f32], out: *mut f32) {
+unsafe fn item_avx2<S: KvSource>(
+    call: &Call<'_, S>,
+    item: usize,
+    scores: &mut [f32],
+    out: *mut f32,
+) {
     match call.shape.head_dim {
         64 => call.item_with::<x86::Avx2<8>>(item, scores, out),
         128 => call.item_with::<x86::Avx2<16>>(item, scores, out),
@@ -126,13 +269,13 @@ unsafe fn item_avx2(call: &Call<'_>, item: usize, scores: &mut [f32], out: *mut 
 /// operations in the same order (the tests compare bits).
 trait Loops {
     /// Σ a·b in 8 lanes, then the lanes in a fixed order.
-    fn dot(a: &[f32], b: &[f32]) -> f32;
+    fn dot<E: KvElem>(a: &[f32], b: &[E]) -> f32;
     /// The largest of `s`, NaN ignored.
     fn max(s: &[f32]) -> f32;
     /// `s ← exp(s − max)` in place; returns Σ s (8 lanes, then the lanes in a fixed order).
     fn exp_shifted(s: &mut [f32], max: f32) -> f32;
-    /// `o = inv · Σ_j p_j v_j`.
-    fn weighted_sum(p: &[f32], v: &[f32], inv: f32, o: &mut [f32]);
+    /// `o += Σ_r p_r · row_r` over the run's rows, in order.
+    fn weighted_run<E: KvElem>(p: &[f32], run: &KvRun<'_, E>, o: &mut [f32]);
 }
 
 /// The portable loops (8 explicit lanes), compiled for whatever the build targets.
@@ -140,7 +283,7 @@ struct Portable;
 
 impl Loops for Portable {
     #[inline(always)]
-    fn dot(a: &[f32], b: &[f32]) -> f32 {
+    fn dot<E: KvElem>(a: &[f32], b: &[E]) -> f32 {
         dot(a, b)
     }
     #[inline(always)]
@@ -152,8 +295,8 @@ impl Loops for Portable {
         exp_shifted(s, max)
     }
     #[inline(always)]
-    fn weighted_sum(p: &[f32], v: &[f32], inv: f32, o: &mut [f32]) {
-        weighted_sum(p, v, inv, o)
+    fn weighted_run<E: KvElem>(p: &[f32], run: &KvRun<'_, E>, o: &mut [f32]) {
+        weighted_run(p, run, o)
     }
 }
 
@@ -162,6 +305,7 @@ impl Loops for Portable {
 /// kept in registers across the keys and the exponentials 8 at a time.
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use super::{KvElem, KvRun};
     use std::arch::x86_64::*;
 
     /// The loops for head width `8 · C`. Only [`super::item_avx2`] uses it, after the
@@ -170,9 +314,9 @@ mod x86 {
 
     impl<const C: usize> super::Loops for Avx2<C> {
         #[inline(always)]
-        fn dot(a: &[f32], b: &[f32]) -> f32 {
+        fn dot<E: KvElem>(a: &[f32], b: &[E]) -> f32 {
             // SAFETY: built only behind the AVX2 check (see the type).
-            unsafe { dot::<C>(a, b) }
+            unsafe { dot::<C, E>(a, b) }
         }
         #[inline(always)]
         fn max(s: &[f32]) -> f32 {
@@ -185,9 +329,9 @@ mod x86 {
             unsafe { exp_shifted(s, max) }
         }
         #[inline(always)]
-        fn weighted_sum(p: &[f32], v: &[f32], inv: f32, o: &mut [f32]) {
+        fn weighted_run<E: KvElem>(p: &[f32], run: &KvRun<'_, E>, o: &mut [f32]) {
             // SAFETY: as above.
-            unsafe { weighted_sum::<C>(p, v, inv, o) }
+            unsafe { weighted_run::<C, E>(p, run, o) }
         }
     }
 
@@ -271,14 +415,14 @@ mod x86 {
     /// As [`super::dot`] for `8 · C` values. The caller checks AVX2 is available.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    pub(super) unsafe fn dot<const C: usize>(a: &[f32], b: &[f32]) -> f32 {
+    pub(super) unsafe fn dot<const C: usize, E: KvElem>(a: &[f32], b: &[E]) -> f32 {
         assert!(a.len() >= 8 * C && b.len() >= 8 * C);
         // SAFETY: both slices hold 8·C values (checked above); unaligned loads.
         unsafe {
             let mut acc = _mm256_setzero_ps();
             for c in 0..C {
                 let x = _mm256_loadu_ps(a.as_ptr().add(8 * c));
-                let y = _mm256_loadu_ps(b.as_ptr().add(8 * c));
+                let y = E::load8(b.as_ptr().add(8 * c));
                 acc = _mm256_add_ps(acc, _mm256_mul_ps(x, y));
             }
             // ((a0 + a4) + (a1 + a5)) + ((a2 + a6) + (a3 + a7)), as the portable code adds.
@@ -288,37 +432,41 @@ mod x86 {
         }
     }
 
-    /// As [`super::weighted_sum`] for `o` of `8 · C` values. The caller checks AVX2 is
-    /// available.
+    /// As [`super::weighted_run`] for `o` of `8 · C` values, the sums kept in registers
+    /// across the run's rows. The caller checks AVX2 is available.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    pub(super) unsafe fn weighted_sum<const C: usize>(
+    pub(super) unsafe fn weighted_run<const C: usize, E: KvElem>(
         p: &[f32],
-        v: &[f32],
-        inv: f32,
+        run: &KvRun<'_, E>,
         o: &mut [f32],
     ) {
         let hd = 8 * C;
-        assert!(o.len() == hd && v.len() >= p.len() * hd);
-        // SAFETY: `v` holds a row of `hd` values per weight and `o` holds `hd` (checked).
+        assert!(o.len() == hd && p.len() <= run.rows);
+        if let Some(last) = p.len().checked_sub(1) {
+            assert!(run.data.len() >= last * run.stride + hd);
+        }
+        // SAFETY: every row read lies inside `run.data` and `o` holds `hd` values (checked).
         unsafe {
             let mut acc = [_mm256_setzero_ps(); C];
-            for (j, &pj) in p.iter().enumerate() {
-                let pj = _mm256_set1_ps(pj);
-                let vj = v.as_ptr().add(j * hd);
+            for (c, acc) in acc.iter_mut().enumerate() {
+                *acc = _mm256_loadu_ps(o.as_ptr().add(8 * c));
+            }
+            for (r, &pr) in p.iter().enumerate() {
+                let pr = _mm256_set1_ps(pr);
+                let row = run.data.as_ptr().add(r * run.stride);
                 for (c, acc) in acc.iter_mut().enumerate() {
-                    *acc = _mm256_add_ps(*acc, _mm256_mul_ps(pj, _mm256_loadu_ps(vj.add(8 * c))));
+                    *acc = _mm256_add_ps(*acc, _mm256_mul_ps(pr, E::load8(row.add(8 * c))));
                 }
             }
-            let inv = _mm256_set1_ps(inv);
             for (c, acc) in acc.iter().enumerate() {
-                _mm256_storeu_ps(o.as_mut_ptr().add(8 * c), _mm256_mul_ps(*acc, inv));
+                _mm256_storeu_ps(o.as_mut_ptr().add(8 * c), *acc);
             }
         }
     }
 }
 
-impl Call<'_> {
+impl<S: KvSource> Call<'_, S> {
     #[inline(always)]
     fn item(&self, item: usize, scores: &mut [f32], out: *mut f32) {
         self.item_with::<Portable>(item, scores, out)
@@ -334,35 +482,49 @@ impl Call<'_> {
         let g = h / (s.heads / s.kv_heads);
         let ctx = s.start + i + 1;
         let qh = &self.q[(i * s.heads + h) * hd..][..hd];
-        let kg = &self.k[g * self.keys * hd..][..ctx * hd];
-        let vg = &self.v[g * self.keys * hd..][..ctx * hd];
         let scale = 1.0 / (hd as f32).sqrt();
         let scores = &mut scores[..ctx];
-        for (sc, kj) in scores.iter_mut().zip(kg.chunks_exact(hd)) {
-            *sc = L::dot(qh, kj) * scale;
-        }
+        let mut j = 0;
+        self.kv.runs(false, g, ctx, |run| {
+            for r in 0..run.rows {
+                scores[j + r] = L::dot(qh, run.row(r, hd)) * run.scale(r) * scale;
+            }
+            j += run.rows;
+        });
         let sum = L::exp_shifted(scores, L::max(scores));
         let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
-        // SAFETY: item `(i, h)` owns this span of the output, checked in `attention`.
+        // SAFETY: item `(i, h)` owns this span of the output, checked in `attention_over`.
         let o = unsafe { std::slice::from_raw_parts_mut(out.add((i * s.heads + h) * hd), hd) };
-        L::weighted_sum(scores, vg, inv, o);
+        o.fill(0.0);
+        let mut j = 0;
+        self.kv.runs(true, g, ctx, |run| {
+            let p = &mut scores[j..j + run.rows];
+            for (r, p) in p.iter_mut().enumerate() {
+                *p *= run.scale(r);
+            }
+            L::weighted_run(p, &run, o);
+            j += run.rows;
+        });
+        for o in o.iter_mut() {
+            *o *= inv;
+        }
     }
 }
 
 /// Σ a·b in 8 lanes, then the lanes in a fixed order.
 #[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+fn dot<E: KvElem>(a: &[f32], b: &[E]) -> f32 {
     let mut acc = [0f32; 8];
     let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
     let (ar, br) = (ac.remainder(), bc.remainder());
     for (x, y) in ac.zip(bc) {
         for l in 0..8 {
-            acc[l] += x[l] * y[l];
+            acc[l] += x[l] * y[l].to_f32();
         }
     }
     let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
     for (x, y) in ar.iter().zip(br) {
-        s += x * y;
+        s += x * y.to_f32();
     }
     s
 }
@@ -386,18 +548,14 @@ fn exp_shifted(s: &mut [f32], max: f32) -> f32 {
     sum
 }
 
-/// `o = inv · Σ_j p_j v_j`.
+/// `o += Σ_r p_r · row_r` over the run's rows, in order.
 #[inline(always)]
-fn weighted_sum(p: &[f32], v: &[f32], inv: f32, o: &mut [f32]) {
+fn weighted_run<E: KvElem>(p: &[f32], run: &KvRun<'_, E>, o: &mut [f32]) {
     let hd = o.len();
-    o.fill(0.0);
-    for (&pj, vj) in p.iter().zip(v.chunks_exact(hd)) {
-        for (o, &x) in o.iter_mut().zip(vj) {
-            *o += pj * x;
+    for (r, &pr) in p.iter().enumerate() {
+        for (o, &x) in o.iter_mut().zip(run.row(r, hd)) {
+            *o += pr * x.to_f32();
         }
-    }
-    for o in o.iter_mut() {
-        *o *= inv;
     }
 }
 

@@ -62,7 +62,10 @@ mod swiglu;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-pub use attention::{attention, exp_nonpositive, AttentionShape};
+pub use attention::{
+    attention, attention_over, exp_nonpositive, AttentionShape, Contiguous, KvElem, KvRun,
+    KvSource, UNIT_SCALE,
+};
 pub use column_error::{ColumnError, ColumnErrorSum};
 pub use error::{KernelError, Result};
 pub use f16::f16_matmul;

@@ -2,7 +2,10 @@
 #![allow(clippy::unwrap_used)]
 
 use proptest::prelude::*;
-use quantmesh_kernels::{attention, exp_nonpositive, AttentionShape, Isa, Pool};
+use quantmesh_kernels::{
+    attention, attention_over, exp_nonpositive, AttentionShape, Contiguous, Isa, KvElem, KvRun,
+    KvSource, Pool,
+};
 use rand::{Rng, SeedableRng};
 
 fn reference(q: &[f32], k: &[f32], v: &[f32], s: AttentionShape) -> Vec<f64> {
@@ -104,6 +107,188 @@ fn model_shapes() {
         head_dim: 128,
     };
     check(s, 3, 3, 2);
+}
+
+/// 8-bit keys and values in pages of `page` rows, `[page][row][kv_heads · head_dim]` as a
+/// paged cache lays them out, one scale per (row, head): each page is one run.
+struct Paged {
+    k: Vec<Vec<i8>>,
+    v: Vec<Vec<i8>>,
+    ks: Vec<Vec<f32>>,
+    vs: Vec<Vec<f32>>,
+    page: usize,
+    keys: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+impl KvSource for Paged {
+    type Elem = i8;
+    fn keys(&self) -> usize {
+        self.keys
+    }
+    fn runs<F: FnMut(KvRun<'_, i8>)>(&self, values: bool, g: usize, n: usize, mut f: F) {
+        let (data, scales) = if values {
+            (&self.v, &self.vs)
+        } else {
+            (&self.k, &self.ks)
+        };
+        let mut left = n;
+        for (d, s) in data.iter().zip(scales) {
+            if left == 0 {
+                break;
+            }
+            let rows = left.min(self.page);
+            f(KvRun {
+                rows,
+                data: &d[g * self.head_dim..],
+                stride: self.kv_heads * self.head_dim,
+                scales: &s[g..],
+                scale_stride: self.kv_heads,
+            });
+            left -= rows;
+        }
+    }
+}
+
+/// Keys and values as 8-bit integers with a scale per row: read from pages of any size,
+/// or from one contiguous 8-bit buffer, they give the same bits as the same integers
+/// handed over as f32 with the same scales, on every instruction set, and stay within the
+/// f64 reference on the dequantized values.
+fn check_8bit(s: AttentionShape, page: usize, seed: u64, threads: usize) {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let (hd, nkv, keys) = (s.head_dim, s.kv_heads, s.start + s.rows);
+    let q: Vec<f32> = (0..s.rows * s.heads * hd)
+        .map(|_| rng.gen_range(-3.0..3.0))
+        .collect();
+    let mut ints = |n: usize| {
+        (0..n)
+            .map(|_| rng.gen_range(-127..=127i8))
+            .collect::<Vec<_>>()
+    };
+    let (k8, v8) = (ints(nkv * keys * hd), ints(nkv * keys * hd));
+    let mut scales = |n: usize| {
+        (0..n)
+            .map(|_| rng.gen_range(0.001..0.05f32))
+            .collect::<Vec<_>>()
+    };
+    let (ks, vs) = (scales(nkv * keys), scales(nkv * keys));
+    let deq = |x: &[i8], sc: &[f32]| -> Vec<f32> {
+        x.iter()
+            .enumerate()
+            .map(|(i, &x)| x as f32 * sc[i / hd])
+            .collect()
+    };
+    let want = reference(&q, &deq(&k8, &ks), &deq(&v8, &vs), s);
+    // [page][row][kv head][hd] from [kv head][key][hd]
+    let pages = keys.div_ceil(page);
+    let mut paged = Paged {
+        k: vec![vec![0; page * nkv * hd]; pages],
+        v: vec![vec![0; page * nkv * hd]; pages],
+        ks: vec![vec![0.0; page * nkv]; pages],
+        vs: vec![vec![0.0; page * nkv]; pages],
+        page,
+        keys,
+        kv_heads: nkv,
+        head_dim: hd,
+    };
+    for g in 0..nkv {
+        for j in 0..keys {
+            let (p, r) = (j / page, j % page);
+            let (src, dst) = ((g * keys + j) * hd, (r * nkv + g) * hd);
+            paged.k[p][dst..dst + hd].copy_from_slice(&k8[src..src + hd]);
+            paged.v[p][dst..dst + hd].copy_from_slice(&v8[src..src + hd]);
+            paged.ks[p][r * nkv + g] = ks[g * keys + j];
+            paged.vs[p][r * nkv + g] = vs[g * keys + j];
+        }
+    }
+    let as_f32 = |x: &[i8]| x.iter().map(|&x| x.to_f32()).collect::<Vec<f32>>();
+    let (kf, vf) = (as_f32(&k8), as_f32(&v8));
+    fn contiguous<'a, E>(
+        k: &'a [E],
+        v: &'a [E],
+        scales: (&'a [f32], &'a [f32]),
+        keys: usize,
+        head_dim: usize,
+    ) -> Contiguous<'a, E> {
+        Contiguous {
+            k,
+            v,
+            k_scales: Some(scales.0),
+            v_scales: Some(scales.1),
+            keys,
+            head_dim,
+        }
+    }
+    let sc = (&ks[..], &vs[..]);
+    let pool = Pool::new(threads);
+    let mut first: Option<Vec<f32>> = None;
+    for isa in Isa::all_available() {
+        let mut outs = Vec::new();
+        for which in 0..3 {
+            let mut out = vec![f32::NAN; q.len()];
+            match which {
+                0 => attention_over(
+                    &q,
+                    &contiguous(&kf, &vf, sc, keys, hd),
+                    s,
+                    &mut out,
+                    isa,
+                    &pool,
+                ),
+                1 => attention_over(
+                    &q,
+                    &contiguous(&k8, &v8, sc, keys, hd),
+                    s,
+                    &mut out,
+                    isa,
+                    &pool,
+                ),
+                _ => attention_over(&q, &paged, s, &mut out, isa, &pool),
+            }
+            .unwrap();
+            outs.push(out);
+        }
+        for (i, (g, w)) in outs[0].iter().zip(&want).enumerate() {
+            assert!(
+                (*g as f64 - w).abs() < 1e-5,
+                "{isa:?} {s:?} out {i}: {g} vs {w}"
+            );
+        }
+        let bits = |o: &[f32]| o.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&outs[0]),
+            bits(&outs[1]),
+            "{isa:?} {s:?}: 8-bit contiguous"
+        );
+        assert_eq!(
+            bits(&outs[0]),
+            bits(&outs[2]),
+            "{isa:?} {s:?}: pages of {page}"
+        );
+        match &first {
+            None => first = outs.pop(),
+            Some(f) => assert_eq!(
+                bits(f),
+                bits(&outs[0]),
+                "{isa:?} differs from the scalar build"
+            ),
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(30))]
+    #[test]
+    fn eight_bit_rows_in_pages_give_the_bits_of_their_integers_as_f32(
+        rows in 1usize..6, start in 0usize..40, kv_heads in 1usize..4, rep in 1usize..4,
+        wide in 0usize..3, page in 1usize..20, seed in 0u64..1000, threads in 1usize..4,
+    ) {
+        // widths with their own SIMD form (64, 128) and one without
+        let head_dim = [64, 128, 24][wide];
+        let s = AttentionShape { rows, start, heads: kv_heads * rep, kv_heads, head_dim };
+        check_8bit(s, page, seed, threads);
+    }
 }
 
 #[test]
