@@ -10,9 +10,14 @@
 //!
 //! `--bandwidth-only` prints the read bandwidth alone (one line, `read bandwidth X GB/s`):
 //! the bound a batch-1 decode that reads every weight once per token cannot pass.
+//!
+//! `--attention 256,1024` times instead one decode row's attention (SmolLM2's 9 heads over
+//! 3 key/value heads of 64) over that many cached positions, keys and values in f32 or as
+//! 8-bit integers with a scale per row (the INT8 KV cache's form), per instruction set.
 
 use quantmesh_kernels::{
-    f16_matmul, ActBits, Activations, Isa, PackedQ4, PackedQ8, Pool, Q8Layout,
+    attention_over, f16_matmul, ActBits, Activations, AttentionShape, Contiguous, Isa, PackedQ4,
+    PackedQ8, Pool, Q8Layout,
 };
 use std::time::Instant;
 
@@ -45,6 +50,7 @@ fn main() {
     ];
     let mut rows_list = vec![1usize, 8, 32, 128];
     let mut bandwidth_only = false;
+    let mut attention_ctx: Vec<usize> = Vec::new();
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         if a == "--bandwidth-only" {
@@ -63,13 +69,19 @@ fn main() {
                     .collect()
             }
             "--rows" => rows_list = v.split(',').filter_map(|s| s.parse().ok()).collect(),
+            "--attention" => attention_ctx = v.split(',').filter_map(|s| s.parse().ok()).collect(),
             _ => {
-                eprintln!("kernel-bench [--shape OUTxIN,...] [--rows 1,8,32] [--bandwidth-only]");
+                eprintln!(
+                    "kernel-bench [--shape OUTxIN,...] [--rows 1,8,32] [--bandwidth-only] [--attention CTX,...]"
+                );
                 std::process::exit(2);
             }
         }
     }
     let pool = Pool::global();
+    if !attention_ctx.is_empty() {
+        return attention_table(&attention_ctx, pool);
+    }
     println!(
         "threads {}, best ISA {}",
         pool.threads(),
@@ -173,6 +185,68 @@ fn main() {
                     s * 1e6,
                     (2 * o * i) as f64 / s / 1e9,
                     (o * i * m) as f64 / s / 1e9
+                );
+            }
+        }
+    }
+}
+
+/// One decode row's attention over `ctx` positions, keys and values in f32 and in 8 bits.
+fn attention_table(ctxs: &[usize], pool: &Pool) {
+    let (heads, kv_heads, hd) = (9, 3, 64);
+    println!(
+        "threads {}, best ISA {}\n\n| attention | keys | positions | µs | ns per position and head |\n|---|---|---|---|---|",
+        pool.threads(),
+        Isa::detect().as_str()
+    );
+    for &ctx in ctxs {
+        let n = kv_heads * ctx * hd;
+        let k8: Vec<i8> = (0..n).map(|j| ((j * 37) % 255) as i8).collect();
+        let v8: Vec<i8> = (0..n).map(|j| ((j * 91) % 251) as i8).collect();
+        let kf: Vec<f32> = k8.iter().map(|&x| f32::from(x) * 0.01).collect();
+        let vf: Vec<f32> = v8.iter().map(|&x| f32::from(x) * 0.01).collect();
+        let scales = vec![0.01f32; kv_heads * ctx];
+        let q: Vec<f32> = (0..heads * hd).map(|j| (j as f32 * 0.1).sin()).collect();
+        let mut out = vec![0f32; q.len()];
+        let shape = AttentionShape {
+            rows: 1,
+            start: ctx - 1,
+            heads,
+            kv_heads,
+            head_dim: hd,
+        };
+        for isa in Isa::all_available() {
+            for eight in [false, true] {
+                let s = seconds_per_call(|| {
+                    let r = if eight {
+                        let kv = Contiguous {
+                            k: &k8[..],
+                            v: &v8[..],
+                            k_scales: Some(&scales[..]),
+                            v_scales: Some(&scales[..]),
+                            keys: ctx,
+                            head_dim: hd,
+                        };
+                        attention_over(&q, &kv, shape, &mut out, isa, pool)
+                    } else {
+                        let kv = Contiguous {
+                            k: &kf[..],
+                            v: &vf[..],
+                            k_scales: None,
+                            v_scales: None,
+                            keys: ctx,
+                            head_dim: hd,
+                        };
+                        attention_over(&q, &kv, shape, &mut out, isa, pool)
+                    };
+                    r.unwrap_or_else(|e| panic!("{e}"));
+                });
+                println!(
+                    "| {} | {} | {ctx} | {:.1} | {:.2} |",
+                    isa.as_str(),
+                    if eight { "8-bit" } else { "f32" },
+                    s * 1e6,
+                    s * 1e9 / (ctx * heads) as f64
                 );
             }
         }
