@@ -4,10 +4,9 @@
 //! one max, one pass of exponentials, one weighted sum of the values (two-pass softmax:
 //! no rescaling of the output per key). The threads take the items in contiguous chunks
 //! from the last row back (longest first), so the chunks taken last, which decide when the
-//! call ends, are the shortest. The loops are written with explicit lanes (16 for a
-//! key's dot product, 8 for the softmax's sum; the weighted sum of the values keeps one sum
-//! per output), so the scalar build, the AVX2 form (two 8-lane registers per 16 lanes) and
-//! the AVX-512 form add in the same order and give the same bits.
+//! call ends, are the shortest. The loops are written with
+//! 8 explicit lanes, so the scalar build and the AVX2 build (the same code compiled with
+//! AVX2 enabled) add in the same order and give the same bits.
 
 #![allow(clippy::needless_range_loop)] // lane-indexed loops: the order of the additions is the contract
 
@@ -116,9 +115,6 @@ pub fn attention_over<S: KvSource>(
             for item in range.map(|j| items - 1 - j) {
                 match isa {
                     #[cfg(target_arch = "x86_64")]
-                    // SAFETY: `isa.available()` checked AVX-512 (F, BW, VNNI) and AVX2.
-                    Isa::Avx512 | Isa::Amx => unsafe { item_avx512(&call, item, scores, dst.0) },
-                    #[cfg(target_arch = "x86_64")]
                     // SAFETY: `isa.available()` checked AVX2 and FMA.
                     isa if isa.x86_simd() => unsafe { item_avx2(&call, item, scores, dst.0) },
                     _ => call.item(item, scores, dst.0),
@@ -140,12 +136,6 @@ pub trait KvElem: Copy + Send + Sync + 'static {
     /// `p` points at 8 readable values, and AVX2 is available.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
-    /// Sixteen values from `p` as f32 (exactly as [`KvElem::to_f32`]).
-    ///
-    /// # Safety
-    /// `p` points at 16 readable values, and AVX-512F is available.
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
 }
 
 impl KvElem for f32 {
@@ -158,12 +148,6 @@ impl KvElem for f32 {
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
         // SAFETY: the caller's contract.
         unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
-        // SAFETY: the caller's contract.
-        unsafe { std::arch::x86_64::_mm512_loadu_ps(p) }
     }
 }
 
@@ -178,13 +162,6 @@ impl KvElem for i8 {
         use std::arch::x86_64::*;
         // SAFETY: the caller's contract (8 bytes; `_mm_loadl_epi64` reads exactly 8).
         unsafe { _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.cast()))) }
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
-        use std::arch::x86_64::*;
-        // SAFETY: the caller's contract (16 bytes).
-        unsafe { _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast()))) }
     }
 }
 
@@ -288,25 +265,10 @@ unsafe fn item_avx2<S: KvSource>(
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,avx512f")]
-unsafe fn item_avx512<S: KvSource>(
-    call: &Call<'_, S>,
-    item: usize,
-    scores: &mut [f32],
-    out: *mut f32,
-) {
-    match call.shape.head_dim {
-        64 => call.item_with::<x86::Avx512<4>>(item, scores, out),
-        128 => call.item_with::<x86::Avx512<8>>(item, scores, out),
-        _ => call.item_with::<Portable>(item, scores, out),
-    }
-}
-
 /// The four loops of an item. [`Portable`] is the reference; a SIMD form must do the same
 /// operations in the same order (the tests compare bits).
 trait Loops {
-    /// Σ a·b in 16 lanes, then the lanes in a fixed order.
+    /// Σ a·b in 8 lanes, then the lanes in a fixed order.
     fn dot<E: KvElem>(a: &[f32], b: &[E]) -> f32;
     /// The largest of `s`, NaN ignored.
     fn max(s: &[f32]) -> f32;
@@ -450,113 +412,23 @@ mod x86 {
         sum
     }
 
-    /// As [`super::dot`] for `8 · C` values (`C` even): lanes 0–7 and 8–15 of the 16 in
-    /// two registers. The caller checks AVX2 is available.
+    /// As [`super::dot`] for `8 · C` values. The caller checks AVX2 is available.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     pub(super) unsafe fn dot<const C: usize, E: KvElem>(a: &[f32], b: &[E]) -> f32 {
-        assert!(C.is_multiple_of(2) && a.len() >= 8 * C && b.len() >= 8 * C);
+        assert!(a.len() >= 8 * C && b.len() >= 8 * C);
         // SAFETY: both slices hold 8·C values (checked above); unaligned loads.
         unsafe {
-            let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-            for c in (0..C).step_by(2) {
-                let (pa, pb) = (a.as_ptr().add(8 * c), b.as_ptr().add(8 * c));
-                lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(pa), E::load8(pb)));
-                hi = _mm256_add_ps(
-                    hi,
-                    _mm256_mul_ps(_mm256_loadu_ps(pa.add(8)), E::load8(pb.add(8))),
-                );
-            }
-            reduce16(lo, hi)
-        }
-    }
-
-    /// The 16 lanes `lo ‖ hi` summed as [`super::dot`] sums them: `t_l = lo_l + hi_l`, then
-    /// ((t0 + t4) + (t1 + t5)) + ((t2 + t6) + (t3 + t7)).
-    #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    unsafe fn reduce16(lo: __m256, hi: __m256) -> f32 {
-        let t = _mm256_add_ps(lo, hi);
-        let s = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-        let h = _mm_hadd_ps(s, s);
-        _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)))
-    }
-
-    /// The loops for head width `16 · C` in AVX-512 registers: the dot product's 16 lanes
-    /// and the weighted sum's outputs 16 to a register; the softmax in AVX2's. Only
-    /// [`super::item_avx512`] uses it, after the caller checked AVX-512 is available.
-    pub(super) struct Avx512<const C: usize>;
-
-    impl<const C: usize> super::Loops for Avx512<C> {
-        #[inline(always)]
-        fn dot<E: KvElem>(a: &[f32], b: &[E]) -> f32 {
-            // SAFETY: built only behind the AVX-512 check (see the type).
-            unsafe { dot512::<C, E>(a, b) }
-        }
-        #[inline(always)]
-        fn max(s: &[f32]) -> f32 {
-            // SAFETY: as above (AVX-512 machines have AVX2).
-            unsafe { max(s) }
-        }
-        #[inline(always)]
-        fn exp_shifted(s: &mut [f32], max: f32) -> f32 {
-            // SAFETY: as above.
-            unsafe { exp_shifted(s, max) }
-        }
-        #[inline(always)]
-        fn weighted_run<E: KvElem>(p: &[f32], run: &KvRun<'_, E>, o: &mut [f32]) {
-            // SAFETY: as above.
-            unsafe { weighted_run512::<C, E>(p, run, o) }
-        }
-    }
-
-    /// As [`super::dot`] for `16 · C` values, the 16 lanes in one register.
-    #[target_feature(enable = "avx2,fma,avx512f")]
-    #[inline]
-    unsafe fn dot512<const C: usize, E: KvElem>(a: &[f32], b: &[E]) -> f32 {
-        assert!(a.len() >= 16 * C && b.len() >= 16 * C);
-        // SAFETY: both slices hold 16·C values (checked above); unaligned loads.
-        unsafe {
-            let mut acc = _mm512_setzero_ps();
+            let mut acc = _mm256_setzero_ps();
             for c in 0..C {
-                let x = _mm512_loadu_ps(a.as_ptr().add(16 * c));
-                acc = _mm512_add_ps(acc, _mm512_mul_ps(x, E::load16(b.as_ptr().add(16 * c))));
+                let x = _mm256_loadu_ps(a.as_ptr().add(8 * c));
+                let y = E::load8(b.as_ptr().add(8 * c));
+                acc = _mm256_add_ps(acc, _mm256_mul_ps(x, y));
             }
-            let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc)));
-            reduce16(_mm512_castps512_ps256(acc), hi)
-        }
-    }
-
-    /// As [`super::weighted_run`] for `o` of `16 · C` values, the sums in registers across
-    /// the run's rows.
-    #[target_feature(enable = "avx2,fma,avx512f")]
-    #[inline]
-    unsafe fn weighted_run512<const C: usize, E: KvElem>(
-        p: &[f32],
-        run: &KvRun<'_, E>,
-        o: &mut [f32],
-    ) {
-        let hd = 16 * C;
-        assert!(o.len() == hd && p.len() <= run.rows);
-        if let Some(last) = p.len().checked_sub(1) {
-            assert!(run.data.len() >= last * run.stride + hd);
-        }
-        // SAFETY: every row read lies inside `run.data` and `o` holds `hd` values (checked).
-        unsafe {
-            let mut acc = [_mm512_setzero_ps(); C];
-            for (c, acc) in acc.iter_mut().enumerate() {
-                *acc = _mm512_loadu_ps(o.as_ptr().add(16 * c));
-            }
-            for (r, &pr) in p.iter().enumerate() {
-                let pr = _mm512_set1_ps(pr);
-                let row = run.data.as_ptr().add(r * run.stride);
-                for (c, acc) in acc.iter_mut().enumerate() {
-                    *acc = _mm512_add_ps(*acc, _mm512_mul_ps(pr, E::load16(row.add(16 * c))));
-                }
-            }
-            for (c, acc) in acc.iter().enumerate() {
-                _mm512_storeu_ps(o.as_mut_ptr().add(16 * c), *acc);
-            }
+            // ((a0 + a4) + (a1 + a5)) + ((a2 + a6) + (a3 + a7)), as the portable code adds.
+            let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+            let h = _mm_hadd_ps(s, s);
+            _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)))
         }
     }
 
@@ -639,20 +511,18 @@ impl<S: KvSource> Call<'_, S> {
     }
 }
 
-/// Σ a·b in 16 lanes; the lanes folded to 8 (`t_l = acc_l + acc_{l+8}`), then those in a
-/// fixed order; then the values past the last 16, in order.
+/// Σ a·b in 8 lanes, then the lanes in a fixed order.
 #[inline(always)]
 fn dot<E: KvElem>(a: &[f32], b: &[E]) -> f32 {
-    let mut acc = [0f32; 16];
-    let (ac, bc) = (a.chunks_exact(16), b.chunks_exact(16));
+    let mut acc = [0f32; 8];
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
     let (ar, br) = (ac.remainder(), bc.remainder());
     for (x, y) in ac.zip(bc) {
-        for l in 0..16 {
+        for l in 0..8 {
             acc[l] += x[l] * y[l].to_f32();
         }
     }
-    let t: [f32; 8] = std::array::from_fn(|l| acc[l] + acc[l + 8]);
-    let mut s = ((t[0] + t[4]) + (t[1] + t[5])) + ((t[2] + t[6]) + (t[3] + t[7]));
+    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
     for (x, y) in ar.iter().zip(br) {
         s += x * y.to_f32();
     }
