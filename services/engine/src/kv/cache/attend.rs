@@ -231,7 +231,7 @@ impl KvCache {
     /// row as it is stored, an empty slot as zeros.
     #[inline]
     #[allow(clippy::too_many_arguments)]
-    fn read_ints(
+    pub(super) fn read_ints(
         &self,
         layer: usize,
         table: &[PageId],
@@ -268,7 +268,7 @@ impl KvCache {
 
     /// The K and V scales of token `pos`'s KV head `g` (`hd` wide): its C8 scales when
     /// stored in INT8, 1 otherwise.
-    fn row_scales(
+    pub(super) fn row_scales(
         &self,
         layer: usize,
         table: &[PageId],

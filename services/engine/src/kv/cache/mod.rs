@@ -209,77 +209,22 @@ impl KvCache {
     }
 
     /// The first `len` tokens of a sequence with block table `table`, as `[len, kv_dim]`
-    /// row-major K and V, dequantized where stored in INT8.
+    /// row-major K and V, dequantized where stored in INT8 (each run of channels that shares
+    /// a C8 scale read as attention reads it, times its scale).
     pub fn gather(&self, layer: usize, table: &[PageId], len: usize) -> (Vec<f32>, Vec<f32>) {
-        let d = self.kv_dim;
+        let (d, w) = (self.kv_dim, self.scale_width);
         let mut k = vec![0f32; len * d];
         let mut v = vec![0f32; len * d];
         let isa = quantmesh_kernels::Isa::current();
-        for (pos, (ko, vo)) in k.chunks_exact_mut(d).zip(v.chunks_exact_mut(d)).enumerate() {
-            // the whole row is one "head" of width kv_dim
-            self.read_head(layer, table, pos, 0, ko, vo, isa);
+        let runs = k.chunks_exact_mut(w).zip(v.chunks_exact_mut(w)).enumerate();
+        for (run, (ko, vo)) in runs {
+            let (pos, g) = (run / (d / w), run % (d / w));
+            self.read_ints(layer, table, pos, g, ko, vo, isa);
+            let (ks, vs) = self.row_scales(layer, table, pos, g, w);
+            ko.iter_mut().for_each(|x| *x *= ks);
+            vo.iter_mut().for_each(|x| *x *= vs);
         }
         (k, v)
-    }
-
-    /// Dequantize token `pos`'s K and V for KV head `g` (`hd` wide) into `k` and `v`, with
-    /// `isa`'s kernel.
-    #[inline]
-    #[allow(clippy::too_many_arguments)]
-    fn read_head(
-        &self,
-        layer: usize,
-        table: &[PageId],
-        pos: usize,
-        g: usize,
-        k: &mut [f32],
-        v: &mut [f32],
-        isa: quantmesh_kernels::Isa,
-    ) {
-        let hd = k.len();
-        let page = &self.layers[layer][table[pos / self.page_size] as usize];
-        let off = pos % self.page_size;
-        let at = off * self.kv_dim + g * hd;
-        match page.tag.get(off).copied().unwrap_or(EMPTY) {
-            INT8 => {
-                if let Some(q) = &page.quant {
-                    // Runs of channels that share one scale (the whole head, or a part of
-                    // it when scale groups are narrower than a head).
-                    let (w, ns) = (self.scale_width, self.scales());
-                    let mut i = 0;
-                    while i < hd {
-                        let ch = g * hd + i;
-                        let end = ((ch / w + 1) * w - g * hd).min(hd);
-                        let si = off * ns + ch / w;
-                        let (ks, vs) = (q.k_scale[si], q.v_scale[si]);
-                        // Equal lengths by construction: the kernels' shape checks hold.
-                        let _ = quantmesh_kernels::dequantize_i8(
-                            &q.k[at + i..at + end],
-                            ks,
-                            &mut k[i..end],
-                            isa,
-                        );
-                        let _ = quantmesh_kernels::dequantize_i8(
-                            &q.v[at + i..at + end],
-                            vs,
-                            &mut v[i..end],
-                            isa,
-                        );
-                        i = end;
-                    }
-                }
-            }
-            FLOAT => {
-                if let Some((fk, fv)) = &page.float {
-                    fk.read(at, k);
-                    fv.read(at, v);
-                }
-            }
-            _ => {
-                k.fill(0.0);
-                v.fill(0.0);
-            }
-        }
     }
 
     /// Precision tags of the first `len` tokens (`Some(true)` = INT8), for tests and metrics.
@@ -490,17 +435,13 @@ mod tests {
         assert!(max_err(&per_head, 2) <= half_step(1.0));
         // per token, the quiet head rounds on the loud head's grid: most of it reads 0
         assert!(max_err(&per_token, 0) > half_step(0.1) * 10.0);
-        // attention's per-head read decodes the same values as `gather`
+        // attention's per-head read (integers, then the head's scale) decodes the same
+        // values as `gather`
         let (mut k, mut v) = (vec![0f32; hd], vec![0f32; hd]);
-        per_head.read_head(
-            0,
-            &[0],
-            0,
-            2,
-            &mut k,
-            &mut v,
-            quantmesh_kernels::Isa::current(),
-        );
+        let isa = quantmesh_kernels::Isa::current();
+        per_head.read_ints(0, &[0], 0, 2, &mut k, &mut v, isa);
+        let (ks, _) = per_head.row_scales(0, &[0], 0, 2, hd);
+        k.iter_mut().for_each(|x| *x *= ks);
         let (gk, _) = per_head.gather(0, &[0], 1);
         assert_eq!(k, gk[2 * hd..3 * hd]);
         assert_eq!(
