@@ -200,7 +200,7 @@ pub trait KvSource: Sync {
 }
 
 /// Scale 1 for every row (`scale_stride` 0): exact, so unscaled rows keep their bits.
-pub const UNIT_SCALE: &[f32] = &[1.0];
+const UNIT_SCALE: &[f32] = &[1.0];
 
 /// Keys and values in two `[kv_heads][keys][head_dim]` buffers, with optional
 /// `[kv_heads][keys]` scales (none: every scale is 1).
@@ -302,7 +302,7 @@ impl Loops for Portable {
 
 /// The common head widths (64, 128) with their loops in AVX2 registers: the same
 /// operations in the same order as the portable loops, so the same bits, with the output
-/// kept in registers across the keys and the exponentials 8 at a time.
+/// kept in registers across a run of rows and the exponentials 8 at a time.
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::{KvElem, KvRun};

@@ -63,8 +63,7 @@ mod swiglu;
 mod x86;
 
 pub use attention::{
-    attention, attention_over, exp_nonpositive, AttentionShape, Contiguous, KvElem, KvRun,
-    KvSource, UNIT_SCALE,
+    attention, attention_over, exp_nonpositive, AttentionShape, Contiguous, KvElem, KvRun, KvSource,
 };
 pub use column_error::{ColumnError, ColumnErrorSum};
 pub use error::{KernelError, Result};

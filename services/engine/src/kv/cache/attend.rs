@@ -8,9 +8,8 @@ use std::cell::RefCell;
 thread_local! {
     /// [`KvCache::attend`]'s K/V gather buffers for long chunks and for sequences whose
     /// pages mix INT8 and float slots (values, then one scale per position and KV head),
-    /// one set per thread
-    /// (the pool's workers each attend sequences of a decode step), grown to the longest
-    /// sequence seen.
+    /// one set per thread (the pool's workers each attend sequences of a decode step),
+    /// grown to the longest sequence seen.
     static ATTEND_SCRATCH: RefCell<GatherScratch> = const { RefCell::new(GatherScratch::new()) };
 }
 
@@ -147,7 +146,8 @@ impl KvCache {
         self.attend_gathered(layer, table, q, shape, out, isa)
     }
 
-    /// [`KvCache::attend`] for pages that mix INT8 and float slots: the rows read to their
+    /// [`KvCache::attend`] for long chunks and for pages that mix INT8 and float slots: the
+    /// rows read to their
     /// integers (INT8) or values (float) once per kv head (`[kv head][pos][hd]`) into this
     /// thread's scratch buffers, positions spread over the kernel pool for long sequences,
     /// with their scales beside them. `read_ints` writes every value, so the buffers are

@@ -4,7 +4,8 @@
 //! current precision: INT8 ("C8": symmetric, zero point 0, one scale = max|x|/127 per
 //! token) or float (f16 by default, f32 for exactness tests). A layer can switch at any
 //! step. Tokens already written keep the precision they were written in — every slot
-//! carries a tag — and are dequantized on read, so a page may hold both kinds. Nothing is
+//! carries a tag — and are read with their C8 scale (1 for a float row), so a page may
+//! hold both kinds. Nothing is
 //! rewritten on a switch: the switch is free and takes effect for the next token.
 
 use crate::kv::blocks::{PageId, Slot};
