@@ -13,7 +13,8 @@
 //!
 //! `--attention 256,1024` times instead one decode row's attention (SmolLM2's 9 heads over
 //! 3 key/value heads of 64) over that many cached positions, keys and values in f32 or as
-//! 8-bit integers with a scale per row (the INT8 KV cache's form), per instruction set.
+//! 8-bit integers with a scale per row (the INT8 KV cache's form), per instruction set, on
+//! the pool's threads and on one (as each sequence of a batched decode step runs).
 
 use quantmesh_kernels::{
     attention_over, f16_matmul, ActBits, Activations, AttentionShape, Contiguous, Isa, PackedQ4,
@@ -191,15 +192,17 @@ fn main() {
     }
 }
 
-/// One decode row's attention over `ctx` positions, keys and values in f32 and in 8 bits.
+/// One decode row's attention over `ctx` positions, keys and values in f32 and in 8 bits,
+/// on the pool's threads and on one.
 fn attention_table(ctxs: &[usize], pool: &Pool) {
     let (heads, kv_heads, hd) = (9, 3, 64);
     println!(
-        "threads {}, best ISA {}\n\n| attention | keys | positions | µs | ns per position and head |\n|---|---|---|---|---|",
+        "threads {}, best ISA {}\n\n| attention | threads | keys | positions | µs | ns per position and head |\n|---|---|---|---|---|---|",
         pool.threads(),
         Isa::detect().as_str()
     );
-    for &ctx in ctxs {
+    let one = Pool::new(1);
+    for (&ctx, pool) in ctxs.iter().flat_map(|c| [(c, pool), (c, &one)]) {
         let n = kv_heads * ctx * hd;
         let k8: Vec<i8> = (0..n).map(|j| ((j * 37) % 255) as i8).collect();
         let v8: Vec<i8> = (0..n).map(|j| ((j * 91) % 251) as i8).collect();
@@ -242,8 +245,9 @@ fn attention_table(ctxs: &[usize], pool: &Pool) {
                     r.unwrap_or_else(|e| panic!("{e}"));
                 });
                 println!(
-                    "| {} | {} | {ctx} | {:.1} | {:.2} |",
+                    "| {} | {} | {} | {ctx} | {:.1} | {:.2} |",
                     isa.as_str(),
+                    pool.threads(),
                     if eight { "8-bit" } else { "f32" },
                     s * 1e6,
                     s * 1e9 / (ctx * heads) as f64

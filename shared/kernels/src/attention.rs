@@ -1,12 +1,16 @@
 //! Causal attention over one sequence's cached keys and values, all heads, on the pool.
 //!
-//! Each (query row, head) pair is one work item: its scores against every visible key,
-//! one max, one pass of exponentials, one weighted sum of the values (two-pass softmax:
-//! no rescaling of the output per key). The threads take the items in contiguous chunks
-//! from the last row back (longest first), so the chunks taken last, which decide when the
-//! call ends, are the shortest. The loops are written with
-//! 8 explicit lanes, so the scalar build and the AVX2 build (the same code compiled with
-//! AVX2 enabled) add in the same order and give the same bits.
+//! A work item is one query row and a group of up to [`MAX_GROUP`] query heads that share a
+//! key/value head (grouped-query attention): each key and value row is loaded, and converted
+//! from 8 bits, once for the whole group. For each head of the group: its scores against
+//! every visible key, one max, one pass of exponentials, one weighted sum of the values
+//! (two-pass softmax: no rescaling of the output per key). A head's result does not depend
+//! on the group it was computed in, so the group size may follow the thread count. The
+//! threads take the items in contiguous chunks from the last row back (longest first), so
+//! the chunks taken last, which decide when the call ends, are the shortest. The loops are
+//! written with 8 explicit lanes and fused multiply-adds, so the scalar build and the AVX2
+//! build (the same code compiled with AVX2 and FMA enabled) round in the same places and
+//! give the same bits.
 
 #![allow(clippy::needless_range_loop)] // lane-indexed loops: the order of the additions is the contract
 
@@ -101,30 +105,76 @@ pub fn attention_over<S: KvSource>(
             out.len(),
         )));
     }
-    let items = rows * heads;
-    if items == 0 {
+    if rows * heads == 0 {
         return Ok(());
     }
     let isa = if isa.available() { isa } else { Isa::Scalar };
+    // Below this much work one thread is faster than waking another.
+    let serial = rows * heads * (start + rows) * hd < 16 * 1024;
+    let threads = if serial { 1 } else { pool.threads() };
+    let groups = HeadGroups::new(rows, heads / kv_heads, kv_heads, threads);
+    let items = rows * kv_heads * groups.per_kv_head;
     let dst = Out(out.as_mut_ptr());
     let call = Call { q, kv, shape };
     let work = |range: std::ops::Range<usize>| {
         let dst = &dst;
         SCORES.with_borrow_mut(|scores| {
-            scores.resize((start + rows).max(scores.len()), 0.0);
+            scores.resize((MAX_GROUP * (start + rows)).max(scores.len()), 0.0);
             for item in range.map(|j| items - 1 - j) {
+                let (i, g, first, n) = groups.item(item, kv_heads);
                 match isa {
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: `isa.available()` checked AVX2 and FMA.
-                    isa if isa.x86_simd() => unsafe { item_avx2(&call, item, scores, dst.0) },
-                    _ => call.item(item, scores, dst.0),
+                    isa if isa.x86_simd() => unsafe {
+                        item_avx2(&call, i, g, first, n, scores, dst.0)
+                    },
+                    _ => call.item::<Portable>(i, g, first, n, scores, dst.0),
                 }
             }
         });
     };
-    // Below this much work one thread is faster than waking another.
-    pool.chunks(items, items * (start + rows) * hd < 16 * 1024, &work);
+    pool.chunks(items, serial, &work);
     Ok(())
+}
+
+/// Query heads one item computes together at most.
+pub const MAX_GROUP: usize = 4;
+
+/// How a call's (row, head) pairs form items: the `rep` query heads of each key/value head
+/// split into `per_kv_head` groups of at most `size` heads (the last may be smaller).
+#[derive(Debug, Clone, Copy)]
+struct HeadGroups {
+    rep: usize,
+    size: usize,
+    per_kv_head: usize,
+}
+
+impl HeadGroups {
+    /// Groups as large as [`MAX_GROUP`] allows, made smaller (down to one head) while the
+    /// items would be fewer than two per thread, so a batch-1 decode step still spreads
+    /// over the pool.
+    fn new(rows: usize, rep: usize, kv_heads: usize, threads: usize) -> HeadGroups {
+        let mut size = rep.clamp(1, MAX_GROUP);
+        while size > 1 && rows * kv_heads * rep.div_ceil(size) < 2 * threads {
+            size -= 1;
+        }
+        HeadGroups {
+            rep,
+            size,
+            per_kv_head: rep.div_ceil(size),
+        }
+    }
+
+    /// Item `item`'s query row, key/value head, first query head and number of heads.
+    fn item(&self, item: usize, kv_heads: usize) -> (usize, usize, usize, usize) {
+        let (i, rest) = (
+            item / (kv_heads * self.per_kv_head),
+            item % (kv_heads * self.per_kv_head),
+        );
+        let (g, part) = (rest / self.per_kv_head, rest % self.per_kv_head);
+        let first = part * self.size;
+        (i, g, g * self.rep + first, self.size.min(self.rep - first))
+    }
 }
 
 /// A value type the cache keeps keys and values in: f32, or 8-bit integers read exactly.
@@ -250,32 +300,39 @@ struct Call<'a, S> {
     shape: AttentionShape,
 }
 
+/// One item with the AVX2 loops for the common head widths (64, 128), the portable loops
+/// compiled for AVX2 and FMA for any other.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn item_avx2<S: KvSource>(
     call: &Call<'_, S>,
-    item: usize,
+    i: usize,
+    g: usize,
+    first: usize,
+    n: usize,
     scores: &mut [f32],
     out: *mut f32,
 ) {
     match call.shape.head_dim {
-        64 => call.item_with::<x86::Avx2<8>>(item, scores, out),
-        128 => call.item_with::<x86::Avx2<16>>(item, scores, out),
-        _ => call.item_with::<Portable>(item, scores, out),
+        64 => call.item::<x86::Avx2<8>>(i, g, first, n, scores, out),
+        128 => call.item::<x86::Avx2<16>>(i, g, first, n, scores, out),
+        _ => call.item::<Portable>(i, g, first, n, scores, out),
     }
 }
 
-/// The four loops of an item. [`Portable`] is the reference; a SIMD form must do the same
-/// operations in the same order (the tests compare bits).
+/// The loops of an item over `G` query heads. [`Portable`] is the reference; a SIMD form
+/// must do the same operations in the same order for every head (the tests compare bits).
 trait Loops {
-    /// Σ a·b in 8 lanes, then the lanes in a fixed order.
-    fn dot<E: KvElem>(a: &[f32], b: &[E]) -> f32;
+    /// `[Σ q_t·b]` for each head `t`: per head 8 lanes of fused multiply-adds, then the
+    /// lanes in a fixed order, then the rest in order.
+    fn dots<const G: usize, E: KvElem>(q: &[&[f32]; G], b: &[E]) -> [f32; G];
     /// The largest of `s`, NaN ignored.
     fn max(s: &[f32]) -> f32;
     /// `s ← exp(s − max)` in place; returns Σ s (8 lanes, then the lanes in a fixed order).
     fn exp_shifted(s: &mut [f32], max: f32) -> f32;
-    /// `o += Σ_r p_r · row_r` over the run's rows, in order.
-    fn weighted_run<E: KvElem>(p: &[f32], run: &KvRun<'_, E>, o: &mut [f32]);
+    /// `o_t += Σ_r p_t[r] · row_r` over the run's rows, in order, for each head `t`
+    /// (`o` is the `G` heads' outputs, one after another), one fused multiply-add per value.
+    fn weighted_run<const G: usize, E: KvElem>(p: &[&[f32]; G], run: &KvRun<'_, E>, o: &mut [f32]);
 }
 
 /// The portable loops (8 explicit lanes), compiled for whatever the build targets.
@@ -283,8 +340,8 @@ struct Portable;
 
 impl Loops for Portable {
     #[inline(always)]
-    fn dot<E: KvElem>(a: &[f32], b: &[E]) -> f32 {
-        dot(a, b)
+    fn dots<const G: usize, E: KvElem>(q: &[&[f32]; G], b: &[E]) -> [f32; G] {
+        std::array::from_fn(|t| dot(q[t], b))
     }
     #[inline(always)]
     fn max(s: &[f32]) -> f32 {
@@ -295,14 +352,18 @@ impl Loops for Portable {
         exp_shifted(s, max)
     }
     #[inline(always)]
-    fn weighted_run<E: KvElem>(p: &[f32], run: &KvRun<'_, E>, o: &mut [f32]) {
-        weighted_run(p, run, o)
+    fn weighted_run<const G: usize, E: KvElem>(p: &[&[f32]; G], run: &KvRun<'_, E>, o: &mut [f32]) {
+        let hd = o.len() / G;
+        for (p, o) in p.iter().zip(o.chunks_exact_mut(hd)) {
+            weighted_run(p, run, o)
+        }
     }
 }
 
 /// The common head widths (64, 128) with their loops in AVX2 registers: the same
-/// operations in the same order as the portable loops, so the same bits, with the output
-/// kept in registers across a run of rows and the exponentials 8 at a time.
+/// operations in the same order as the portable loops, so the same bits, with each key and
+/// value row loaded once for the item's heads, the output kept in registers across a run
+/// of rows and the exponentials 8 at a time.
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::{KvElem, KvRun};
@@ -314,9 +375,9 @@ mod x86 {
 
     impl<const C: usize> super::Loops for Avx2<C> {
         #[inline(always)]
-        fn dot<E: KvElem>(a: &[f32], b: &[E]) -> f32 {
+        fn dots<const G: usize, E: KvElem>(q: &[&[f32]; G], b: &[E]) -> [f32; G] {
             // SAFETY: built only behind the AVX2 check (see the type).
-            unsafe { dot::<C, E>(a, b) }
+            unsafe { dots::<C, G, E>(q, b) }
         }
         #[inline(always)]
         fn max(s: &[f32]) -> f32 {
@@ -329,9 +390,20 @@ mod x86 {
             unsafe { exp_shifted(s, max) }
         }
         #[inline(always)]
-        fn weighted_run<E: KvElem>(p: &[f32], run: &KvRun<'_, E>, o: &mut [f32]) {
-            // SAFETY: as above.
-            unsafe { weighted_run::<C, E>(p, run, o) }
+        fn weighted_run<const G: usize, E: KvElem>(
+            p: &[&[f32]; G],
+            run: &KvRun<'_, E>,
+            o: &mut [f32],
+        ) {
+            // SAFETY: as above. Blocks of output registers that fit the 16 AVX2 registers
+            // beside one value register and the heads' weights.
+            unsafe {
+                match G {
+                    1 => weighted_run::<C, 8, G, E>(p, run, o),
+                    2 => weighted_run::<C, 4, G, E>(p, run, o),
+                    _ => weighted_run::<C, 2, G, E>(p, run, o),
+                }
+            }
         }
     }
 
@@ -412,106 +484,167 @@ mod x86 {
         sum
     }
 
-    /// As [`super::dot`] for `8 · C` values. The caller checks AVX2 is available.
+    /// As [`super::dot`] for each of `G` heads over `8 · C` values, each chunk of the row
+    /// loaded once for all of them. The caller checks AVX2 and FMA are available.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    pub(super) unsafe fn dot<const C: usize, E: KvElem>(a: &[f32], b: &[E]) -> f32 {
-        assert!(a.len() >= 8 * C && b.len() >= 8 * C);
-        // SAFETY: both slices hold 8·C values (checked above); unaligned loads.
+    pub(super) unsafe fn dots<const C: usize, const G: usize, E: KvElem>(
+        q: &[&[f32]; G],
+        b: &[E],
+    ) -> [f32; G] {
+        assert!(b.len() >= 8 * C && q.iter().all(|q| q.len() >= 8 * C));
+        // SAFETY: every slice holds 8·C values (checked above); unaligned loads.
         unsafe {
-            let mut acc = _mm256_setzero_ps();
+            let mut acc = [_mm256_setzero_ps(); G];
             for c in 0..C {
-                let x = _mm256_loadu_ps(a.as_ptr().add(8 * c));
                 let y = E::load8(b.as_ptr().add(8 * c));
-                acc = _mm256_add_ps(acc, _mm256_mul_ps(x, y));
+                for (acc, q) in acc.iter_mut().zip(q) {
+                    *acc = _mm256_fmadd_ps(_mm256_loadu_ps(q.as_ptr().add(8 * c)), y, *acc);
+                }
             }
             // ((a0 + a4) + (a1 + a5)) + ((a2 + a6) + (a3 + a7)), as the portable code adds.
-            let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-            let h = _mm_hadd_ps(s, s);
-            _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)))
+            acc.map(|acc| {
+                let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+                let h = _mm_hadd_ps(s, s);
+                _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)))
+            })
         }
     }
 
-    /// As [`super::weighted_run`] for `o` of `8 · C` values, the sums kept in registers
-    /// across the run's rows. The caller checks AVX2 is available.
+    /// As [`super::weighted_run`] for each of `G` heads' outputs of `8 · C` values (one
+    /// after another in `o`), `B` registers of each head's sums kept across the run's rows
+    /// at a time, each chunk of a row loaded once for the heads. The caller checks AVX2 and
+    /// FMA are available.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    pub(super) unsafe fn weighted_run<const C: usize, E: KvElem>(
-        p: &[f32],
+    pub(super) unsafe fn weighted_run<const C: usize, const B: usize, const G: usize, E: KvElem>(
+        p: &[&[f32]; G],
         run: &KvRun<'_, E>,
         o: &mut [f32],
     ) {
         let hd = 8 * C;
-        assert!(o.len() == hd && p.len() <= run.rows);
-        if let Some(last) = p.len().checked_sub(1) {
+        let n = p[0].len();
+        assert!(C.is_multiple_of(B) && o.len() == G * hd && p.iter().all(|p| p.len() == n));
+        assert!(n <= run.rows);
+        if let Some(last) = n.checked_sub(1) {
             assert!(run.data.len() >= last * run.stride + hd);
         }
-        // SAFETY: every row read lies inside `run.data` and `o` holds `hd` values (checked).
+        // SAFETY: every row read lies inside `run.data`, every weight inside its head's `p`
+        // and `o` holds `G · hd` values (checked).
         unsafe {
-            let mut acc = [_mm256_setzero_ps(); C];
-            for (c, acc) in acc.iter_mut().enumerate() {
-                *acc = _mm256_loadu_ps(o.as_ptr().add(8 * c));
-            }
-            for (r, &pr) in p.iter().enumerate() {
-                let pr = _mm256_set1_ps(pr);
-                let row = run.data.as_ptr().add(r * run.stride);
-                for (c, acc) in acc.iter_mut().enumerate() {
-                    *acc = _mm256_add_ps(*acc, _mm256_mul_ps(pr, E::load8(row.add(8 * c))));
+            for block in (0..C).step_by(B) {
+                let mut acc = [[_mm256_setzero_ps(); B]; G];
+                for (t, acc) in acc.iter_mut().enumerate() {
+                    for (b, acc) in acc.iter_mut().enumerate() {
+                        *acc = _mm256_loadu_ps(o.as_ptr().add(t * hd + 8 * (block + b)));
+                    }
                 }
-            }
-            for (c, acc) in acc.iter().enumerate() {
-                _mm256_storeu_ps(o.as_mut_ptr().add(8 * c), *acc);
+                for r in 0..n {
+                    let w: [__m256; G] =
+                        std::array::from_fn(|t| _mm256_set1_ps(*p[t].get_unchecked(r)));
+                    let row = run.data.as_ptr().add(r * run.stride + 8 * block);
+                    for b in 0..B {
+                        let v = E::load8(row.add(8 * b));
+                        for (acc, w) in acc.iter_mut().zip(&w) {
+                            acc[b] = _mm256_fmadd_ps(*w, v, acc[b]);
+                        }
+                    }
+                }
+                for (t, acc) in acc.iter().enumerate() {
+                    for (b, acc) in acc.iter().enumerate() {
+                        _mm256_storeu_ps(o.as_mut_ptr().add(t * hd + 8 * (block + b)), *acc);
+                    }
+                }
             }
         }
     }
 }
 
 impl<S: KvSource> Call<'_, S> {
+    /// Row `i`'s heads `first .. first + n` (all reading key/value head `g`) with loops `L`
+    /// (the portable ones, or a SIMD form that does the same operations in the same order).
     #[inline(always)]
-    fn item(&self, item: usize, scores: &mut [f32], out: *mut f32) {
-        self.item_with::<Portable>(item, scores, out)
+    fn item<L: Loops>(
+        &self,
+        i: usize,
+        g: usize,
+        first: usize,
+        n: usize,
+        scores: &mut [f32],
+        out: *mut f32,
+    ) {
+        match n {
+            1 => self.group::<L, 1>(i, g, first, scores, out),
+            2 => self.group::<L, 2>(i, g, first, scores, out),
+            3 => self.group::<L, 3>(i, g, first, scores, out),
+            _ => self.group::<L, MAX_GROUP>(i, g, first, scores, out),
+        }
     }
 
-    /// One (row, head) item with loops `L` (the portable ones, or a SIMD form that does
-    /// the same operations in the same order).
+    /// Row `i`'s `G` heads from `first`, each as if alone: its scores in its own span of
+    /// `scores`, its own max, exponentials and sum, its own output.
     #[inline(always)]
-    fn item_with<L: Loops>(&self, item: usize, scores: &mut [f32], out: *mut f32) {
+    fn group<L: Loops, const G: usize>(
+        &self,
+        i: usize,
+        g: usize,
+        first: usize,
+        scores: &mut [f32],
+        out: *mut f32,
+    ) {
         let s = &self.shape;
         let hd = s.head_dim;
-        let (i, h) = (item / s.heads, item % s.heads);
-        let g = h / (s.heads / s.kv_heads);
         let ctx = s.start + i + 1;
-        let qh = &self.q[(i * s.heads + h) * hd..][..hd];
+        let q: [&[f32]; G] =
+            std::array::from_fn(|t| &self.q[(i * s.heads + first + t) * hd..][..hd]);
         let scale = 1.0 / (hd as f32).sqrt();
-        let scores = &mut scores[..ctx];
+        let scores = &mut scores[..G * ctx];
         let mut j = 0;
         self.kv.runs(false, g, ctx, |run| {
             for r in 0..run.rows {
-                scores[j + r] = L::dot(qh, run.row(r, hd)) * run.scale(r) * scale;
+                let d = L::dots(&q, run.row(r, hd));
+                let ks = run.scale(r);
+                for (t, d) in d.into_iter().enumerate() {
+                    scores[t * ctx + j + r] = d * ks * scale;
+                }
             }
             j += run.rows;
         });
-        let sum = L::exp_shifted(scores, L::max(scores));
-        let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
-        // SAFETY: item `(i, h)` owns this span of the output, checked in `attention_over`.
-        let o = unsafe { std::slice::from_raw_parts_mut(out.add((i * s.heads + h) * hd), hd) };
+        let inv: [f32; G] = std::array::from_fn(|t| {
+            let st = &mut scores[t * ctx..][..ctx];
+            let sum = L::exp_shifted(st, L::max(st));
+            if sum > 0.0 {
+                1.0 / sum
+            } else {
+                0.0
+            }
+        });
+        // SAFETY: the item owns these heads' span of row `i`'s output (heads `first ..
+        // first + G` lie side by side), checked in `attention_over`.
+        let o =
+            unsafe { std::slice::from_raw_parts_mut(out.add((i * s.heads + first) * hd), G * hd) };
         o.fill(0.0);
         let mut j = 0;
         self.kv.runs(true, g, ctx, |run| {
-            let p = &mut scores[j..j + run.rows];
-            for (r, p) in p.iter_mut().enumerate() {
-                *p *= run.scale(r);
+            for t in 0..G {
+                let p = &mut scores[t * ctx + j..][..run.rows];
+                for (r, p) in p.iter_mut().enumerate() {
+                    *p *= run.scale(r);
+                }
             }
-            L::weighted_run(p, &run, o);
+            let p: [&[f32]; G] = std::array::from_fn(|t| &scores[t * ctx + j..][..run.rows]);
+            L::weighted_run(&p, &run, o);
             j += run.rows;
         });
-        for o in o.iter_mut() {
-            *o *= inv;
+        for (o, inv) in o.chunks_exact_mut(hd).zip(inv) {
+            for o in o {
+                *o *= inv;
+            }
         }
     }
 }
 
-/// Σ a·b in 8 lanes, then the lanes in a fixed order.
+/// Σ a·b in 8 lanes of fused multiply-adds, then the lanes in a fixed order, then the rest.
 #[inline(always)]
 fn dot<E: KvElem>(a: &[f32], b: &[E]) -> f32 {
     let mut acc = [0f32; 8];
@@ -519,12 +652,12 @@ fn dot<E: KvElem>(a: &[f32], b: &[E]) -> f32 {
     let (ar, br) = (ac.remainder(), bc.remainder());
     for (x, y) in ac.zip(bc) {
         for l in 0..8 {
-            acc[l] += x[l] * y[l].to_f32();
+            acc[l] = x[l].mul_add(y[l].to_f32(), acc[l]);
         }
     }
     let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
     for (x, y) in ar.iter().zip(br) {
-        s += x * y.to_f32();
+        s = x.mul_add(y.to_f32(), s);
     }
     s
 }
@@ -548,13 +681,13 @@ fn exp_shifted(s: &mut [f32], max: f32) -> f32 {
     sum
 }
 
-/// `o += Σ_r p_r · row_r` over the run's rows, in order.
+/// `o += Σ_r p_r · row_r` over the run's rows, in order, one fused multiply-add per value.
 #[inline(always)]
 fn weighted_run<E: KvElem>(p: &[f32], run: &KvRun<'_, E>, o: &mut [f32]) {
     let hd = o.len();
     for (r, &pr) in p.iter().enumerate() {
         for (o, &x) in o.iter_mut().zip(run.row(r, hd)) {
-            *o += pr * x.to_f32();
+            *o = pr.mul_add(x.to_f32(), *o);
         }
     }
 }

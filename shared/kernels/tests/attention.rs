@@ -71,7 +71,7 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(40))]
     #[test]
     fn equals_the_reference(
-        rows in 1usize..9, start in 0usize..40, kv_heads in 1usize..4, rep in 1usize..4,
+        rows in 1usize..9, start in 0usize..40, kv_heads in 1usize..4, rep in 1usize..8,
         head_dim in 1usize..70, extra in 0usize..5, seed in 0u64..1000, threads in 1usize..4,
     ) {
         let s = AttentionShape { rows, start, heads: kv_heads * rep, kv_heads, head_dim };
@@ -107,6 +107,47 @@ fn model_shapes() {
         head_dim: 128,
     };
     check(s, 3, 3, 2);
+}
+
+/// Query heads that share a key/value head are computed together, in groups whose size
+/// follows the pool's threads (one decode row on many threads: groups of one head; on one
+/// thread: groups of four). A head's bits must not depend on its group, so every thread
+/// count gives the same output, for every instruction set and both common widths.
+#[test]
+fn a_heads_bits_do_not_depend_on_its_group() {
+    for (head_dim, kv_heads, rep, rows) in
+        [(64, 1, 7, 1), (128, 2, 5, 1), (64, 3, 3, 2), (40, 1, 6, 1)]
+    {
+        let s = AttentionShape {
+            rows,
+            start: 300,
+            heads: kv_heads * rep,
+            kv_heads,
+            head_dim,
+        };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(head_dim as u64 + rep as u64);
+        let keys = s.start + s.rows;
+        let mut r = |n: usize| {
+            (0..n)
+                .map(|_| rng.gen_range(-2.0f32..2.0))
+                .collect::<Vec<f32>>()
+        };
+        let q = r(s.rows * s.heads * head_dim);
+        let k = r(kv_heads * keys * head_dim);
+        let v = r(kv_heads * keys * head_dim);
+        let mut first: Option<Vec<f32>> = None;
+        for threads in [1, 2, 3, 4, 8] {
+            let pool = Pool::new(threads);
+            for isa in Isa::all_available() {
+                let mut out = vec![f32::NAN; q.len()];
+                attention(&q, &k, &v, s, &mut out, isa, &pool).unwrap();
+                match &first {
+                    None => first = Some(out),
+                    Some(f) => assert_eq!(f, &out, "{s:?} on {threads} threads with {isa:?}"),
+                }
+            }
+        }
+    }
 }
 
 /// 8-bit keys and values in pages of `page` rows, `[page][row][kv_heads · head_dim]` as a
@@ -281,7 +322,7 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(30))]
     #[test]
     fn eight_bit_rows_in_pages_give_the_bits_of_their_integers_as_f32(
-        rows in 1usize..6, start in 0usize..40, kv_heads in 1usize..4, rep in 1usize..4,
+        rows in 1usize..6, start in 0usize..40, kv_heads in 1usize..4, rep in 1usize..8,
         wide in 0usize..3, page in 1usize..20, seed in 0u64..1000, threads in 1usize..4,
     ) {
         // widths with their own SIMD form (64, 128) and one without
