@@ -121,14 +121,12 @@ pub fn attention_over<S: KvSource>(
         SCORES.with_borrow_mut(|scores| {
             scores.resize((MAX_GROUP * (start + rows)).max(scores.len()), 0.0);
             for item in range.map(|j| items - 1 - j) {
-                let (i, g, first, n) = groups.item(item, kv_heads);
+                let item = groups.item(item, kv_heads);
                 match isa {
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: `isa.available()` checked AVX2 and FMA.
-                    isa if isa.x86_simd() => unsafe {
-                        item_avx2(&call, i, g, first, n, scores, dst.0)
-                    },
-                    _ => call.item::<Portable>(i, g, first, n, scores, dst.0),
+                    isa if isa.x86_simd() => unsafe { item_avx2(&call, item, scores, dst.0) },
+                    _ => call.item::<Portable>(item, scores, dst.0),
                 }
             }
         });
@@ -165,16 +163,31 @@ impl HeadGroups {
         }
     }
 
-    /// Item `item`'s query row, key/value head, first query head and number of heads.
-    fn item(&self, item: usize, kv_heads: usize) -> (usize, usize, usize, usize) {
+    /// Work item number `item`.
+    fn item(&self, item: usize, kv_heads: usize) -> Item {
         let (i, rest) = (
             item / (kv_heads * self.per_kv_head),
             item % (kv_heads * self.per_kv_head),
         );
         let (g, part) = (rest / self.per_kv_head, rest % self.per_kv_head);
         let first = part * self.size;
-        (i, g, g * self.rep + first, self.size.min(self.rep - first))
+        Item {
+            row: i,
+            kv_head: g,
+            first: g * self.rep + first,
+            heads: self.size.min(self.rep - first),
+        }
     }
+}
+
+/// One work item: query row `row`'s heads `first .. first + heads`, which all read
+/// key/value head `kv_head`.
+#[derive(Debug, Clone, Copy)]
+struct Item {
+    row: usize,
+    kv_head: usize,
+    first: usize,
+    heads: usize,
 }
 
 /// A value type the cache keeps keys and values in: f32, or 8-bit integers read exactly.
@@ -306,17 +319,14 @@ struct Call<'a, S> {
 #[target_feature(enable = "avx2,fma")]
 unsafe fn item_avx2<S: KvSource>(
     call: &Call<'_, S>,
-    i: usize,
-    g: usize,
-    first: usize,
-    n: usize,
+    item: Item,
     scores: &mut [f32],
     out: *mut f32,
 ) {
     match call.shape.head_dim {
-        64 => call.item::<x86::Avx2<8>>(i, g, first, n, scores, out),
-        128 => call.item::<x86::Avx2<16>>(i, g, first, n, scores, out),
-        _ => call.item::<Portable>(i, g, first, n, scores, out),
+        64 => call.item::<x86::Avx2<8>>(item, scores, out),
+        128 => call.item::<x86::Avx2<16>>(item, scores, out),
+        _ => call.item::<Portable>(item, scores, out),
     }
 }
 
@@ -561,19 +571,17 @@ mod x86 {
 }
 
 impl<S: KvSource> Call<'_, S> {
-    /// Row `i`'s heads `first .. first + n` (all reading key/value head `g`) with loops `L`
-    /// (the portable ones, or a SIMD form that does the same operations in the same order).
+    /// One item with loops `L` (the portable ones, or a SIMD form that does the same
+    /// operations in the same order).
     #[inline(always)]
-    fn item<L: Loops>(
-        &self,
-        i: usize,
-        g: usize,
-        first: usize,
-        n: usize,
-        scores: &mut [f32],
-        out: *mut f32,
-    ) {
-        match n {
+    fn item<L: Loops>(&self, item: Item, scores: &mut [f32], out: *mut f32) {
+        let Item {
+            row: i,
+            kv_head: g,
+            first,
+            heads,
+        } = item;
+        match heads {
             1 => self.group::<L, 1>(i, g, first, scores, out),
             2 => self.group::<L, 2>(i, g, first, scores, out),
             3 => self.group::<L, 3>(i, g, first, scores, out),
