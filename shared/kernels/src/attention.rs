@@ -113,7 +113,7 @@ pub fn attention_over<S: KvSource>(
     let serial = rows * heads * (start + rows) * hd < 16 * 1024;
     let threads = if serial { 1 } else { pool.threads() };
     let groups = HeadGroups::new(rows, heads / kv_heads, kv_heads, threads);
-    let items = rows * kv_heads * groups.per_kv_head;
+    let items = groups.items(rows);
     let dst = Out(out.as_mut_ptr());
     let call = Call { q, kv, shape };
     let work = |range: std::ops::Range<usize>| {
@@ -121,7 +121,7 @@ pub fn attention_over<S: KvSource>(
         SCORES.with_borrow_mut(|scores| {
             scores.resize((MAX_GROUP * (start + rows)).max(scores.len()), 0.0);
             for item in range.map(|j| items - 1 - j) {
-                let item = groups.item(item, kv_heads);
+                let item = groups.item(item);
                 match isa {
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: `isa.available()` checked AVX2 and FMA.
@@ -136,12 +136,14 @@ pub fn attention_over<S: KvSource>(
 }
 
 /// Query heads one item computes together at most.
-pub const MAX_GROUP: usize = 4;
+const MAX_GROUP: usize = 4;
 
-/// How a call's (row, head) pairs form items: the `rep` query heads of each key/value head
-/// split into `per_kv_head` groups of at most `size` heads (the last may be smaller).
+/// How a call's (row, head) pairs form items: the `rep` query heads of each of the
+/// `kv_heads` key/value heads split into `per_kv_head` groups of at most `size` heads (the
+/// last may be smaller).
 #[derive(Debug, Clone, Copy)]
 struct HeadGroups {
+    kv_heads: usize,
     rep: usize,
     size: usize,
     per_kv_head: usize,
@@ -157,18 +159,22 @@ impl HeadGroups {
             size -= 1;
         }
         HeadGroups {
+            kv_heads,
             rep,
             size,
             per_kv_head: rep.div_ceil(size),
         }
     }
 
+    /// Work items for `rows` query rows.
+    fn items(&self, rows: usize) -> usize {
+        rows * self.kv_heads * self.per_kv_head
+    }
+
     /// Work item number `item`.
-    fn item(&self, item: usize, kv_heads: usize) -> Item {
-        let (i, rest) = (
-            item / (kv_heads * self.per_kv_head),
-            item % (kv_heads * self.per_kv_head),
-        );
+    fn item(&self, item: usize) -> Item {
+        let per_row = self.kv_heads * self.per_kv_head;
+        let (i, rest) = (item / per_row, item % per_row);
         let (g, part) = (rest / self.per_kv_head, rest % self.per_kv_head);
         let first = part * self.size;
         Item {
@@ -575,31 +581,24 @@ impl<S: KvSource> Call<'_, S> {
     /// operations in the same order).
     #[inline(always)]
     fn item<L: Loops>(&self, item: Item, scores: &mut [f32], out: *mut f32) {
+        match item.heads {
+            1 => self.group::<L, 1>(item, scores, out),
+            2 => self.group::<L, 2>(item, scores, out),
+            3 => self.group::<L, 3>(item, scores, out),
+            _ => self.group::<L, MAX_GROUP>(item, scores, out),
+        }
+    }
+
+    /// The item's `G` heads (`G` = `item.heads`), each as if alone: its scores in its own
+    /// span of `scores`, its own max, exponentials and sum, its own output.
+    #[inline(always)]
+    fn group<L: Loops, const G: usize>(&self, item: Item, scores: &mut [f32], out: *mut f32) {
         let Item {
             row: i,
             kv_head: g,
             first,
-            heads,
+            ..
         } = item;
-        match heads {
-            1 => self.group::<L, 1>(i, g, first, scores, out),
-            2 => self.group::<L, 2>(i, g, first, scores, out),
-            3 => self.group::<L, 3>(i, g, first, scores, out),
-            _ => self.group::<L, MAX_GROUP>(i, g, first, scores, out),
-        }
-    }
-
-    /// Row `i`'s `G` heads from `first`, each as if alone: its scores in its own span of
-    /// `scores`, its own max, exponentials and sum, its own output.
-    #[inline(always)]
-    fn group<L: Loops, const G: usize>(
-        &self,
-        i: usize,
-        g: usize,
-        first: usize,
-        scores: &mut [f32],
-        out: *mut f32,
-    ) {
         let s = &self.shape;
         let hd = s.head_dim;
         let ctx = s.start + i + 1;
