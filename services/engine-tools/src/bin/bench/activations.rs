@@ -3,13 +3,14 @@
 //! on and fed by other traffic.
 
 use crate::args::{Args, MonitorChoice, SmoothingChoice};
-use crate::formats::{teacher_forced_top1, KlSummary};
+use crate::formats::{teacher_forced_top1, KlSummary, Scored, KL_WINDOW};
 use crate::steps::watch_with;
 use quantmesh_engine::backend::cpu::LlamaModel;
 use quantmesh_engine::backend::{EmbeddingDtype, FloatDtype, Forms, SplitActivations};
 use quantmesh_engine::monitor::GroupMode;
+use quantmesh_engine::precision::mask::PathMask;
 use quantmesh_model::ModelConfig;
-use quantmesh_types::Residency;
+use quantmesh_types::{GroupId, GroupKind, Residency};
 use std::path::{Path, PathBuf};
 
 /// One table row per (split, rotation, held-out text): mean, median and p99 next-token KL
@@ -84,10 +85,8 @@ pub(crate) fn activation_table(
     );
     println!();
     let smoothed = live.smoothing.len();
-    println!("Scale migration: `plan` = the plan's smoothing factors ({smoothed} of its groups carry them), `none` = the same plan without. Monitor `off`: no monitor, every row on the plan's paths. Groups on fallback: after the monitor's window, of the linear groups (float where a copy is resident, 16-bit activations where not under `copyless`). Wide groups: under `copyless`, the groups that carry 16-bit activations on every row because the plan measured their 8-bit activations costing at least the ratio times their 8-bit weights' error (`engine.wide_activations`).");
+    println!("Scale migration: `plan` = the plan's smoothing factors ({smoothed} of its groups carry them), `none` = the same plan without. Monitor `off`: no monitor, every row on the plan's paths. Groups on fallback: after the monitor's window, of the linear groups (float where a copy is resident, 16-bit activations where not under `copyless`). Wide groups: under `copyless`, the groups that carry 16-bit activations on every row because the plan measured their 8-bit activations costing at least the ratio times their 8-bit weights' error (`engine.wide_activations`). Mean KL ÷ `all`'s: against the `all` row of the same rotation, smoothing, monitor and text, over the same tokens, with a paired bootstrap's 95 % interval (1 000 resamplings of the tokens): the mean of a few hundred tokens is carried by a few of them. Rows `… + top-1 < τ`: the row before, scored again with the positions whose served top-1 probability fell below τ carried at 16 bits in every group.");
     println!();
-    println!("| activations | wide groups | rotation block | smoothing | monitor | groups on fallback | held-out text | mean KL | median KL | p99 KL | top-1 agreement % | perplexity | served tok/s (b1, one token per step) |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let mut configs = Vec::new();
     for &split in &args.splits {
         // Wide groups change only `copyless`: the other widths run once, without a ratio.
@@ -105,6 +104,7 @@ pub(crate) fn activation_table(
             }
         }
     }
+    let mut rows: Vec<Row> = Vec::new();
     for (split, rotation, smoothing, monitor, ratio) in configs {
         let wide = ratio.map_or_else(Default::default, |r| {
             quantmesh_engine::plan::wide_groups(plan.groups.iter(), r)
@@ -156,39 +156,222 @@ pub(crate) fn activation_table(
             }
             MonitorChoice::Off => (Default::default(), "-".to_string()),
         };
-        for (path, ids) in &texts {
+        let config = Config {
+            split,
+            rotation,
+            smoothing,
+            monitor,
+        };
+        for (t, (path, ids)) in texts.iter().enumerate() {
             let s = teacher_forced_top1(&model, &reference, cfg, ids, &mask, true)?;
-            let k = KlSummary::of(&s.kls);
-            println!(
-                "| {} | {} | {} | {} | {} | {} | {} | {:.5} | {:.5} | {:.4} | {:.1} | {:.3} | {:.1} |",
+            eprintln!(
+                "[activation table] {} / {} (wide {wide_label}): {}",
                 split.as_str(),
-                wide_label,
-                if rotation == 0 {
-                    "none".to_string()
-                } else {
-                    rotation.to_string()
-                },
-                match smoothing {
-                    SmoothingChoice::None => "none",
-                    SmoothingChoice::Plan => "plan",
-                },
-                match monitor {
-                    MonitorChoice::On => "on",
-                    MonitorChoice::Off => "off",
-                },
-                on_fallback,
-                path.file_name().map_or_else(
-                    || path.display().to_string(),
-                    |n| n.to_string_lossy().into()
-                ),
-                k.mean,
-                k.median,
-                k.p99,
-                100.0 * s.top1_agree as f64 / s.kls.len().max(1) as f64,
-                s.perplexity,
-                s.kls.len() as f64 / s.served_seconds.max(f64::MIN_POSITIVE)
+                rotation,
+                path.display()
             );
+            // The uncertain-token trial: the same text again with the positions named by the
+            // served distribution carried at 16 bits in every group.
+            let mut trials = Vec::new();
+            if split == SplitActivations::Copyless {
+                for &tau in &args.uncertain_top1 {
+                    for shift in [0, 1] {
+                        let (m2, n) = uncertain_rows(&mask, cfg, &s.top1_prob, tau, shift);
+                        let s2 = teacher_forced_top1(&model, &reference, cfg, ids, &m2, true)?;
+                        let when = if shift == 0 { "same" } else { "next" };
+                        trials.push((
+                            format!(
+                                "{} + top-1 < {tau} ({when} token; {n} of {} tokens 16-bit)",
+                                split.as_str(),
+                                s.kls.len()
+                            ),
+                            s2,
+                        ));
+                    }
+                }
+            }
+            rows.push(Row {
+                config,
+                label: split.as_str().to_string(),
+                wide: wide_label.clone(),
+                on_fallback: on_fallback.clone(),
+                text: t,
+                scored: s,
+            });
+            for (label, scored) in trials {
+                rows.push(Row {
+                    config,
+                    label,
+                    wide: wide_label.clone(),
+                    on_fallback: on_fallback.clone(),
+                    text: t,
+                    scored,
+                });
+            }
         }
     }
+    print_rows(&rows, &texts);
     Ok(())
+}
+
+/// What a row served, less its wide groups: the key a row's `all` counterpart is found by.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Config {
+    split: SplitActivations,
+    rotation: u32,
+    smoothing: SmoothingChoice,
+    monitor: MonitorChoice,
+}
+
+/// One scored (configuration, held-out text).
+struct Row {
+    config: Config,
+    label: String,
+    wide: String,
+    on_fallback: String,
+    text: usize,
+    scored: Scored,
+}
+
+/// `mask` with every position whose served top-1 probability fell below `tau` carried at
+/// 16 bits (float where a copy is resident) in every linear group: the position itself
+/// (`shift` 0: as if the token were computed again) or the one after it (`shift` 1: decided
+/// from the step before, no second pass). Positions follow [`crate::formats::walk_windows`]:
+/// window `k / (KL_WINDOW - 1)`, position `k % (KL_WINDOW - 1)` inside it. Returns the mask
+/// and how many positions it names.
+fn uncertain_rows(
+    mask: &PathMask,
+    cfg: &ModelConfig,
+    top1_prob: &[f64],
+    tau: f64,
+    shift: usize,
+) -> (PathMask, usize) {
+    let w = KL_WINDOW - 1;
+    let rows: Vec<(u64, usize)> = top1_prob
+        .iter()
+        .enumerate()
+        .filter(|&(k, &p)| p < tau && k % w + shift < w)
+        .map(|(k, _)| (crate::formats::WINDOW_SEQ + (k / w) as u64, k % w + shift))
+        .collect();
+    let mut m = mask.clone();
+    for l in 0..cfg.num_hidden_layers {
+        for kind in GroupKind::ALL {
+            m.float_tokens
+                .entry(GroupId::new(l, kind))
+                .or_default()
+                .extend(rows.iter().copied());
+        }
+    }
+    (m, rows.len())
+}
+
+/// The ratio of `a`'s mean to `b`'s over the same tokens, and its 95 % interval from a
+/// paired bootstrap (tokens resampled with replacement, 1 000 draws, a fixed seed).
+fn paired_ratio(a: &[f64], b: &[f64]) -> (f64, f64, f64) {
+    use rand::{Rng, SeedableRng};
+    let n = a.len().min(b.len());
+    let ratio = |idx: &mut dyn Iterator<Item = usize>| {
+        let (mut sa, mut sb) = (0.0, 0.0);
+        for i in idx {
+            sa += a[i];
+            sb += b[i];
+        }
+        sa / sb.max(f64::MIN_POSITIVE)
+    };
+    let point = ratio(&mut (0..n));
+    if n == 0 {
+        return (point, point, point);
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0x5eed);
+    let mut draws: Vec<f64> = (0..1000)
+        .map(|_| {
+            let picks: Vec<usize> = (0..n).map(|_| rng.gen_range(0..n)).collect();
+            ratio(&mut picks.into_iter())
+        })
+        .collect();
+    draws.sort_by(f64::total_cmp);
+    (point, draws[25], draws[974])
+}
+
+/// The table: one line per row, with its mean KL's ratio to the `all` row of the same
+/// rotation, smoothing, monitor and text (paired over the text's tokens), where one ran.
+fn print_rows(rows: &[Row], texts: &[(&PathBuf, Vec<u32>)]) {
+    println!("| activations | wide groups | rotation block | smoothing | monitor | groups on fallback | held-out text | mean KL | median KL | p99 KL | top-1 agreement % | perplexity | mean KL ÷ `all`'s (95 % interval) | served tok/s (b1, one token per step) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for r in rows {
+        let c = r.config;
+        let all = rows.iter().find(|o| {
+            o.text == r.text
+                && o.config
+                    == Config {
+                        split: SplitActivations::All,
+                        ..c
+                    }
+                && o.label == SplitActivations::All.as_str()
+        });
+        let ratio = all.map_or_else(
+            || "-".to_string(),
+            |o| {
+                let (p, lo, hi) = paired_ratio(&r.scored.kls, &o.scored.kls);
+                format!("{p:.2} ({lo:.2}–{hi:.2})")
+            },
+        );
+        let s = &r.scored;
+        let k = KlSummary::of(&s.kls);
+        let path = texts[r.text].0;
+        println!(
+            "| {} | {} | {} | {} | {} | {} | {} | {:.5} | {:.5} | {:.4} | {:.1} | {:.3} | {} | {:.1} |",
+            r.label,
+            r.wide,
+            if c.rotation == 0 {
+                "none".to_string()
+            } else {
+                c.rotation.to_string()
+            },
+            match c.smoothing {
+                SmoothingChoice::None => "none",
+                SmoothingChoice::Plan => "plan",
+            },
+            match c.monitor {
+                MonitorChoice::On => "on",
+                MonitorChoice::Off => "off",
+            },
+            r.on_fallback,
+            path.file_name().map_or_else(
+                || path.display().to_string(),
+                |n| n.to_string_lossy().into()
+            ),
+            k.mean,
+            k.median,
+            k.p99,
+            100.0 * s.top1_agree as f64 / s.kls.len().max(1) as f64,
+            s.perplexity,
+            ratio,
+            s.kls.len() as f64 / s.served_seconds.max(f64::MIN_POSITIVE)
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::paired_ratio;
+
+    /// The paired ratio is the ratio of the sums, and its interval holds it; a constant
+    /// ratio has no spread, and the interval follows the draws' spread otherwise.
+    #[test]
+    fn the_paired_ratio_is_the_ratio_of_means_with_its_interval() {
+        let b: Vec<f64> = (1..=200).map(|i| f64::from(i % 17) + 0.5).collect();
+        let a: Vec<f64> = b.iter().map(|x| 2.0 * x).collect();
+        let (p, lo, hi) = paired_ratio(&a, &b);
+        assert!((p - 2.0).abs() < 1e-12 && (lo - 2.0).abs() < 1e-12 && (hi - 2.0).abs() < 1e-12);
+        let noisy: Vec<f64> = b
+            .iter()
+            .enumerate()
+            .map(|(i, x)| x * if i % 3 == 0 { 3.0 } else { 0.5 })
+            .collect();
+        let (p, lo, hi) = paired_ratio(&noisy, &b);
+        let want = noisy.iter().sum::<f64>() / b.iter().sum::<f64>();
+        assert!((p - want).abs() < 1e-12);
+        assert!(lo < p && p < hi, "{lo} < {p} < {hi}");
+        assert!(hi - lo > 0.05, "a mixed ratio has spread: {lo}..{hi}");
+    }
 }

@@ -113,6 +113,12 @@ pub(crate) struct Args {
     /// (the engine counts them under every width).
     #[arg(long)]
     pub(crate) spikes_only_8bit: bool,
+    /// After each `copyless` row of the activation table, score the text again with every
+    /// position whose served top-1 probability fell below each of these bounds carried at 16
+    /// bits in every group (comma-separated): once the position itself (what computing that
+    /// token again would give), once the position after it (decided from the step before).
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) uncertain_top1: Vec<f64>,
     /// Rotation blocks of the activation table (comma-separated; 0 = none).
     #[arg(long, value_delimiter = ',', default_value = "0,32,64,128")]
     pub(crate) rotations: Vec<u32>,

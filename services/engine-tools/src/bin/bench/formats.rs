@@ -225,6 +225,8 @@ pub(crate) fn quant_format_section(
 
 /// Tokens per window of the teacher-forced KL/perplexity runs.
 pub(crate) const KL_WINDOW: usize = 256;
+/// The sequence id of [`walk_windows`]'s first window (the next ones count up from it).
+pub(crate) const WINDOW_SEQ: u64 = 1_000_000;
 
 /// One teacher-forced run: `model` under `mask`, its KV cache in C8 when `kv_int8`.
 pub(crate) type Run<'a> = (&'a LlamaModel, &'a PathMask, bool);
@@ -243,7 +245,7 @@ pub(crate) fn walk_windows(
     let page = 16;
     let mut runners: Vec<StepRunner> = runs.iter().map(|_| StepRunner::default()).collect();
     for (wi, window) in ids.chunks(KL_WINDOW).enumerate() {
-        let id = 1_000_000 + wi as u64;
+        let id = WINDOW_SEQ + wi as u64;
         let mut caches = Vec::with_capacity(runs.len());
         for _ in runs {
             let (kv, mut bm) = cache(cfg, KL_WINDOW.div_ceil(page) + 2, page);
@@ -292,6 +294,8 @@ pub(crate) struct Scored {
     pub(crate) kls: Vec<f64>,
     /// Positions whose most likely next token is the reference's.
     pub(crate) top1_agree: usize,
+    /// The served model's probability of its own most likely next token, per position.
+    pub(crate) top1_prob: Vec<f64>,
     /// Seconds the served model's steps took (batch 1, one token per step).
     pub(crate) served_seconds: f64,
 }
@@ -308,6 +312,7 @@ pub(crate) fn teacher_forced_top1(
 ) -> Result<Scored, Box<dyn std::error::Error>> {
     let all_float = PathMask::all_groups_float(cfg.num_hidden_layers);
     let (mut nll, mut kls, mut agree) = (0f64, Vec::with_capacity(ids.len()), 0);
+    let mut top1_prob = Vec::with_capacity(ids.len());
     let runs = [(model, mask, kv_int8), (reference, &all_float, false)];
     let argmax = |l: &[f32]| {
         l.iter()
@@ -319,6 +324,10 @@ pub(crate) fn teacher_forced_top1(
         nll += quantmesh_model::ops::nll_logits(&logits[0], next);
         kls.push(quantmesh_model::ops::kl_logits(&logits[1], &logits[0]));
         agree += usize::from(argmax(&logits[0]) == argmax(&logits[1]));
+        let l = &logits[0];
+        let m = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let z: f64 = l.iter().map(|&x| f64::from(x - m).exp()).sum();
+        top1_prob.push(1.0 / z);
         Ok(())
     })?;
     let n = kls.len().max(1) as f64;
@@ -326,6 +335,7 @@ pub(crate) fn teacher_forced_top1(
         perplexity: (nll / n).exp(),
         kls,
         top1_agree: agree,
+        top1_prob,
         served_seconds: seconds[0],
     })
 }
