@@ -7,7 +7,8 @@
 #      serving that plan; with the monitor on, it is fed first by traffic texts that are
 #      never scored; then every configuration is scored teacher-forced on held-out texts
 #      against the f32 float model (the checkpoint's exact dequantization, float
-#      activations): mean / median / p99 KL, top-1 agreement, perplexity;
+#      activations): mean / median / p99 KL, top-1 agreement, perplexity, and each row's
+#      mean KL against the `all` row's over the same tokens (a paired bootstrap's 95 % interval);
 #   3. the speed table: the INT8-only model's prefill and decode (`quantmesh-engine-bench`,
 #      no monitor, so `copyless` runs every row with 8-bit activations: its upper bound) in
 #      `all`, in `copyless` and in what `auto` chose on this machine, ROUNDS interleaved
@@ -16,7 +17,8 @@
 #
 #   ./scripts/bench-activations.sh [MODEL_DIR_OR_GGUF]
 #
-# Env: BENCH_BIN (a folder holding built quantmesh and quantmesh-engine-bench: no build), TOKENS per held-out text (512), ROUNDS (3), BENCH_OUT (a temp dir), SPEED_ONLY=1 (step 3
+# Env: BENCH_BIN (a folder holding built quantmesh and quantmesh-engine-bench: no build), TOKENS per held-out text (512; the mean of so few tokens is
+# carried by a few of them: at 2 048 the ratio to `all` had intervals of about ±5–8 % on SmolLM2), ROUNDS (3), BENCH_OUT (a temp dir), SPEED_ONLY=1 (step 3
 # alone); the quality table's axes: SPLITS (off,copyless,all), ROTATIONS (0,128), SMOOTHINGS
 # (none,plan), MONITORS (on,off).
 # Held-out texts: GPL-3, Apache-2.0, MPL-2.0; traffic: LGPL-2.1, Artistic (all under
