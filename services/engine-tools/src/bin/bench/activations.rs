@@ -3,7 +3,7 @@
 //! on and fed by other traffic.
 
 use crate::args::{Args, MonitorChoice, SmoothingChoice};
-use crate::formats::{teacher_forced_top1, KlSummary, Scored, KL_WINDOW};
+use crate::formats::{teacher_forced_top1, KlSummary, Scored};
 use crate::steps::watch_with;
 use quantmesh_engine::backend::cpu::LlamaModel;
 use quantmesh_engine::backend::{EmbeddingDtype, FloatDtype, Forms, SplitActivations};
@@ -176,7 +176,7 @@ pub(crate) fn activation_table(
             if split == SplitActivations::Copyless {
                 for &tau in &args.uncertain_top1 {
                     for shift in [0, 1] {
-                        let (m2, n) = uncertain_rows(&mask, cfg, &s.top1_prob, tau, shift);
+                        let (m2, n) = uncertain_rows(&mask, cfg, &s, tau, shift);
                         let s2 = teacher_forced_top1(&model, &reference, cfg, ids, &m2, true)?;
                         let when = if shift == 0 { "same" } else { "next" };
                         trials.push((
@@ -235,23 +235,20 @@ struct Row {
 
 /// `mask` with every position whose served top-1 probability fell below `tau` carried at
 /// 16 bits (float where a copy is resident) in every linear group: the position itself
-/// (`shift` 0: as if the token were computed again) or the one after it (`shift` 1: decided
-/// from the step before, no second pass). Positions follow [`crate::formats::walk_windows`]:
-/// window `k / (KL_WINDOW - 1)`, position `k % (KL_WINDOW - 1)` inside it. Returns the mask
-/// and how many positions it names.
+/// (`shift` 0: as if the token were computed again) or the one after it in the same window
+/// (`shift` 1: decided from the step before, no second pass). Returns the mask and how many
+/// positions it names.
 fn uncertain_rows(
     mask: &PathMask,
     cfg: &ModelConfig,
-    top1_prob: &[f64],
+    scored: &Scored,
     tau: f64,
     shift: usize,
 ) -> (PathMask, usize) {
-    let w = KL_WINDOW - 1;
-    let rows: Vec<(u64, usize)> = top1_prob
-        .iter()
-        .enumerate()
-        .filter(|&(k, &p)| p < tau && k % w + shift < w)
-        .map(|(k, _)| (crate::formats::WINDOW_SEQ + (k / w) as u64, k % w + shift))
+    let rows = &scored.rows;
+    let named: Vec<(u64, usize)> = (0..rows.len())
+        .filter(|&k| scored.top1_prob[k] < tau)
+        .filter_map(|k| rows.get(k + shift).filter(|r| r.0 == rows[k].0).copied())
         .collect();
     let mut m = mask.clone();
     for l in 0..cfg.num_hidden_layers {
@@ -259,10 +256,10 @@ fn uncertain_rows(
             m.float_tokens
                 .entry(GroupId::new(l, kind))
                 .or_default()
-                .extend(rows.iter().copied());
+                .extend(named.iter().copied());
         }
     }
-    (m, rows.len())
+    (m, named.len())
 }
 
 /// The ratio of `a`'s mean to `b`'s over the same tokens, and its 95 % interval from a

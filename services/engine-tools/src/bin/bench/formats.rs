@@ -225,34 +225,33 @@ pub(crate) fn quant_format_section(
 
 /// Tokens per window of the teacher-forced KL/perplexity runs.
 pub(crate) const KL_WINDOW: usize = 256;
-/// The sequence id of [`walk_windows`]'s first window (the next ones count up from it).
-pub(crate) const WINDOW_SEQ: u64 = 1_000_000;
 
 /// One teacher-forced run: `model` under `mask`, its KV cache in C8 when `kv_int8`.
 pub(crate) type Run<'a> = (&'a LlamaModel, &'a PathMask, bool);
 
 /// `ids` in windows of `KL_WINDOW` tokens, each from an empty cache, one token per step
-/// through every run: `each(next, logits)` gets the token that follows and each run's
-/// next-token logits, for every position of a window that has a next token. Returns the
+/// through every run: `each(row, next, logits)` gets the step's row (the window's sequence
+/// id, the position inside it), the token that follows and each run's next-token logits,
+/// for every position of a window that has a next token. Returns the
 /// seconds each run's steps took (batch-1 decode steps, the mask's routing included).
 pub(crate) fn walk_windows(
     cfg: &ModelConfig,
     ids: &[u32],
     runs: &[Run<'_>],
-    mut each: impl FnMut(u32, &[Vec<f32>]) -> Result<(), Box<dyn std::error::Error>>,
+    mut each: impl FnMut((u64, usize), u32, &[Vec<f32>]) -> Result<(), Box<dyn std::error::Error>>,
 ) -> Result<Vec<f64>, Box<dyn std::error::Error>> {
     let mut seconds = vec![0f64; runs.len()];
     let page = 16;
     let mut runners: Vec<StepRunner> = runs.iter().map(|_| StepRunner::default()).collect();
     for (wi, window) in ids.chunks(KL_WINDOW).enumerate() {
-        let id = WINDOW_SEQ + wi as u64;
+        let id = 1_000_000 + wi as u64;
         let mut caches = Vec::with_capacity(runs.len());
         for _ in runs {
             let (kv, mut bm) = cache(cfg, KL_WINDOW.div_ceil(page) + 2, page);
             bm.admit(id, &[], KL_WINDOW).map_err(|e| e.to_string())?;
             caches.push((kv, bm));
         }
-        for pair in window.windows(2) {
+        for (position, pair) in window.windows(2).enumerate() {
             let mut logits = Vec::with_capacity(runs.len());
             for ((((model, mask, kv_int8), runner), (kv, bm)), secs) in runs
                 .iter()
@@ -266,7 +265,7 @@ pub(crate) fn walk_windows(
                 *secs += t.elapsed().as_secs_f64();
                 logits.push(out.remove(0).1);
             }
-            each(pair[1], &logits)?;
+            each((id, position), pair[1], &logits)?;
         }
     }
     Ok(seconds)
@@ -296,6 +295,8 @@ pub(crate) struct Scored {
     pub(crate) top1_agree: usize,
     /// The served model's probability of its own most likely next token, per position.
     pub(crate) top1_prob: Vec<f64>,
+    /// The (sequence, position) row each position was computed in, as a mask names rows.
+    pub(crate) rows: Vec<(u64, usize)>,
     /// Seconds the served model's steps took (batch 1, one token per step).
     pub(crate) served_seconds: f64,
 }
@@ -312,7 +313,7 @@ pub(crate) fn teacher_forced_top1(
 ) -> Result<Scored, Box<dyn std::error::Error>> {
     let all_float = PathMask::all_groups_float(cfg.num_hidden_layers);
     let (mut nll, mut kls, mut agree) = (0f64, Vec::with_capacity(ids.len()), 0);
-    let mut top1_prob = Vec::with_capacity(ids.len());
+    let (mut top1_prob, mut rows) = (Vec::with_capacity(ids.len()), Vec::with_capacity(ids.len()));
     let runs = [(model, mask, kv_int8), (reference, &all_float, false)];
     let argmax = |l: &[f32]| {
         l.iter()
@@ -320,14 +321,15 @@ pub(crate) fn teacher_forced_top1(
             .max_by(|a, b| a.1.total_cmp(b.1))
             .map(|(i, _)| i)
     };
-    let seconds = walk_windows(cfg, ids, &runs, |next, logits| {
+    let seconds = walk_windows(cfg, ids, &runs, |row, next, logits| {
         nll += quantmesh_model::ops::nll_logits(&logits[0], next);
         kls.push(quantmesh_model::ops::kl_logits(&logits[1], &logits[0]));
-        agree += usize::from(argmax(&logits[0]) == argmax(&logits[1]));
-        let l = &logits[0];
-        let m = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let z: f64 = l.iter().map(|&x| f64::from(x - m).exp()).sum();
-        top1_prob.push(1.0 / z);
+        let served_top = argmax(&logits[0]);
+        agree += usize::from(served_top == argmax(&logits[1]));
+        top1_prob.push(served_top.map_or(0.0, |t| {
+            (-quantmesh_model::ops::nll_logits(&logits[0], t as u32)).exp()
+        }));
+        rows.push(row);
         Ok(())
     })?;
     let n = kls.len().max(1) as f64;
@@ -336,6 +338,7 @@ pub(crate) fn teacher_forced_top1(
         kls,
         top1_agree: agree,
         top1_prob,
+        rows,
         served_seconds: seconds[0],
     })
 }

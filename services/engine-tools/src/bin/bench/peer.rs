@@ -129,18 +129,23 @@ pub(crate) fn score(
     let mut scores: Vec<Scored> = peers.iter().map(|_| (0.0, Vec::new())).collect();
     let all_float = PathMask::all_groups_float(cfg.num_hidden_layers);
     let mut position = 0;
-    walk_windows(cfg, ids, &[(reference, &all_float, false)], |next, want| {
-        for ((nll, kls), bytes) in scores.iter_mut().zip(&logits) {
-            let got: Vec<f32> = bytes[position * row_bytes..(position + 1) * row_bytes]
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect();
-            *nll += quantmesh_model::ops::nll_logits(&got, next);
-            kls.push(quantmesh_model::ops::kl_logits(&want[0], &got));
-        }
-        position += 1;
-        Ok(())
-    })?;
+    walk_windows(
+        cfg,
+        ids,
+        &[(reference, &all_float, false)],
+        |_, next, want| {
+            for ((nll, kls), bytes) in scores.iter_mut().zip(&logits) {
+                let got: Vec<f32> = bytes[position * row_bytes..(position + 1) * row_bytes]
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect();
+                *nll += quantmesh_model::ops::nll_logits(&got, next);
+                kls.push(quantmesh_model::ops::kl_logits(&want[0], &got));
+            }
+            position += 1;
+            Ok(())
+        },
+    )?;
     Ok(scores
         .into_iter()
         .map(|(nll, kls)| ((nll / kls.len().max(1) as f64).exp(), kls))
