@@ -52,6 +52,15 @@ pub struct Options {
     pub hook_thresholds: bool,
 }
 
+/// Calibration tokens per prompt, at most (`quantmesh prescreen --max-tokens-per-prompt`'s
+/// default and the first-load plan's).
+pub const DEFAULT_TOKENS_PER_PROMPT: usize = 64;
+
+/// Calibration tokens the output KL is computed on, at most (`quantmesh prescreen
+/// --kl-tokens`'s default and the first-load plan's): the first-load plan and `quantmesh
+/// prescreen` with its defaults choose the same groups, float copies and scale migration.
+pub const DEFAULT_KL_TOKENS: usize = 2048;
+
 /// Under a weight budget, the most the float copies (and 16-bit vocabulary tables) may take,
 /// as a share of the model's linear weights in 8 bits: what the chosen bits leave of the
 /// budget, up to this share (the first-load plan's float budget), written into the plan as
@@ -61,10 +70,11 @@ pub const FLOAT_RESERVE_PERCENT: f64 = 10.0;
 /// What the pre-screen chooses, versioned: raised when a release changes its choices for the
 /// same model and rules (2: scale migration; 3: none from fewer than `smoothing_min_tokens`
 /// calibration tokens; 4: the served W8A8 harm, `act8_nsr`, measured for every group, which
-/// the float budget ranks by where the engine serves 8-bit activations). The first-load
-/// plan's cache is keyed by it, so
-/// an upgrade pre-screens once more rather than serving an earlier revision's plan.
-pub const PLAN_REVISION: u32 = 4;
+/// the float budget ranks by where the engine serves 8-bit activations; 5: the first-load
+/// plan calibrates on the whole bundled set, enough tokens for scale migration). The
+/// first-load plan's cache is keyed by it, so an upgrade pre-screens once more rather than
+/// serving an earlier revision's plan.
+pub const PLAN_REVISION: u32 = 5;
 
 /// What the weight budget chose.
 #[derive(Debug, Clone, PartialEq)]

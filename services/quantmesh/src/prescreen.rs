@@ -54,11 +54,11 @@ pub struct PrescreenArgs {
     #[arg(long, default_value_t = 0)]
     max_prompts: usize,
     /// Truncate each calibration prompt to this many tokens.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = quantmesh_prescreen::DEFAULT_TOKENS_PER_PROMPT)]
     max_tokens_per_prompt: usize,
     /// Compute the output KL on at most this many calibration tokens (evenly spaced);
     /// activation statistics and the float forward use all of them.
-    #[arg(long, default_value_t = 2048)]
+    #[arg(long, default_value_t = quantmesh_prescreen::DEFAULT_KL_TOKENS)]
     kl_tokens: usize,
     /// RFC 3339 timestamp to record instead of now (for reproducible output).
     #[arg(long)]

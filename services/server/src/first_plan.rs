@@ -4,6 +4,8 @@
 //! files, and serves with it; the next start with the same files finds it and starts at
 //! once. Different bytes (a new download, a re-quantized file) get a new plan, and so does a
 //! release whose pre-screen chooses differently (`quantmesh_prescreen::PLAN_REVISION`).
+//! Replicas that mount one model volume and start together pre-screen once: the first takes
+//! a lock beside the plan, the others wait on it and reuse what it wrote.
 
 use anyhow::Context;
 use quantmesh_model::files::cache_dir;
@@ -130,8 +132,71 @@ impl quantmesh_prescreen::scan::Progress for LogProgress {
     }
 }
 
+/// The cached plan at `path`, if it is there and parses.
+fn cached(path: &Path, md5: &str) -> Option<FirstPlan> {
+    if !path.is_file() {
+        return None;
+    }
+    let read = std::fs::read(path)
+        .map_err(|e| e.to_string())
+        .and_then(|b| quantmesh_types::SensitiveLayers::parse(&b).map_err(|e| e.to_string()));
+    match read {
+        Ok(_) => {
+            tracing::info!(plan = %path.display(), model_md5 = %md5, "first-load plan: reusing the cached plan");
+            Some(FirstPlan {
+                path: path.to_path_buf(),
+                model_md5: md5.to_string(),
+                computed: false,
+            })
+        }
+        Err(e) => {
+            tracing::warn!(plan = %path.display(), error = %e, "first-load plan: the cached plan is unreadable; computing it again");
+            None
+        }
+    }
+}
+
+/// An exclusive lock on `<plan>.lock`, held while this process pre-screens so that another
+/// process starting on the same model directory waits for its plan instead of computing
+/// the same one beside it. `None` where the lock file cannot be made (a read-only model
+/// directory): then nothing is shared to protect.
+fn lock_plan(path: &Path) -> Option<std::fs::File> {
+    let lock_path = path.with_extension("lock");
+    let file = std::fs::create_dir_all(path.parent()?)
+        .and_then(|()| {
+            std::fs::OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(&lock_path)
+        })
+        .map_err(|e| tracing::debug!(lock = %lock_path.display(), error = %e, "first-load plan: no lock file"))
+        .ok()?;
+    match file.try_lock() {
+        Ok(()) => Some(file),
+        Err(std::fs::TryLockError::WouldBlock) => {
+            tracing::info!(
+                lock = %lock_path.display(),
+                "first-load plan: another process is pre-screening this model; waiting for its plan"
+            );
+            match file.lock() {
+                Ok(()) => Some(file),
+                Err(e) => {
+                    tracing::warn!(lock = %lock_path.display(), error = %e, "first-load plan: waiting for the lock failed; pre-screening here");
+                    None
+                }
+            }
+        }
+        Err(std::fs::TryLockError::Error(e)) => {
+            tracing::debug!(lock = %lock_path.display(), error = %e, "first-load plan: the lock is not supported here");
+            None
+        }
+    }
+}
+
 /// The cached plan for `model`, computing it first when there is none for these bytes.
-/// `prompts`: calibration prompts the pre-screen uses (0 = the whole bundled set);
+/// `prompts`: calibration prompts the pre-screen uses (0 = the whole bundled set, the
+/// default; another count is a plan of its own, cached apart);
 /// `weight_budget`: fit each group's bits to it (a plan per budget, cached apart);
 /// `rotation_block`: the engine's (`engine.rotation_block`), under which the pre-screen
 /// measures the served W8A8 error its scale migration is chosen by (a plan per block other
@@ -154,25 +219,21 @@ pub fn ensure(
         "sensitive_layers.{md5}.r{}{rotation}",
         quantmesh_prescreen::PLAN_REVISION
     );
+    let stem = match prompts {
+        0 => stem,
+        n => format!("{stem}.prompts-{n}"),
+    };
     let path = match weight_budget {
         None => dir.join(format!("{stem}.json")),
         Some(b) => dir.join(format!("{stem}.budget-{b}.json")),
     };
-    if path.is_file() {
-        let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
-        match quantmesh_types::SensitiveLayers::parse(&bytes) {
-            Ok(_) => {
-                tracing::info!(plan = %path.display(), model_md5 = %md5, "first-load plan: reusing the cached plan");
-                return Ok(FirstPlan {
-                    path,
-                    model_md5: md5,
-                    computed: false,
-                });
-            }
-            Err(e) => {
-                tracing::warn!(plan = %path.display(), error = %e, "first-load plan: the cached plan is unreadable; computing it again")
-            }
-        }
+    if let Some(plan) = cached(&path, &md5) {
+        return Ok(plan);
+    }
+    // Held until this function returns: the plan is written (renamed into place) first.
+    let _lock = lock_plan(&path);
+    if let Some(plan) = cached(&path, &md5) {
+        return Ok(plan);
     }
     let mcfg = quantmesh_model::ModelConfig::load(model)?;
     tracing::info!(
@@ -193,8 +254,8 @@ pub fn ensure(
             ..Default::default()
         },
         max_prompts: prompts,
-        max_tokens_per_prompt: 64,
-        kl_tokens: 1024,
+        max_tokens_per_prompt: quantmesh_prescreen::DEFAULT_TOKENS_PER_PROMPT,
+        kl_tokens: quantmesh_prescreen::DEFAULT_KL_TOKENS,
         timestamp: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
         weight_budget,
         // The server's `engine.monitor` settings stay in force: this plan chooses precisions,
@@ -295,6 +356,10 @@ mod tests {
             "not the remembered md5"
         );
         assert_ne!(other.path, first.path);
+        // Another prompt count is another plan, cached apart: the setting is not ignored.
+        let fewer = ensure(dir.path(), 4, None, quantmesh_types::DEFAULT_ROTATION_BLOCK).unwrap();
+        assert!(fewer.computed);
+        assert_ne!(fewer.path, other.path);
         // A damaged cache file is recomputed, not trusted.
         std::fs::write(&other.path, b"{").unwrap();
         assert!(
@@ -302,5 +367,30 @@ mod tests {
                 .unwrap()
                 .computed
         );
+    }
+
+    /// Replicas starting together on one model directory pre-screen once: one computes the
+    /// plan under the lock, the other waits for it and reuses it.
+    #[test]
+    fn concurrent_first_loads_pre_screen_once() {
+        let dir = tempfile::tempdir().unwrap();
+        init_model(dir.path(), &InitOptions::default()).unwrap();
+        let model = dir.path().to_path_buf();
+        let starts: Vec<_> = (0..2)
+            .map(|_| {
+                let model = model.clone();
+                std::thread::spawn(move || {
+                    ensure(&model, 8, None, quantmesh_types::DEFAULT_ROTATION_BLOCK).unwrap()
+                })
+            })
+            .collect();
+        let plans: Vec<FirstPlan> = starts.into_iter().map(|t| t.join().unwrap()).collect();
+        assert_eq!(
+            plans.iter().filter(|p| p.computed).count(),
+            1,
+            "one start computes, the other reuses: {plans:?}"
+        );
+        assert_eq!(plans[0].path, plans[1].path);
+        assert!(plans[0].path.with_extension("lock").is_file());
     }
 }

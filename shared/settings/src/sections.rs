@@ -164,7 +164,9 @@ pub struct ModelSettings {
     /// (`.quantmesh/sensitive_layers.<md5>.r<revision>.json`); `none` serves
     /// `engine.default_residency` everywhere. `--residency` implies `none`.
     pub plan: PlanMode,
-    /// Calibration prompts the first-load pre-screen uses (0 = all 304 bundled prompts).
+    /// Calibration prompts the first-load pre-screen uses (0 = all 304 bundled prompts, about
+    /// 4 700 tokens: enough for scale migration, which needs `smoothing_min_tokens`; fewer
+    /// prompts start sooner the first time and carry no scale-migration factors).
     pub plan_prompts: usize,
     /// The float budget with the first-load plan, unless `engine.float_budget` is set.
     pub plan_float_budget: quantmesh_types::FloatBudget,
@@ -233,7 +235,7 @@ impl Default for ModelSettings {
             name: String::new(),
             fetch_if_missing: true,
             plan: PlanMode::Auto,
-            plan_prompts: 64,
+            plan_prompts: 0,
             plan_float_budget: quantmesh_types::FloatBudget::Percent(10.0),
         }
     }
