@@ -156,42 +156,29 @@ fn cached(path: &Path, md5: &str) -> Option<FirstPlan> {
     }
 }
 
-/// An exclusive lock on `<plan>.lock`, held while this process pre-screens so that another
-/// process starting on the same model directory waits for its plan instead of computing
-/// the same one beside it. `None` where the lock file cannot be made (a read-only model
-/// directory): then nothing is shared to protect.
+/// Where [`lock_plan`] locks for the plan at `path`: `.<plan file name>.lock` beside it
+/// (hidden, like the temporary file a plan is written through, so a listing of the plans
+/// shows only plans).
+fn lock_path(path: &Path) -> Option<PathBuf> {
+    let name = path.file_name()?.to_string_lossy();
+    Some(path.with_file_name(format!(".{name}.lock")))
+}
+
+/// An exclusive lock beside the plan at `path` ([`lock_path`]), held while this process
+/// pre-screens so that another process starting on the same model directory waits for its
+/// plan instead of computing the same one beside it. `None` where there is no lock (a
+/// read-only model directory, a file system without locks): then this process pre-screens
+/// on its own.
 fn lock_plan(path: &Path) -> Option<std::fs::File> {
-    let lock_path = path.with_extension("lock");
-    let file = std::fs::create_dir_all(path.parent()?)
-        .and_then(|()| {
-            std::fs::OpenOptions::new()
-                .create(true)
-                .truncate(false)
-                .write(true)
-                .open(&lock_path)
-        })
-        .map_err(|e| tracing::debug!(lock = %lock_path.display(), error = %e, "first-load plan: no lock file"))
-        .ok()?;
-    match file.try_lock() {
-        Ok(()) => Some(file),
-        Err(std::fs::TryLockError::WouldBlock) => {
-            tracing::info!(
-                lock = %lock_path.display(),
-                "first-load plan: another process is pre-screening this model; waiting for its plan"
-            );
-            match file.lock() {
-                Ok(()) => Some(file),
-                Err(e) => {
-                    tracing::warn!(lock = %lock_path.display(), error = %e, "first-load plan: waiting for the lock failed; pre-screening here");
-                    None
-                }
-            }
-        }
-        Err(std::fs::TryLockError::Error(e)) => {
-            tracing::debug!(lock = %lock_path.display(), error = %e, "first-load plan: the lock is not supported here");
-            None
-        }
-    }
+    let lock_path = lock_path(path)?;
+    quantmesh_model::files::lock_cache_file(&lock_path, || {
+        tracing::info!(
+            lock = %lock_path.display(),
+            "first-load plan: another process is pre-screening this model; waiting for its plan"
+        )
+    })
+    .map_err(|e| tracing::debug!(lock = %lock_path.display(), error = %e, "first-load plan: no lock; pre-screening unshared"))
+    .ok()
 }
 
 /// The cached plan for `model`, computing it first when there is none for these bytes.
@@ -391,6 +378,6 @@ mod tests {
             "one start computes, the other reuses: {plans:?}"
         );
         assert_eq!(plans[0].path, plans[1].path);
-        assert!(plans[0].path.with_extension("lock").is_file());
+        assert!(lock_path(&plans[0].path).unwrap().is_file());
     }
 }

@@ -75,3 +75,29 @@ pub fn cache_dir(model: &Path) -> PathBuf {
     };
     dir.join(".quantmesh")
 }
+
+/// An exclusive lock on the file at `path` in a [`cache_dir`] (made, with its folder, when
+/// missing; one another user made is opened read-only, which locks as well), held until the
+/// returned file is dropped: replicas that start together over one model volume do what is
+/// kept there one at a time, and the later ones find the first one's result. `on_wait` runs
+/// once when another process holds it, before this one blocks. An error: no lock here (a
+/// read-only volume, a file system without locks); the caller goes on unshared.
+pub fn lock_cache_file(path: &Path, on_wait: impl FnOnce()) -> std::io::Result<std::fs::File> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .or_else(|_| std::fs::File::open(path))?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => {
+            on_wait();
+            file.lock().map(|()| file)
+        }
+        Err(std::fs::TryLockError::Error(e)) => Err(e),
+    }
+}

@@ -166,18 +166,10 @@ struct RememberedRatio {
 /// volume) costs only the measurement at every start.
 fn remembered(dir: &Path, out: usize, input: usize) -> Result<(f64, RatioSource)> {
     let key = machine_key(out, input);
-    let lock_path = dir.join("activation_width.lock");
-    // Created by whoever comes first; a lock file another user made is locked read-only.
-    let lock = std::fs::create_dir_all(dir)
-        .and_then(|()| {
-            std::fs::OpenOptions::new()
-                .create(true)
-                .truncate(false)
-                .write(true)
-                .open(&lock_path)
-                .or_else(|_| std::fs::File::open(&lock_path))
-        })
-        .and_then(|f| f.lock().map(|()| f));
+    let lock = quantmesh_model::files::lock_cache_file(
+        &dir.join("activation_width.lock"),
+        || tracing::debug!(dir = %dir.display(), "the activation width: another process is measuring it; waiting"),
+    );
     let lock = match lock {
         Ok(f) => f,
         Err(e) => {
