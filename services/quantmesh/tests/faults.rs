@@ -88,7 +88,10 @@ async fn the_stack_loses_nothing_under_faults() {
         "gateway",
         "prometheus",
     ];
-    stack.wait_healthy(&services, Duration::from_secs(300));
+    // An engine's first start pre-screens the model on the whole calibration set (about 65 s
+    // alone on 2 cores, one engine for both: they share the model volume's lock), beside the
+    // rest of the suite: the image's own start period (600 s) bounds it.
+    stack.wait_healthy(&services, Duration::from_secs(600));
     let client = reqwest::Client::new();
     for service in ["engine-1", "engine-2"] {
         wait_gateway_sees(&client, &stack, &Engine::of(&stack, service), 1.0).await;
