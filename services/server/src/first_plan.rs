@@ -380,4 +380,33 @@ mod tests {
         assert_eq!(plans[0].path, plans[1].path);
         assert!(lock_path(&plans[0].path).unwrap().is_file());
     }
+
+    /// The default first-load plan calibrates on enough tokens for scale migration, so it
+    /// carries factors where the pre-screen keeps them; a plan from a few prompts carries none.
+    #[test]
+    fn the_default_first_load_plan_carries_scale_migration() {
+        let dir = tempfile::tempdir().unwrap();
+        init_model(dir.path(), &InitOptions::default()).unwrap();
+        let smoothed = |prompts: usize| {
+            let plan = ensure(
+                dir.path(),
+                prompts,
+                None,
+                quantmesh_types::DEFAULT_ROTATION_BLOCK,
+            )
+            .unwrap();
+            let bytes = std::fs::read(&plan.path).unwrap();
+            let plan = quantmesh_types::SensitiveLayers::parse(&bytes).unwrap();
+            plan.groups
+                .values()
+                .filter(|g| g.smoothing.is_some())
+                .count()
+        };
+        let default = quantmesh_settings::ModelSettings::default().plan_prompts;
+        assert!(
+            smoothed(default) > 0,
+            "the default plan ({default} prompts) has factors"
+        );
+        assert_eq!(smoothed(8), 0, "8 prompts are too few tokens for factors");
+    }
 }
