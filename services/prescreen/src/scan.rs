@@ -203,6 +203,36 @@ fn project_block(
     Ok(y)
 }
 
+/// A scoped thread's result; its panic goes on in the caller, as if it had run there.
+fn joined<T>(h: std::thread::ScopedJoinHandle<'_, T>) -> T {
+    h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))
+}
+
+/// One block of a member's weights pseudo-quantized in `format`, and its projections: on the
+/// KL rows, and on every row when `every_row` and the format is one of [`BITS_FORMATS`].
+/// Returns (the pseudo-quantized weights, the KL rows' outputs, every row's outputs).
+#[allow(clippy::too_many_arguments)]
+fn pseudo_quant_block(
+    format: Format,
+    w: &[f32],
+    cols: usize,
+    absmax: f32,
+    blk: (usize, usize),
+    x_kl: &Tensor,
+    x: &Tensor,
+    bias: Option<&Tensor>,
+    every_row: bool,
+) -> Result<(Vec<f32>, Tensor, Option<Tensor>), PrescreenError> {
+    let mut q = w.to_vec();
+    fake_quant(&mut q, cols, format, absmax);
+    let kl_rows = project_block(x_kl, &q, blk, bias)?;
+    let all = match every_row && BITS_FORMATS.contains(&format) {
+        true => Some(project_block(x, &q, blk, bias)?),
+        false => None,
+    };
+    Ok((q, kl_rows, all))
+}
+
 fn kept_values(t: &Tensor, keep: &Tensor) -> Result<Vec<f32>, PrescreenError> {
     Ok(t.index_select(keep, 0)?.flatten_all()?.to_vec1::<f32>()?)
 }
@@ -308,30 +338,63 @@ fn score_group(
     for (m, b) in ms.iter().zip(&biases) {
         let mut parts: Vec<Vec<Tensor>> = vec![Vec::new(); Format::ALL.len()];
         let mut all_rows: [Vec<Tensor>; 2] = [Vec::new(), Vec::new()];
+        let all_rows_too = probe.quant_all_rows.is_some();
         for blk in blocks(m.shape[0]) {
             let w = rows(ck, m, blk.0, blk.1)?;
-            quant.count(&w);
-            if let Ok(q8) = PackedQ8::quantize_in(&w, blk.1, m.shape[1], Q8Layout::RowTiles) {
-                eight_bit_error.add(&w, &q8.dequantize());
-            }
-            for (f, part) in Format::ALL.iter().zip(parts.iter_mut()) {
-                let mut q = w.clone();
-                fake_quant(&mut q, m.shape[1], *f, absmax);
+            // Each format's pseudo-quantized block and its projections on a thread of its
+            // own (independent work: the same bits as one after another), while this thread
+            // counts the quantiles and the 8-bit error.
+            let projected: Vec<_> = std::thread::scope(|sc| {
+                let each: Vec<_> = Format::ALL
+                    .iter()
+                    .map(|f| {
+                        let (w, x_kl, bias) = (&w, &x_kl, b.as_ref());
+                        sc.spawn(move || {
+                            pseudo_quant_block(
+                                *f,
+                                w,
+                                m.shape[1],
+                                absmax,
+                                blk,
+                                x_kl,
+                                x,
+                                bias,
+                                all_rows_too,
+                            )
+                        })
+                    })
+                    .collect();
+                quant.count(&w);
+                if let Ok(q8) = PackedQ8::quantize_in(&w, blk.1, m.shape[1], Q8Layout::RowTiles) {
+                    eight_bit_error.add(&w, &q8.dequantize());
+                }
+                each.into_iter().map(joined).collect()
+            });
+            for ((f, part), got) in Format::ALL.iter().zip(parts.iter_mut()).zip(projected) {
+                let (q, kl_rows, every_row) = got?;
                 if *f == Format::W4a16 {
                     four_bit_error.add(&w, &q);
                 }
-                part.push(project_block(&x_kl, &q, blk, b.as_ref())?);
-                if let (Some(k), true) = (
-                    BITS_FORMATS.iter().position(|b| b == f),
-                    probe.quant_all_rows.is_some(),
-                ) {
-                    all_rows[k].push(project_block(x, &q, blk, b.as_ref())?);
+                part.push(kl_rows);
+                if let (Some(k), Some(y)) = (BITS_FORMATS.iter().position(|b| b == f), every_row) {
+                    all_rows[k].push(y);
                 }
             }
         }
-        for (part, h) in parts.iter().zip(q_hists.iter_mut()) {
-            h.add(&Tensor::cat(part, 1)?.flatten_all()?.to_vec1::<f32>()?);
-        }
+        // One histogram per format, each on a thread of its own.
+        std::thread::scope(|sc| {
+            let each: Vec<_> = parts
+                .iter()
+                .zip(q_hists.iter_mut())
+                .map(|(part, h)| {
+                    sc.spawn(move || -> Result<(), PrescreenError> {
+                        h.add(&Tensor::cat(part, 1)?.flatten_all()?.to_vec1::<f32>()?);
+                        Ok(())
+                    })
+                })
+                .collect();
+            each.into_iter().map(joined).collect::<Result<Vec<()>, _>>()
+        })?;
         for (to, (_, part)) in probe.quant.iter_mut().zip(
             Format::ALL
                 .iter()
@@ -370,21 +433,28 @@ fn score_group(
     let (class, rule) = rules.classify(&scores);
 
     let xs = kept_values(x, &batch.keep)?;
-    let act = activation_stats(&xs, in_dim, rules.massive_rule());
     let (four_bit_error, eight_bit_error) = (four_bit_error.finish(), eight_bit_error.finish());
+    // Four reads of the same rows, independent of each other: the activation statistics and
+    // the column maxima here, each row's harm in 4 and in 8 bits on threads of their own.
+    let (act, act_max, four_bit_harm, eight_bit_harm) = std::thread::scope(|sc| {
+        let xs = &xs;
+        let four = sc.spawn(|| row_harm(&four_bit_error, xs));
+        let eight = sc.spawn(|| row_harm(&eight_bit_error, xs));
+        let act = activation_stats(xs, in_dim, rules.massive_rule());
+        let mut act_max = ColumnMax::new(in_dim);
+        act_max.add(xs);
+        (act, act_max, joined(four), joined(eight))
+    });
+    drop(xs);
     // Each row's harm in 4 bits once: its mean and the bound come from the same values.
-    let four_bit_harm = row_harm(&four_bit_error, &xs);
     let four_bit_mean = mean(&four_bit_harm);
     let max_nsr_w4a16 = harm_bound(four_bit_harm, rules.hook.trigger_rate);
     let nsr = four_bit_mean
-        .zip(mean(&row_harm(&eight_bit_error, &xs)))
+        .zip(mean(&eight_bit_harm))
         .map(|(four, eight)| HarmByBits {
             w8a8: round12(eight),
             w4a16: round12(four),
         });
-    let mut act_max = ColumnMax::new(in_dim);
-    act_max.add(&xs);
-    drop(xs);
     // Pass 4: the served W8A8 error (what 8-bit activations cost this group, the budget's
     // rank where the engine serves them), and with scale migration on and enough tokens for
     // factors, the error with each strength's candidate factors.
