@@ -112,7 +112,7 @@ async fn the_test_stack_serves_the_real_model_and_relays_events_in_containers() 
         "prometheus",
         "evolution",
     ];
-    // An engine's first start pre-screens the model on the whole calibration set (about 65 s
+    // An engine's first start pre-screens the model on the whole calibration set (about a minute
     // alone on 2 cores, one engine for both: they share the model volume's lock), beside the
     // rest of the suite: the image's own start period (600 s) bounds it.
     stack.wait_healthy(&services, Duration::from_secs(600));

@@ -88,7 +88,7 @@ async fn the_stack_loses_nothing_under_faults() {
         "gateway",
         "prometheus",
     ];
-    // An engine's first start pre-screens the model on the whole calibration set (about 65 s
+    // An engine's first start pre-screens the model on the whole calibration set (about a minute
     // alone on 2 cores, one engine for both: they share the model volume's lock), beside the
     // rest of the suite: the image's own start period (600 s) bounds it.
     stack.wait_healthy(&services, Duration::from_secs(600));

@@ -86,8 +86,8 @@ fn serve_with_no_arguments_fetches_the_real_model_and_answers_paris() {
         .stdout(Stdio::null())
         .spawn()
         .unwrap();
-    // The first start fetches the model and pre-screens it on the whole calibration set (about
-    // 65 s on 2 idle cores; more beside the rest of the suite).
+    // The first start fetches the model and pre-screens it on the whole calibration set (about a
+    // minute on 2 idle cores; more beside the rest of the suite).
     let (addr, log, rx) = support::wait_ready_in_log(&mut child, Duration::from_secs(420));
     let gguf = dir
         .path()
