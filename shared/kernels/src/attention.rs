@@ -246,6 +246,36 @@ pub struct KvRun<'a, E> {
 }
 
 impl<E> KvRun<'_, E> {
+    /// Ask the caches for the run's first `width` values of every row and their scales
+    /// (`prefetcht0`, one per cache line), so a source whose runs lie apart (a paged
+    /// cache's pages) can have the next runs on their way while the kernel reads this
+    /// one. A hint only: it reads nothing into the program; nothing on other targets.
+    #[inline]
+    pub fn prefetch(&self, width: usize) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            let bytes = width * std::mem::size_of::<E>();
+            for r in 0..self.rows {
+                let row = self
+                    .data
+                    .as_ptr()
+                    .wrapping_add(r * self.stride)
+                    .cast::<i8>();
+                for line in (0..bytes).step_by(64) {
+                    // SAFETY: a prefetch is a hint that cannot fault, whatever the address;
+                    // SSE is part of x86-64.
+                    unsafe { _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(line)) };
+                }
+                let scale = self.scales.as_ptr().wrapping_add(r * self.scale_stride);
+                // SAFETY: as above.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(scale.cast::<i8>()) };
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = width;
+    }
+
     #[inline(always)]
     fn row(&self, r: usize, hd: usize) -> &[E] {
         &self.data[r * self.stride..][..hd]
@@ -342,6 +372,26 @@ trait Loops {
     /// `[Σ q_t·b]` for each head `t`: per head 8 lanes of fused multiply-adds, then the
     /// lanes in a fixed order, then the rest in order.
     fn dots<const G: usize, E: KvElem>(q: &[&[f32]; G], b: &[E]) -> [f32; G];
+    /// The run's scores for each head `t`: `scores[t · ctx + r] = dots(q, row r)[t] ·
+    /// scale_r · scale` (in that order) for every row `r` of the run. A SIMD form may
+    /// compute several rows at once, each row's sums in the order of [`Loops::dots`].
+    #[inline(always)]
+    fn scores_run<const G: usize, E: KvElem>(
+        q: &[&[f32]; G],
+        run: &KvRun<'_, E>,
+        scale: f32,
+        scores: &mut [f32],
+        ctx: usize,
+    ) {
+        let hd = q[0].len();
+        for r in 0..run.rows {
+            let d = Self::dots(q, run.row(r, hd));
+            let ks = run.scale(r);
+            for (t, d) in d.into_iter().enumerate() {
+                scores[t * ctx + r] = d * ks * scale;
+            }
+        }
+    }
     /// The largest of `s`, NaN ignored.
     fn max(s: &[f32]) -> f32;
     /// `s ← exp(s − max)` in place; returns Σ s (8 lanes, then the lanes in a fixed order).
@@ -394,6 +444,23 @@ mod x86 {
         fn dots<const G: usize, E: KvElem>(q: &[&[f32]; G], b: &[E]) -> [f32; G] {
             // SAFETY: built only behind the AVX2 check (see the type).
             unsafe { dots::<C, G, E>(q, b) }
+        }
+        #[inline(always)]
+        fn scores_run<const G: usize, E: KvElem>(
+            q: &[&[f32]; G],
+            run: &KvRun<'_, E>,
+            scale: f32,
+            scores: &mut [f32],
+            ctx: usize,
+        ) {
+            // SAFETY: as above. Four rows at a time for one or two heads, two for more, so
+            // the sums fit the 16 AVX2 registers beside a row's chunk and the queries'.
+            unsafe {
+                match G {
+                    1 | 2 => scores_run::<C, 4, G, E>(q, run, scale, scores, ctx),
+                    _ => scores_run::<C, 2, G, E>(q, run, scale, scores, ctx),
+                }
+            }
         }
         #[inline(always)]
         fn max(s: &[f32]) -> f32 {
@@ -527,6 +594,91 @@ mod x86 {
         }
     }
 
+    /// The four sums of `s`'s halves (`a0 + a4, a1 + a5, a2 + a6, a3 + a7`): the first
+    /// step of [`dots`]' reduction.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn halves(a: __m256) -> __m128 {
+        _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1))
+    }
+
+    /// [`super::Loops::scores_run`] with `R` rows (2 or 4) at a time: every row's `C`
+    /// fused multiply-adds per head into a register of its own, in the order of [`dots`]
+    /// (so the sums are latency-free of each other), then the rows' lanes reduced together
+    /// by horizontal adds that add them in [`dots`]' order, `((a0 + a4) + (a1 + a5)) +
+    /// ((a2 + a6) + (a3 + a7))` per row, and scaled four at a time. The rows past the last
+    /// whole group go through [`dots`]. The caller checks AVX2 and FMA are available.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn scores_run<const C: usize, const R: usize, const G: usize, E: KvElem>(
+        q: &[&[f32]; G],
+        run: &KvRun<'_, E>,
+        scale: f32,
+        scores: &mut [f32],
+        ctx: usize,
+    ) {
+        let hd = 8 * C;
+        let n = run.rows;
+        assert!(R == 2 || R == 4);
+        assert!(q.iter().all(|q| q.len() >= hd));
+        if let Some(last) = n.checked_sub(1) {
+            assert!(run.data.len() >= last * run.stride + hd);
+            assert!(run.scales.len() > last * run.scale_stride);
+            assert!(scores.len() >= (G - 1) * ctx + n);
+        }
+        let whole = n - n % R;
+        // SAFETY: every row read lies inside `run.data`, every scale inside `run.scales`
+        // and every score written inside `scores` (checked above).
+        unsafe {
+            let mut r = 0;
+            while r < whole {
+                let mut acc = [[_mm256_setzero_ps(); R]; G];
+                for c in 0..C {
+                    for k in 0..R {
+                        let y = E::load8(run.data.as_ptr().add((r + k) * run.stride + 8 * c));
+                        for (acc, q) in acc.iter_mut().zip(q) {
+                            acc[k] =
+                                _mm256_fmadd_ps(_mm256_loadu_ps(q.as_ptr().add(8 * c)), y, acc[k]);
+                        }
+                    }
+                }
+                let sc = |k: usize| {
+                    *run.scales
+                        .get_unchecked((r + k.min(R - 1)) * run.scale_stride)
+                };
+                let ks = _mm_setr_ps(sc(0), sc(1), sc(2), sc(3));
+                let scale = _mm_set1_ps(scale);
+                for (t, acc) in acc.iter().enumerate() {
+                    // hadd(hadd(s0, s1), hadd(s2, s3)) holds ((s_k0 + s_k1) + (s_k2 + s_k3))
+                    // for row k in lane k; with two rows hadd(hadd(s0, s1), ·) does.
+                    let h = _mm_hadd_ps(halves(acc[0]), halves(acc[1 % R]));
+                    let d = if R == 4 {
+                        _mm_hadd_ps(h, _mm_hadd_ps(halves(acc[2 % R]), halves(acc[3 % R])))
+                    } else {
+                        _mm_hadd_ps(h, h)
+                    };
+                    let v = _mm_mul_ps(_mm_mul_ps(d, ks), scale);
+                    let dst = scores.as_mut_ptr().add(t * ctx + r);
+                    if R == 4 {
+                        _mm_storeu_ps(dst, v);
+                    } else {
+                        let mut two = [0f32; 4];
+                        _mm_storeu_ps(two.as_mut_ptr(), v);
+                        std::ptr::copy_nonoverlapping(two.as_ptr(), dst, 2);
+                    }
+                }
+                r += R;
+            }
+            for r in whole..n {
+                let d = dots::<C, G, E>(q, run.row(r, hd));
+                let ks = run.scale(r);
+                for (t, d) in d.into_iter().enumerate() {
+                    *scores.get_unchecked_mut(t * ctx + r) = d * ks * scale;
+                }
+            }
+        }
+    }
+
     /// As [`super::weighted_run`] for each of `G` heads' outputs of `8 · C` values (one
     /// after another in `o`), `B` registers of each head's sums kept across the run's rows
     /// at a time, each chunk of a row loaded once for the heads. The caller checks AVX2 and
@@ -608,13 +760,7 @@ impl<S: KvSource> Call<'_, S> {
         let scores = &mut scores[..G * ctx];
         let mut j = 0;
         self.kv.runs(false, g, ctx, |run| {
-            for r in 0..run.rows {
-                let d = L::dots(&q, run.row(r, hd));
-                let ks = run.scale(r);
-                for (t, d) in d.into_iter().enumerate() {
-                    scores[t * ctx + j + r] = d * ks * scale;
-                }
-            }
+            L::scores_run(&q, &run, scale, &mut scores[j..], ctx);
             j += run.rows;
         });
         let inv: [f32; G] = std::array::from_fn(|t| {

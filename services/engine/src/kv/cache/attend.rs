@@ -57,26 +57,43 @@ impl quantmesh_kernels::KvSource for C8Pages<'_> {
         n: usize,
         mut f: F,
     ) {
-        let (at, scale_at) = (g * self.head_dim, g * self.head_dim / self.scale_width);
-        let mut left = n;
-        for q in &self.pages {
-            if left == 0 {
-                break;
+        let pages = n.div_ceil(self.page_size).min(self.pages.len());
+        for p in 1..=PREFETCH_PAGES.min(pages.saturating_sub(1)) {
+            self.run(p, values, g, n).prefetch(self.head_dim);
+        }
+        for p in 0..pages {
+            if p + PREFETCH_PAGES < pages {
+                self.run(p + PREFETCH_PAGES, values, g, n)
+                    .prefetch(self.head_dim);
             }
-            let rows = left.min(self.page_size);
-            let (data, scales) = if values {
-                (&q.v, &q.v_scale)
-            } else {
-                (&q.k, &q.k_scale)
-            };
-            f(quantmesh_kernels::KvRun {
-                rows,
-                data: &data[at..],
-                stride: self.kv_dim,
-                scales: &scales[scale_at..],
-                scale_stride: self.scales,
-            });
-            left -= rows;
+            f(self.run(p, values, g, n));
+        }
+    }
+}
+
+/// Pages ahead of the one attention reads whose rows [`C8Pages`] asks the caches for: each
+/// page is an allocation of its own, so the hardware prefetcher, which follows a stream
+/// within a memory page, starts every cache page cold (in a long batch-1 decode the reads
+/// of K/V rows from memory were most of attention's time).
+const PREFETCH_PAGES: usize = 2;
+
+impl C8Pages<'_> {
+    /// Page `p`'s rows of KV head `g` among the first `n` positions, keys or values.
+    #[inline(always)]
+    fn run(&self, p: usize, values: bool, g: usize, n: usize) -> quantmesh_kernels::KvRun<'_, i8> {
+        let (at, scale_at) = (g * self.head_dim, g * self.head_dim / self.scale_width);
+        let q = self.pages[p];
+        let (data, scales) = if values {
+            (&q.v, &q.v_scale)
+        } else {
+            (&q.k, &q.k_scale)
+        };
+        quantmesh_kernels::KvRun {
+            rows: (n - p * self.page_size).min(self.page_size),
+            data: &data[at..],
+            stride: self.kv_dim,
+            scales: &scales[scale_at..],
+            scale_stride: self.scales,
         }
     }
 }
