@@ -29,7 +29,9 @@
 # kernel bench's STREAM-like read before every round, the highest reading) with batch-1
 # decode as a share of the bound it sets
 # (bandwidth ÷ the weight bytes a token reads: the file's tensors for llama-server,
-# quantmesh's resident 8- and 4-bit tables and other weights, float copies left out).
+# quantmesh's resident 8- and 4-bit tables and other weights, float copies left out), and
+# beside it the decode's share of the bound read just before that server's measurements in
+# the same round (median over the rounds).
 #
 # llama-server is built once from the llama.cpp that the llama-cpp-python 0.3.36 source
 # package (PyPI) vendors, with scripts/llama-cpp-cmake-args.sh's flags, into $LLAMA_DIR.
@@ -185,6 +187,13 @@ bandwidth() {
   QUANTMESH_THREADS="$THREADS" "$BIN/examples/kernel-bench" --bandwidth-only \
     | awk '/read bandwidth/ {print "bandwidth", $3}' >>"$OUT/about.txt"
 }
+# The read bandwidth again just before each server's measurements, paired with its batch-1
+# decode: on a VM whose memory bandwidth moves between readings minutes apart, the decode's
+# share of the bound read beside it says how close it came to what the memory delivered then.
+bandwidth_at() { # who, tag
+  QUANTMESH_THREADS="$THREADS" "$BIN/examples/kernel-bench" --bandwidth-only \
+    | awk -v who="$1" -v tag="$2" '/read bandwidth/ {print "bandwidth_at", who, tag, $3}' >>"$OUT/about.txt"
+}
 echo "llama_build $("$LLAMA_SERVER" --version 2>&1 | grep -m1 -i 'version' | tr ' ' '_')" >>"$OUT/about.txt"
 for tag in $FILES; do echo "llama_bytes $tag $(tensor_bytes "${FILE[$tag]}")" >>"$OUT/about.txt"; done
 
@@ -201,6 +210,7 @@ for round in $(seq 1 "$ROUNDS"); do
           >"$OUT/serve-$tag-$round.log" 2>&1 &
         pid=$!
         wait_ready "http://127.0.0.1:$port/ready" 600 || { tail -20 "$OUT/serve-$tag-$round.log"; exit 1; }
+        bandwidth_at quantmesh "$tag"
         measure quantmesh "$tag" "http://127.0.0.1:$port" >>"$OUT/results.txt"
         # The weight bytes a decode step reads (float copies are read only in fallback).
         curl -fs "http://127.0.0.1:$port/metrics" | awk -v tag="$tag" \
@@ -215,6 +225,7 @@ for round in $(seq 1 "$ROUNDS"); do
           --host 127.0.0.1 --port "$port" >"$OUT/$who-$tag-$round.log" 2>&1 &
         pid=$!
         wait_ready "http://127.0.0.1:$port/health" 180 || { tail -20 "$OUT/$who-$tag-$round.log"; exit 1; }
+        bandwidth_at "$who" "$tag"
         measure "$who" "$tag" "http://127.0.0.1:$port" >>"$OUT/results.txt"
       fi
       kill -TERM "$pid"; wait "$pid" 2>/dev/null || true

@@ -1,6 +1,8 @@
 """The table of scripts/bench-llamacpp.sh, from the lines its run wrote: medians per server and
 row, the better llama-server KV configuration as the peer, failed and short requests counted
-and marked, and batch-1 decode as a share of the bound the measured read bandwidth sets.
+and marked, and batch-1 decode as a share of the bound the measured read bandwidth sets: the
+highest reading of the run, and the reading taken just before that server's measurements in
+each round (median of the rounds' shares).
 
     python3 scripts/bench_table.py OUT THREADS ROUNDS "FILES" "LLAMA_FLAGS"
 """
@@ -99,15 +101,32 @@ def main(out, threads, rounds, files, flags):
         print("\n⚠ = some request in that row failed or came back short (last column): its figures count fewer tokens.")
     qbytes = {r[0]: float(r[1]) for r in about["quantmesh_bytes"] if len(r) > 1}
     lbytes = {r[0]: float(r[1]) for r in about["llama_bytes"] if len(r) > 1}
+    # Readings taken just before each server's measurements, in round order, paired with
+    # that server's batch-1 decode of the same round.
+    paired = collections.defaultdict(list)
+    for r in about["bandwidth_at"]:
+        if len(r) > 2:
+            paired[r[0], r[1]].append(float(r[2]))
+
+    def paired_share(who, tag, nbytes):
+        # median over rounds of decode ÷ (the reading beside it ÷ bytes)
+        shares = [d * nbytes / (b * 1e9) for d, b in zip(v[who, tag, "decode_b1"], paired[who, tag])
+                  if d == d and b > 0]
+        return (statistics.median(shares) if shares else NAN), len(shares)
+
     print("\n| file | weight bytes per token: quantmesh / llama-server | decode bound (bandwidth ÷ bytes), tok/s | "
-          "quantmesh decode, share of its bound | llama-server decode (better KV), share of its bound |")
-    print("|---|---|---|---|---|")
+          "quantmesh decode, share of its bound | llama-server decode (better KV), share of its bound | "
+          "quantmesh decode, share of the bound read just before it | llama-server (better KV), the same |")
+    print("|---|---|---|---|---|---|---|")
     for tag in files:
         q = med("quantmesh", tag, "decode_b1")
         l = better(med("llama-f16", tag, "decode_b1"), med("llama-q8kv", tag, "decode_b1"))
         qb_bytes, lb_bytes = qbytes.get(tag, NAN), lbytes.get(tag, NAN)
         qb, lb = bw * 1e9 / qb_bytes, bw * 1e9 / lb_bytes
-        print(f"| {tag} | {qb_bytes / 1e6:.0f} MB / {lb_bytes / 1e6:.0f} MB | {qb:.0f} / {lb:.0f} | {q / qb:.0%} | {l / lb:.0%} |")
+        qp, n = paired_share("quantmesh", tag, qb_bytes)
+        lp = better(paired_share("llama-f16", tag, lb_bytes)[0], paired_share("llama-q8kv", tag, lb_bytes)[0])
+        print(f"| {tag} | {qb_bytes / 1e6:.0f} MB / {lb_bytes / 1e6:.0f} MB | {qb:.0f} / {lb:.0f} | {q / qb:.0%} | {l / lb:.0%} "
+              f"| {qp:.0%} (median of {n}) | {lp:.0%} |")
     for tag in files:
         b1, s32 = med("quantmesh", tag, "decode_b1"), med("quantmesh", tag, "streams_32")
         print(f"\nquantmesh, {tag}: 32 streams ÷ its own batch-1 decode = {s32 / b1:.1f}×", end="")

@@ -11,6 +11,12 @@
 //! `--bandwidth-only` prints the read bandwidth alone (one line, `read bandwidth X GB/s`):
 //! the bound a batch-1 decode that reads every weight once per token cannot pass.
 //!
+//! `--decode-stream 30` times one batch-1 decode token's products alone: every shape but the
+//! last once per layer (the last once, as a model's vocabulary table), each matrix its own
+//! allocation, one row each, back to back as a decode step runs them, against one product
+//! over a single matrix of the same bytes and the read bandwidth, per instruction set. The
+//! gap between the two products is what the boundaries between a token's products cost.
+//!
 //! `--attention 256,1024` times instead one decode row's attention (SmolLM2's 9 heads over
 //! 3 key/value heads of 64) over that many cached positions, keys and values in f32 or as
 //! 8-bit integers with a scale per row (the INT8 KV cache's form), per instruction set, on
@@ -52,6 +58,7 @@ fn main() {
     let mut rows_list = vec![1usize, 8, 32, 128];
     let mut bandwidth_only = false;
     let mut attention_ctx: Vec<usize> = Vec::new();
+    let mut stream_layers = 0usize;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         if a == "--bandwidth-only" {
@@ -71,15 +78,19 @@ fn main() {
             }
             "--rows" => rows_list = v.split(',').filter_map(|s| s.parse().ok()).collect(),
             "--attention" => attention_ctx = v.split(',').filter_map(|s| s.parse().ok()).collect(),
+            "--decode-stream" => stream_layers = v.parse().unwrap_or(0),
             _ => {
                 eprintln!(
-                    "kernel-bench [--shape OUTxIN,...] [--rows 1,8,32] [--bandwidth-only] [--attention CTX,...]"
+                    "kernel-bench [--shape OUTxIN,...] [--rows 1,8,32] [--bandwidth-only] [--attention CTX,...] [--decode-stream LAYERS]"
                 );
                 std::process::exit(2);
             }
         }
     }
     let pool = Pool::global();
+    if stream_layers > 0 {
+        return decode_stream(&shapes, stream_layers, pool);
+    }
     if !attention_ctx.is_empty() {
         return attention_table(&attention_ctx, pool);
     }
@@ -88,23 +99,7 @@ fn main() {
         pool.threads(),
         Isa::detect().as_str()
     );
-    // bandwidth: sum a 256 MiB buffer on the pool's threads
-    let big = vec![1u8; 256 << 20];
-    let t = Instant::now();
-    let reps = 4;
-    for _ in 0..reps {
-        let parts: Vec<std::sync::atomic::AtomicU64> =
-            (0..pool.threads()).map(|_| 0.into()).collect();
-        pool.run(&|i, n| {
-            let chunk = big.len() / n;
-            let s: u64 = big[i * chunk..(i + 1) * chunk]
-                .chunks_exact(8)
-                .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
-                .fold(0u64, |a, b| a.wrapping_add(b));
-            parts[i].store(s, std::sync::atomic::Ordering::Relaxed);
-        });
-    }
-    let bw = (big.len() * reps) as f64 / t.elapsed().as_secs_f64() / 1e9;
+    let bw = read_bandwidth(pool);
     println!("read bandwidth {bw:.1} GB/s\n");
     if bandwidth_only {
         return;
@@ -255,4 +250,112 @@ fn attention_table(ctxs: &[usize], pool: &Pool) {
             }
         }
     }
+}
+
+/// One decode token's Q8_0 products at batch 1 over distinct matrices (`layers` times every
+/// shape but the last, then the last once), back to back, against one product over a single
+/// matrix of the same bytes, per instruction set (16-bit activations, the `all` width).
+fn decode_stream(shapes: &[(usize, usize)], layers: usize, pool: &Pool) {
+    let Some((&last, per_layer)) = shapes.split_last() else {
+        return;
+    };
+    let mut list: Vec<(usize, usize)> = (0..layers)
+        .flat_map(|_| per_layer.iter().copied())
+        .collect();
+    list.push(last);
+    let width = list.iter().map(|s| s.1).max().unwrap_or(0);
+    let total_rows: usize = list.iter().map(|s| s.0 * s.1).sum::<usize>() / width;
+    let values = |o: usize, i: usize, seed: usize| -> Vec<f32> {
+        (0..o * i)
+            .map(|k| (((k + seed) * 7919) % 1000) as f32 / 1000.0 - 0.5)
+            .collect()
+    };
+    let x: Vec<f32> = (0..width)
+        .map(|k| ((k * 31) % 97) as f32 / 97.0 - 0.5)
+        .collect();
+    println!(
+        "threads {}, best ISA {}; {} products ({layers} layers of {:?}, then {:?}) against one {total_rows}x{width}\n",
+        pool.threads(),
+        Isa::detect().as_str(),
+        list.len(),
+        per_layer,
+        last
+    );
+    println!("| kernel | products | MB | µs per token | GB/s | one product of the same bytes, µs | GB/s | time vs one | read bandwidth just before, GB/s |\n|---|---|---|---|---|---|---|---|---|");
+    for isa in Isa::all_available()
+        .into_iter()
+        .filter(|&i| i != Isa::Scalar)
+    {
+        let layout = Q8Layout::for_isa(isa);
+        let mats: Vec<PackedQ8> = list
+            .iter()
+            .enumerate()
+            .map(|(n, &(o, i))| {
+                PackedQ8::quantize_in(&values(o, i, n), o, i, layout)
+                    .unwrap_or_else(|e| panic!("{e}"))
+            })
+            .collect();
+        let bytes: usize = mats.iter().map(|m| m.bytes()).sum();
+        let one = PackedQ8::quantize_in(&values(total_rows, width, 0), total_rows, width, layout)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let mut acts: Vec<(usize, Activations)> = Vec::new();
+        for &(_, i) in &list {
+            if !acts.iter().any(|(w, _)| *w == i) {
+                let mut a = Activations::new();
+                a.quantize_with(&x[..i], 1, i, ActBits::Sixteen, isa)
+                    .unwrap_or_else(|e| panic!("{e}"));
+                acts.push((i, a));
+            }
+        }
+        let act = |i: usize| {
+            &acts
+                .iter()
+                .find(|(w, _)| *w == i)
+                .unwrap_or_else(|| panic!("width {i}"))
+                .1
+        };
+        let mut out = vec![0f32; list.iter().map(|s| s.0).max().unwrap_or(0).max(total_rows)];
+        let bw = read_bandwidth(pool);
+        let stream = seconds_per_call(|| {
+            for (m, &(o, i)) in mats.iter().zip(&list) {
+                m.matmul(act(i), &mut out[..o], isa, pool)
+                    .unwrap_or_else(|e| panic!("{e}"));
+            }
+        });
+        let single = seconds_per_call(|| {
+            one.matmul(act(width), &mut out[..total_rows], isa, pool)
+                .unwrap_or_else(|e| panic!("{e}"));
+        });
+        println!(
+            "| q8 {} | {} | {:.1} | {:.0} | {:.1} | {:.0} | {:.1} | {:.2} | {bw:.1} |",
+            isa.as_str(),
+            list.len(),
+            bytes as f64 / 1e6,
+            stream * 1e6,
+            bytes as f64 / stream / 1e9,
+            single * 1e6,
+            one.bytes() as f64 / single / 1e9,
+            stream / single
+        );
+    }
+}
+
+/// A STREAM-like read: the pool's threads sum a 256 MiB buffer four times; GB/s.
+fn read_bandwidth(pool: &Pool) -> f64 {
+    let big = vec![1u8; 256 << 20];
+    let t = Instant::now();
+    let reps = 4;
+    for _ in 0..reps {
+        let parts: Vec<std::sync::atomic::AtomicU64> =
+            (0..pool.threads()).map(|_| 0.into()).collect();
+        pool.run(&|i, n| {
+            let chunk = big.len() / n;
+            let s: u64 = big[i * chunk..(i + 1) * chunk]
+                .chunks_exact(8)
+                .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+                .fold(0u64, |a, b| a.wrapping_add(b));
+            parts[i].store(s, std::sync::atomic::Ordering::Relaxed);
+        });
+    }
+    (big.len() * reps) as f64 / t.elapsed().as_secs_f64() / 1e9
 }
