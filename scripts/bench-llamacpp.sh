@@ -180,19 +180,16 @@ measure() { # who, tag, url -> lines "who tag metric value failed short"
 # llama-server's two KV configurations (the better per row is the peer).
 declare -A LLAMA_KV=([llama-f16]="" [llama-q8kv]="-fa on -ctk q8_0 -ctv q8_0")
 
-# The read bandwidth, measured before every round: the bound uses the highest reading (a
-# reading taken while something else held the memory bus understates what the machine can do).
-bandwidth() {
+# The read bandwidth, measured before every round (no arguments: the bound uses the highest
+# reading, since a reading taken while something else held the memory bus understates what
+# the machine can do) and again just before each server's measurements (`bandwidth WHO TAG`,
+# paired with that server's batch-1 decode: on a VM whose memory bandwidth moves between
+# readings minutes apart, the decode's share of the bound read beside it says how close it
+# came to what the memory delivered then).
+bandwidth() { # [who tag]
   log "measuring the read bandwidth (kernel-bench --bandwidth-only, $THREADS threads)"
   QUANTMESH_THREADS="$THREADS" "$BIN/examples/kernel-bench" --bandwidth-only \
-    | awk '/read bandwidth/ {print "bandwidth", $3}' >>"$OUT/about.txt"
-}
-# The read bandwidth again just before each server's measurements, paired with its batch-1
-# decode: on a VM whose memory bandwidth moves between readings minutes apart, the decode's
-# share of the bound read beside it says how close it came to what the memory delivered then.
-bandwidth_at() { # who, tag
-  QUANTMESH_THREADS="$THREADS" "$BIN/examples/kernel-bench" --bandwidth-only \
-    | awk -v who="$1" -v tag="$2" '/read bandwidth/ {print "bandwidth_at", who, tag, $3}' >>"$OUT/about.txt"
+    | awk -v at="${1:+bandwidth_at $1 $2}" '/read bandwidth/ {print (at == "" ? "bandwidth" : at), $3}' >>"$OUT/about.txt"
 }
 echo "llama_build $("$LLAMA_SERVER" --version 2>&1 | grep -m1 -i 'version' | tr ' ' '_')" >>"$OUT/about.txt"
 for tag in $FILES; do echo "llama_bytes $tag $(tensor_bytes "${FILE[$tag]}")" >>"$OUT/about.txt"; done
@@ -210,7 +207,7 @@ for round in $(seq 1 "$ROUNDS"); do
           >"$OUT/serve-$tag-$round.log" 2>&1 &
         pid=$!
         wait_ready "http://127.0.0.1:$port/ready" 600 || { tail -20 "$OUT/serve-$tag-$round.log"; exit 1; }
-        bandwidth_at quantmesh "$tag"
+        bandwidth quantmesh "$tag"
         measure quantmesh "$tag" "http://127.0.0.1:$port" >>"$OUT/results.txt"
         # The weight bytes a decode step reads (float copies are read only in fallback).
         curl -fs "http://127.0.0.1:$port/metrics" | awk -v tag="$tag" \
@@ -225,7 +222,7 @@ for round in $(seq 1 "$ROUNDS"); do
           --host 127.0.0.1 --port "$port" >"$OUT/$who-$tag-$round.log" 2>&1 &
         pid=$!
         wait_ready "http://127.0.0.1:$port/health" 180 || { tail -20 "$OUT/$who-$tag-$round.log"; exit 1; }
-        bandwidth_at "$who" "$tag"
+        bandwidth "$who" "$tag"
         measure "$who" "$tag" "http://127.0.0.1:$port" >>"$OUT/results.txt"
       fi
       kill -TERM "$pid"; wait "$pid" 2>/dev/null || true
