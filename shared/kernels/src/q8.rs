@@ -172,6 +172,10 @@ impl PackedQ8 {
     }
 }
 
+/// Values from which [`Activations::quantize_with`] splits its rows over the pool's threads
+/// (below it, waking the workers costs more than the blocks).
+const PARALLEL_QUANTIZE_VALUES: usize = 8 * 1024;
+
 impl Activations {
     /// Quantize `x` (`rows × cols`, row-major) to `bits`, per block of 32: scale
     /// `amax / max` (`max` = 127 or 32767), values `round(x / scale)` (ties to even), with
@@ -207,23 +211,40 @@ impl Activations {
         self.q.resize(rows * cols, 0);
         self.d.resize(rows * self.blocks, 0.0);
         let max = bits.max();
-        let blocks = x
-            .chunks_exact(BLOCK)
-            .zip(self.q.chunks_exact_mut(BLOCK))
-            .zip(self.d.iter_mut());
-        match isa {
-            #[cfg(target_arch = "x86_64")]
-            isa if isa.x86_simd() && isa.available() => {
-                for ((x, q), d) in blocks {
-                    // SAFETY: AVX2, FMA and F16C are available; blocks are 32 long.
-                    *d = unsafe { crate::x86::quantize_act_block(x, q, max) };
+        let quantize_blocks = |x: &[f32], q: &mut [i16], d: &mut [f32]| {
+            let blocks = x
+                .chunks_exact(BLOCK)
+                .zip(q.chunks_exact_mut(BLOCK))
+                .zip(d.iter_mut());
+            match isa {
+                #[cfg(target_arch = "x86_64")]
+                isa if isa.x86_simd() && isa.available() => {
+                    for ((x, q), d) in blocks {
+                        // SAFETY: AVX2, FMA and F16C are available; blocks are 32 long.
+                        *d = unsafe { crate::x86::quantize_act_block(x, q, max) };
+                    }
+                }
+                _ => {
+                    for ((x, q), d) in blocks {
+                        *d = quantize_act_block(x, q, max);
+                    }
                 }
             }
-            _ => {
-                for ((x, q), d) in blocks {
-                    *d = quantize_act_block(x, q, max);
-                }
-            }
+        };
+        // A batch's rows are quantized on the pool, a share of whole rows per thread (each
+        // block on its own, so the values do not depend on the split); a few rows are not
+        // worth waking the workers for.
+        let pool = crate::Pool::global();
+        if rows * cols >= PARALLEL_QUANTIZE_VALUES && pool.threads() > 1 && rows > 1 {
+            let per = rows.div_ceil(pool.threads());
+            let mut shares: Vec<_> = x
+                .chunks(per * cols)
+                .zip(self.q.chunks_mut(per * cols))
+                .zip(self.d.chunks_mut(per * self.blocks))
+                .collect();
+            pool.for_each_mut(&mut shares, |((x, q), d)| quantize_blocks(x, q, d));
+        } else {
+            quantize_blocks(x, &mut self.q, &mut self.d);
         }
         self.sums.take();
         self.lazy_bytes.take();

@@ -307,6 +307,30 @@ fn activation_quantization_is_the_same_everywhere() {
     }
 }
 
+/// A batch large enough to be quantized on the pool's threads (several rows per thread, an
+/// odd count) gives each row the values it gets quantized alone, on every instruction set.
+#[test]
+fn a_batch_quantized_on_the_pool_equals_its_rows_alone() {
+    let (rows, cols) = (37, 576);
+    let x = rand_vec(rows * cols, 5, 4.0);
+    for bits in [ActBits::Eight, ActBits::Sixteen] {
+        for isa in Isa::all_available() {
+            let mut batch = Activations::new();
+            batch.quantize_with(&x, rows, cols, bits, isa).unwrap();
+            let got = batch.dequantize();
+            for (r, row) in x.chunks_exact(cols).enumerate() {
+                let mut one = Activations::new();
+                one.quantize_with(row, 1, cols, bits, isa).unwrap();
+                assert_eq!(
+                    &got[r * cols..(r + 1) * cols],
+                    &one.dequantize()[..],
+                    "{isa:?} {bits:?} row {r}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn bad_shapes_are_errors() {
     let w = PackedQ8::quantize(&[0.5; 64], 2, 32).unwrap();

@@ -101,10 +101,7 @@ impl StepRunner {
             None
         };
         let mut out = pass(backend, step, mask, kv, kv_int8, false)?;
-        let bad_logits = out
-            .logits
-            .iter()
-            .any(|(_, l)| l.iter().any(|x| !x.is_finite()));
+        let bad_logits = out.logits.iter().any(|(_, l)| !all_finite(l));
         if out.non_finite || bad_logits {
             tracing::warn!(
                 tokens = out.num_tokens,
@@ -126,6 +123,14 @@ impl StepRunner {
         }
         Ok(out)
     }
+}
+
+/// Whether every value of `x` is finite: the exponent bits of each value and-ed together
+/// in one branch-free pass (it vectorizes; a step checks every logit of every row).
+fn all_finite(x: &[f32]) -> bool {
+    const EXP: u32 = 0x7f80_0000;
+    x.chunks(1024)
+        .all(|c| c.iter().fold(true, |ok, v| ok & (v.to_bits() & EXP != EXP)))
 }
 
 /// One pass of the backend under one mask; `reference`: the shadow pass (every group on
@@ -165,4 +170,24 @@ fn pass(
         mask_check_ns: router.mask_check_ns,
         stats_ns: router.stats_ns,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::all_finite;
+
+    #[test]
+    fn a_single_non_finite_value_anywhere_is_found() {
+        let mut x = vec![1.5f32; 5000];
+        assert!(all_finite(&x));
+        assert!(all_finite(&[]));
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            for at in [0, 1023, 1024, 4999] {
+                x[at] = bad;
+                assert!(!all_finite(&x), "{bad} at {at}");
+                x[at] = f32::MAX;
+                assert!(all_finite(&x));
+            }
+        }
+    }
 }

@@ -88,9 +88,25 @@ pub fn quantize_c8(x: &[f32], out: &mut [i8]) -> f32 {
     let scale = amax / 127.0;
     let inv = 1.0 / scale;
     for (o, v) in out.iter_mut().zip(x) {
-        *o = (v * inv).round().clamp(-127.0, 127.0) as i8;
+        *o = round_half_away(v * inv).clamp(-127.0, 127.0) as i8;
     }
     scale
+}
+
+/// `x.round()` (halves away from zero) for `|x| < 2²³`, and 0 for NaN (where `round` gives
+/// NaN, which becomes 0 as an integer all the same), without a call to the C library's
+/// `roundf`, so the loop over a row vectorizes: `x − trunc(x)` is exact in that range.
+#[inline(always)]
+fn round_half_away(x: f32) -> f32 {
+    let t = (x as i32) as f32;
+    let f = x - t;
+    t + if f >= 0.5 {
+        1.0
+    } else if f <= -0.5 {
+        -1.0
+    } else {
+        0.0
+    }
 }
 
 pub struct KvCache {
@@ -265,6 +281,32 @@ mod tests {
         let mut z = vec![1i8; 4];
         assert_eq!(quantize_c8(&[0.0; 4], &mut z), 0.0);
         assert_eq!(z, vec![0; 4]);
+    }
+
+    #[test]
+    fn rounding_without_the_c_library_is_rust_s_round() {
+        // Every half, its neighbours one ulp either side, and a dense sweep of the range a
+        // C8 row reaches (|x| <= 127 after the scale), both signs.
+        let mut xs: Vec<f32> = (-300..=300).map(|h| h as f32 / 2.0).collect();
+        for h in xs.clone() {
+            xs.extend([
+                f32::from_bits(h.to_bits() + 1),
+                f32::from_bits(h.to_bits().max(1) - 1),
+            ]);
+        }
+        xs.extend((-1_000_000..=1_000_000).map(|i| i as f32 * 1.3e-4));
+        xs.extend([
+            0.0,
+            -0.0,
+            0.499_999_97,
+            -0.499_999_97,
+            8_388_607.5,
+            -8_388_607.5,
+        ]);
+        for x in xs {
+            assert_eq!(round_half_away(x), x.round(), "{x:e}");
+        }
+        assert_eq!(round_half_away(f32::NAN) as i8, f32::NAN.round() as i8);
     }
 
     #[test]
