@@ -11,14 +11,14 @@
 #      mean KL against the `all` row's over the same tokens (a paired bootstrap's 95 % interval);
 #   3. the speed table: the INT8-only model's prefill and decode (`quantmesh-engine-bench`,
 #      no monitor, so `copyless` runs every row with 8-bit activations: its upper bound) in
-#      `all`, in `copyless` and in what `auto` chose on this machine, ROUNDS interleaved
-#      rounds, medians and their ratios to `all`, with the measured 16-bit / 8-bit product
-#      ratio that decided.
+#      `all`, in `copyless` and in what `auto` chose on this machine, at each of SHAPES
+#      (prompt tokens : decode steps), ROUNDS interleaved rounds, medians and their ratios
+#      to `all`, with the measured 16-bit / 8-bit product ratio that decided.
 #
 #   ./scripts/bench-activations.sh [MODEL_DIR_OR_GGUF]
 #
 # Env: BENCH_BIN (a folder holding built quantmesh and quantmesh-engine-bench: no build), TOKENS per held-out text (512; the mean of so few tokens is
-# carried by a few of them: at 2 048 the ratio to `all` had intervals of about ±5–8 % on SmolLM2), ROUNDS (3), BENCH_OUT (a temp dir), SPEED_ONLY=1 (step 3
+# carried by a few of them: at 2 048 the ratio to `all` had intervals of about ±5–8 % on SmolLM2), ROUNDS (3), SHAPES ("512:32 64:64"), BENCH_OUT (a temp dir), SPEED_ONLY=1 (step 3
 # alone); the quality table's axes: SPLITS (off,copyless,all), ROTATIONS (0,128), SMOOTHINGS
 # (none,plan), MONITORS (on,off).
 # Held-out texts: GPL-3, Apache-2.0, MPL-2.0; traffic: LGPL-2.1, Artistic (all under
@@ -31,6 +31,9 @@ CACHE="${QUANTMESH_TEST_MODELS:-$HOME/.cache/quantmesh/test-models}"
 M="${1:-$CACHE/smollm2-135m-instruct}"
 TOKENS="${TOKENS:-512}"
 ROUNDS="${ROUNDS:-3}"
+# Speed shapes, prompt tokens : decode steps: long prompts (attention over ~540 positions at
+# 32 streams), and short chats of 64 tokens each (32 streams × 64 tokens, as a user's load).
+SHAPES="${SHAPES:-512:32 64:64}"
 OUT="${BENCH_OUT:-$(mktemp -d)}"
 L=/usr/share/common-licenses
 mkdir -p "$OUT"
@@ -59,16 +62,18 @@ if [ "${SPEED_ONLY:-0}" != 1 ]; then
     | tee "$OUT/quality.txt"
 fi
 
-log "3. speed: all, copyless and auto, $ROUNDS interleaved rounds"
+log "3. speed: all, copyless and auto, $ROUNDS interleaved rounds, shapes $SHAPES"
 for r in $(seq "$ROUNDS"); do
-  for mode in all copyless auto; do
-    "$BIN/quantmesh-engine-bench" --model "$M" --plans int8 --batches 1,32 --prompt-len 512 \
-      --decode-steps 32 --split-activations "$mode" > "$OUT/speed-$mode-$r.txt"
+  for shape in $SHAPES; do
+    for mode in all copyless auto; do
+      "$BIN/quantmesh-engine-bench" --model "$M" --plans int8 --batches 1,32 --prompt-len "${shape%:*}" \
+        --decode-steps "${shape#*:}" --split-activations "$mode" > "$OUT/speed-$mode-$shape-$r.txt"
+    done
   done
 done
-python3 - "$OUT" "$ROUNDS" <<'PY'
+python3 - "$OUT" "$ROUNDS" $SHAPES <<'PY'
 import statistics, sys
-out, rounds = sys.argv[1], int(sys.argv[2])
+out, rounds, shapes = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 modes = ("all", "copyless", "auto")
 def rows(path):
     lines = open(path).read().splitlines()
@@ -80,19 +85,21 @@ def rows(path):
             got[int(c[2])] = (float(c[3]), float(c[5]))
     return width, got
 med, widths = {}, {}
-for mode in modes:
-    runs = [rows(f"{out}/speed-{mode}-{r}.txt") for r in range(1, rounds + 1)]
-    widths[mode] = runs[0][0]
-    for b in sorted(runs[0][1]):
-        med[(mode, b)] = tuple(statistics.median(r[1][b][i] for r in runs) for i in (0, 1))
-print(f"\nSpeed (INT8-only model, no monitor, 512-token prompts, 32 decode steps; medians of {rounds} interleaved rounds, tok/s; ratios to all):\n")
+for shape in shapes:
+    for mode in modes:
+        runs = [rows(f"{out}/speed-{mode}-{shape}-{r}.txt") for r in range(1, rounds + 1)]
+        widths[mode] = runs[0][0]
+        for b in sorted(runs[0][1]):
+            med[(shape, mode, b)] = tuple(statistics.median(r[1][b][i] for r in runs) for i in (0, 1))
+print(f"\nSpeed (INT8-only model, no monitor; a shape is prompt tokens : decode steps; medians of {rounds} interleaved rounds, tok/s; ratios to all):\n")
 for mode in modes:
     print(f"- {mode}: {widths[mode]}")
 print()
-print("| batch | prefill all | prefill copyless | × | prefill auto | × | decode all | decode copyless | × | decode auto | × |")
-print("|---|---|---|---|---|---|---|---|---|---|---|")
-for b in sorted({b for (_, b) in med}):
-    (pa, da), (pc, dc), (pu, du) = (med[(m, b)] for m in modes)
-    print(f"| {b} | {pa:.0f} | {pc:.0f} | {pc / pa:.2f} | {pu:.0f} | {pu / pa:.2f} | {da:.1f} | {dc:.1f} | {dc / da:.2f} | {du:.1f} | {du / da:.2f} |")
+print("| prompt : steps | batch | prefill all | prefill copyless | × | prefill auto | × | decode all | decode copyless | × | decode auto | × |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+for shape in shapes:
+    for b in sorted({b for (s, _, b) in med if s == shape}):
+        (pa, da), (pc, dc), (pu, du) = (med[(shape, m, b)] for m in modes)
+        print(f"| {shape.replace(':', ' : ')} | {b} | {pa:.0f} | {pc:.0f} | {pc / pa:.2f} | {pu:.0f} | {pu / pa:.2f} | {da:.1f} | {dc:.1f} | {dc / da:.2f} | {du:.1f} | {du / da:.2f} |")
 PY
 log "done: $OUT"
