@@ -350,15 +350,31 @@ impl ByteForm {
     /// `hi` and `lo` for the values `q` (reusing their allocations).
     fn fill(q: &[i16], bits: ActBits, hi: &mut Vec<u8>, lo: &mut Vec<u8>) {
         let sixteen = bits == ActBits::Sixteen;
-        hi.clear();
-        hi.extend(
-            q.iter()
-                .map(|&v| (if sixteen { v >> 8 } else { v } + 128) as u8),
-        );
-        lo.clear();
-        if sixteen {
-            lo.extend(q.iter().map(|&v| v as u8));
-        }
+        hi.resize(q.len(), 0);
+        lo.resize(if sixteen { q.len() } else { 0 }, 0);
+        fill_byte_slices(q, sixteen, hi, lo, &mut []);
+    }
+}
+
+/// The byte forms of the values `q`, each written where its slice is not empty (then as long
+/// as `q`): `hi` the unsigned high bytes biased by 128 (the value itself for 8-bit values),
+/// `lo` the low bytes (16-bit values), `s8` the signed high bytes (AMX's tiles).
+pub(crate) fn fill_byte_slices(
+    q: &[i16],
+    sixteen: bool,
+    hi: &mut [u8],
+    lo: &mut [u8],
+    s8: &mut [i8],
+) {
+    let high = |v: i16| if sixteen { v >> 8 } else { v };
+    for (h, &v) in hi.iter_mut().zip(q) {
+        *h = (high(v) + 128) as u8;
+    }
+    for (l, &v) in lo.iter_mut().zip(q) {
+        *l = v as u8;
+    }
+    for (s, &v) in s8.iter_mut().zip(q) {
+        *s = high(v) as i8;
     }
 }
 
@@ -373,13 +389,6 @@ impl Activations {
 
     pub fn cols(&self) -> usize {
         self.cols
-    }
-
-    /// The byte form of the quantized values (see the fields): a 16-bit value `v` is
-    /// `256 · (v >> 8) + (v & 0xff)` exactly.
-    pub(crate) fn fill_bytes(&mut self, bits: ActBits) {
-        ByteForm::fill(&self.q, bits, &mut self.hi, &mut self.lo);
-        self.bytes = Some(bits);
     }
 
     /// The byte form (`hi`, `lo`) and whether the values are 16-bit: the one filled at

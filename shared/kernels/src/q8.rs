@@ -172,6 +172,17 @@ impl PackedQ8 {
     }
 }
 
+/// One thread's share of [`Activations::quantize_with`]: whole rows of the input, their
+/// values and scales, and their byte forms (empty where not made).
+struct Share<'a> {
+    x: &'a [f32],
+    q: &'a mut [i16],
+    d: &'a mut [f32],
+    hi: &'a mut [u8],
+    lo: &'a mut [u8],
+    s8: &'a mut [i8],
+}
+
 /// Values from which [`Activations::quantize_with`] splits its rows over the pool's threads
 /// (below it, waking the workers costs more than the blocks).
 const PARALLEL_QUANTIZE_VALUES: usize = 8 * 1024;
@@ -211,11 +222,22 @@ impl Activations {
         self.q.resize(rows * cols, 0);
         self.d.resize(rows * self.blocks, 0.0);
         let max = bits.max();
-        let quantize_blocks = |x: &[f32], q: &mut [i16], d: &mut [f32]| {
-            let blocks = x
+        let sixteen = bits == ActBits::Sixteen;
+        // The byte forms the kernels read (filled with the values, share by share):
+        // `vpdpbusd`'s unsigned bytes (`hi`, and `lo` for 16-bit values) where the kernels
+        // take bytes, and AMX's signed high bytes (`s8`).
+        let bytes = isa.byte_activations() && isa.available();
+        let amx = bytes && isa == Isa::Amx;
+        let n = rows * cols;
+        self.hi.resize(if bytes { n } else { 0 }, 0);
+        self.lo.resize(if bytes && sixteen { n } else { 0 }, 0);
+        self.s8.resize(if amx { n } else { 0 }, 0);
+        let quantize_share = |share: &mut Share<'_>| {
+            let blocks = share
+                .x
                 .chunks_exact(BLOCK)
-                .zip(q.chunks_exact_mut(BLOCK))
-                .zip(d.iter_mut());
+                .zip(share.q.chunks_exact_mut(BLOCK))
+                .zip(share.d.iter_mut());
             match isa {
                 #[cfg(target_arch = "x86_64")]
                 isa if isa.x86_simd() && isa.available() => {
@@ -230,33 +252,51 @@ impl Activations {
                     }
                 }
             }
+            crate::layout::fill_byte_slices(share.q, sixteen, share.hi, share.lo, share.s8);
         };
         // A batch's rows are quantized on the pool, a share of whole rows per thread (each
         // block on its own, so the values do not depend on the split); a few rows are not
         // worth waking the workers for.
         let pool = crate::Pool::global();
-        if rows * cols >= PARALLEL_QUANTIZE_VALUES && pool.threads() > 1 && rows > 1 {
-            let per = rows.div_ceil(pool.threads());
-            let mut shares: Vec<_> = x
-                .chunks(per * cols)
-                .zip(self.q.chunks_mut(per * cols))
-                .zip(self.d.chunks_mut(per * self.blocks))
-                .collect();
-            pool.for_each_mut(&mut shares, |((x, q), d)| quantize_blocks(x, q, d));
+        let threads = if n >= PARALLEL_QUANTIZE_VALUES && rows > 1 {
+            pool.threads()
         } else {
-            quantize_blocks(x, &mut self.q, &mut self.d);
+            1
+        };
+        let per = rows.div_ceil(threads);
+        let mut shares = Vec::with_capacity(threads);
+        let (mut x, mut q, mut d) = (x, &mut self.q[..], &mut self.d[..]);
+        let (mut hi, mut lo, mut s8) = (&mut self.hi[..], &mut self.lo[..], &mut self.s8[..]);
+        while !x.is_empty() {
+            let r = per.min(x.len() / cols);
+            // A byte form that is not made stays empty in every share.
+            let take = |made: bool| if made { r * cols } else { 0 };
+            let (x0, x1) = x.split_at(r * cols);
+            let (q0, q1) = std::mem::take(&mut q).split_at_mut(r * cols);
+            let (d0, d1) = std::mem::take(&mut d).split_at_mut(r * self.blocks);
+            let (h0, h1) = std::mem::take(&mut hi).split_at_mut(take(bytes));
+            let (l0, l1) = std::mem::take(&mut lo).split_at_mut(take(bytes && sixteen));
+            let (s0, s1) = std::mem::take(&mut s8).split_at_mut(take(amx));
+            shares.push(Share {
+                x: x0,
+                q: q0,
+                d: d0,
+                hi: h0,
+                lo: l0,
+                s8: s0,
+            });
+            (x, q, d, hi, lo, s8) = (x1, q1, d1, h1, l1, s1);
         }
+        if shares.len() > 1 {
+            pool.for_each_mut(&mut shares, quantize_share);
+        } else {
+            shares.iter_mut().for_each(quantize_share);
+        }
+        drop(shares);
         self.sums.take();
         self.lazy_bytes.take();
         self.bits = Some(bits);
-        self.bytes = None;
-        self.s8.clear();
-        if isa.byte_activations() && isa.available() {
-            self.fill_bytes(bits);
-            if isa == Isa::Amx {
-                self.s8.extend(self.hi.iter().map(|&h| (h ^ 0x80) as i8));
-            }
-        }
+        self.bytes = bytes.then_some(bits);
         Ok(())
     }
 }

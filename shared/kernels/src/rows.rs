@@ -5,6 +5,7 @@
 //! bits whatever the batch a row is in.
 
 use crate::{Isa, KernelError, Result};
+use std::mem::MaybeUninit;
 
 /// `out = x / sqrt(mean(x²) + eps) · w` for each row of `x` (`x.len() / w.len()` rows).
 /// The squares are summed in 8 lanes (then the lanes in order), so the loop vectorizes and
@@ -17,24 +18,46 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Result<Vec<f32>> {
             x.len()
         )));
     }
-    let mut out = Vec::with_capacity(x.len());
-    for row in x.chunks_exact(cols) {
-        let mut lanes = [0f32; 8];
-        let mut chunks = row.chunks_exact(8);
-        for c in &mut chunks {
-            for (l, v) in lanes.iter_mut().zip(c) {
+    // Written in place of the allocation's spare capacity (no zeroing pass first).
+    let norm = |x: &[f32], out: &mut [MaybeUninit<f32>]| {
+        for (row, out) in x.chunks_exact(cols).zip(out.chunks_exact_mut(cols)) {
+            let mut lanes = [0f32; 8];
+            let mut chunks = row.chunks_exact(8);
+            for c in &mut chunks {
+                for (l, v) in lanes.iter_mut().zip(c) {
+                    *l += v * v;
+                }
+            }
+            for (l, v) in lanes.iter_mut().zip(chunks.remainder()) {
                 *l += v * v;
             }
+            let sum = lanes.iter().sum::<f32>();
+            let d = (sum / cols as f32 + eps).sqrt();
+            for ((o, v), w) in out.iter_mut().zip(row).zip(w) {
+                o.write(v / d * w);
+            }
         }
-        for (l, v) in lanes.iter_mut().zip(chunks.remainder()) {
-            *l += v * v;
-        }
-        let sum = lanes.iter().sum::<f32>();
-        let d = (sum / cols as f32 + eps).sqrt();
-        out.extend(row.iter().zip(w).map(|(v, w)| v / d * w));
+    };
+    let mut out = Vec::with_capacity(x.len());
+    let spare = &mut out.spare_capacity_mut()[..x.len()];
+    // A batch's rows on the pool, whole rows per thread (each row on its own, so the same
+    // bits); a few rows are not worth waking the workers for.
+    let (rows, pool) = (x.len() / cols, crate::Pool::global());
+    if x.len() >= PARALLEL_ROW_VALUES && rows > 1 && pool.threads() > 1 {
+        let per = rows.div_ceil(pool.threads()) * cols;
+        let mut shares: Vec<_> = x.chunks(per).zip(spare.chunks_mut(per)).collect();
+        pool.for_each_mut(&mut shares, |(x, out)| norm(x, out));
+    } else {
+        norm(x, spare);
     }
+    // SAFETY: every one of the first `x.len()` values was written above (each row of `x`
+    // by exactly one share; `x.len()` is a multiple of `cols`, checked).
+    unsafe { out.set_len(x.len()) };
     Ok(out)
 }
+
+/// Values from which a per-row operation splits its rows over the pool's threads.
+const PARALLEL_ROW_VALUES: usize = 8 * 1024;
 
 /// Rotary position embedding in the rotate-half form, in place, on consecutive heads of
 /// width `2 · cos.len()` in `x`: each head's first half `a` and second half `b` become

@@ -32,6 +32,28 @@ proptest! {
     }
 }
 
+/// A batch large enough to be normalized on the pool's threads (an odd number of rows)
+/// gives each row the bits it gets alone.
+#[test]
+fn rms_norm_of_a_batch_is_each_row_alone() {
+    let (rows, cols) = (41, 576);
+    let x: Vec<f32> = (0..rows * cols)
+        .map(|i| ((i as f32) * 0.377).sin() * 4.0)
+        .collect();
+    let w: Vec<f32> = (0..cols).map(|i| 0.5 + (i as f32 * 0.1).cos()).collect();
+    let batch = rms_norm(&x, &w, 1e-5).unwrap();
+    for (r, row) in x.chunks_exact(cols).enumerate() {
+        let one = rms_norm(row, &w, 1e-5).unwrap();
+        let got = &batch[r * cols..(r + 1) * cols];
+        assert!(
+            got.iter()
+                .zip(&one)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "row {r}"
+        );
+    }
+}
+
 #[test]
 fn rope_rotates_each_head_by_the_tables() {
     let half = 4;
