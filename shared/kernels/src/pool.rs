@@ -19,6 +19,11 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, TryLockError};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+/// Values from which a per-row operation (a batch's activation quantization, RMSNorm)
+/// splits its rows over the pool's threads ([`Pool::rows_per_share`]): below it, waking the
+/// workers costs more than the rows.
+const ROW_SPLIT_VALUES: usize = 8 * 1024;
+
 /// A job as the workers see it: `f(index, threads)`.
 type Job = dyn Fn(usize, usize) + Sync;
 
@@ -159,6 +164,17 @@ impl Pool {
         }
     }
 
+    /// Rows per share when a per-row operation over `rows` rows (`values` values in all) is
+    /// split over the threads with [`Pool::for_each_mut`]: an even share of whole rows per
+    /// thread, or every row in one share below [`ROW_SPLIT_VALUES`] values (at least 1).
+    pub(crate) fn rows_per_share(&self, rows: usize, values: usize) -> usize {
+        if values >= ROW_SPLIT_VALUES && rows > 1 {
+            rows.div_ceil(self.threads())
+        } else {
+            rows.max(1)
+        }
+    }
+
     /// Fill two buffers of rows of `width` values (equal lengths) on the pool's threads:
     /// `f(row, a_row, b_row)` for every row, each row on one thread; serially on the caller
     /// below `serial_below` values per buffer, where handing the rows out would cost more
@@ -261,12 +277,13 @@ impl Pool {
     }
 
     /// `f` on every item of `items`, the threads taking contiguous chunks in order (see
-    /// [`Pool::chunks`]; a concurrent or nested call runs on the calling thread alone).
+    /// [`Pool::chunks`]; a concurrent or nested call, or a single item, runs on the calling
+    /// thread alone).
     pub fn for_each_mut<T: Send>(&self, items: &mut [T], f: impl Fn(&mut T) + Sync) {
         // Each chunk is handed to one thread (disjoint ranges), and `chunks` returns after
         // every chunk is done, while `items` is still borrowed.
         let (base, n) = (Disjoint(items.as_mut_ptr()), items.len());
-        self.chunks(n, false, &|range| {
+        self.chunks(n, n <= 1, &|range| {
             for k in range {
                 // SAFETY: `k < n`, and no other chunk contains `k`.
                 f(unsafe { &mut *base.at(k) })
@@ -447,6 +464,28 @@ mod tests {
                 assert!(hits.iter().all(|h| h.load(Ordering::SeqCst) == 1));
             }
         }
+    }
+
+    /// A per-row operation splits whole rows evenly over the threads from the threshold on,
+    /// and keeps them in one share below it (or with one row); one share runs on the caller
+    /// without waking the workers.
+    #[test]
+    fn rows_are_shared_from_the_threshold_and_one_share_runs_on_the_caller() {
+        let pool = Pool::new(2);
+        assert_eq!(pool.rows_per_share(37, ROW_SPLIT_VALUES), 19);
+        assert_eq!(pool.rows_per_share(37, ROW_SPLIT_VALUES - 1), 37);
+        assert_eq!(pool.rows_per_share(1, 10 * ROW_SPLIT_VALUES), 1);
+        assert_eq!(pool.rows_per_share(0, 0), 1);
+        assert_eq!(Pool::new(1).rows_per_share(37, ROW_SPLIT_VALUES), 37);
+        // One share publishes no job to the workers (the job epoch stays), two do.
+        let epoch = || pool.shared.epoch.load(Ordering::SeqCst);
+        let before = epoch();
+        let mut one = [0];
+        pool.for_each_mut(&mut one, |v| *v += 1);
+        assert_eq!((one, epoch()), ([1], before));
+        let mut two = [0, 0];
+        pool.for_each_mut(&mut two, |v| *v += 1);
+        assert_eq!((two, epoch()), ([1, 1], before + 1));
     }
 
     /// Every row of both buffers is handed to `f` once, with its own index, on the pool and

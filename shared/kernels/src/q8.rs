@@ -183,10 +183,6 @@ struct Share<'a> {
     s8: &'a mut [i8],
 }
 
-/// Values from which [`Activations::quantize_with`] splits its rows over the pool's threads
-/// (below it, waking the workers costs more than the blocks).
-const PARALLEL_QUANTIZE_VALUES: usize = 8 * 1024;
-
 impl Activations {
     /// Quantize `x` (`rows × cols`, row-major) to `bits`, per block of 32: scale
     /// `amax / max` (`max` = 127 or 32767), values `round(x / scale)` (ties to even), with
@@ -258,13 +254,8 @@ impl Activations {
         // block on its own, so the values do not depend on the split); a few rows are not
         // worth waking the workers for.
         let pool = crate::Pool::global();
-        let threads = if n >= PARALLEL_QUANTIZE_VALUES && rows > 1 {
-            pool.threads()
-        } else {
-            1
-        };
-        let per = rows.div_ceil(threads);
-        let mut shares = Vec::with_capacity(threads);
+        let per = pool.rows_per_share(rows, n);
+        let mut shares = Vec::with_capacity(rows.div_ceil(per));
         let (mut x, mut q, mut d) = (x, &mut self.q[..], &mut self.d[..]);
         let (mut hi, mut lo, mut s8) = (&mut self.hi[..], &mut self.lo[..], &mut self.s8[..]);
         while !x.is_empty() {
@@ -287,11 +278,7 @@ impl Activations {
             });
             (x, q, d, hi, lo, s8) = (x1, q1, d1, h1, l1, s1);
         }
-        if shares.len() > 1 {
-            pool.for_each_mut(&mut shares, quantize_share);
-        } else {
-            shares.iter_mut().for_each(quantize_share);
-        }
+        pool.for_each_mut(&mut shares, quantize_share);
         drop(shares);
         self.sums.take();
         self.lazy_bytes.take();

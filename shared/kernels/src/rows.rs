@@ -42,22 +42,15 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Result<Vec<f32>> {
     let spare = &mut out.spare_capacity_mut()[..x.len()];
     // A batch's rows on the pool, whole rows per thread (each row on its own, so the same
     // bits); a few rows are not worth waking the workers for.
-    let (rows, pool) = (x.len() / cols, crate::Pool::global());
-    if x.len() >= PARALLEL_ROW_VALUES && rows > 1 && pool.threads() > 1 {
-        let per = rows.div_ceil(pool.threads()) * cols;
-        let mut shares: Vec<_> = x.chunks(per).zip(spare.chunks_mut(per)).collect();
-        pool.for_each_mut(&mut shares, |(x, out)| norm(x, out));
-    } else {
-        norm(x, spare);
-    }
+    let pool = crate::Pool::global();
+    let per = pool.rows_per_share(x.len() / cols, x.len()) * cols;
+    let mut shares: Vec<_> = x.chunks(per).zip(spare.chunks_mut(per)).collect();
+    pool.for_each_mut(&mut shares, |(x, out)| norm(x, out));
     // SAFETY: every one of the first `x.len()` values was written above (each row of `x`
     // by exactly one share; `x.len()` is a multiple of `cols`, checked).
     unsafe { out.set_len(x.len()) };
     Ok(out)
 }
-
-/// Values from which a per-row operation splits its rows over the pool's threads.
-const PARALLEL_ROW_VALUES: usize = 8 * 1024;
 
 /// Rotary position embedding in the rotate-half form, in place, on consecutive heads of
 /// width `2 · cos.len()` in `x`: each head's first half `a` and second half `b` become
