@@ -1,13 +1,13 @@
 //! The 4-bit product: [`PackedQ4`]'s tiles handed out to the pool's threads, each running
 //! the AMX kernel for whole 16-row tiles of activations (tiles two at a time), the AVX-512
 //! kernel (tiles two at a time), the AVX-VNNI or the AVX2 one where the
-//! instruction set includes it, the NEON one on aarch64, else the scalar reference (the
+//! instruction set includes it (AVX2 with 8-bit activations: its byte kernel), the NEON one on aarch64, else the scalar reference (the
 //! weights and their quantization are in `q4.rs`).
 
 use crate::layout::{check_product, Activations, Out};
 use crate::pool::Pool;
 use crate::q8::SERIAL_BELOW;
-use crate::{scalar, Isa, PackedQ4, Result};
+use crate::{scalar, ActBits, Isa, PackedQ4, Result};
 use std::ops::Range;
 
 impl PackedQ4 {
@@ -57,6 +57,11 @@ impl PackedQ4 {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `isa.available()` checked AVX2, FMA and F16C; each range of tiles
                 // is claimed by one thread, which writes only those tiles' output columns.
+                isa if isa.x86_simd() && a.bits == Some(ActBits::Eight) => unsafe {
+                    crate::x86::q4_tiles_bytes(self, a, tiles, dst.0)
+                },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: as above.
                 isa if isa.x86_simd() => unsafe { crate::x86::q4_tiles(self, a, tiles, dst.0) },
                 #[cfg(target_arch = "aarch64")]
                 // SAFETY: `isa.available()` checked NEON; each range of tiles is claimed by

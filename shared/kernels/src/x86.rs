@@ -10,7 +10,10 @@
 //! 2³¹). Per block the 8 integer sums are converted to f32 and added with the scales'
 //! products (`vfmadd`). A register tile is two weight tiles (16 output columns) × up to 4
 //! activation rows: 8 integer accumulators, so each broadcast pair feeds two multiplies
-//! (a thread's odd last tile runs alone). The 4-bit product has the same register tile.
+//! (a thread's odd last tile runs alone). The 4-bit product has the same register tile; for
+//! 8-bit activations it multiplies the nibbles as bytes instead (`q4_tiles_bytes`:
+//! `vpmaddubsw`, 32 multiply-adds per instruction against `vpmaddwd`'s 16, same sums and
+//! bits).
 //!
 //! The Q8_0 and 4-bit products are also made for AVX-VNNI (`q8_tiles_vnni`, `q4_tiles_vnni`;
 //! the caller checks [`crate::Isa::AvxVnni`]): `vpdpwssd` does the multiply and the add in
@@ -378,6 +381,142 @@ products!(
     q4_tile_vnni
 );
 
+/// As [`crate::scalar::q4_tiles`], for 8-bit activations (AVX2): `vpmaddubsw` multiplies the
+/// weights' nibbles (unsigned, 0..=15) by the activations' bytes (signed) and adds each pair
+/// into a 16-bit lane, 32 multiply-adds per instruction where the widened form's `vpmaddwd`
+/// makes 16. The same register tiles as [`q4_tiles`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn q4_tiles_bytes(
+    w: &PackedQ4,
+    a: &Activations,
+    tiles: Range<usize>,
+    out: *mut f32,
+) {
+    walk_tiles!("avx2,fma,f16c", q4_tile_bytes, PackedQ4, w, a, tiles, out);
+}
+
+/// Tiles `t .. t + T` of 4-bit weights for 8-bit activation rows `m .. m + M`. One 32-byte
+/// load holds quads `2p` and `2p + 1` of a block for the tile's 8 rows (one per 128-bit
+/// half); the mask gives the nibbles of columns `8p + {0, 1}` and `8p + {4, 5}`, the shift
+/// those of `8p + {2, 3}` and `8p + {6, 7}`, each byte pair one row's. The activations'
+/// matching byte pairs, repeated across each half (`vpshufb` of the 8 values packed to
+/// bytes), make `vpmaddubsw` leave row `i`'s sums of quad `2p` in 16-bit lane `i` and of
+/// quad `2p + 1` in lane `8 + i`. A lane collects 16 products of at most 15 · 127 in a
+/// block (≤ 30 480: no overflow); at the block's end the halves are widened and added, which
+/// gives the same 32-bit sums as the widened kernel, then the same f32 operations: the same
+/// bits as [`q4_tiles`] on the same activations.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn q4_tile_bytes<const T: usize, const M: usize>(
+    w: &PackedQ4,
+    a: &Activations,
+    t: usize,
+    m: usize,
+    out: *mut f32,
+) {
+    const G: usize = Q4_TILE_ROWS;
+    let n = w.rows;
+    let stride = w.blocks * Q4_TILE_BLOCK_BYTES;
+    let wq = w.qs.as_ptr().add(t * stride);
+    let sc = w.sc.as_ptr().add(t * w.blocks * G);
+    let mn = w.mn.as_ptr().add(t * w.blocks * G);
+    let ds = w.ds.as_ptr().add(t * w.supers * G) as *const __m128i;
+    let ms = w.ms.as_ptr().add(t * w.supers * G) as *const __m128i;
+    let mut aq = [a.q.as_ptr(); M];
+    let mut ad = [a.d.as_ptr(); M];
+    let sums = a.block_sums().as_ptr();
+    let mut asum = [sums; M];
+    for j in 0..M {
+        aq[j] = a.q.as_ptr().add((m + j) * a.cols);
+        ad[j] = a.d.as_ptr().add((m + j) * a.blocks);
+        asum[j] = sums.add((m + j) * a.blocks);
+    }
+    let nibble = _mm256_set1_epi8(0x0f);
+    // Byte pairs {0, 1} / {2, 3} of the 8 values in the low half, {4, 5} / {6, 7} in the high.
+    let pick_lo = _mm256_setr_epi8(
+        0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5,
+        4, 5,
+    );
+    let pick_hi = _mm256_setr_epi8(
+        2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7,
+        6, 7,
+    );
+    let mut acc = [[_mm256_setzero_ps(); T]; M];
+    let mut dmax = [_mm256_setzero_ps(); T];
+    let mut mmax = [_mm256_setzero_ps(); T];
+    for b in 0..w.blocks {
+        if b % SUPER_BLOCKS == 0 {
+            let s = b / SUPER_BLOCKS;
+            for h in 0..T {
+                dmax[h] = _mm256_mul_ps(
+                    _mm256_cvtph_ps(_mm_loadu_si128(ds.add(h * w.supers + s))),
+                    _mm256_set1_ps(STEP_UNIT),
+                );
+                mmax[h] = _mm256_mul_ps(
+                    _mm256_cvtph_ps(_mm_loadu_si128(ms.add(h * w.supers + s))),
+                    _mm256_set1_ps(OFFSET_UNIT),
+                );
+            }
+        }
+        let wb = wq.add(b * Q4_TILE_BLOCK_BYTES);
+        for h in 0..T {
+            prefetch_ahead(wb.add(h * stride), Q4_TILE_BLOCK_BYTES);
+        }
+        let mut sum = [[_mm256_setzero_si256(); T]; M];
+        for p in 0..BLOCK / 8 {
+            let mut w0 = [_mm256_setzero_si256(); T];
+            let mut w1 = [_mm256_setzero_si256(); T];
+            for h in 0..T {
+                let x = _mm256_loadu_si256(wb.add(h * stride + p * 4 * G) as *const __m256i);
+                w0[h] = _mm256_and_si256(x, nibble);
+                w1[h] = _mm256_and_si256(_mm256_srli_epi16(x, 4), nibble);
+            }
+            for j in 0..M {
+                let v = _mm_loadu_si128(aq[j].add(b * BLOCK + 8 * p) as *const __m128i);
+                let v = _mm_packs_epi16(v, v);
+                let v = _mm256_set_m128i(v, v);
+                let (a0, a1) = (
+                    _mm256_shuffle_epi8(v, pick_lo),
+                    _mm256_shuffle_epi8(v, pick_hi),
+                );
+                for h in 0..T {
+                    sum[j][h] = _mm256_add_epi16(
+                        sum[j][h],
+                        _mm256_add_epi16(
+                            _mm256_maddubs_epi16(w0[h], a0),
+                            _mm256_maddubs_epi16(w1[h], a1),
+                        ),
+                    );
+                }
+            }
+        }
+        for h in 0..T {
+            let at = h * w.blocks * G + b * G;
+            let steps = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                sc.add(at) as *const __m128i
+            )));
+            let offsets = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                mn.add(at) as *const __m128i
+            )));
+            let (dw, mw) = (
+                _mm256_mul_ps(dmax[h], steps),
+                _mm256_mul_ps(mmax[h], offsets),
+            );
+            for j in 0..M {
+                let s16 = sum[j][h];
+                let s32 = _mm256_add_epi32(
+                    _mm256_cvtepi16_epi32(_mm256_castsi256_si128(s16)),
+                    _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s16, 1)),
+                );
+                let s = _mm256_mul_ps(dw, _mm256_set1_ps(*ad[j].add(b)));
+                acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), s, acc[j][h]);
+                acc[j][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(*asum[j].add(b)), acc[j][h]);
+            }
+        }
+    }
+    store_tiles(&acc, out, n, t, m);
+}
+
 /// The sum of a vector's 8 lanes.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
@@ -484,5 +623,71 @@ unsafe fn f16_tile<const M: usize>(
             }
             *out.add((m + j) * p.rows + r + i) = s;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{ActBits, Isa};
+
+    /// `kernel` over every tile of `w` into a new output.
+    fn run(
+        w: &PackedQ4,
+        a: &Activations,
+        kernel: unsafe fn(&PackedQ4, &Activations, Range<usize>, *mut f32),
+    ) -> Vec<u32> {
+        let mut out = vec![f32::NAN; a.rows * w.rows];
+        // SAFETY: the test runs only where AVX2, FMA and F16C are available; `out` holds
+        // `a.rows × w.rows` values.
+        unsafe { kernel(w, a, 0..w.tiles, out.as_mut_ptr()) };
+        out.iter().map(|v| v.to_bits()).collect()
+    }
+
+    /// The byte kernel's 16-bit lanes hold the same integer sums as the widened kernel's
+    /// 32-bit ones, then the same f32 operations: equal bits, over odd tile counts, lone
+    /// tiles, register tiles of 1–4 rows, partial super-blocks, and blocks where every lane
+    /// reaches its largest sum (levels 15 against activations ±127).
+    #[test]
+    fn the_byte_kernel_equals_the_widened_one_bit_for_bit() {
+        if !Isa::Avx2.available() {
+            eprintln!("skipped: this CPU has no AVX2");
+            return;
+        }
+        let value =
+            |i: usize, seed: usize| ((i * 7919 + seed * 104_729) % 2003) as f32 / 1001.0 - 1.0;
+        for &(rows, cols, m) in &[
+            (40, 576, 11),
+            (24, 288, 1),
+            (9, 1536, 5),
+            (8, 64, 4),
+            (130, 256, 3),
+        ] {
+            let wf: Vec<f32> = (0..rows * cols).map(|i| value(i, rows) * 0.1).collect();
+            let w = PackedQ4::quantize(&wf, rows, cols).unwrap_or_else(|e| panic!("{e}"));
+            let xf: Vec<f32> = (0..m * cols).map(|i| value(i, m + 1)).collect();
+            let mut a = Activations::new();
+            a.quantize_with(&xf, m, cols, ActBits::Eight, Isa::Avx2)
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(
+                run(&w, &a, q4_tiles_bytes),
+                run(&w, &a, q4_tiles),
+                "[{rows}x{cols}] m={m}"
+            );
+        }
+        // Every level 15 but one per block (0), every activation ±127.
+        let (rows, cols, m) = (16, 256, 3);
+        let wf: Vec<f32> = (0..rows * cols)
+            .map(|i| if i % BLOCK == 5 { 0.0 } else { 1.0 })
+            .collect();
+        let w = PackedQ4::quantize(&wf, rows, cols).unwrap_or_else(|e| panic!("{e}"));
+        let xf: Vec<f32> = (0..m * cols)
+            .map(|i| if (i / cols) % 2 == 0 { 1.0 } else { -1.0 })
+            .collect();
+        let mut a = Activations::new();
+        a.quantize_with(&xf, m, cols, ActBits::Eight, Isa::Avx2)
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(a.q.iter().all(|v| v.abs() == 127));
+        assert_eq!(run(&w, &a, q4_tiles_bytes), run(&w, &a, q4_tiles));
     }
 }
