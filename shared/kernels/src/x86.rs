@@ -97,6 +97,38 @@ unsafe fn dpwssd_vex(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
     acc
 }
 
+/// A 4-bit tile's super-block `i` (of `ds`, `ms`): the 8 rows' largest step and offset, in
+/// the units of the 8-bit step and offset, as `q4::step` and `q4::offset`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn q4_super_scales(ds: *const __m128i, ms: *const __m128i, i: usize) -> (__m256, __m256) {
+    (
+        _mm256_mul_ps(
+            _mm256_cvtph_ps(_mm_loadu_si128(ds.add(i))),
+            _mm256_set1_ps(STEP_UNIT),
+        ),
+        _mm256_mul_ps(
+            _mm256_cvtph_ps(_mm_loadu_si128(ms.add(i))),
+            _mm256_set1_ps(OFFSET_UNIT),
+        ),
+    )
+}
+
+/// A 4-bit tile's block: the 8 rows' step and offset from their 8-bit fractions (`sc`, `mn`)
+/// of the super-block's largest (`dmax`, `mmax`).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn q4_block_scales(
+    dmax: __m256,
+    mmax: __m256,
+    sc: *const u8,
+    mn: *const i8,
+) -> (__m256, __m256) {
+    let steps = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(sc as *const __m128i)));
+    let offsets = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(mn as *const __m128i)));
+    (_mm256_mul_ps(dmax, steps), _mm256_mul_ps(mmax, offsets))
+}
+
 // The 4-bit tiles have the 8-bit ones' width: one store serves both.
 const _: () = assert!(Q4_TILE_ROWS == PAIR_TILE_ROWS);
 
@@ -300,16 +332,7 @@ macro_rules! products {
                 if b % SUPER_BLOCKS == 0 {
                     let s = b / SUPER_BLOCKS;
                     for h in 0..T {
-                        // In the units of the 8-bit step and offset, as `q4::step` and
-                        // `q4::offset`.
-                        dmax[h] = _mm256_mul_ps(
-                            _mm256_cvtph_ps(_mm_loadu_si128(ds.add(h * w.supers + s))),
-                            _mm256_set1_ps(STEP_UNIT),
-                        );
-                        mmax[h] = _mm256_mul_ps(
-                            _mm256_cvtph_ps(_mm_loadu_si128(ms.add(h * w.supers + s))),
-                            _mm256_set1_ps(OFFSET_UNIT),
-                        );
+                        (dmax[h], mmax[h]) = q4_super_scales(ds, ms, h * w.supers + s);
                     }
                 }
                 let wb = wq.add(b * Q4_TILE_BLOCK_BYTES);
@@ -340,16 +363,7 @@ macro_rules! products {
                 }
                 for h in 0..T {
                     let at = h * w.blocks * G + b * G;
-                    let steps = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                        sc.add(at) as *const __m128i,
-                    )));
-                    let offsets = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                        mn.add(at) as *const __m128i,
-                    )));
-                    let (dw, mw) = (
-                        _mm256_mul_ps(dmax[h], steps),
-                        _mm256_mul_ps(mmax[h], offsets),
-                    );
+                    let (dw, mw) = q4_block_scales(dmax[h], mmax[h], sc.add(at), mn.add(at));
                     for j in 0..M {
                         let s = _mm256_mul_ps(dw, _mm256_set1_ps(*ad[j].add(b)));
                         acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[j][h]), s, acc[j][h]);
@@ -448,14 +462,7 @@ unsafe fn q4_tile_bytes<const T: usize, const M: usize>(
         if b % SUPER_BLOCKS == 0 {
             let s = b / SUPER_BLOCKS;
             for h in 0..T {
-                dmax[h] = _mm256_mul_ps(
-                    _mm256_cvtph_ps(_mm_loadu_si128(ds.add(h * w.supers + s))),
-                    _mm256_set1_ps(STEP_UNIT),
-                );
-                mmax[h] = _mm256_mul_ps(
-                    _mm256_cvtph_ps(_mm_loadu_si128(ms.add(h * w.supers + s))),
-                    _mm256_set1_ps(OFFSET_UNIT),
-                );
+                (dmax[h], mmax[h]) = q4_super_scales(ds, ms, h * w.supers + s);
             }
         }
         let wb = wq.add(b * Q4_TILE_BLOCK_BYTES);
@@ -492,16 +499,7 @@ unsafe fn q4_tile_bytes<const T: usize, const M: usize>(
         }
         for h in 0..T {
             let at = h * w.blocks * G + b * G;
-            let steps = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                sc.add(at) as *const __m128i
-            )));
-            let offsets = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                mn.add(at) as *const __m128i
-            )));
-            let (dw, mw) = (
-                _mm256_mul_ps(dmax[h], steps),
-                _mm256_mul_ps(mmax[h], offsets),
-            );
+            let (dw, mw) = q4_block_scales(dmax[h], mmax[h], sc.add(at), mn.add(at));
             for j in 0..M {
                 let s16 = sum[j][h];
                 let s32 = _mm256_add_epi32(
