@@ -11,11 +11,15 @@
 //! `--bandwidth-only` prints the read bandwidth alone (one line, `read bandwidth X GB/s`):
 //! the bound a batch-1 decode that reads every weight once per token cannot pass.
 //!
-//! `--decode-stream 30` times one batch-1 decode token's products alone: every shape but the
-//! last once per layer (the last once, as a model's vocabulary table), each matrix its own
-//! allocation, one row each, back to back as a decode step runs them, against one product
-//! over a single matrix of the same bytes and the read bandwidth, per instruction set. The
-//! gap between the two products is what the boundaries between a token's products cost.
+//! `--decode-stream 30` times one decode step's products alone: every shape but the last
+//! once per layer (the last once, as a model's vocabulary table), each matrix its own
+//! allocation, back to back as a decode step runs them, against one product over a single
+//! matrix of the same bytes and the read bandwidth, per instruction set, for Q8_0 and 4-bit
+//! weights, 16- and 8-bit activations (Q8_0 weights packed in the order the engine packs
+//! for that width), at one activation row or at each of `--rows` (32: a step of 32 decoding
+//! streams). The gap between the two products is what the boundaries between a token's
+//! products cost; at one row, GB/s against the bandwidth says how near the weights' bytes
+//! set the time.
 //!
 //! `--attention 256,1024` times instead one decode row's attention (SmolLM2's 9 heads over
 //! 3 key/value heads of 64) over that many cached positions, keys and values in f32 or as
@@ -56,6 +60,7 @@ fn main() {
         (49152, 576),
     ];
     let mut rows_list = vec![1usize, 8, 32, 128];
+    let mut rows_given = false;
     let mut bandwidth_only = false;
     let mut attention_ctx: Vec<usize> = Vec::new();
     let mut stream_layers = 0usize;
@@ -76,7 +81,10 @@ fn main() {
                     })
                     .collect()
             }
-            "--rows" => rows_list = v.split(',').filter_map(|s| s.parse().ok()).collect(),
+            "--rows" => {
+                rows_list = v.split(',').filter_map(|s| s.parse().ok()).collect();
+                rows_given = true;
+            }
             "--attention" => attention_ctx = v.split(',').filter_map(|s| s.parse().ok()).collect(),
             "--decode-stream" => stream_layers = v.parse().unwrap_or(0),
             _ => {
@@ -89,7 +97,8 @@ fn main() {
     }
     let pool = Pool::global();
     if stream_layers > 0 {
-        return decode_stream(&shapes, stream_layers, pool);
+        let rows = if rows_given { rows_list } else { vec![1] };
+        return decode_stream(&shapes, stream_layers, &rows, pool);
     }
     if !attention_ctx.is_empty() {
         return attention_table(&attention_ctx, pool);
@@ -255,7 +264,7 @@ fn attention_table(ctxs: &[usize], pool: &Pool) {
 /// One decode token's Q8_0 products at batch 1 over distinct matrices (`layers` times every
 /// shape but the last, then the last once), back to back, against one product over a single
 /// matrix of the same bytes, per instruction set (16-bit activations, the `all` width).
-fn decode_stream(shapes: &[(usize, usize)], layers: usize, pool: &Pool) {
+fn decode_stream(shapes: &[(usize, usize)], layers: usize, rows_list: &[usize], pool: &Pool) {
     let Some((&last, per_layer)) = shapes.split_last() else {
         return;
     };
@@ -270,7 +279,7 @@ fn decode_stream(shapes: &[(usize, usize)], layers: usize, pool: &Pool) {
             .map(|k| (((k + seed) * 7919) % 1000) as f32 / 1000.0 - 0.5)
             .collect()
     };
-    let x: Vec<f32> = (0..width)
+    let x_row: Vec<f32> = (0..width)
         .map(|k| ((k * 31) % 97) as f32 / 97.0 - 0.5)
         .collect();
     println!(
@@ -281,62 +290,105 @@ fn decode_stream(shapes: &[(usize, usize)], layers: usize, pool: &Pool) {
         per_layer,
         last
     );
-    println!("| kernel | products | MB | µs per token | GB/s | one product of the same bytes, µs | GB/s | time vs one | read bandwidth just before, GB/s |\n|---|---|---|---|---|---|---|---|---|");
+    println!("| kernel | activations | rows | products | MB | µs per step | GB/s | GMAC/s | one product of the same bytes, µs | GB/s | time vs one | read bandwidth just before, GB/s |\n|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let macs: usize = list.iter().map(|s| s.0 * s.1).sum();
     for isa in Isa::all_available()
         .into_iter()
         .filter(|&i| i != Isa::Scalar)
     {
-        let layout = Q8Layout::for_isa(isa);
-        let mats: Vec<PackedQ8> = list
-            .iter()
-            .enumerate()
-            .map(|(n, &(o, i))| {
-                PackedQ8::quantize_in(&values(o, i, n), o, i, layout)
-                    .unwrap_or_else(|e| panic!("{e}"))
-            })
-            .collect();
-        let bytes: usize = mats.iter().map(|m| m.bytes()).sum();
-        let one = PackedQ8::quantize_in(&values(total_rows, width, 0), total_rows, width, layout)
-            .unwrap_or_else(|e| panic!("{e}"));
-        let mut acts: Vec<(usize, Activations)> = Vec::new();
-        for &(_, i) in &list {
-            if !acts.iter().any(|(w, _)| *w == i) {
-                let mut a = Activations::new();
-                a.quantize_with(&x[..i], 1, i, ActBits::Sixteen, isa)
-                    .unwrap_or_else(|e| panic!("{e}"));
-                acts.push((i, a));
+        for (kind, bits) in [
+            ("q8", ActBits::Sixteen),
+            ("q8", ActBits::Eight),
+            ("q4", ActBits::Sixteen),
+            ("q4", ActBits::Eight),
+        ] {
+            // The order the engine packs for activations of this width.
+            let layout = Q8Layout::for_width(isa, bits);
+            let pack = |o: usize, i: usize, seed: usize| -> Weights {
+                let w = values(o, i, seed);
+                match kind {
+                    "q8" => Weights::Q8(
+                        PackedQ8::quantize_in(&w, o, i, layout).unwrap_or_else(|e| panic!("{e}")),
+                    ),
+                    _ => {
+                        Weights::Q4(PackedQ4::quantize(&w, o, i).unwrap_or_else(|e| panic!("{e}")))
+                    }
+                }
+            };
+            let mats: Vec<Weights> = list
+                .iter()
+                .enumerate()
+                .map(|(n, &(o, i))| pack(o, i, n))
+                .collect();
+            let bytes: usize = mats.iter().map(|m| m.bytes()).sum();
+            let one = pack(total_rows, width, 0);
+            for &rows in rows_list {
+                let x: Vec<f32> = (0..rows).flat_map(|_| x_row.iter().copied()).collect();
+                let mut acts: Vec<(usize, Activations)> = Vec::new();
+                for &(_, i) in &list {
+                    if !acts.iter().any(|(w, _)| *w == i) {
+                        let xi: Vec<f32> = x.chunks(width).flat_map(|r| r[..i].to_vec()).collect();
+                        let mut a = Activations::new();
+                        a.quantize_with(&xi, rows, i, bits, isa)
+                            .unwrap_or_else(|e| panic!("{e}"));
+                        acts.push((i, a));
+                    }
+                }
+                let act = |i: usize| {
+                    &acts
+                        .iter()
+                        .find(|(w, _)| *w == i)
+                        .unwrap_or_else(|| panic!("width {i}"))
+                        .1
+                };
+                let most = list.iter().map(|s| s.0).max().unwrap_or(0).max(total_rows);
+                let mut out = vec![0f32; rows * most];
+                let bw = read_bandwidth(pool);
+                let stream = seconds_per_call(|| {
+                    for (m, &(o, i)) in mats.iter().zip(&list) {
+                        m.matmul(act(i), &mut out[..rows * o], isa, pool);
+                    }
+                });
+                let single = seconds_per_call(|| {
+                    one.matmul(act(width), &mut out[..rows * total_rows], isa, pool);
+                });
+                println!(
+                    "| {kind} {} | {bits:?} | {rows} | {} | {:.1} | {:.0} | {:.1} | {:.1} | {:.0} | {:.1} | {:.2} | {bw:.1} |",
+                    isa.as_str(),
+                    list.len(),
+                    bytes as f64 / 1e6,
+                    stream * 1e6,
+                    bytes as f64 / stream / 1e9,
+                    (macs * rows) as f64 / stream / 1e9,
+                    single * 1e6,
+                    one.bytes() as f64 / single / 1e9,
+                    stream / single
+                );
             }
         }
-        let act = |i: usize| {
-            &acts
-                .iter()
-                .find(|(w, _)| *w == i)
-                .unwrap_or_else(|| panic!("width {i}"))
-                .1
-        };
-        let mut out = vec![0f32; list.iter().map(|s| s.0).max().unwrap_or(0).max(total_rows)];
-        let bw = read_bandwidth(pool);
-        let stream = seconds_per_call(|| {
-            for (m, &(o, i)) in mats.iter().zip(&list) {
-                m.matmul(act(i), &mut out[..o], isa, pool)
-                    .unwrap_or_else(|e| panic!("{e}"));
-            }
-        });
-        let single = seconds_per_call(|| {
-            one.matmul(act(width), &mut out[..total_rows], isa, pool)
-                .unwrap_or_else(|e| panic!("{e}"));
-        });
-        println!(
-            "| q8 {} | {} | {:.1} | {:.0} | {:.1} | {:.0} | {:.1} | {:.2} | {bw:.1} |",
-            isa.as_str(),
-            list.len(),
-            bytes as f64 / 1e6,
-            stream * 1e6,
-            bytes as f64 / stream / 1e9,
-            single * 1e6,
-            one.bytes() as f64 / single / 1e9,
-            stream / single
-        );
+    }
+}
+
+/// The weights of one product of [`decode_stream`], 8- or 4-bit.
+enum Weights {
+    Q8(PackedQ8),
+    Q4(PackedQ4),
+}
+
+impl Weights {
+    fn bytes(&self) -> usize {
+        match self {
+            Weights::Q8(w) => w.bytes(),
+            Weights::Q4(w) => w.bytes(),
+        }
+    }
+
+    fn matmul(&self, a: &Activations, out: &mut [f32], isa: Isa, pool: &Pool) {
+        match self {
+            Weights::Q8(w) => w.matmul(a, out, isa, pool),
+            Weights::Q4(w) => w.matmul(a, out, isa, pool),
+        }
+        .unwrap_or_else(|e| panic!("{e}"))
     }
 }
 

@@ -671,11 +671,14 @@ unsafe fn q4_byte_tile(
         let (a1, b1) = byte_levels(wb0.add(64), nibble);
         let (a2, b2) = byte_levels(wb1, nibble);
         let (a3, b3) = byte_levels(wb1.add(64), nibble);
-        // Rows 0–3 and 4–7 of tile `t0`, then of `t1`, each in every slice; one of each.
-        let sum =
-            _mm512_mask_blend_epi32(0x00F0, quad_dot(a0, a1, x0, x1), quad_dot(b0, b1, x0, x1));
-        let sum = _mm512_mask_blend_epi32(0x0F00, sum, quad_dot(a2, a3, x0, x1));
-        let sum = _mm512_mask_blend_epi32(0xF000, sum, quad_dot(b2, b3, x0, x1));
+        // Rows 0–3 and 4–7 of tile `t0`, then of `t1`: slice `j` of the sum is register
+        // `j`'s slices added.
+        let sum = fold_four(
+            quad_dot(a0, a1, x0, x1),
+            quad_dot(b0, b1, x0, x1),
+            quad_dot(a2, a3, x0, x1),
+            quad_dot(b2, b3, x0, x1),
+        );
         let (dw, mw) = pair.scales(b);
         let s = _mm512_mul_ps(dw, _mm512_set1_ps(*ad.add(b)));
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), s, acc);
@@ -698,19 +701,35 @@ unsafe fn byte_levels(p: *const u8, nibble: __m512i) -> (__m512i, __m512i) {
     (_mm512_unpacklo_epi16(lo, hi), _mm512_unpackhi_epi16(lo, hi))
 }
 
-/// Each row's sum over a block's two registers of levels (quads 0–3 and 4–7, from
-/// [`byte_levels`]) times the activations spread to match, folded over the slices.
+/// Each row's partial sums over a block's two registers of levels (quads 0–3 and 4–7, from
+/// [`byte_levels`]) times the activations spread to match: slice `k` holds quad `k`'s and
+/// quad `k + 4`'s ([`fold_four`] adds the slices).
 #[target_feature(enable = "avx512f,avx512vnni")]
 #[inline]
 unsafe fn quad_dot(lo: __m512i, hi: __m512i, x0: __m512i, x1: __m512i) -> __m512i {
     let s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, x0);
-    fold_slices(_mm512_dpbusd_epi32(s, hi, x1))
+    _mm512_dpbusd_epi32(s, hi, x1)
 }
 
-/// The sum of a register's four 128-bit slices, in every slice.
+/// Slice `j` of the result is the sum of the four 128-bit slices of the `j`-th argument: a
+/// 4 × 4 transpose of slices, added on the way (six slice shuffles and three adds, where
+/// folding each register alone and blending takes eight, eight and three). Integer adds, so
+/// the sums are the same whatever their order.
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn fold_slices(v: __m512i) -> __m512i {
-    let v = _mm512_add_epi32(v, _mm512_shuffle_i32x4::<0x4E>(v, v));
-    _mm512_add_epi32(v, _mm512_shuffle_i32x4::<0xB1>(v, v))
+unsafe fn fold_four(a: __m512i, b: __m512i, c: __m512i, d: __m512i) -> __m512i {
+    // [a0 + a2, a1 + a3, b0 + b2, b1 + b3] and the same for c, d.
+    let ab = _mm512_add_epi32(
+        _mm512_shuffle_i32x4::<0x44>(a, b),
+        _mm512_shuffle_i32x4::<0xEE>(a, b),
+    );
+    let cd = _mm512_add_epi32(
+        _mm512_shuffle_i32x4::<0x44>(c, d),
+        _mm512_shuffle_i32x4::<0xEE>(c, d),
+    );
+    // [a, b, c, d] each summed: even slices plus odd slices.
+    _mm512_add_epi32(
+        _mm512_shuffle_i32x4::<0x88>(ab, cd),
+        _mm512_shuffle_i32x4::<0xDD>(ab, cd),
+    )
 }
