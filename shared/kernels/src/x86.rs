@@ -32,17 +32,19 @@ use std::ops::Range;
 /// AVX-512) ask for weight bytes.
 const PREFETCH_AHEAD: usize = 8192;
 
-/// Ask for the `bytes` of weights [`PREFETCH_AHEAD`] bytes on from `block`, one `prefetcht0`
+/// Ask for the `bytes` of weights [`PREFETCH_AHEAD`] bytes on from `block`, one `prefetcht1`
 /// per cache line. A thread's tiles are one contiguous stream, so at batch 1 this keeps more
-/// lines in flight than the hardware prefetcher alone. A prefetch never faults: past the end
-/// it fetches nothing of ours.
+/// lines in flight than the hardware prefetcher alone. Into the second-level cache, not the
+/// first: on AMD Zen 4 `prefetcht0` left a one-thread 4-bit stream at 11–14 GB/s and
+/// `prefetcht1` took it to 23 (the first level's miss buffers fill; docs/design/kernels.md).
+/// A prefetch never faults: past the end it fetches nothing of ours.
 #[inline(always)]
 pub(crate) fn prefetch_ahead(block: *const u8, bytes: usize) {
     for line in 0..bytes / 64 {
         let p = block.wrapping_add(PREFETCH_AHEAD + 64 * line) as *const i8;
         // SAFETY: a prefetch is a hint; it reads nothing into the program and cannot fault,
         // whatever the address. SSE is part of x86-64.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p) };
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p) };
     }
 }
 
