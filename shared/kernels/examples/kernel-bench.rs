@@ -140,14 +140,16 @@ fn main() {
             for isa in Isa::all_available() {
                 // The weights in the order this instruction set's kernel reads, and for
                 // AVX-512 also in the quad order its 8-bit-activation kernel reads.
-                let p4 = PackedQ4::quantize(&w, o, i).unwrap_or_else(|e| panic!("{e}"));
+                let p4 =
+                    Weights::Q4(PackedQ4::quantize(&w, o, i).unwrap_or_else(|e| panic!("{e}")));
                 let mut layouts = vec![(Q8Layout::for_isa(isa), isa.as_str().to_string())];
                 if isa == Isa::Avx512 {
                     layouts.push((Q8Layout::WideQuadColumns, "avx512-quad".to_string()));
                 }
                 for (li, (layout, name)) in layouts.iter().enumerate() {
-                    let p =
-                        PackedQ8::quantize_in(&w, o, i, *layout).unwrap_or_else(|e| panic!("{e}"));
+                    let p8 = Weights::Q8(
+                        PackedQ8::quantize_in(&w, o, i, *layout).unwrap_or_else(|e| panic!("{e}")),
+                    );
                     for (bits, four) in [
                         (ActBits::Eight, false),
                         (ActBits::Sixteen, false),
@@ -157,16 +159,12 @@ fn main() {
                         if four && li > 0 {
                             continue;
                         }
+                        let p = if four { &p4 } else { &p8 };
                         let mut a = Activations::new();
                         let run = || {
                             a.quantize_with(&x, m, i, bits, isa)
                                 .unwrap_or_else(|e| panic!("{e}"));
-                            if four {
-                                p4.matmul(&a, &mut out, isa, pool)
-                            } else {
-                                p.matmul(&a, &mut out, isa, pool)
-                            }
-                            .unwrap_or_else(|e| panic!("{e}"));
+                            p.matmul(&a, &mut out, isa, pool);
                         };
                         let s = seconds_per_call(run);
                         let kind = if four { "q4" } else { "q8" };
@@ -175,7 +173,7 @@ fn main() {
                             "| {kind} {name} {:?} | {o}x{i} | {m} | {:.1} | {:.1} | {:.1} | {ratio} |",
                             bits,
                             s * 1e6,
-                            if four { p4.bytes() } else { p.bytes() } as f64 / s / 1e9,
+                            p.bytes() as f64 / s / 1e9,
                             (o * i * m) as f64 / s / 1e9
                         );
                     }
@@ -261,9 +259,10 @@ fn attention_table(ctxs: &[usize], pool: &Pool) {
     }
 }
 
-/// One decode token's Q8_0 products at batch 1 over distinct matrices (`layers` times every
-/// shape but the last, then the last once), back to back, against one product over a single
-/// matrix of the same bytes, per instruction set (16-bit activations, the `all` width).
+/// One decode step's products over distinct matrices (`layers` times every shape but the
+/// last, then the last once), back to back, against one product over a single matrix of the
+/// same bytes: per instruction set, Q8_0 and 4-bit weights, 16- and 8-bit activations, at
+/// each of `rows_list` activation rows.
 fn decode_stream(shapes: &[(usize, usize)], layers: usize, rows_list: &[usize], pool: &Pool) {
     let Some((&last, per_layer)) = shapes.split_last() else {
         return;
@@ -292,6 +291,7 @@ fn decode_stream(shapes: &[(usize, usize)], layers: usize, rows_list: &[usize], 
     );
     println!("| kernel | activations | rows | products | MB | µs per step | GB/s | GMAC/s | one product of the same bytes, µs | GB/s | time vs one | read bandwidth just before, GB/s |\n|---|---|---|---|---|---|---|---|---|---|---|---|");
     let macs: usize = list.iter().map(|s| s.0 * s.1).sum();
+    let most = list.iter().map(|s| s.0).max().unwrap_or(0).max(total_rows);
     for isa in Isa::all_available()
         .into_iter()
         .filter(|&i| i != Isa::Scalar)
@@ -341,7 +341,6 @@ fn decode_stream(shapes: &[(usize, usize)], layers: usize, rows_list: &[usize], 
                         .unwrap_or_else(|| panic!("width {i}"))
                         .1
                 };
-                let most = list.iter().map(|s| s.0).max().unwrap_or(0).max(total_rows);
                 let mut out = vec![0f32; rows * most];
                 let bw = read_bandwidth(pool);
                 let stream = seconds_per_call(|| {
@@ -369,7 +368,7 @@ fn decode_stream(shapes: &[(usize, usize)], layers: usize, rows_list: &[usize], 
     }
 }
 
-/// The weights of one product of [`decode_stream`], 8- or 4-bit.
+/// The weights of one timed product, 8- or 4-bit.
 enum Weights {
     Q8(PackedQ8),
     Q4(PackedQ4),
