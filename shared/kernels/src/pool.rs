@@ -141,6 +141,14 @@ impl Pool {
         self.shared.threads
     }
 
+    /// Whether a call made now would run on the calling thread alone: the pool has one
+    /// thread, or another job holds it (a call nested in a pool job, or a concurrent one).
+    /// A hint for splitting work (the answer may change as soon as it is given).
+    pub fn busy(&self) -> bool {
+        self.shared.threads == 1
+            || matches!(self.run_lock.try_lock(), Err(TryLockError::WouldBlock))
+    }
+
     /// Run `one` over `0..units` in contiguous chunks (a quarter of an even share each),
     /// which the threads take in order from one counter: a thread that starts late or runs
     /// slower (a busy core, a cold cache) does not hold the others at the barrier. With
@@ -620,5 +628,22 @@ mod tests {
             hits.fetch_add(1, Ordering::SeqCst);
         });
         assert_eq!(hits.load(Ordering::SeqCst), 2);
+    }
+
+    /// `busy` says whether a call would run on its caller alone: inside a job (nested), on a
+    /// one-thread pool; not between jobs of a pool with workers.
+    #[test]
+    fn busy_is_true_inside_a_job_and_on_one_thread() {
+        let pool = Pool::new(2);
+        assert!(!pool.busy());
+        let inside = AtomicUsize::new(0);
+        pool.run(&|_, _| {
+            if pool.busy() {
+                inside.fetch_add(1, Ordering::SeqCst);
+            }
+        });
+        assert_eq!(inside.load(Ordering::SeqCst), 2);
+        assert!(!pool.busy(), "free again after the job");
+        assert!(Pool::new(1).busy());
     }
 }
