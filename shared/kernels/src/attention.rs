@@ -128,6 +128,9 @@ pub fn attention_over<S: KvSource>(
                 let item = groups.item(item);
                 match isa {
                     #[cfg(target_arch = "x86_64")]
+                    // SAFETY: `isa.available()` checked AVX-512F, AVX2 and FMA.
+                    isa if isa.x86_avx512() => unsafe { item_avx512(&call, item, scores, dst.0) },
+                    #[cfg(target_arch = "x86_64")]
                     // SAFETY: `isa.available()` checked AVX2 and FMA.
                     isa if isa.x86_simd() => unsafe { item_avx2(&call, item, scores, dst.0) },
                     _ => call.item::<Portable>(item, scores, dst.0),
@@ -209,6 +212,12 @@ pub trait KvElem: Copy + Send + Sync + 'static {
     /// `p` points at 8 readable values, and AVX2 is available.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+    /// Sixteen values from `p` as f32 (exactly as [`KvElem::to_f32`]).
+    ///
+    /// # Safety
+    /// `p` points at 16 readable values, and AVX-512F is available.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
 }
 
 impl KvElem for f32 {
@@ -221,6 +230,12 @@ impl KvElem for f32 {
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
         // SAFETY: the caller's contract.
         unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
+        // SAFETY: the caller's contract.
+        unsafe { std::arch::x86_64::_mm512_loadu_ps(p) }
     }
 }
 
@@ -235,6 +250,13 @@ impl KvElem for i8 {
         use std::arch::x86_64::*;
         // SAFETY: the caller's contract (8 bytes; `_mm_loadl_epi64` reads exactly 8).
         unsafe { _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.cast()))) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract (16 bytes).
+        unsafe { _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast()))) }
     }
 }
 
@@ -370,12 +392,48 @@ unsafe fn item_avx2<S: KvSource>(
     }
 }
 
+/// As [`item_avx2`], the weighted sums of the values in AVX-512 registers
+/// ([`x86::Avx512`]).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+unsafe fn item_avx512<S: KvSource>(
+    call: &Call<'_, S>,
+    item: Item,
+    scores: &mut [f32],
+    out: *mut f32,
+) {
+    match call.shape.head_dim {
+        64 => call.item::<x86::Avx512<8>>(item, scores, out),
+        128 => call.item::<x86::Avx512<16>>(item, scores, out),
+        _ => call.item::<Portable>(item, scores, out),
+    }
+}
+
 /// The loops of an item over `G` query heads. [`Portable`] is the reference; a SIMD form
 /// must do the same operations in the same order for every head (the tests compare bits).
 trait Loops {
     /// `[Σ q_t·b]` for each head `t`: per head 8 lanes of fused multiply-adds, then the
     /// lanes in a fixed order, then the rest in order.
     fn dots<const G: usize, E: KvElem>(q: &[&[f32]; G], b: &[E]) -> [f32; G];
+    /// Every row's scores of a run: `scores[t · ctx + j + r] = (dots_t(row r) · scale_r) ·
+    /// scale` for each head `t` (its rows' products exactly as [`Loops::dots`] gives them).
+    #[inline(always)]
+    fn scores_run<const G: usize, E: KvElem>(
+        q: &[&[f32]; G],
+        run: &KvRun<'_, E>,
+        scale: f32,
+        scores: &mut [f32],
+        (ctx, j): (usize, usize),
+    ) {
+        let hd = q[0].len();
+        for r in 0..run.rows {
+            let d = Self::dots(q, run.row(r, hd));
+            let ks = run.scale(r);
+            for (t, d) in d.into_iter().enumerate() {
+                scores[t * ctx + j + r] = d * ks * scale;
+            }
+        }
+    }
     /// The largest of `s`, NaN ignored.
     fn max(s: &[f32]) -> f32;
     /// `s ← exp(s − max)` in place; returns Σ s (8 lanes, then the lanes in a fixed order).
@@ -425,6 +483,17 @@ mod x86 {
 
     impl<const C: usize> super::Loops for Avx2<C> {
         #[inline(always)]
+        fn scores_run<const G: usize, E: KvElem>(
+            q: &[&[f32]; G],
+            run: &KvRun<'_, E>,
+            scale: f32,
+            scores: &mut [f32],
+            at: (usize, usize),
+        ) {
+            // SAFETY: built only behind the instruction-set check (see the type).
+            unsafe { scores_run::<C, G, E>(q, run, scale, scores, at) }
+        }
+        #[inline(always)]
         fn dots<const G: usize, E: KvElem>(q: &[&[f32]; G], b: &[E]) -> [f32; G] {
             // SAFETY: built only behind the AVX2 check (see the type).
             unsafe { dots::<C, G, E>(q, b) }
@@ -452,6 +521,165 @@ mod x86 {
                     1 => weighted_run::<C, 8, G, E>(p, run, o),
                     2 => weighted_run::<C, 4, G, E>(p, run, o),
                     _ => weighted_run::<C, 2, G, E>(p, run, o),
+                }
+            }
+        }
+    }
+
+    /// The loops for head width `8 · C` with the values' weighted sums in AVX-512 registers
+    /// (16 lanes: a head's 64 outputs in 4 registers, so a group of up to 4 heads keeps all
+    /// its sums across a run's rows in one pass); the scores, max and exponentials as
+    /// [`Avx2`]. Each output value gets the same fused multiply-adds in the same order as
+    /// under [`Avx2`] and the portable loops, so the same bits. Only
+    /// [`super::item_avx512`] uses it, after the caller checked AVX-512F, AVX2 and FMA.
+    pub(super) struct Avx512<const C: usize>;
+
+    impl<const C: usize> super::Loops for Avx512<C> {
+        #[inline(always)]
+        fn scores_run<const G: usize, E: KvElem>(
+            q: &[&[f32]; G],
+            run: &KvRun<'_, E>,
+            scale: f32,
+            scores: &mut [f32],
+            at: (usize, usize),
+        ) {
+            // SAFETY: built only behind the instruction-set check (see the type).
+            unsafe { scores_run::<C, G, E>(q, run, scale, scores, at) }
+        }
+        #[inline(always)]
+        fn dots<const G: usize, E: KvElem>(q: &[&[f32]; G], b: &[E]) -> [f32; G] {
+            // SAFETY: built only behind the AVX-512 check (see the type).
+            unsafe { dots::<C, G, E>(q, b) }
+        }
+        #[inline(always)]
+        fn max(s: &[f32]) -> f32 {
+            // SAFETY: as above.
+            unsafe { max(s) }
+        }
+        #[inline(always)]
+        fn exp_shifted(s: &mut [f32], max: f32) -> f32 {
+            // SAFETY: as above.
+            unsafe { exp_shifted(s, max) }
+        }
+        #[inline(always)]
+        fn weighted_run<const G: usize, E: KvElem>(
+            p: &[&[f32]; G],
+            run: &KvRun<'_, E>,
+            o: &mut [f32],
+        ) {
+            // SAFETY: as above. Four registers of each head's sums at a time: at most 16 of
+            // the 32 registers, beside the value and the heads' weights.
+            unsafe { weighted_run_512::<C, G, E>(p, run, o) }
+        }
+    }
+
+    /// Rows taken together by [`scores_run`]: their lanes are added in one `hadd` tree.
+    const ROWS: usize = 4;
+
+    /// As the portable [`super::Loops::scores_run`]: [`ROWS`] rows at a time, each row's 8
+    /// lanes per head in registers (each chunk of a row loaded and converted once for the
+    /// heads), then the four rows' lanes added together by `hadd` (the portable order for
+    /// each row) and their scores scaled and stored as one vector; the rows left over one at
+    /// a time by [`dots`]. The caller checks AVX2 and FMA are available.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    pub(super) unsafe fn scores_run<const C: usize, const G: usize, E: KvElem>(
+        q: &[&[f32]; G],
+        run: &KvRun<'_, E>,
+        scale: f32,
+        scores: &mut [f32],
+        (ctx, j): (usize, usize),
+    ) {
+        let hd = 8 * C;
+        assert!(q.iter().all(|q| q.len() >= hd));
+        assert!(G == 0 || scores.len() >= (G - 1) * ctx + j + run.rows);
+        if let Some(last) = run.rows.checked_sub(1) {
+            assert!(run.data.len() >= last * run.stride + hd);
+            assert!(run.scales.len() > last * run.scale_stride);
+        }
+        let whole = run.rows - run.rows % ROWS;
+        // SAFETY: every row read lies inside `run.data`, every scale inside `run.scales`,
+        // every score written inside `scores` (checked above); unaligned loads and stores.
+        unsafe {
+            let scale4 = _mm_set1_ps(scale);
+            for r in (0..whole).step_by(ROWS) {
+                let mut acc = [[_mm256_setzero_ps(); ROWS]; G];
+                for c in 0..C {
+                    for p in 0..ROWS {
+                        let y = E::load8(run.data.as_ptr().add((r + p) * run.stride + 8 * c));
+                        for (acc, q) in acc.iter_mut().zip(q) {
+                            acc[p] =
+                                _mm256_fmadd_ps(_mm256_loadu_ps(q.as_ptr().add(8 * c)), y, acc[p]);
+                        }
+                    }
+                }
+                let ks = _mm_setr_ps(
+                    *run.scales.get_unchecked(r * run.scale_stride),
+                    *run.scales.get_unchecked((r + 1) * run.scale_stride),
+                    *run.scales.get_unchecked((r + 2) * run.scale_stride),
+                    *run.scales.get_unchecked((r + 3) * run.scale_stride),
+                );
+                for (t, a) in acc.iter().enumerate() {
+                    // Lane p of the low half: row p's lanes 0..4 added as ((0+1)+(2+3)); of
+                    // the high half its lanes 4..8; then the halves.
+                    let h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+                    let d = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+                    let s = _mm_mul_ps(_mm_mul_ps(d, ks), scale4);
+                    _mm_storeu_ps(scores.as_mut_ptr().add(t * ctx + j + r), s);
+                }
+            }
+            for r in whole..run.rows {
+                let d = dots::<C, G, E>(q, run.row(r, hd));
+                let ks = run.scale(r);
+                for (t, d) in d.into_iter().enumerate() {
+                    *scores.get_unchecked_mut(t * ctx + j + r) = d * ks * scale;
+                }
+            }
+        }
+    }
+
+    /// As [`weighted_run`] in 16-lane registers: `C / 2` registers per head's output,
+    /// four at a time.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    #[inline]
+    unsafe fn weighted_run_512<const C: usize, const G: usize, E: KvElem>(
+        p: &[&[f32]; G],
+        run: &KvRun<'_, E>,
+        o: &mut [f32],
+    ) {
+        const B: usize = 4;
+        let hd = 8 * C;
+        let n = p[0].len();
+        assert!(C % (2 * B) == 0 && o.len() == G * hd && p.iter().all(|p| p.len() == n));
+        assert!(n <= run.rows);
+        if let Some(last) = n.checked_sub(1) {
+            assert!(run.data.len() >= last * run.stride + hd);
+        }
+        // SAFETY: every row read lies inside `run.data`, every weight inside its head's `p`
+        // and `o` holds `G · hd` values (checked).
+        unsafe {
+            for block in (0..C / 2).step_by(B) {
+                let mut acc = [[_mm512_setzero_ps(); B]; G];
+                for (t, acc) in acc.iter_mut().enumerate() {
+                    for (b, acc) in acc.iter_mut().enumerate() {
+                        *acc = _mm512_loadu_ps(o.as_ptr().add(t * hd + 16 * (block + b)));
+                    }
+                }
+                for r in 0..n {
+                    let w: [__m512; G] =
+                        std::array::from_fn(|t| _mm512_set1_ps(*p[t].get_unchecked(r)));
+                    let row = run.data.as_ptr().add(r * run.stride + 16 * block);
+                    for b in 0..B {
+                        let v = E::load16(row.add(16 * b));
+                        for (acc, w) in acc.iter_mut().zip(&w) {
+                            acc[b] = _mm512_fmadd_ps(*w, v, acc[b]);
+                        }
+                    }
+                }
+                for (t, acc) in acc.iter().enumerate() {
+                    for (b, acc) in acc.iter().enumerate() {
+                        _mm512_storeu_ps(o.as_mut_ptr().add(t * hd + 16 * (block + b)), *acc);
+                    }
                 }
             }
         }
@@ -552,11 +780,14 @@ mod x86 {
                     *acc = _mm256_fmadd_ps(_mm256_loadu_ps(q.as_ptr().add(8 * c)), y, *acc);
                 }
             }
-            // ((a0 + a4) + (a1 + a5)) + ((a2 + a6) + (a3 + a7)), as the portable code adds.
+            // ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)), as the portable code adds.
             acc.map(|acc| {
-                let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-                let h = _mm_hadd_ps(s, s);
-                _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)))
+                let h = _mm256_hadd_ps(acc, acc);
+                let h = _mm256_hadd_ps(h, h);
+                _mm_cvtss_f32(_mm_add_ss(
+                    _mm256_castps256_ps128(h),
+                    _mm256_extractf128_ps(h, 1),
+                ))
             })
         }
     }
@@ -642,13 +873,7 @@ impl<S: KvSource> Call<'_, S> {
         let scores = &mut scores[..G * ctx];
         let mut j = 0;
         self.kv.runs(false, g, ctx, |run| {
-            for r in 0..run.rows {
-                let d = L::dots(&q, run.row(r, hd));
-                let ks = run.scale(r);
-                for (t, d) in d.into_iter().enumerate() {
-                    scores[t * ctx + j + r] = d * ks * scale;
-                }
-            }
+            L::scores_run(&q, &run, scale, scores, (ctx, j));
             j += run.rows;
         });
         let inv: [f32; G] = std::array::from_fn(|t| {
@@ -685,7 +910,8 @@ impl<S: KvSource> Call<'_, S> {
     }
 }
 
-/// Σ a·b in 8 lanes of fused multiply-adds, then the lanes in a fixed order, then the rest.
+/// Σ a·b in 8 lanes of fused multiply-adds, then the lanes pairwise in order (the order two
+/// rounds of `hadd` give, so a SIMD form can add several rows' lanes at once), then the rest.
 #[inline(always)]
 fn dot<E: KvElem>(a: &[f32], b: &[E]) -> f32 {
     let mut acc = [0f32; 8];
@@ -696,7 +922,7 @@ fn dot<E: KvElem>(a: &[f32], b: &[E]) -> f32 {
             acc[l] = x[l].mul_add(y[l].to_f32(), acc[l]);
         }
     }
-    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    let mut s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
     for (x, y) in ar.iter().zip(br) {
         s = x.mul_add(y.to_f32(), s);
     }

@@ -110,6 +110,13 @@ impl Isa {
         matches!(self, Isa::Avx2 | Isa::AvxVnni | Isa::Avx512 | Isa::Amx)
     }
 
+    /// Whether the x86 AVX-512 kernels run under `self` (AMX CPUs run them for everything
+    /// the tiles do not do).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub(crate) fn x86_avx512(self) -> bool {
+        matches!(self, Isa::Avx512 | Isa::Amx)
+    }
+
     /// Whether the Q8_0 product takes its activations as bytes as well (the AMX tiles, and
     /// `vpdpbusd` for the rows they leave over).
     pub(crate) fn byte_activations(self) -> bool {
