@@ -650,7 +650,7 @@ mod x86 {
         const B: usize = 4;
         let hd = 8 * C;
         let n = p[0].len();
-        assert!(C % (2 * B) == 0 && o.len() == G * hd && p.iter().all(|p| p.len() == n));
+        assert!(C.is_multiple_of(2 * B) && o.len() == G * hd && p.iter().all(|p| p.len() == n));
         assert!(n <= run.rows);
         if let Some(last) = n.checked_sub(1) {
             assert!(run.data.len() >= last * run.stride + hd);
