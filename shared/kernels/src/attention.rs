@@ -385,15 +385,11 @@ unsafe fn item_avx2<S: KvSource>(
     scores: &mut [f32],
     out: *mut f32,
 ) {
-    match call.shape.head_dim {
-        64 => call.item::<x86::Avx2<8>>(item, scores, out),
-        128 => call.item::<x86::Avx2<16>>(item, scores, out),
-        _ => call.item::<Portable>(item, scores, out),
-    }
+    call.item_simd::<false>(item, scores, out)
 }
 
 /// As [`item_avx2`], the weighted sums of the values in AVX-512 registers
-/// ([`x86::Avx512`]).
+/// ([`x86::Simd`] with `WIDE`).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
 unsafe fn item_avx512<S: KvSource>(
@@ -402,38 +398,22 @@ unsafe fn item_avx512<S: KvSource>(
     scores: &mut [f32],
     out: *mut f32,
 ) {
-    match call.shape.head_dim {
-        64 => call.item::<x86::Avx512<8>>(item, scores, out),
-        128 => call.item::<x86::Avx512<16>>(item, scores, out),
-        _ => call.item::<Portable>(item, scores, out),
-    }
+    call.item_simd::<true>(item, scores, out)
 }
 
 /// The loops of an item over `G` query heads. [`Portable`] is the reference; a SIMD form
 /// must do the same operations in the same order for every head (the tests compare bits).
 trait Loops {
-    /// `[Σ q_t·b]` for each head `t`: per head 8 lanes of fused multiply-adds, then the
-    /// lanes in a fixed order, then the rest in order.
-    fn dots<const G: usize, E: KvElem>(q: &[&[f32]; G], b: &[E]) -> [f32; G];
-    /// Every row's scores of a run: `scores[t · ctx + j + r] = (dots_t(row r) · scale_r) ·
-    /// scale` for each head `t` (its rows' products exactly as [`Loops::dots`] gives them).
-    #[inline(always)]
+    /// Every row's scores of a run: `scores[t · ctx + j + r] = (q_t · row_r · scale_r) ·
+    /// scale` for each head `t`, each product as [`dot`] adds it (8 lanes of fused
+    /// multiply-adds, then the lanes in a fixed order, then the rest in order).
     fn scores_run<const G: usize, E: KvElem>(
         q: &[&[f32]; G],
         run: &KvRun<'_, E>,
         scale: f32,
         scores: &mut [f32],
-        (ctx, j): (usize, usize),
-    ) {
-        let hd = q[0].len();
-        for r in 0..run.rows {
-            let d = Self::dots(q, run.row(r, hd));
-            let ks = run.scale(r);
-            for (t, d) in d.into_iter().enumerate() {
-                scores[t * ctx + j + r] = d * ks * scale;
-            }
-        }
-    }
+        at: (usize, usize),
+    );
     /// The largest of `s`, NaN ignored.
     fn max(s: &[f32]) -> f32;
     /// `s ← exp(s − max)` in place; returns Σ s (8 lanes, then the lanes in a fixed order).
@@ -448,8 +428,20 @@ struct Portable;
 
 impl Loops for Portable {
     #[inline(always)]
-    fn dots<const G: usize, E: KvElem>(q: &[&[f32]; G], b: &[E]) -> [f32; G] {
-        std::array::from_fn(|t| dot(q[t], b))
+    fn scores_run<const G: usize, E: KvElem>(
+        q: &[&[f32]; G],
+        run: &KvRun<'_, E>,
+        scale: f32,
+        scores: &mut [f32],
+        (ctx, j): (usize, usize),
+    ) {
+        let hd = q[0].len();
+        for r in 0..run.rows {
+            let ks = run.scale(r);
+            for (t, q) in q.iter().enumerate() {
+                scores[t * ctx + j + r] = dot(q, run.row(r, hd)) * ks * scale;
+            }
+        }
     }
     #[inline(always)]
     fn max(s: &[f32]) -> f32 {
@@ -477,11 +469,16 @@ mod x86 {
     use super::{KvElem, KvRun};
     use std::arch::x86_64::*;
 
-    /// The loops for head width `8 · C`. Only [`super::item_avx2`] uses it, after the
-    /// caller checked AVX2 and FMA are available.
-    pub(super) struct Avx2<const C: usize>;
+    /// The loops for head width `8 · C`: scores, max and exponentials in AVX2 registers;
+    /// the values' weighted sums in AVX2 registers, or with `WIDE` in AVX-512 ones (16
+    /// lanes: a head's 64 outputs in 4 registers, so a group of up to 4 heads keeps all its
+    /// sums across a run's rows in one pass). Each value gets the same fused multiply-adds
+    /// in the same order either way, so the same bits. Only [`super::item_avx2`] (not
+    /// `WIDE`, after the caller checked AVX2 and FMA) and [`super::item_avx512`] (`WIDE`,
+    /// after it checked AVX-512F as well) use it.
+    pub(super) struct Simd<const C: usize, const WIDE: bool>;
 
-    impl<const C: usize> super::Loops for Avx2<C> {
+    impl<const C: usize, const WIDE: bool> super::Loops for Simd<C, WIDE> {
         #[inline(always)]
         fn scores_run<const G: usize, E: KvElem>(
             q: &[&[f32]; G],
@@ -492,11 +489,6 @@ mod x86 {
         ) {
             // SAFETY: built only behind the instruction-set check (see the type).
             unsafe { scores_run::<C, G, E>(q, run, scale, scores, at) }
-        }
-        #[inline(always)]
-        fn dots<const G: usize, E: KvElem>(q: &[&[f32]; G], b: &[E]) -> [f32; G] {
-            // SAFETY: built only behind the AVX2 check (see the type).
-            unsafe { dots::<C, G, E>(q, b) }
         }
         #[inline(always)]
         fn max(s: &[f32]) -> f32 {
@@ -514,62 +506,17 @@ mod x86 {
             run: &KvRun<'_, E>,
             o: &mut [f32],
         ) {
-            // SAFETY: as above. Blocks of output registers that fit the 16 AVX2 registers
-            // beside one value register and the heads' weights.
+            // SAFETY: as above. AVX2: blocks of output registers that fit the 16 registers
+            // beside one value register and the heads' weights. AVX-512: four registers of
+            // each head's sums at a time, at most 16 of the 32.
             unsafe {
-                match G {
-                    1 => weighted_run::<C, 8, G, E>(p, run, o),
-                    2 => weighted_run::<C, 4, G, E>(p, run, o),
-                    _ => weighted_run::<C, 2, G, E>(p, run, o),
+                match (WIDE, G) {
+                    (true, _) => weighted_run_512::<C, G, E>(p, run, o),
+                    (false, 1) => weighted_run::<C, 8, G, E>(p, run, o),
+                    (false, 2) => weighted_run::<C, 4, G, E>(p, run, o),
+                    (false, _) => weighted_run::<C, 2, G, E>(p, run, o),
                 }
             }
-        }
-    }
-
-    /// The loops for head width `8 · C` with the values' weighted sums in AVX-512 registers
-    /// (16 lanes: a head's 64 outputs in 4 registers, so a group of up to 4 heads keeps all
-    /// its sums across a run's rows in one pass); the scores, max and exponentials as
-    /// [`Avx2`]. Each output value gets the same fused multiply-adds in the same order as
-    /// under [`Avx2`] and the portable loops, so the same bits. Only
-    /// [`super::item_avx512`] uses it, after the caller checked AVX-512F, AVX2 and FMA.
-    pub(super) struct Avx512<const C: usize>;
-
-    impl<const C: usize> super::Loops for Avx512<C> {
-        #[inline(always)]
-        fn scores_run<const G: usize, E: KvElem>(
-            q: &[&[f32]; G],
-            run: &KvRun<'_, E>,
-            scale: f32,
-            scores: &mut [f32],
-            at: (usize, usize),
-        ) {
-            // SAFETY: built only behind the instruction-set check (see the type).
-            unsafe { scores_run::<C, G, E>(q, run, scale, scores, at) }
-        }
-        #[inline(always)]
-        fn dots<const G: usize, E: KvElem>(q: &[&[f32]; G], b: &[E]) -> [f32; G] {
-            // SAFETY: built only behind the AVX-512 check (see the type).
-            unsafe { dots::<C, G, E>(q, b) }
-        }
-        #[inline(always)]
-        fn max(s: &[f32]) -> f32 {
-            // SAFETY: as above.
-            unsafe { max(s) }
-        }
-        #[inline(always)]
-        fn exp_shifted(s: &mut [f32], max: f32) -> f32 {
-            // SAFETY: as above.
-            unsafe { exp_shifted(s, max) }
-        }
-        #[inline(always)]
-        fn weighted_run<const G: usize, E: KvElem>(
-            p: &[&[f32]; G],
-            run: &KvRun<'_, E>,
-            o: &mut [f32],
-        ) {
-            // SAFETY: as above. Four registers of each head's sums at a time: at most 16 of
-            // the 32 registers, beside the value and the heads' weights.
-            unsafe { weighted_run_512::<C, G, E>(p, run, o) }
         }
     }
 
@@ -583,7 +530,7 @@ mod x86 {
     /// a time by [`dots`]. The caller checks AVX2 and FMA are available.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    pub(super) unsafe fn scores_run<const C: usize, const G: usize, E: KvElem>(
+    unsafe fn scores_run<const C: usize, const G: usize, E: KvElem>(
         q: &[&[f32]; G],
         run: &KvRun<'_, E>,
         scale: f32,
@@ -766,7 +713,7 @@ mod x86 {
     /// loaded once for all of them. The caller checks AVX2 and FMA are available.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    pub(super) unsafe fn dots<const C: usize, const G: usize, E: KvElem>(
+    unsafe fn dots<const C: usize, const G: usize, E: KvElem>(
         q: &[&[f32]; G],
         b: &[E],
     ) -> [f32; G] {
@@ -842,6 +789,19 @@ mod x86 {
 }
 
 impl<S: KvSource> Call<'_, S> {
+    /// One item with the x86 loops for the common head widths (64, 128; the weighted sums in
+    /// AVX-512 registers with `WIDE`), the portable loops for any other. Inlined into the
+    /// callers that enable the instruction sets.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn item_simd<const WIDE: bool>(&self, item: Item, scores: &mut [f32], out: *mut f32) {
+        match self.shape.head_dim {
+            64 => self.item::<x86::Simd<8, WIDE>>(item, scores, out),
+            128 => self.item::<x86::Simd<16, WIDE>>(item, scores, out),
+            _ => self.item::<Portable>(item, scores, out),
+        }
+    }
+
     /// One item with loops `L` (the portable ones, or a SIMD form that does the same
     /// operations in the same order).
     #[inline(always)]
