@@ -129,10 +129,10 @@ pub fn attention_over<S: KvSource>(
                 match isa {
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: `isa.available()` checked AVX-512F, AVX2 and FMA.
-                    isa if isa.x86_avx512() => unsafe { item_avx512(&call, item, scores, dst.0) },
+                    isa if isa.x86_avx512() => unsafe { call.item_avx512(item, scores, dst.0) },
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: `isa.available()` checked AVX2 and FMA.
-                    isa if isa.x86_simd() => unsafe { item_avx2(&call, item, scores, dst.0) },
+                    isa if isa.x86_simd() => unsafe { call.item_avx2(item, scores, dst.0) },
                     _ => call.item::<Portable>(item, scores, dst.0),
                 }
             }
@@ -375,32 +375,6 @@ struct Call<'a, S> {
     shape: AttentionShape,
 }
 
-/// One item with the AVX2 loops for the common head widths (64, 128), the portable loops
-/// compiled for AVX2 and FMA for any other.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn item_avx2<S: KvSource>(
-    call: &Call<'_, S>,
-    item: Item,
-    scores: &mut [f32],
-    out: *mut f32,
-) {
-    call.item_simd::<false>(item, scores, out)
-}
-
-/// As [`item_avx2`], the weighted sums of the values in AVX-512 registers
-/// ([`x86::Simd`] with `WIDE`).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
-unsafe fn item_avx512<S: KvSource>(
-    call: &Call<'_, S>,
-    item: Item,
-    scores: &mut [f32],
-    out: *mut f32,
-) {
-    call.item_simd::<true>(item, scores, out)
-}
-
 /// The loops of an item over `G` query heads. [`Portable`] is the reference; a SIMD form
 /// must do the same operations in the same order for every head (the tests compare bits).
 trait Loops {
@@ -460,24 +434,12 @@ impl Loops for Portable {
     }
 }
 
-// The common head widths' loops in x86 registers (`attention/x86.rs`).
+// The common head widths' loops in x86 registers, and the items that run them
+// (`Call::item_avx2`, `Call::item_avx512`).
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
 impl<S: KvSource> Call<'_, S> {
-    /// One item with the x86 loops for the common head widths (64, 128; the weighted sums in
-    /// AVX-512 registers with `WIDE`), the portable loops for any other. Inlined into the
-    /// callers that enable the instruction sets.
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    fn item_simd<const WIDE: bool>(&self, item: Item, scores: &mut [f32], out: *mut f32) {
-        match self.shape.head_dim {
-            64 => self.item::<x86::Simd<8, WIDE>>(item, scores, out),
-            128 => self.item::<x86::Simd<16, WIDE>>(item, scores, out),
-            _ => self.item::<Portable>(item, scores, out),
-        }
-    }
-
     /// One item with loops `L` (the portable ones, or a SIMD form that does the same
     /// operations in the same order).
     #[inline(always)]

@@ -3,15 +3,48 @@
 //! value row loaded once for the item's heads, the output kept in registers across a run
 //! of rows and the exponentials 8 at a time.
 
-use super::{KvElem, KvRun};
+use super::{Call, Item, KvElem, KvRun, KvSource, Portable};
 use std::arch::x86_64::*;
+
+impl<S: KvSource> Call<'_, S> {
+    /// One item with the AVX2 loops for the common head widths (64, 128), the portable loops
+    /// compiled for AVX2 and FMA for any other.
+    ///
+    /// # Safety
+    /// AVX2 and FMA are available.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn item_avx2(&self, item: Item, scores: &mut [f32], out: *mut f32) {
+        self.item_simd::<false>(item, scores, out)
+    }
+
+    /// As [`Call::item_avx2`], the weighted sums of the values in AVX-512 registers
+    /// ([`Simd`] with `WIDE`).
+    ///
+    /// # Safety
+    /// AVX-512F, AVX2 and FMA are available.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(super) unsafe fn item_avx512(&self, item: Item, scores: &mut [f32], out: *mut f32) {
+        self.item_simd::<true>(item, scores, out)
+    }
+
+    /// The head-width dispatch both share, inlined into each so its loops are compiled for
+    /// that one's instruction sets.
+    #[inline(always)]
+    fn item_simd<const WIDE: bool>(&self, item: Item, scores: &mut [f32], out: *mut f32) {
+        match self.shape.head_dim {
+            64 => self.item::<Simd<8, WIDE>>(item, scores, out),
+            128 => self.item::<Simd<16, WIDE>>(item, scores, out),
+            _ => self.item::<Portable>(item, scores, out),
+        }
+    }
+}
 
 /// The loops for head width `8 · C`: scores, max and exponentials in AVX2 registers;
 /// the values' weighted sums in AVX2 registers, or with `WIDE` in AVX-512 ones (16
 /// lanes: a head's 64 outputs in 4 registers, so a group of up to 4 heads keeps all its
 /// sums across a run's rows in one pass). Each value gets the same fused multiply-adds
-/// in the same order either way, so the same bits. Only [`super::item_avx2`] (not
-/// `WIDE`, after the caller checked AVX2 and FMA) and [`super::item_avx512`] (`WIDE`,
+/// in the same order either way, so the same bits. Only [`Call::item_avx2`] (not
+/// `WIDE`, after the caller checked AVX2 and FMA) and [`Call::item_avx512`] (`WIDE`,
 /// after it checked AVX-512F as well) use it.
 pub(super) struct Simd<const C: usize, const WIDE: bool>;
 
