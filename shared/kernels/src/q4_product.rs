@@ -7,7 +7,9 @@
 use crate::layout::{check_product, Activations, Out};
 use crate::pool::Pool;
 use crate::q8::SERIAL_BELOW;
-use crate::{scalar, ActBits, Isa, PackedQ4, Result};
+#[cfg(target_arch = "x86_64")]
+use crate::ActBits;
+use crate::{scalar, Isa, PackedQ4, Result};
 use std::ops::Range;
 
 impl PackedQ4 {
