@@ -237,7 +237,7 @@ impl EngineMetrics {
             activation_width: must(GaugeVec::new(
                 o(
                     "quantmesh_activation_width_info",
-                    "The quantized path's activation width in force (engine.split_activations, \"auto\" resolved: mode off, copyless or all; source measured, remembered, forced or configured); the value is the measured time of 16-bit activations over 8-bit ones on this machine (0 when not measured).",
+                    "The quantized path's activation width in force (engine.split_activations, \"auto\" resolved: mode off, copyless, copyless_q4 or all; source measured, remembered, forced or configured); the value is the measured time of 16-bit activations over 8-bit ones on this machine (0 when not measured).",
                 ),
                 &["mode", "source"],
             )),

@@ -2,7 +2,7 @@
 //! `sensitive_layers.json` in force. One pure function, so start-up and hot reload compute
 //! the plan the same way and a reload to the same file is a no-op (idempotent).
 
-use crate::backend::{EmbeddingDtype, Forms, GroupForm, QuantFormat};
+use crate::backend::{EmbeddingDtype, Forms, GroupForm, QuantFormat, SplitActivations};
 use crate::budget::{self, BudgetOutcome};
 use crate::config::EngineConfig;
 use crate::monitor::{GroupOverride, MonitorConfig};
@@ -29,7 +29,8 @@ pub struct LivePlan {
     /// How the vocabulary tables are stored (`engine.embeddings` resolved; never `auto`).
     pub embeddings: EmbeddingDtype,
     /// The groups that carry 16-bit activations on every row (`engine.wide_activations`;
-    /// [`wide_groups`]); empty unless the engine serves `copyless`.
+    /// [`wide_groups`]; under `copyless_q4` also every Q8_0 group, [`served_wide`]); empty
+    /// unless the engine serves `copyless` or `copyless_q4`.
     pub wide: std::collections::BTreeSet<GroupId>,
 }
 
@@ -160,8 +161,12 @@ pub fn resolve(
     let tables = file
         .and_then(|(p, _)| p.file.tables)
         .unwrap_or(base.embeddings);
-    // Where the quantized path runs 8-bit activations, the copies go where W8A8 hurts.
-    let eight_bit = !base.split_activations.splits(false);
+    // Where the quantized path runs 8-bit activations, the copies go where W8A8 hurts
+    // (`copyless_q4` carries every Q8_0 group at 16 bits: ranked as `all`).
+    let eight_bit = matches!(
+        base.split_activations,
+        SplitActivations::Off | SplitActivations::Copyless
+    );
     let (embeddings, table_bytes) =
         budget::tables(tables, budget_bytes, &|d| table_extra_bytes(cfg, d));
     let mut budget = budget::apply(
@@ -176,11 +181,16 @@ pub fn resolve(
             )
         },
     );
-    // Wide groups change only `copyless`'s product: under any other width none are
-    // marked, so a plan reload never rebuilds groups for a flag that does nothing.
+    // Wide groups change only `copyless`'s and `copyless_q4`'s product: under any other
+    // width none are marked, so a plan reload never rebuilds groups for a flag that does
+    // nothing.
+    let measured = |p: &ValidatedPlan| wide_groups(p.groups.iter(), base.wide_activations);
     let wide = match (file, base.split_activations) {
-        (Some((p, _)), crate::backend::SplitActivations::Copyless) => {
-            wide_groups(p.groups.iter(), base.wide_activations)
+        (Some((p, _)), SplitActivations::Copyless) => measured(p),
+        (file, SplitActivations::CopylessQ4) => {
+            let mut wide = served_wide(&quant);
+            wide.extend(file.map(|(p, _)| measured(p)).unwrap_or_default());
+            wide
         }
         _ => Default::default(),
     };
@@ -197,6 +207,17 @@ pub fn resolve(
         embeddings,
         wide,
     }
+}
+
+/// The groups `copyless_q4` serves wide whatever their measurements: every group stored
+/// in Q8_0 (its 8-bit activations buy no speed where that mode is chosen; only the 4-bit
+/// groups run them).
+pub fn served_wide(quant: &BTreeMap<GroupId, QuantFormat>) -> std::collections::BTreeSet<GroupId> {
+    quant
+        .iter()
+        .filter(|(_, q)| !q.is_four_bit())
+        .map(|(g, _)| *g)
+        .collect()
 }
 
 /// The groups whose 8-bit activations cost them at least `ratio` times what their 8-bit

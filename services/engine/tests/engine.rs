@@ -508,7 +508,9 @@ async fn copyless_rows_are_served_split_and_kv_scales_follow_the_config() {
                 assert!(s.split_rows > s.fallback_unavailable_rows);
                 assert_eq!(s.int8_rows, 0);
             }
-            SplitActivations::Auto => unreachable!("not among the modes run here"),
+            SplitActivations::Auto | SplitActivations::CopylessQ4 => {
+                unreachable!("not among the modes run here")
+            }
         }
         split_counts.push(s.split_rows);
     }
@@ -582,5 +584,47 @@ async fn auto_activation_width_follows_the_measured_ratio() {
     };
     let err = Engine::start(dir.path(), cfg, "test").await.err().unwrap();
     assert!(err.to_string().contains(hook), "{err}");
+
+    // A plan with a 4-bit group, where the Q8_0 ratio says `all`: the 4-bit ratio decides
+    // between `copyless_q4` (the 4-bit group's rows at 8 bits, every Q8_0 row at 16) and
+    // `all`.
+    let plan = dir.path().join("plan.json");
+    std::fs::write(
+        &plan,
+        r#"{"schema_version": 1, "groups": {"layers.2.o": {"class": "w4a16", "residency": "int8"}}}"#,
+    )
+    .unwrap();
+    let q4_hook = quantmesh_engine::backend::cpu::width::Q4_RATIO_ENV;
+    std::env::set_var(hook, "1.0");
+    for (q4_ratio, want) in [
+        ("1.4", SplitActivations::CopylessQ4),
+        ("1.0", SplitActivations::All),
+    ] {
+        std::env::set_var(q4_hook, q4_ratio);
+        let cfg = EngineConfig {
+            default_residency: Residency::Int8,
+            split_activations: SplitActivations::Auto,
+            sensitive_layers: Some(plan.display().to_string()),
+            ..Default::default()
+        };
+        let e = engine(dir.path(), cfg).await;
+        assert_eq!(
+            e.config_status().split_activations,
+            Some(want),
+            "{q4_ratio}"
+        );
+        let toks = run_alone(&e, "Once upon a time", 3).await;
+        assert_eq!(toks.len(), 3);
+        let s = e.stats();
+        match want {
+            // Only the one 4-bit group's rows took 8-bit activations: a group's rows per
+            // step, against every other group's split.
+            SplitActivations::CopylessQ4 => {
+                assert!(s.int8_rows > 0 && s.split_rows > 10 * s.int8_rows, "{s:?}")
+            }
+            _ => assert!(s.split_rows > 0 && s.int8_rows == 0, "{s:?}"),
+        }
+    }
+    std::env::remove_var(q4_hook);
     std::env::remove_var(hook);
 }

@@ -19,14 +19,21 @@ pub enum SplitActivations {
     /// budget): a fallback that costs no memory. The other rows take 8-bit activations; the
     /// Q8_0 `lm_head` takes 16-bit ones (it has no float copy and is not monitored).
     Copyless,
+    /// `copyless` on the 4-bit groups and `all` on the Q8_0 ones (every Q8_0 group wide):
+    /// for CPUs where the 8-bit product costs the same at either width but the 4-bit one
+    /// is much cheaper with 8-bit activations (AVX2's byte kernel multiplies the nibbles as
+    /// bytes), so a plan that stores groups in 4 bits (a weight budget) reads its bytes at
+    /// the speed of the byte kernel while the Q8_0 groups keep `all`'s quality.
+    CopylessQ4,
     /// Every row on the quantized path, the Q8_0 `lm_head` included: with it the first-load
     /// plan (0.56× all-f16's bytes) is closer to the float model than every group dual in
     /// f32 (2.4×), on SmolLM2 and on the bundled model (docs/design/precision.md, "Split
     /// activations").
     All,
     /// The default, measured at start-up on this machine: `copyless` where 16-bit
-    /// activations cost meaningfully more than 8-bit ones (AMX, AVX-512 run as two halves),
-    /// else `all`. The engine resolves it before loading; a backend never sees it (it would
+    /// activations cost meaningfully more than 8-bit ones (AMX, AVX-512 run as two halves);
+    /// else, for a plan with 4-bit groups, `copyless_q4` where they cost meaningfully more
+    /// on the 4-bit product; else `all`. The engine resolves it before loading; a backend never sees it (it would
     /// serve as `all`).
     #[default]
     Auto,
@@ -38,9 +45,12 @@ impl std::str::FromStr for SplitActivations {
         match s {
             "off" => Ok(SplitActivations::Off),
             "copyless" => Ok(SplitActivations::Copyless),
+            "copyless_q4" => Ok(SplitActivations::CopylessQ4),
             "all" => Ok(SplitActivations::All),
             "auto" => Ok(SplitActivations::Auto),
-            other => Err(format!("{other:?} is not off, copyless, all or auto")),
+            other => Err(format!(
+                "{other:?} is not off, copyless, copyless_q4, all or auto"
+            )),
         }
     }
 }
@@ -51,9 +61,19 @@ impl SplitActivations {
     pub fn splits(self, wanted_float: bool) -> bool {
         match self {
             SplitActivations::Off => false,
-            SplitActivations::Copyless => wanted_float,
+            SplitActivations::Copyless | SplitActivations::CopylessQ4 => wanted_float,
             SplitActivations::All | SplitActivations::Auto => true,
         }
+    }
+
+    /// Whether rows that want float in a group without a float copy are served split,
+    /// the others at 8 bits (`copyless` and `copyless_q4`; under `copyless_q4` the Q8_0
+    /// groups are wide, so only its 4-bit groups' rows run at 8 bits).
+    pub fn copyless(self) -> bool {
+        matches!(
+            self,
+            SplitActivations::Copyless | SplitActivations::CopylessQ4
+        )
     }
 
     /// Whether the vocabulary projection (`lm_head`, never watched by the monitor and never
@@ -69,6 +89,7 @@ impl SplitActivations {
         match self {
             SplitActivations::Off => "off",
             SplitActivations::Copyless => "copyless",
+            SplitActivations::CopylessQ4 => "copyless_q4",
             SplitActivations::All => "all",
             SplitActivations::Auto => "auto",
         }

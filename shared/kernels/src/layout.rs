@@ -330,6 +330,10 @@ pub struct Activations {
     /// The byte form made on demand, once per quantization, for a product whose weights are
     /// in [`Q8Layout::WideQuadColumns`] when the activations were not quantized with it.
     pub(crate) lazy_bytes: std::sync::OnceLock<ByteForm>,
+    /// `[row][8 values][64]`: 8-bit values as the AVX2 4-bit byte kernel multiplies them
+    /// (each row's byte pairs repeated across a register's lanes), made by the first such
+    /// product after a quantization (`Activations::q4_pairs`, in `x86.rs`).
+    pub(crate) q4_pairs: std::sync::OnceLock<Vec<u8>>,
 }
 
 /// Activation values as `vpdpbusd` takes them (the `hi` and `lo` fields of

@@ -26,6 +26,11 @@ impl PackedQ4 {
         let isa = if isa.available() { isa } else { Isa::Scalar };
         // Once per quantization, before the threads read them.
         a.block_sums();
+        #[cfg(target_arch = "x86_64")]
+        if isa == Isa::Avx2 && a.bits == Some(ActBits::Eight) {
+            // SAFETY: `isa.available()` checked AVX2; the values are 8-bit.
+            unsafe { a.q4_pairs() };
+        }
         // The AVX-512 kernel takes tiles two at a time (16 output rows).
         let unit = if matches!(isa, Isa::Avx512 | Isa::Amx) {
             2

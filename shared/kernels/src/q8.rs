@@ -282,6 +282,7 @@ impl Activations {
         drop(shares);
         self.sums.take();
         self.lazy_bytes.take();
+        self.q4_pairs.take();
         self.bits = Some(bits);
         self.bytes = bytes.then_some(bits);
         Ok(())

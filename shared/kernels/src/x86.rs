@@ -415,8 +415,8 @@ pub(crate) unsafe fn q4_tiles_bytes(
 /// load holds quads `2p` and `2p + 1` of a block for the tile's 8 rows (one per 128-bit
 /// half); the mask gives the nibbles of columns `8p + {0, 1}` and `8p + {4, 5}`, the shift
 /// those of `8p + {2, 3}` and `8p + {6, 7}`, each byte pair one row's. The activations'
-/// matching byte pairs, repeated across each half (`vpshufb` of the 8 values packed to
-/// bytes), make `vpmaddubsw` leave row `i`'s sums of quad `2p` in 16-bit lane `i` and of
+/// matching byte pairs, repeated across each half (made once per quantization:
+/// [`Activations::q4_pairs`]), make `vpmaddubsw` leave row `i`'s sums of quad `2p` in 16-bit lane `i` and of
 /// quad `2p + 1` in lane `8 + i`. A lane collects 16 products of at most 15 · 127 in a
 /// block (≤ 30 480: no overflow); at the block's end the halves are widened and added, which
 /// gives the same 32-bit sums as the widened kernel, then the same f32 operations: the same
@@ -438,25 +438,17 @@ unsafe fn q4_tile_bytes<const T: usize, const M: usize>(
     let mn = w.mn.as_ptr().add(t * w.blocks * G);
     let ds = w.ds.as_ptr().add(t * w.supers * G) as *const __m128i;
     let ms = w.ms.as_ptr().add(t * w.supers * G) as *const __m128i;
-    let mut aq = [a.q.as_ptr(); M];
+    let pairs = a.q4_pairs().as_ptr();
+    let mut ap = [pairs; M];
     let mut ad = [a.d.as_ptr(); M];
     let sums = a.block_sums().as_ptr();
     let mut asum = [sums; M];
     for j in 0..M {
-        aq[j] = a.q.as_ptr().add((m + j) * a.cols);
+        ap[j] = pairs.add((m + j) * a.cols * PAIR_BYTES_PER_VALUE);
         ad[j] = a.d.as_ptr().add((m + j) * a.blocks);
         asum[j] = sums.add((m + j) * a.blocks);
     }
     let nibble = _mm256_set1_epi8(0x0f);
-    // Byte pairs {0, 1} / {2, 3} of the 8 values in the low half, {4, 5} / {6, 7} in the high.
-    let pick_lo = _mm256_setr_epi8(
-        0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5,
-        4, 5,
-    );
-    let pick_hi = _mm256_setr_epi8(
-        2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7,
-        6, 7,
-    );
     let mut acc = [[_mm256_setzero_ps(); T]; M];
     let mut dmax = [_mm256_setzero_ps(); T];
     let mut mmax = [_mm256_setzero_ps(); T];
@@ -481,13 +473,9 @@ unsafe fn q4_tile_bytes<const T: usize, const M: usize>(
                 w1[h] = _mm256_and_si256(_mm256_srli_epi16(x, 4), nibble);
             }
             for j in 0..M {
-                let v = _mm_loadu_si128(aq[j].add(b * BLOCK + 8 * p) as *const __m128i);
-                let v = _mm_packs_epi16(v, v);
-                let v = _mm256_set_m128i(v, v);
-                let (a0, a1) = (
-                    _mm256_shuffle_epi8(v, pick_lo),
-                    _mm256_shuffle_epi8(v, pick_hi),
-                );
+                let at = ap[j].add((b * BLOCK + 8 * p) * PAIR_BYTES_PER_VALUE);
+                let a0 = _mm256_loadu_si256(at as *const __m256i);
+                let a1 = _mm256_loadu_si256(at.add(32) as *const __m256i);
                 for h in 0..T {
                     sum[j][h] = _mm256_add_epi16(
                         sum[j][h],
@@ -515,6 +503,51 @@ unsafe fn q4_tile_bytes<const T: usize, const M: usize>(
         }
     }
     store_tiles(&acc, out, n, t, m);
+}
+
+/// Bytes of [`Activations::q4_pairs`] per activation value: two 32-byte registers per 8.
+const PAIR_BYTES_PER_VALUE: usize = 8;
+
+impl Activations {
+    /// The 8-bit values as [`q4_tile_bytes`] multiplies them (`[row][8 values][64]`), made
+    /// on the first call after a quantization (the 4-bit product calls it before its threads
+    /// start, so they only read it).
+    ///
+    /// # Safety
+    /// AVX2 must be available; the values must be 8-bit (within `i8`).
+    pub(crate) unsafe fn q4_pairs(&self) -> &[u8] {
+        self.q4_pairs.get_or_init(|| {
+            let mut out = vec![0u8; self.q.len() * PAIR_BYTES_PER_VALUE];
+            // SAFETY: the caller checked AVX2; `out` holds 64 bytes per 8 values.
+            unsafe { q4_byte_pairs(&self.q, &mut out) };
+            out
+        })
+    }
+}
+
+/// Each 8 values of `q` (8-bit, stored as `i16`) as two registers of byte pairs: values
+/// {0, 1} repeated across the low half and {4, 5} across the high, then {2, 3} and {6, 7}
+/// (`vpshufb` of the values packed to bytes): the operands [`q4_tile_bytes`] multiplies by
+/// the weights' nibbles of the same columns.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_byte_pairs(q: &[i16], out: &mut [u8]) {
+    debug_assert_eq!(out.len(), q.len() * PAIR_BYTES_PER_VALUE);
+    let pick_lo = _mm256_setr_epi8(
+        0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5,
+        4, 5,
+    );
+    let pick_hi = _mm256_setr_epi8(
+        2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7,
+        6, 7,
+    );
+    for (v, o) in q.chunks_exact(8).zip(out.chunks_exact_mut(64)) {
+        let v = _mm_loadu_si128(v.as_ptr() as *const __m128i);
+        let v = _mm_packs_epi16(v, v);
+        let v = _mm256_set_m128i(v, v);
+        let o = o.as_mut_ptr() as *mut __m256i;
+        _mm256_storeu_si256(o, _mm256_shuffle_epi8(v, pick_lo));
+        _mm256_storeu_si256(o.add(1), _mm256_shuffle_epi8(v, pick_hi));
+    }
 }
 
 /// The sum of a vector's 8 lanes.

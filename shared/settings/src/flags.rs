@@ -43,13 +43,15 @@ pub struct ServeFlags {
     pub weight_budget: Option<quantmesh_types::WeightBudget>,
     /// Quantized-path rows whose activations carry ≈ 16 bits (no extra memory): `auto`
     /// [default] (measured at start: `copyless` where 16-bit activations cost at least
-    /// 1.15x the 8-bit product on this CPU, else `all`; logged), `all` (INT8 weights and the
-    /// Q8_0 lm_head served W8A16), `copyless` (8-bit activations; 16 bits for rows that
-    /// want float in a group without a float copy, and for wide groups) or `off` (plain
-    /// W8A8).
+    /// 1.15x the 8-bit product on this CPU; else, for a plan with 4-bit groups,
+    /// `copyless_q4` where they cost at least 1.15x the 4-bit product at one row; else
+    /// `all`; logged), `all` (INT8 weights and the Q8_0 lm_head served W8A16), `copyless`
+    /// (8-bit activations; 16 bits for rows that want float in a group without a float
+    /// copy, and for wide groups), `copyless_q4` (`copyless` on the 4-bit groups, every Q8_0
+    /// group wide) or `off` (plain W8A8).
     #[arg(long, env = "QUANTMESH_SPLIT_ACTIVATIONS")]
     pub split_activations: Option<quantmesh_config::SplitActivations>,
-    /// Under `copyless`, carry every row of a group at 16-bit activations when the plan
+    /// Under `copyless` (and `copyless_q4`), carry every row of a group at 16-bit activations when the plan
     /// measured its 8-bit activations costing at least this many times its 8-bit weights'
     /// own output error on the calibration rows; 0: no group [default: 2].
     #[arg(long, env = "QUANTMESH_WIDE_ACTIVATIONS")]

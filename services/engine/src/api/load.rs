@@ -46,16 +46,6 @@ pub fn load_parts(
             )));
         }
     }
-    // `auto` measured (or read from the model's cache) before anything is loaded.
-    let width = crate::backend::cpu::width::choose_for(
-        cfg.split_activations,
-        &mcfg,
-        Some(&quantmesh_model::files::cache_dir(model_dir)),
-    )?;
-    let cfg = &EngineConfig {
-        split_activations: width.mode,
-        ..cfg.clone()
-    };
     let ck = files.checkpoint()?;
     let shape = model_shape(&ck, &mcfg)?;
     let validated = match plan {
@@ -70,6 +60,23 @@ pub fn load_parts(
             Some((p, md5))
         }
         None => None,
+    };
+    // `auto` measured (or read from the model's cache) before any weight is loaded, knowing
+    // whether the plan stores groups in 4 bits.
+    let four_bit = validated.as_ref().is_some_and(|(p, _)| {
+        p.groups
+            .values()
+            .any(|e| crate::backend::QuantFormat::for_class(e.class).is_four_bit())
+    });
+    let width = crate::backend::cpu::width::choose_for(
+        cfg.split_activations,
+        &mcfg,
+        Some(&quantmesh_model::files::cache_dir(model_dir)),
+        four_bit,
+    )?;
+    let cfg = &EngineConfig {
+        split_activations: width.mode,
+        ..cfg.clone()
     };
     let live = resolve(cfg, &mcfg, validated.as_ref().map(|(p, m)| (p, m.as_str())));
     let form = |g: GroupId| live.form(g, cfg.default_residency);
@@ -155,16 +162,22 @@ pub(super) fn log_plan(live: &LivePlan, cfg: &EngineConfig, w: &crate::backend::
         w.ratio_to_f16(),
         mib(w.all_f16),
         cfg.split_activations.as_str(),
-        match cfg.split_activations {
-            crate::backend::SplitActivations::Copyless => format!(
-                " ({} wide group(s) carry 16-bit activations on every row: engine.wide_activations = {})",
+        if cfg.split_activations.copyless() {
+            format!(
+                " ({} wide group(s) carry 16-bit activations on every row: {}engine.wide_activations = {})",
                 live.wide
                     .iter()
                     .filter(|g| live.residency[*g].has_int8())
                     .count(),
+                if cfg.split_activations == crate::backend::SplitActivations::CopylessQ4 {
+                    "every Q8_0 group, and by "
+                } else {
+                    ""
+                },
                 cfg.wide_activations
-            ),
-            _ => String::new(),
+            )
+        } else {
+            String::new()
         },
         cfg.rotation_block,
         live.smoothing

@@ -127,7 +127,7 @@ impl Wiring {
         // copy takes the weights' error with it (SmolLM2, three held-out texts: mean KL to
         // the float model 0.4–0.5x of the rule that counted them only for 8-bit rows).
         core.set_activation_spikes(true);
-        core.set_split_fallback(cfg.split_activations == SplitActivations::Copyless);
+        core.set_width(cfg.split_activations);
         core.config_md5 = live.md5.clone();
         Some(
             MonitorActor {
@@ -303,10 +303,17 @@ impl Engine {
                 mode = width.mode.as_str(),
                 ratio,
                 source = width.source.as_str(),
+                q4_ratio = width.q4.map(|(r, _)| r),
+                q4_source = width.q4.map(|(_, s)| s.as_str()),
                 threshold = crate::backend::cpu::width::CHEAPER_BY,
-                "activation width chosen (engine.split_activations = \"auto\"): 16-bit activations cost {ratio:.2}x the 8-bit product here, so the quantized path runs {}",
+                "activation width chosen (engine.split_activations = \"auto\"): 16-bit activations cost {ratio:.2}x the 8-bit product here{}, so the quantized path runs {}",
+                match width.q4 {
+                    Some((r, _)) => format!(" and {r:.2}x the 4-bit one at one row"),
+                    None => String::new(),
+                },
                 match width.mode {
                     SplitActivations::Copyless => "8-bit activations, the rows the monitor wants at higher precision carried at 16 bits",
+                    SplitActivations::CopylessQ4 => "8-bit activations on the 4-bit groups (the rows the monitor wants at higher precision carried at 16 bits) and 16-bit ones on every Q8_0 row",
                     _ => "16-bit activations on every row",
                 }
             ),

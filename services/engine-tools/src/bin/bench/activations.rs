@@ -106,9 +106,12 @@ pub(crate) fn activation_table(
     }
     let mut rows: Vec<Row> = Vec::new();
     for (split, rotation, smoothing, monitor, ratio) in configs {
-        let wide = ratio.map_or_else(Default::default, |r| {
-            quantmesh_engine::plan::wide_groups(plan.groups.iter(), r)
-        });
+        let wide = match (split, ratio) {
+            // `copyless_q4`: every Q8_0 group wide, as the engine serves it.
+            (SplitActivations::CopylessQ4, _) => quantmesh_engine::plan::served_wide(&live.quant),
+            (_, Some(r)) => quantmesh_engine::plan::wide_groups(plan.groups.iter(), r),
+            (_, None) => Default::default(),
+        };
         let wide_label = ratio.map_or_else(
             || "-".to_string(),
             |r| format!("{} (ratio {r})", wide.len()),
@@ -141,11 +144,9 @@ pub(crate) fn activation_table(
             ..live.monitor.clone()
         };
         let spikes = !args.spikes_only_8bit || split != SplitActivations::All;
-        let split_fallback = split == SplitActivations::Copyless;
         let (mask, on_fallback) = match monitor {
             MonitorChoice::On => {
-                let (m, mask) =
-                    watch_with(&model, cfg, mcfg, &requests, 1, spikes, split_fallback)?;
+                let (m, mask) = watch_with(&model, cfg, mcfg, &requests, 1, spikes, split)?;
                 let report = m.report();
                 let n = report
                     .groups

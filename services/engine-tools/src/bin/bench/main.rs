@@ -60,11 +60,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let cfg = ModelConfig::load(&dir)?;
     // `auto` resolved as the engine resolves it, on this model's widest product (timed
-    // afresh: a benchmark does not trust an earlier start's timing).
+    // afresh: a benchmark does not trust an earlier start's timing). The throughput plans
+    // store every group in Q8_0 (the activation table names its widths in --splits).
     let width = quantmesh_engine::backend::cpu::width::choose_for(
         args.split.unwrap_or_default(),
         &cfg,
         None,
+        false,
     )?;
     args.split = Some(width.mode);
     println!(

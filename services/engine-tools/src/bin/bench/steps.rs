@@ -2,7 +2,7 @@
 //! sequences, the monitor watching served traffic.
 
 use quantmesh_engine::backend::cpu::LlamaModel;
-use quantmesh_engine::backend::StepInput;
+use quantmesh_engine::backend::{SplitActivations, StepInput};
 use quantmesh_engine::kv::{BlockManager, KvCache, KvScale};
 use quantmesh_engine::precision::{PathMask, StepRunner};
 use quantmesh_model::ModelConfig;
@@ -106,13 +106,22 @@ pub(crate) fn watch(
     requests: &[Vec<u32>],
     rounds: u64,
 ) -> Result<(quantmesh_engine::monitor::Monitor, PathMask), Box<dyn std::error::Error>> {
-    watch_with(model, cfg, mcfg, requests, rounds, true, false)
+    watch_with(
+        model,
+        cfg,
+        mcfg,
+        requests,
+        rounds,
+        true,
+        SplitActivations::All,
+    )
 }
 
 /// As [`watch`]; `spikes`: whether activation spikes count as outliers (the engine counts
 /// them under every activation width; off reproduces its earlier rule for `all`);
-/// `split_fallback`: rows wanting float in a group without a float copy are served with
-/// 16-bit activations, as the engine does under `copyless`.
+/// `width`: the activation width served (under `copyless` and `copyless_q4` rows wanting
+/// float in a group without a float copy are served with 16-bit activations, as the
+/// engine does).
 pub(crate) fn watch_with(
     model: &LlamaModel,
     cfg: &ModelConfig,
@@ -120,7 +129,7 @@ pub(crate) fn watch_with(
     requests: &[Vec<u32>],
     rounds: u64,
     spikes: bool,
-    split_fallback: bool,
+    width: SplitActivations,
 ) -> Result<(quantmesh_engine::monitor::Monitor, PathMask), Box<dyn std::error::Error>> {
     use quantmesh_engine::backend::Backend;
     use quantmesh_types::{GroupId, GroupKind};
@@ -130,7 +139,7 @@ pub(crate) fn watch_with(
         .collect();
     let mut monitor = quantmesh_engine::monitor::Monitor::new(mcfg, "bench", &residencies);
     monitor.set_activation_spikes(spikes);
-    monitor.set_split_fallback(split_fallback);
+    monitor.set_width(width);
     // The harm test's column errors, as the engine gives them.
     monitor.set_column_errors(
         residencies

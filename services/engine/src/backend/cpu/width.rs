@@ -2,10 +2,13 @@
 //! (`engine.split_activations = "auto"`): the 8-bit and 16-bit products timed on the
 //! model's own widest shape, and 8-bit activations chosen (`copyless`: only the rows the
 //! monitor wants at higher precision carry 16 bits) where they are meaningfully cheaper.
+//! Where they are not and the plan stores groups in 4 bits, the 4-bit product is timed
+//! too (at one row, a decode step's shape): where 8-bit activations are meaningfully
+//! cheaper there, `copyless_q4` (8-bit activations on the 4-bit groups only).
 
 use crate::error::Result;
 use quantmesh_config::SplitActivations;
-use quantmesh_kernels::{ActBits, Activations, Isa, PackedQ8, Pool, Q8Layout};
+use quantmesh_kernels::{ActBits, Activations, Isa, PackedQ4, PackedQ8, Pool, Q8Layout};
 use std::path::Path;
 use std::time::Instant;
 
@@ -17,12 +20,49 @@ pub const CHEAPER_BY: f64 = 1.15;
 /// product's arithmetic (not its weight bytes) sets the time and the widths can differ.
 const ROWS: usize = 32;
 
+/// Rows of the timed 4-bit product: one decode step's, where a 4-bit plan's bytes are
+/// meant to pay (a batch's products are arithmetic-bound at either width).
+const Q4_ROWS: usize = 1;
+
+/// Products per timed run of [`measure_q4`]: one product at one row is too short to time
+/// on its own.
+const Q4_PRODUCTS_PER_RUN: usize = 8;
+
 /// Pairs of runs [`measure`] times.
 const PAIRS: usize = 15;
 
 /// Overrides the measured ratio (tests, and operators who measured elsewhere):
 /// `QUANTMESH_ACTIVATION_WIDTH_RATIO=1.4` acts as if 16-bit activations cost 1.4× here.
 pub const RATIO_ENV: &str = "QUANTMESH_ACTIVATION_WIDTH_RATIO";
+
+/// As [`RATIO_ENV`], for the 4-bit product at one row ([`measure_q4`]), read only where
+/// the Q8_0 ratio chose `all` and the plan has 4-bit groups.
+pub const Q4_RATIO_ENV: &str = "QUANTMESH_ACTIVATION_WIDTH_RATIO_Q4";
+
+/// The product a ratio is timed on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Product {
+    /// Q8_0 weights, [`ROWS`] rows ([`measure`]).
+    Q8,
+    /// 4-bit weights, [`Q4_ROWS`] row ([`measure_q4`]).
+    Q4,
+}
+
+impl Product {
+    fn env(self) -> &'static str {
+        match self {
+            Product::Q8 => RATIO_ENV,
+            Product::Q4 => Q4_RATIO_ENV,
+        }
+    }
+
+    fn measure(self, out: usize, input: usize) -> Result<f64> {
+        match self {
+            Product::Q8 => measure(out, input),
+            Product::Q4 => measure_q4(out, input),
+        }
+    }
+}
 
 /// Where `auto`'s ratio came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,24 +98,31 @@ pub struct WidthChoice {
     /// setting).
     pub ratio: Option<f64>,
     pub source: RatioSource,
+    /// The 4-bit product's ratio at one row and where it came from (`None`: not needed: an
+    /// explicit setting, a Q8_0 ratio that chose `copyless`, or a plan without 4-bit
+    /// groups).
+    pub q4: Option<(f64, RatioSource)>,
 }
 
 /// [`choose`] for `model`, timed on its widest product (`gate_up`: `[2 · intermediate,
 /// hidden]`) and remembered in `cache` (the model's cache folder,
-/// [`quantmesh_model::files::cache_dir`]; `None`: timed every time); the weights loaded
-/// after it are packed in the order the kernel for the chosen width reads fastest
+/// [`quantmesh_model::files::cache_dir`]; `None`: timed every time); `four_bit`: the plan
+/// the model starts with stores groups in 4 bits. The weights loaded after it are packed
+/// in the order the kernel for the chosen width reads fastest
 /// ([`quantmesh_kernels::set_packing_width`]: 8-bit activations under `off` and
-/// `copyless`, 16-bit ones under `all`).
+/// `copyless`, 16-bit ones under `all` and `copyless_q4`).
 pub fn choose_for(
     setting: SplitActivations,
     model: &quantmesh_model::ModelConfig,
     cache: Option<&Path>,
+    four_bit: bool,
 ) -> Result<WidthChoice> {
     let choice = choose(
         setting,
         2 * model.intermediate_size,
         model.hidden_size,
         cache,
+        four_bit,
     )?;
     quantmesh_kernels::set_packing_width(packing_width(choice.mode));
     Ok(choice)
@@ -85,48 +132,73 @@ pub fn choose_for(
 pub fn packing_width(mode: SplitActivations) -> ActBits {
     match mode {
         SplitActivations::Off | SplitActivations::Copyless => ActBits::Eight,
-        SplitActivations::All | SplitActivations::Auto => ActBits::Sixteen,
+        // `copyless_q4`'s Q8_0 rows all run at 16 bits (its 4-bit groups' packing does not
+        // depend on the width).
+        SplitActivations::CopylessQ4 | SplitActivations::All | SplitActivations::Auto => {
+            ActBits::Sixteen
+        }
     }
 }
 
 /// Resolve `setting` for a model whose widest linear group is `[out, in]`: an explicit
-/// mode stands; `auto` reads [`RATIO_ENV`], else the ratio remembered in `cache` for this
-/// machine, else measures it (and remembers it there), and decides by [`decide`].
+/// mode stands; `auto` takes the Q8_0 ratio ([`ratio_for`]) and decides by [`decide`];
+/// where that says `all` and the plan has `four_bit` groups, the 4-bit ratio too, decided
+/// by [`decide_q4`].
 pub fn choose(
     setting: SplitActivations,
     out: usize,
     input: usize,
     cache: Option<&Path>,
+    four_bit: bool,
 ) -> Result<WidthChoice> {
     if setting != SplitActivations::Auto {
         return Ok(WidthChoice {
             mode: setting,
             ratio: None,
             source: RatioSource::Configured,
+            q4: None,
         });
     }
-    let (ratio, source) = match ratio_from_env()? {
-        Some(r) => (r, RatioSource::Forced),
-        None => match cache {
-            Some(dir) => remembered(dir, out, input)?,
-            None => (measure(out, input)?, RatioSource::Measured),
-        },
-    };
-    Ok(WidthChoice {
+    let (ratio, source) = ratio_for(Product::Q8, out, input, cache)?;
+    let mut choice = WidthChoice {
         mode: decide(ratio),
         ratio: Some(ratio),
         source,
+        q4: None,
+    };
+    if choice.mode == SplitActivations::All && four_bit {
+        let q4 = ratio_for(Product::Q4, out, input, cache)?;
+        choice.mode = decide_q4(q4.0);
+        choice.q4 = Some(q4);
+    }
+    Ok(choice)
+}
+
+/// `product`'s ratio: its environment variable ([`RATIO_ENV`], [`Q4_RATIO_ENV`]), else the
+/// ratio remembered in `cache` for this machine, else measured (and remembered there).
+fn ratio_for(
+    product: Product,
+    out: usize,
+    input: usize,
+    cache: Option<&Path>,
+) -> Result<(f64, RatioSource)> {
+    Ok(match ratio_from_env(product.env())? {
+        Some(r) => (r, RatioSource::Forced),
+        None => match cache {
+            Some(dir) => remembered(dir, product, out, input)?,
+            None => (product.measure(out, input)?, RatioSource::Measured),
+        },
     })
 }
 
-/// [`RATIO_ENV`] when set to something (empty, as a compose file's `${VAR:-}` leaves it,
-/// is unset); anything but a positive number is an error.
-fn ratio_from_env() -> Result<Option<f64>> {
-    std::env::var(RATIO_ENV).map_or(Ok(None), |v| parse_ratio(&v))
+/// `var` when set to something (empty, as a compose file's `${VAR:-}` leaves it, is
+/// unset); anything but a positive number is an error.
+fn ratio_from_env(var: &str) -> Result<Option<f64>> {
+    std::env::var(var).map_or(Ok(None), |v| parse_ratio(var, &v))
 }
 
-/// [`RATIO_ENV`]'s value read.
-fn parse_ratio(v: &str) -> Result<Option<f64>> {
+/// A ratio variable's (`var`'s) value read.
+fn parse_ratio(var: &str, v: &str) -> Result<Option<f64>> {
     let t = v.trim();
     if t.is_empty() {
         return Ok(None);
@@ -136,7 +208,7 @@ fn parse_ratio(v: &str) -> Result<Option<f64>> {
         .filter(|r| r.is_finite() && *r > 0.0)
         .map(Some)
         .ok_or_else(|| {
-            crate::error::EngineError::Config(format!("{RATIO_ENV}={v:?} is not a positive number"))
+            crate::error::EngineError::Config(format!("{var}={v:?} is not a positive number"))
         })
 }
 
@@ -164,8 +236,13 @@ struct RememberedRatio {
 /// (neither slowing the other's timing) and the later ones read the first one's result:
 /// one machine, one choice, one plan. A folder that cannot be written (a read-only
 /// volume) costs only the measurement at every start.
-fn remembered(dir: &Path, out: usize, input: usize) -> Result<(f64, RatioSource)> {
-    let key = machine_key(out, input);
+fn remembered(
+    dir: &Path,
+    product: Product,
+    out: usize,
+    input: usize,
+) -> Result<(f64, RatioSource)> {
+    let key = machine_key(product, out, input);
     let lock = quantmesh_model::files::lock_cache_file(
         &dir.join("activation_width.lock"),
         || tracing::debug!(dir = %dir.display(), "the activation width: another process is measuring it; waiting"),
@@ -174,7 +251,7 @@ fn remembered(dir: &Path, out: usize, input: usize) -> Result<(f64, RatioSource)
         Ok(f) => f,
         Err(e) => {
             tracing::warn!(dir = %dir.display(), error = %e, "the activation width cannot be remembered beside the model; measuring it at every start");
-            return Ok((measure(out, input)?, RatioSource::Measured));
+            return Ok((product.measure(out, input)?, RatioSource::Measured));
         }
     };
     let path = dir.join(CACHE_FILE);
@@ -187,7 +264,7 @@ fn remembered(dir: &Path, out: usize, input: usize) -> Result<(f64, RatioSource)
             return Ok((r.ratio, RatioSource::Remembered));
         }
     }
-    let ratio = measure(out, input)?;
+    let ratio = product.measure(out, input)?;
     let measured_at = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
@@ -210,7 +287,7 @@ fn remembered(dir: &Path, out: usize, input: usize) -> Result<(f64, RatioSource)
 /// What the ratio depends on besides the shape: the processor (vendor, model, stepping),
 /// the kernels chosen and the pool's threads, and this build (its version and the
 /// executable's size and time, so a rebuilt kernel is timed again).
-fn machine_key(out: usize, input: usize) -> String {
+fn machine_key(product: Product, out: usize, input: usize) -> String {
     let build = std::env::current_exe()
         .and_then(std::fs::metadata)
         .map(|m| {
@@ -222,8 +299,12 @@ fn machine_key(out: usize, input: usize) -> String {
             format!("{} bytes, {t}", m.len())
         })
         .unwrap_or_else(|_| "unknown".into());
+    let product = match product {
+        Product::Q8 => format!("product {out}x{input}"),
+        Product::Q4 => format!("4-bit product {out}x{input} at {Q4_ROWS} row"),
+    };
     format!(
-        "{}; kernels {}, {} threads; build {} ({build}); product {out}x{input}",
+        "{}; kernels {}, {} threads; build {} ({build}); {product}",
         processor(),
         Isa::current().as_str(),
         Pool::global().threads(),
@@ -271,6 +352,16 @@ pub fn decide(ratio: f64) -> SplitActivations {
     }
 }
 
+/// `copyless_q4` where 16-bit activations cost the 4-bit product at one row at least
+/// [`CHEAPER_BY`] times 8-bit ones, else `all`.
+pub fn decide_q4(ratio: f64) -> SplitActivations {
+    if ratio >= CHEAPER_BY {
+        SplitActivations::CopylessQ4
+    } else {
+        SplitActivations::All
+    }
+}
+
 /// The 16-bit product's time over the 8-bit one for a `[out, in]` Q8_0 weight and
 /// [`ROWS`] rows on this machine's kernels, each width on the weights ordered for it
 /// ([`Q8Layout::for_width`]): [`PAIRS`] pairs of runs back to back (in alternating order),
@@ -281,25 +372,60 @@ pub fn decide(ratio: f64) -> SplitActivations {
 /// (a full-precision float came back from the file one bit off).
 pub fn measure(out: usize, input: usize) -> Result<f64> {
     let input = input.next_multiple_of(quantmesh_kernels::BLOCK);
-    let w: Vec<f32> = (0..out * input)
-        .map(|i| ((i as f32) * 0.618_034).fract() - 0.5)
-        .collect();
+    let w = timing_weights(out, input);
     let isa = Isa::current();
     let packed = |bits| PackedQ8::quantize_in(&w, out, input, Q8Layout::for_width(isa, bits));
     let (p8, p16) = (packed(ActBits::Eight)?, packed(ActBits::Sixteen)?);
-    let x: Vec<f32> = (0..ROWS * input)
-        .map(|i| ((i as f32) * 0.414_213_5).fract() * 2.0 - 1.0)
-        .collect();
+    let x = timing_rows(ROWS, input);
     let pool = Pool::global();
     let mut a = Activations::new();
-    let mut time = |bits: ActBits| -> Result<f64> {
+    paired_ratio(|bits: ActBits| -> Result<f64> {
         let packed = if bits == ActBits::Eight { &p8 } else { &p16 };
         let t = Instant::now();
         a.quantize(&x, ROWS, input, bits)?;
         std::hint::black_box(packed.matmul_vec(&a, isa, pool)?);
         Ok(t.elapsed().as_secs_f64())
-    };
-    // Warm-up: the pool's threads, the weights' pages.
+    })
+}
+
+/// As [`measure`], for a `[out, in]` 4-bit weight at [`Q4_ROWS`] row ([`Q4_PRODUCTS_PER_RUN`]
+/// products per timed run): the kernel a 4-bit plan's decode runs at each width.
+pub fn measure_q4(out: usize, input: usize) -> Result<f64> {
+    let input = input.next_multiple_of(quantmesh_kernels::BLOCK);
+    let w = PackedQ4::quantize(&timing_weights(out, input), out, input)?;
+    let x = timing_rows(Q4_ROWS, input);
+    let (isa, pool) = (Isa::current(), Pool::global());
+    let mut a = Activations::new();
+    let mut y = vec![0f32; Q4_ROWS * out];
+    paired_ratio(|bits: ActBits| -> Result<f64> {
+        let t = Instant::now();
+        for _ in 0..Q4_PRODUCTS_PER_RUN {
+            a.quantize(&x, Q4_ROWS, input, bits)?;
+            w.matmul(&a, &mut y, isa, pool)?;
+            std::hint::black_box(&y);
+        }
+        Ok(t.elapsed().as_secs_f64())
+    })
+}
+
+/// A `[out, in]` weight for timing (values spread over ±0.5, no zeros in a block).
+fn timing_weights(out: usize, input: usize) -> Vec<f32> {
+    (0..out * input)
+        .map(|i| ((i as f32) * 0.618_034).fract() - 0.5)
+        .collect()
+}
+
+/// `rows` activation rows of `input` values for timing (spread over ±1).
+fn timing_rows(rows: usize, input: usize) -> Vec<f32> {
+    (0..rows * input)
+        .map(|i| ((i as f32) * 0.414_213_5).fract() * 2.0 - 1.0)
+        .collect()
+}
+
+/// The 16-bit run's time over the 8-bit one, `time` timing one run at a width: after one
+/// untimed run of each (the pool's threads, the weights' pages), [`PAIRS`] pairs back to
+/// back in alternating order, the median of the pairs' ratios, rounded to four decimals.
+fn paired_ratio(mut time: impl FnMut(ActBits) -> Result<f64>) -> Result<f64> {
     time(ActBits::Eight)?;
     time(ActBits::Sixteen)?;
     let mut ratios = Vec::with_capacity(PAIRS);
@@ -335,6 +461,35 @@ mod tests {
         assert_eq!(decide(CHEAPER_BY), SplitActivations::Copyless);
         assert_eq!(decide(1.05), SplitActivations::All);
         assert_eq!(decide(0.9), SplitActivations::All);
+        assert_eq!(decide_q4(1.3), SplitActivations::CopylessQ4);
+        assert_eq!(decide_q4(CHEAPER_BY), SplitActivations::CopylessQ4);
+        assert_eq!(decide_q4(1.05), SplitActivations::All);
+    }
+
+    /// The 4-bit ratio is remembered under its own key beside the Q8_0 one, and both
+    /// measurements give a ratio on this machine.
+    #[test]
+    fn the_four_bit_ratio_is_remembered_beside_the_eight_bit_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let (r8, s8) = remembered(dir.path(), Product::Q8, 64, 64).unwrap();
+        let (r4, s4) = remembered(dir.path(), Product::Q4, 64, 64).unwrap();
+        assert_eq!((s8, s4), (RatioSource::Measured, RatioSource::Measured));
+        assert!(r4.is_finite() && r4 > 0.0, "{r4}");
+        assert_eq!(
+            remembered(dir.path(), Product::Q4, 64, 64).unwrap(),
+            (r4, RatioSource::Remembered)
+        );
+        assert_eq!(
+            remembered(dir.path(), Product::Q8, 64, 64).unwrap(),
+            (r8, RatioSource::Remembered)
+        );
+        let book: Remembered =
+            serde_json::from_slice(&std::fs::read(dir.path().join(CACHE_FILE)).unwrap()).unwrap();
+        assert_eq!(book.entries.len(), 2, "{book:?}");
+        assert!(book
+            .entries
+            .keys()
+            .any(|k| k.contains("4-bit product 64x64")));
     }
 
     #[test]
@@ -351,6 +506,10 @@ mod tests {
         assert_eq!(packing_width(SplitActivations::Off), ActBits::Eight);
         assert_eq!(packing_width(SplitActivations::Copyless), ActBits::Eight);
         assert_eq!(packing_width(SplitActivations::All), ActBits::Sixteen);
+        assert_eq!(
+            packing_width(SplitActivations::CopylessQ4),
+            ActBits::Sixteen
+        );
     }
 
     #[test]
@@ -358,14 +517,16 @@ mod tests {
         for m in [
             SplitActivations::Off,
             SplitActivations::Copyless,
+            SplitActivations::CopylessQ4,
             SplitActivations::All,
         ] {
             assert_eq!(
-                choose(m, 64, 64, None).unwrap(),
+                choose(m, 64, 64, None, true).unwrap(),
                 WidthChoice {
                     mode: m,
                     ratio: None,
                     source: RatioSource::Configured,
+                    q4: None,
                 }
             );
         }
@@ -373,11 +534,11 @@ mod tests {
 
     #[test]
     fn an_empty_override_is_unset_and_a_bad_one_an_error() {
-        assert_eq!(parse_ratio("").unwrap(), None);
-        assert_eq!(parse_ratio("  ").unwrap(), None);
-        assert_eq!(parse_ratio(" 1.4 ").unwrap(), Some(1.4));
+        assert_eq!(parse_ratio(RATIO_ENV, "").unwrap(), None);
+        assert_eq!(parse_ratio(RATIO_ENV, "  ").unwrap(), None);
+        assert_eq!(parse_ratio(RATIO_ENV, " 1.4 ").unwrap(), Some(1.4));
         for bad in ["x", "0", "-1", "inf", "NaN"] {
-            let e = parse_ratio(bad).unwrap_err().to_string();
+            let e = parse_ratio(RATIO_ENV, bad).unwrap_err().to_string();
             assert!(e.contains(RATIO_ENV), "{e}");
         }
     }
@@ -385,16 +546,16 @@ mod tests {
     #[test]
     fn a_measured_ratio_is_remembered_beside_the_model_and_read_back() {
         let dir = tempfile::tempdir().unwrap();
-        let (r1, s1) = remembered(dir.path(), 64, 64).unwrap();
+        let (r1, s1) = remembered(dir.path(), Product::Q8, 64, 64).unwrap();
         assert_eq!(s1, RatioSource::Measured);
         assert!(r1.is_finite() && r1 > 0.0);
         assert_eq!(
-            remembered(dir.path(), 64, 64).unwrap(),
+            remembered(dir.path(), Product::Q8, 64, 64).unwrap(),
             (r1, RatioSource::Remembered)
         );
         // Another shape is another measurement, kept beside the first.
         assert_eq!(
-            remembered(dir.path(), 96, 64).unwrap().1,
+            remembered(dir.path(), Product::Q8, 96, 64).unwrap().1,
             RatioSource::Measured
         );
         let book: Remembered =
@@ -418,7 +579,7 @@ mod tests {
             serde_json::to_vec(&other).unwrap(),
         )
         .unwrap();
-        let (r, s) = remembered(fresh.path(), 64, 64).unwrap();
+        let (r, s) = remembered(fresh.path(), Product::Q8, 64, 64).unwrap();
         assert_eq!(s, RatioSource::Measured);
         assert_ne!(r, 9.0);
     }
@@ -428,11 +589,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join(CACHE_FILE), b"{not json").unwrap();
         assert_eq!(
-            remembered(dir.path(), 64, 64).unwrap().1,
+            remembered(dir.path(), Product::Q8, 64, 64).unwrap().1,
             RatioSource::Measured
         );
         assert_eq!(
-            remembered(dir.path(), 64, 64).unwrap().1,
+            remembered(dir.path(), Product::Q8, 64, 64).unwrap().1,
             RatioSource::Remembered
         );
     }
@@ -443,7 +604,7 @@ mod tests {
         let runs: Vec<_> = (0..3)
             .map(|_| {
                 let d = dir.path().to_path_buf();
-                std::thread::spawn(move || remembered(&d, 128, 64).unwrap())
+                std::thread::spawn(move || remembered(&d, Product::Q8, 128, 64).unwrap())
             })
             .collect();
         let got: Vec<(f64, RatioSource)> = runs.into_iter().map(|h| h.join().unwrap()).collect();
@@ -465,6 +626,8 @@ mod tests {
     #[test]
     fn the_measurement_runs_on_this_machine_and_gives_a_ratio() {
         let r = measure(96, 200).unwrap();
+        assert!(r.is_finite() && r > 0.0, "{r}");
+        let r = measure_q4(96, 200).unwrap();
         assert!(r.is_finite() && r > 0.0, "{r}");
     }
 }

@@ -51,7 +51,7 @@ mod window;
 
 use evidence::WindowEvidence;
 
-use crate::backend::ColumnError;
+use crate::backend::{ColumnError, SplitActivations};
 use crate::kv::SeqId;
 use crate::monitor::config::MonitorConfig;
 use crate::precision::{DetectorParams, PathMask, StepOutput};
@@ -272,6 +272,11 @@ pub struct Monitor {
     /// ≈ 16-bit activations instead (`split_activations = "copyless"`): its per-token
     /// decision is then a `split`, not `unavailable`.
     split_fallback: bool,
+    /// Whether a row the harm test flags counts toward its group's fallback where that
+    /// fallback would be `split` (16-bit activations): not under `copyless_q4`, whose
+    /// INT8-only groups in split fallback are its 4-bit ones, where harm is the weights'
+    /// error, which 16-bit activations leave as it was.
+    harm_splits: bool,
     model: String,
     groups: BTreeMap<GroupId, GroupState>,
     requests_in_window: usize,
@@ -375,6 +380,7 @@ impl Monitor {
             cfg,
             activation_spikes: true,
             split_fallback: false,
+            harm_splits: true,
             model: model.to_string(),
             groups,
             requests_in_window: 0,
@@ -441,12 +447,17 @@ impl Monitor {
         self.activation_spikes = on;
     }
 
-    /// Whether rows that want float in a group without a float copy are served split
-    /// (`split_activations = "copyless"`): their per-token decisions become `split`, and a
-    /// group whose outlier rate passes its trigger falls back per layer onto 16-bit
-    /// activations (a `split` layer decision) instead of reporting `unavailable`.
-    pub fn set_split_fallback(&mut self, on: bool) {
+    /// The activation width the quantized path is served at. Under `copyless` and
+    /// `copyless_q4` rows that want float in a group without a float copy are served split:
+    /// their per-token decisions become `split`, and a group whose outlier rate passes its
+    /// trigger falls back per layer onto 16-bit activations (a `split` layer decision)
+    /// instead of reporting `unavailable`. Under `copyless_q4` only activation spikes count
+    /// toward such a split fallback, not the harm test (the weights' error, which 16-bit
+    /// activations do not touch); the harm statistic is still reported.
+    pub fn set_width(&mut self, mode: SplitActivations) {
+        let on = mode.copyless();
         self.split_fallback = on;
+        self.harm_splits = mode != SplitActivations::CopylessQ4;
         for s in self.groups.values_mut() {
             s.serve_as(s.residency, on);
         }
@@ -561,7 +572,9 @@ impl Monitor {
                     s.window_harm += h;
                     s.window_harm_rows += 1;
                 }
-                let harmful = s.max_nsr > 0.0 && harm.is_some_and(|h| h > s.max_nsr);
+                let harmful = s.max_nsr > 0.0
+                    && harm.is_some_and(|h| h > s.max_nsr)
+                    && (self.harm_splits || !s.split);
                 if spike || harmful {
                     s.window_outliers += 1;
                 }

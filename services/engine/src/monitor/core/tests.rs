@@ -229,6 +229,71 @@ fn harmful_rows_count_as_outliers_without_a_spike() {
     assert!(run(0.0, 1).0.is_empty());
 }
 
+/// The width a test's `split` flag stands for: `copyless` (rows that want float served
+/// split) or `all`.
+fn width(split: bool) -> SplitActivations {
+    if split {
+        SplitActivations::Copyless
+    } else {
+        SplitActivations::All
+    }
+}
+
+/// Harm drives an INT8-only group's fallback under `all` (reported `unavailable`) and
+/// `copyless` (a `split` layer decision), but not under `copyless_q4`: there the group's
+/// split fallback would carry 16-bit activations, which leave the weights' error (what
+/// harm measures) as it was. The harm is still reported under every width.
+#[test]
+fn harm_splits_a_group_under_copyless_but_not_under_copyless_q4() {
+    let mut gs = groups();
+    for (_, r) in gs.iter_mut() {
+        *r = Residency::Int8;
+    }
+    let down = GroupId::new(0, GroupKind::Down);
+    for (mode, want) in [
+        (SplitActivations::All, Some(FallbackAction::Unavailable)),
+        (SplitActivations::Copyless, Some(FallbackAction::Split)),
+        (SplitActivations::CopylessQ4, None),
+    ] {
+        let mut m = Monitor::new(
+            MonitorConfig {
+                max_nsr: 0.01,
+                ..cfg()
+            },
+            "t",
+            &gs,
+        );
+        m.set_width(mode);
+        warm(&mut m);
+        let mut st = step(200, None, 0, 1);
+        for ob in &mut st.obs {
+            ob.harm = (0..200)
+                .map(|_| if ob.group == down { 0.05 } else { 0.001 })
+                .collect();
+        }
+        m.observe(&st);
+        let ev = m.end_window();
+        let got = ev
+            .iter()
+            .find(|e| {
+                e.granularity == Granularity::Layer && e.group.as_deref() == Some("layers.0.down")
+            })
+            .map(|e| e.action);
+        assert_eq!(got, want, "{}", mode.as_str());
+        let nsr = m
+            .report()
+            .groups
+            .iter()
+            .find(|x| x.group == "layers.0.down")
+            .and_then(|x| x.last_window_nsr);
+        assert!(
+            nsr.is_some_and(|n| (n - 0.05).abs() < 1e-6),
+            "{}: {nsr:?}",
+            mode.as_str()
+        );
+    }
+}
+
 /// Two equal massive channels reported in every warm-up row are both learned (in the
 /// residual-stream readers).
 #[test]
@@ -433,7 +498,7 @@ fn per_token_decisions_name_what_the_row_got() {
         (true, FallbackAction::Split),
     ] {
         let mut m = Monitor::new(cfg(), "t", &gs);
-        m.set_split_fallback(split);
+        m.set_width(width(split));
         warm(&mut m);
         let mut out = step(100, None, 0, 1);
         for o in &mut out.obs {
@@ -476,7 +541,7 @@ fn a_copyless_group_over_its_trigger_falls_back_per_layer_split() {
     let gu = GroupId::new(1, GroupKind::GateUp);
     for split in [false, true] {
         let mut m = Monitor::new(cfg(), "t", &gs);
-        m.set_split_fallback(split);
+        m.set_width(width(split));
         warm(&mut m);
         m.observe(&step(100, Some(hot), 10, 1));
         let ev = m.end_window();
@@ -565,7 +630,7 @@ fn a_copyless_group_over_its_trigger_falls_back_per_layer_split() {
         m.observe(&step(100, Some(hot), 10, 20));
         m.end_window();
         assert_eq!(m.mode(hot), Some(GroupMode::Fallback));
-        m.set_split_fallback(false);
+        m.set_width(SplitActivations::All);
         assert_eq!(m.mode(hot), Some(GroupMode::Int8));
         assert!(m
             .report()

@@ -570,7 +570,7 @@ impl DualLinear {
 
     /// Whether quantized rows take 16-bit activations: as `split` says, all of a wide group's.
     fn splits(&self, split: SplitActivations, wanted_float: bool) -> bool {
-        split.splits(wanted_float || (self.wide && split == SplitActivations::Copyless))
+        split.splits(wanted_float || (self.wide && split.copyless()))
     }
 
     /// The Hadamard block the quantized path rotates activations by (1: none).
@@ -682,7 +682,7 @@ impl DualLinear {
         // Counts `n` quantized-path rows; `wanted_float`: they asked for a float copy the
         // group lacks (unavailable, unless `copyless` serves them split: 16-bit activations).
         let quantized = |o: &mut GroupOutcome, n: usize, wanted_float: bool| {
-            if wanted_float && split != SplitActivations::Copyless {
+            if wanted_float && !split.copyless() {
                 o.fallback_unavailable_rows += n;
             }
             if self.splits(split, wanted_float) {
@@ -721,7 +721,7 @@ impl DualLinear {
                     // Float only: every row takes it.
                     outcome.float_rows = rows;
                     self.whole(x, true, split)?
-                } else if !has_float && (split != SplitActivations::Copyless || self.wide) {
+                } else if !has_float && (!split.copyless() || self.wide) {
                     // Every row on the same quantized path: no need to split the batch.
                     quantized(&mut outcome, i, false);
                     quantized(&mut outcome, f, true);
