@@ -273,9 +273,10 @@ pub struct Monitor {
     /// decision is then a `split`, not `unavailable`.
     split_fallback: bool,
     /// Whether a row the harm test flags counts toward its group's fallback where that
-    /// fallback would be `split` (16-bit activations): not under `copyless_q4`, whose
-    /// INT8-only groups in split fallback are its 4-bit ones, where harm is the weights'
-    /// error, which 16-bit activations leave as it was.
+    /// fallback would be `split` (16-bit activations): not under `copyless_q4`. There a
+    /// 4-bit group's harm is its weights' error, which 16-bit activations leave as it was,
+    /// and a Q8_0 group already carries 16 bits on every row (wide), so a split fallback
+    /// would change nothing for it.
     harm_splits: bool,
     model: String,
     groups: BTreeMap<GroupId, GroupState>,
