@@ -390,13 +390,16 @@ unsafe fn quad_tile<const M: usize, const SIXTEEN: bool>(
         let wb = wq.add(b * G * BLOCK);
         crate::x86::prefetch_ahead(wb as *const u8, G * BLOCK);
         let mut wv = [zero; QUADS];
-        let mut biased = zero;
+        // The bias's sums in two chains of four, apart from the rows' chains: the rows'
+        // multiply-adds start from zero and the bias comes off after them. Wrapping integer
+        // sums, so the order changes no bit; the rows no longer wait on the bias's eight
+        // dependent multiply-adds (about a fifth of a 32-row product on a 2-core Xeon).
+        let mut biased = [zero; 2];
         for q in 0..QUADS {
             wv[q] = _mm512_loadu_si512(wb.add(q * 4 * G) as *const _);
-            biased = _mm512_dpbusd_epi32(biased, bias, wv[q]);
+            biased[q % 2] = _mm512_dpbusd_epi32(biased[q % 2], bias, wv[q]);
         }
-        let start = _mm512_sub_epi32(zero, biased);
-        let mut sum = [start; M];
+        let mut sum = [zero; M];
         let quad = |p: *const u8, q: usize| {
             _mm512_set1_epi32((p.add(b * BLOCK + 4 * q) as *const i32).read_unaligned())
         };
@@ -404,6 +407,10 @@ unsafe fn quad_tile<const M: usize, const SIXTEEN: bool>(
             for j in 0..M {
                 sum[j] = _mm512_dpbusd_epi32(sum[j], quad(ahi[j], q), wv[q]);
             }
+        }
+        let biased = _mm512_add_epi32(biased[0], biased[1]);
+        for s in sum.iter_mut() {
+            *s = _mm512_sub_epi32(*s, biased);
         }
         if SIXTEEN {
             for j in 0..M {
