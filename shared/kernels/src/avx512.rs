@@ -302,8 +302,8 @@ pub(crate) unsafe fn store_tile<const M: usize>(
 /// [`Activations::byte_form`]): per column quad, the 16 rows' quads (one 64-byte load, a row per 32-bit lane) times the activation row's quad
 /// broadcast to every lane, `vpdpbusd`, add four products into row `i`'s lane: 64
 /// multiply-adds per instruction for 8-bit activations, twice the pair order's. The
-/// activations' bias of 128 comes off as in [`q8_tiles`]: each block's lanes start at
-/// `-128 · Σ w`, made once per block and register tile. 16-bit activations take the high
+/// activations' bias of 128 comes off once the rows' multiply-adds are done: `-128 · Σ w`,
+/// made once per block and register tile in chains of its own. 16-bit activations take the high
 /// bytes' pass, shifted left by 8, then the low bytes' (as [`q8_tiles`] does).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 pub(crate) unsafe fn q8_quad_tiles(
