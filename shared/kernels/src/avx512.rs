@@ -393,7 +393,8 @@ unsafe fn quad_tile<const M: usize, const SIXTEEN: bool>(
         // The bias's sums in two chains of four, apart from the rows' chains: the rows'
         // multiply-adds start from zero and the bias comes off after them. Wrapping integer
         // sums, so the order changes no bit; the rows no longer wait on the bias's eight
-        // dependent multiply-adds (about a fifth of a 32-row product on a 2-core Xeon).
+        // dependent multiply-adds (16-bit rows 16-20 % faster at 32 rows on a 2-core Xeon
+        // without AMX; 8-bit rows unchanged: docs/MEASUREMENTS.md).
         let mut biased = [zero; 2];
         for q in 0..QUADS {
             wv[q] = _mm512_loadu_si512(wb.add(q * 4 * G) as *const _);
